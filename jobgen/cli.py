@@ -1,0 +1,230 @@
+"""The ``jobgen`` command line.
+
+    jobgen validate run.toml
+    jobgen render run.toml [-o DIR]
+    jobgen submit run.toml [--array N] [--after JOBID] [--dry-run] [--local]
+    jobgen status [RUN] [--json]  |  stop / save / abort RUN  |  logs RUN [-f]
+    jobgen doctor [--nodes N]     |  schema  |  cluster up|down|status
+
+Every command imports what it needs inside its function: ``jobgen --help`` must
+stay fast, and nothing here ever imports torch, transformers or datasets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from jobgen import __version__
+
+
+def _fail(message: str, code: int = 1) -> None:
+    click.echo(message, err=True)
+    sys.exit(code)
+
+
+def _load(spec_file: str):
+    from jobgen.loader import SpecError, load_run
+
+    try:
+        return load_run(spec_file)
+    except SpecError as exc:
+        lines = "\n".join(f"  {issue}" for issue in exc.issues)
+        _fail(f"{spec_file}: {len(exc.issues)} problem(s):\n{lines}", 2)
+
+
+def _default_runs_root() -> Path | None:
+    if os.environ.get("JOBGEN_RUNS_ROOT"):
+        return Path(os.environ["JOBGEN_RUNS_ROOT"]).expanduser()
+    from jobgen.loader import SpecError, find_site_file, read_toml
+
+    try:
+        site = read_toml(find_site_file(os.environ.get("JOBGEN_SITE", "local"), Path.cwd()))
+    except SpecError:
+        return None
+    root = site.get("paths", {}).get("runs_root")
+    return Path(os.path.expanduser(root)) if root else None
+
+
+def _find_run(ref: str):
+    from jobgen.rundir import RunDirError, find_run
+
+    try:
+        return find_run(ref, _default_runs_root())
+    except RunDirError as exc:
+        _fail(f"jobgen: {exc}")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="jobgen")
+def main() -> None:
+    """Generate, submit and supervise multi-node fine-tuning jobs on Slurm."""
+
+
+@main.command()
+@click.argument("spec_file", type=click.Path(dir_okay=False))
+def validate(spec_file: str) -> None:
+    """Validate RUN.toml and its site profile; list every problem by file and key."""
+    spec = _load(spec_file)
+    click.echo(
+        f"{spec_file}: ok ({spec.run.job.program} on {spec.run.job.nodes} node(s) x {spec.procs_per_node} "
+        f"= world size {spec.world_size}, site '{spec.site.name}', run dir {spec.run_dir})"
+    )
+
+
+@main.command()
+@click.argument("spec_file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "output_dir", type=click.Path(file_okay=False), help="write the script(s) here")
+def render(spec_file: str, output_dir: str | None) -> None:
+    """Print (or write) the exact sbatch script that submit would use."""
+    from jobgen.atomic import write_text_atomic
+    from jobgen.render import render_all
+
+    scripts = render_all(_load(spec_file))
+    if output_dir is None:
+        for text in scripts.values():
+            click.echo(text, nl=False)
+        return
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in scripts.items():
+        write_text_atomic(out / name, text, mode=0o755)
+        click.echo(str(out / name))
+
+
+def _print_findings(findings) -> None:
+    for finding in findings:
+        click.echo(f"  {finding}", err=True)
+
+
+@main.command()
+@click.argument("spec_file", type=click.Path(dir_okay=False))
+@click.option("--array", type=click.IntRange(1, 1000), help="number of chained array tasks (overrides job.array)")
+@click.option("--after", type=int, help="start after this job (array) ends: --dependency=afterany:JOBID")
+@click.option("--dry-run", is_flag=True, help="preflight and print what would be submitted; create nothing")
+@click.option("--local", "local", is_flag=True, help="run the script on this machine as a one-node job, without Slurm")
+def submit(spec_file: str, array: int | None, after: int | None, dry_run: bool, local: bool) -> None:
+    """Preflight against the cluster, write the run directory, sbatch --array=1-N%1."""
+    from jobgen.rundir import RunDirError
+    from jobgen.slurm import SlurmError
+    from jobgen.submit import SubmitError, run_local, submit as do_submit
+
+    spec = _load(spec_file)
+    source = Path(spec_file).read_text()
+    try:
+        if local:
+            run, rc = run_local(spec, source_text=source)
+            click.echo(f"local run in {run.path} exited with status {rc}")
+            sys.exit(rc)
+        result = do_submit(spec, source_text=source, array=array, after=after, dry_run=dry_run)
+    except SubmitError as exc:
+        click.echo(f"jobgen: not submitted, {len(exc.findings)} problem(s):", err=True)
+        _print_findings(exc.findings)
+        sys.exit(2)
+    except (SlurmError, RunDirError) as exc:
+        _fail(f"jobgen: not submitted: {exc}")
+    _print_findings([f for f in result.findings if f.level == "warning"])
+    if dry_run:
+        click.echo(f"would create/continue {result.run_dir} and run:\n  {' '.join(result.command)}")
+        return
+    verb = "created" if result.created else "continuing"
+    click.echo(f"submitted job {result.job_id} ({verb} {result.run_dir})")
+
+
+@main.command()
+@click.option("--site", "site_profile", is_flag=True, help="the schema of a site profile instead of run.toml")
+def schema(site_profile: bool) -> None:
+    """JSON schema of run.toml (or of a site profile), for editors."""
+    from jobgen.schema import run_schema, site_schema
+
+    click.echo(json.dumps(site_schema() if site_profile else run_schema(), indent=2))
+
+
+@main.command()
+@click.argument("run_ref", metavar="[RUN]", required=False)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object (a list without RUN)")
+def status(run_ref: str | None, as_json: bool) -> None:
+    """Runs and their array tasks: Slurm state, step, switches."""
+    from jobgen.status import format_status, run_status
+
+    if run_ref:
+        runs = [_find_run(run_ref)]
+    else:
+        from jobgen.rundir import RunDir
+
+        root = _default_runs_root()
+        runs = sorted((RunDir(p.parent) for p in root.glob("*/spec.json")), key=lambda r: r.path) if root else []
+    statuses = [run_status(r) for r in runs]
+    if as_json:
+        payload = statuses[0].to_json() if run_ref else [s.to_json() for s in statuses]
+        click.echo(json.dumps(payload, indent=2))
+        return
+    if not statuses:
+        click.echo(f"no runs under {_default_runs_root()}")
+    click.echo("\n\n".join(format_status(s) for s in statuses))
+
+
+def _switch_command(name: str, doc: str):
+    @main.command(name=name, help=doc)
+    @click.argument("run_ref", metavar="RUN")
+    def command(run_ref: str) -> None:
+        path = _find_run(run_ref).set_switch({"stop": "kill"}.get(name, name))
+        click.echo(f"{path} created")
+
+    return command
+
+
+_switch_command("stop", "Kill switch: save a checkpoint and exit; queued array tasks exit at once.")
+_switch_command("save", "Save switch: save a checkpoint now and continue.")
+_switch_command("abort", "Abort switch: exit at once without saving.")
+
+
+@main.command()
+@click.argument("run_ref", metavar="RUN")
+@click.option("-f", "--follow", is_flag=True, help="keep printing as the logs grow (tail -F)")
+def logs(run_ref: str, follow: bool) -> None:
+    """The run's batch logs (and per-node logs); per-rank logs are listed."""
+    run = _find_run(run_ref)
+    files = sorted((p for p in run.logs.glob("*.out")), key=lambda p: p.stat().st_mtime)
+    ranks = sorted(run.logs.glob("ranks/*/*/*/attempt_*/*/std*.log"))
+    if follow:
+        os.execvp("tail", ["tail", "-n", "+1", "-F", *map(str, files or [run.logs / "none.out"])])
+    for path in files:
+        click.echo(f"==> {path} <==")
+        click.echo(path.read_text(errors="replace"), nl=False)
+    if ranks:
+        click.echo("per-rank logs:")
+        for path in ranks:
+            click.echo(f"  {path}")
+
+
+@main.command()
+@click.option("--nodes", default=2, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--procs-per-node", type=click.IntRange(1, 256), help="default: the site's GPUs per node, or 2 on CPU sites")
+@click.option("--site", "site_ref", default="local", show_default=True, help="site profile name or path")
+@click.option("--partition", help="partition (default: the site's)")
+@click.option("--time", "time_limit", default="10m", show_default=True)
+@click.option("--wait/--no-wait", default=True, show_default=True, help="wait for the job and print its report")
+def doctor(nodes: int, procs_per_node: int | None, site_ref: str, partition: str | None, time_limit: str, wait: bool) -> None:
+    """Node health job: every rank inits the process group, all-reduces, allocates
+    memory and reports versions; names the nodes that fail."""
+    from jobgen.doctor import run_doctor
+
+    sys.exit(run_doctor(nodes=nodes, procs_per_node=procs_per_node, site_ref=site_ref,
+                        partition=partition, time_limit=time_limit, wait=wait))
+
+
+def _register_cluster() -> None:
+    from jobgen.devcluster.cli import cluster
+
+    main.add_command(cluster)
+
+
+_register_cluster()
+
+if __name__ == "__main__":
+    main()

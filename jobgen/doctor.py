@@ -1,0 +1,105 @@
+"""``jobgen doctor``: submit the node health job and report which nodes are healthy.
+
+    jobgen doctor --nodes 2
+
+The job is the same rendered launch path as training (srun → torchrun → program),
+so a doctor that passes means the network settings, the rendezvous and the Python
+environment of the site profile work on those nodes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import time
+from pathlib import Path
+
+import click
+
+from jobgen import slurm
+from jobgen.durations import parse_duration
+from jobgen.exit_codes import ExitCode
+from jobgen.loader import SpecError, resolve
+from jobgen.rundir import RunDir
+from jobgen.submit import SubmitError, submit
+
+POLL_SECONDS = 2.0
+
+
+def doctor_spec(*, nodes: int, procs_per_node: int | None, site_ref: str, partition: str | None, time_limit: str):
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    job: dict[str, object] = {
+        "name": f"doctor-{stamp}",
+        "program": "doctor",
+        "nodes": nodes,
+        "time": time_limit,
+        "exit_grace": "30s",
+    }
+    if procs_per_node is not None:
+        job["procs_per_node"] = procs_per_node
+    if partition:
+        job["partition"] = partition
+    spec = resolve({"site": site_ref, "job": job}, spec_file=None, base_dir=Path.cwd())
+    if procs_per_node is None and not spec.site.slurm.gpus_per_node:
+        # A CPU site has no natural process count; two per node exercises intra-node traffic too.
+        job["procs_per_node"] = min(2, spec.site.slurm.cpus_per_node)
+        spec = resolve({"site": site_ref, "job": job}, spec_file=None, base_dir=Path.cwd())
+    return spec
+
+
+def wait_for(job_id: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while slurm.queue([job_id]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} still queued or running after {timeout:.0f}s")
+        time.sleep(POLL_SECONDS)
+
+
+_TEE_PREFIX = re.compile(r"^\[[A-Za-z]+\d+\]:")
+
+
+def doctor_table(log_text: str) -> list[str]:
+    """Rank 0's table from the batch log, without torchrun's ``[default0]:`` prefixes."""
+    lines = [_TEE_PREFIX.sub("", line) for line in log_text.splitlines()]
+    if "jobgen doctor:" not in lines:
+        return []
+    table = lines[lines.index("jobgen doctor:"):]
+    end = next((i for i, line in enumerate(table) if line.startswith("RESULT:")), len(table) - 1)
+    return table[: end + 1]
+
+
+def report(run: RunDir, job_id: int) -> int:
+    """Print the doctor's table; the exit code says whether every rank was healthy."""
+    log = run.logs / f"{run.path.name}-{job_id}.out"
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    table = doctor_table(text)
+    verdict_file = run.path / "doctor.json"
+    if table:
+        click.echo("\n".join(table))
+    if not verdict_file.is_file():
+        click.echo(f"jobgen doctor: job {job_id} produced no report; last lines of {log}:", err=True)
+        click.echo("\n".join(text.splitlines()[-25:]), err=True)
+        return int(ExitCode.DOCTOR_FAILED)
+    verdict = json.loads(verdict_file.read_text())
+    return int(ExitCode.OK if verdict.get("ok") else ExitCode.DOCTOR_FAILED)
+
+
+def run_doctor(*, nodes: int, procs_per_node: int | None, site_ref: str, partition: str | None,
+               time_limit: str, wait: bool) -> int:
+    try:
+        spec = doctor_spec(nodes=nodes, procs_per_node=procs_per_node, site_ref=site_ref,
+                           partition=partition, time_limit=time_limit)
+        result = submit(spec)
+    except SpecError as exc:
+        click.echo("jobgen doctor: " + "\n  ".join(["invalid request:", *map(str, exc.issues)]), err=True)
+        return 2
+    except SubmitError as exc:
+        click.echo("jobgen doctor: not submitted:\n  " + "\n  ".join(map(str, exc.findings)), err=True)
+        return 2
+    assert result.job_id is not None
+    click.echo(f"submitted doctor job {result.job_id}: {nodes} node(s) x {spec.procs_per_node}, run dir {result.run_dir}")
+    if not wait:
+        return 0
+    wait_for(result.job_id, timeout=parse_duration(time_limit) + 120)
+    return report(RunDir(result.run_dir), result.job_id)

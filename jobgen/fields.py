@@ -1,0 +1,70 @@
+"""Constrained field types shared by the site and run models.
+
+Anything that ends up in an ``#SBATCH`` line or on a command line is either a
+validated token (these types) or shell-quoted at render time. The patterns are
+deliberately narrow: a partition name with a ``;`` in it is a typo or an attack,
+and either way the right answer is an error that names the key.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, StringConstraints, WithJsonSchema
+
+from jobgen.durations import format_human, parse_duration
+
+
+class StrictModel(BaseModel):
+    """Base for every spec table: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+# Stored as whole seconds; serialised back to human syntax so a resolved spec written
+# as JSON loads again through the same validator.
+Duration = Annotated[
+    int,
+    BeforeValidator(parse_duration),
+    PlainSerializer(format_human, return_type=str),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "description": "Slurm ('04:00:00', '2-00:00:00') or human ('90s', '10m', '1h30m') syntax",
+            "examples": ["30m", "04:00:00", "2-00:00:00"],
+        }
+    ),
+]
+
+# Job names end up in file names (%x) and squeue output.
+JobName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+# Partition, account, QOS, reservation and node names as Slurm allows them.
+SlurmName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")]
+# Node lists may use Slurm's bracket syntax: node[1-4,7].
+HostList = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-\[\],]{1,1024}$")]
+# Slurm feature expressions: a100&ib, [rack1|rack2], gpu*2.
+Constraint = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.&|\[\]()*:,!-]{1,256}$")]
+# Filesystem paths that appear in #SBATCH lines and unquoted Slurm filename patterns:
+# no whitespace, quotes, globs, '%' (Slurm filename pattern) or shell metacharacters.
+SafePath = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_./~+@:=,-]{1,4096}$")]
+# Network interface names as Linux allows them (IFNAMSIZ is 16 with the NUL).
+InterfaceName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,15}$")]
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+# Environment module names (Lmod): gcc/12.2, cuda/12.4.1, nccl-ofi.
+ModuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.+/@-]{1,256}$")]
+# Memory as Slurm's --mem takes it: 0 (all of the node), 64G, 500000M.
+SlurmMemory = Annotated[str, StringConstraints(pattern=r"^\d+[KMGT]?$")]
+
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def no_control_chars(value: str) -> str:
+    """Env values may contain anything printable (they are shell-quoted), but a NUL or a
+    newline in an environment variable is almost always a copy-paste accident."""
+    if _CONTROL.search(value):
+        raise ValueError("control characters (newline, NUL, ...) are not allowed")
+    return value
+
+
+EnvValue = Annotated[str, BeforeValidator(lambda v: no_control_chars(v) if isinstance(v, str) else v)]

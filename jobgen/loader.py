@@ -1,0 +1,340 @@
+"""Load ``run.toml``, resolve its site profile, and report every problem at once.
+
+Each problem names the file it comes from and the key path inside that file, so
+``jobgen validate`` output reads like a compiler's::
+
+    examples/run.toml: job.nodes: Input should be greater than or equal to 1
+    site_configs/h100-ib.toml: network.ifname: String should match pattern ...
+
+The site reference is either a name (``site = "local"`` → ``site_configs/local.toml``,
+or a profile in ``$JOBGEN_SITE_PATH``), a path to a TOML file, or a table
+``[site] profile = "local"`` whose other keys override the profile's.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from jobgen.paths import SITE_CONFIGS_DIR
+from jobgen.site import SiteProfile
+from jobgen.spec import RunSpec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class SpecIssue:
+    """One problem: which file, which key, what is wrong."""
+
+    file: str
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}: {self.key}" if self.key else self.file
+        return f"{where}: {self.message}"
+
+
+class SpecError(Exception):
+    """All problems found in a spec and its site profile."""
+
+    def __init__(self, issues: list[SpecIssue]):
+        self.issues = issues
+        super().__init__("\n".join(str(i) for i in issues))
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parse one TOML file; syntax errors become a SpecError naming the file and line."""
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise SpecError([SpecIssue(str(path), "", "file not found")]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError([SpecIssue(str(path), "", f"invalid TOML: {exc}")]) from None
+    except OSError as exc:
+        raise SpecError([SpecIssue(str(path), "", f"cannot read: {exc.strerror}")]) from None
+
+
+def key_path(loc: tuple[Any, ...]) -> str:
+    """Pydantic's ``('job', 'exclude', 0)`` as ``job.exclude[0]``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part == "[key]":
+            out += " (the name)"
+        else:
+            text = str(part)
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", text):
+                text = '"' + text.replace('"', '\\"') + '"'
+            out += ("." if out else "") + text
+    return out
+
+
+def _message(error: Any) -> str:
+    """Pydantic's message without its 'Value error, ' prefix."""
+    return str(error["msg"]).removeprefix("Value error, ")
+
+
+def find_site_file(ref: str, base_dir: Path) -> Path:
+    """A profile name resolves against $JOBGEN_SITE_PATH, then the bundled site_configs/;
+    anything with a slash or a .toml suffix is a path relative to the run file."""
+    if "/" in ref or ref.endswith(".toml"):
+        path = Path(ref).expanduser()
+        return path if path.is_absolute() else base_dir / path
+    search = [Path(p) for p in os.environ.get("JOBGEN_SITE_PATH", "").split(os.pathsep) if p]
+    search.append(SITE_CONFIGS_DIR)
+    for directory in search:
+        candidate = directory / f"{ref}.toml"
+        if candidate.is_file():
+            return candidate
+    return SITE_CONFIGS_DIR / f"{ref}.toml"
+
+
+def available_sites() -> list[str]:
+    return sorted(p.stem for p in SITE_CONFIGS_DIR.glob("*.toml"))
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _leaf_paths(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    paths: set[tuple[str, ...]] = set()
+    for key, value in tree.items():
+        here = prefix + (key,)
+        if isinstance(value, dict) and value:
+            paths |= _leaf_paths(value, here)
+        else:
+            paths.add(here)
+    return paths
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """A validated run plus its site profile, with every derived value in one place."""
+
+    run: RunSpec
+    site: SiteProfile
+    spec_file: str | None
+    site_file: str | None
+
+    # Job keys override site keys; these are the values the job really gets.
+    @property
+    def partition(self) -> str | None:
+        return self.run.job.partition or self.site.slurm.partition
+
+    @property
+    def account(self) -> str | None:
+        return self.run.job.account or self.site.slurm.account
+
+    @property
+    def qos(self) -> str | None:
+        return self.run.job.qos or self.site.slurm.qos
+
+    @property
+    def constraint(self) -> str | None:
+        return self.run.job.constraint or self.site.slurm.constraint
+
+    @property
+    def procs_per_node(self) -> int:
+        if self.run.job.procs_per_node is not None:
+            return self.run.job.procs_per_node
+        return self.site.slurm.gpus_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.run.job.nodes * self.procs_per_node
+
+    @property
+    def runs_root(self) -> Path:
+        return Path(self.run.job.runs_root or self.site.paths.runs_root)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.runs_root / self.run.job.name
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "spec_file": self.spec_file,
+            "site_file": self.site_file,
+            "site": self.site.model_dump(mode="json"),
+            "run": self.run.model_dump(mode="json"),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ResolvedSpec:
+        return cls(
+            run=RunSpec.model_validate(data["run"]),
+            site=SiteProfile.model_validate(data["site"]),
+            spec_file=data.get("spec_file"),
+            site_file=data.get("site_file"),
+        )
+
+
+def load_run(spec_file: str | Path) -> ResolvedSpec:
+    """Load and validate a run.toml; raises SpecError listing every problem."""
+    spec_path = Path(spec_file)
+    return resolve(read_toml(spec_path), spec_file=spec_path, base_dir=spec_path.parent)
+
+
+def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> ResolvedSpec:
+    """Validate a parsed run document (``site`` key included) against its site profile."""
+    run_label = str(spec_file) if spec_file else "<run>"
+    raw = dict(raw)
+    issues: list[SpecIssue] = []
+
+    site_ref = raw.pop("site", "local")
+    overrides: dict[str, Any] = {}
+    if isinstance(site_ref, dict):
+        overrides = dict(site_ref)
+        site_ref = overrides.pop("profile", None)
+        if not isinstance(site_ref, str):
+            issues.append(SpecIssue(run_label, "site.profile", "a [site] table needs 'profile' (a profile name or path)"))
+    elif not isinstance(site_ref, str):
+        issues.append(SpecIssue(run_label, "site", "must be a profile name, a path, or a [site] table"))
+
+    site: SiteProfile | None = None
+    site_path: Path | None = None
+    if isinstance(site_ref, str):
+        site_path = find_site_file(site_ref, base_dir)
+        if not site_path.is_file():
+            issues.append(
+                SpecIssue(run_label, "site", f"no site profile '{site_ref}' (looked for {site_path}; "
+                          f"bundled profiles: {', '.join(available_sites())})")
+            )
+        else:
+            try:
+                site_doc = read_toml(site_path)
+            except SpecError as exc:
+                issues.extend(exc.issues)
+            else:
+                site, site_issues = _validate_site(site_doc, overrides, site_path, run_label, base_dir)
+                issues.extend(site_issues)
+
+    run: RunSpec | None = None
+    try:
+        run = _absolute_paths(RunSpec.model_validate(raw), base_dir)
+    except ValidationError as exc:
+        issues.extend(SpecIssue(run_label, key_path(e["loc"]), _message(e)) for e in exc.errors())
+    issues.extend(_check_paths(raw, base_dir, run_label))
+    if run is not None and site is not None:
+        issues.extend(_cross_check(run, site, run_label))
+
+    if issues:
+        raise SpecError(issues)
+    assert run is not None and site is not None and site_path is not None
+    return ResolvedSpec(run=run, site=site, spec_file=str(spec_file) if spec_file else None, site_file=str(site_path))
+
+
+_SITE_PATH_KEYS = [
+    ("python", "venv"),
+    ("python", "module_venv"),
+    ("paths", "runs_root"),
+    ("paths", "hf_home"),
+    ("paths", "data_cache"),
+]
+
+
+def absolute_path(value: str, base: Path) -> str:
+    """``~`` expanded, relative paths joined to ``base``, no symlinks resolved (a shared
+    filesystem may be mounted through one on purpose)."""
+    path = Path(os.path.expanduser(value))
+    return os.path.normpath(path if path.is_absolute() else base / path)
+
+
+def _validate_site(
+    doc: dict[str, Any], overrides: dict[str, Any], site_path: Path, run_label: str, run_dir: Path
+) -> tuple[SiteProfile | None, list[SpecIssue]]:
+    merged = _deep_merge(doc, overrides)
+    overridden = _leaf_paths(overrides)
+    try:
+        site = SiteProfile.model_validate(merged)
+    except ValidationError as exc:
+        issues = []
+        for err in exc.errors():
+            loc = tuple(str(p) for p in err["loc"])
+            from_run = any(loc[: len(o)] == o for o in overridden)
+            if from_run:
+                issues.append(SpecIssue(run_label, "site." + key_path(err["loc"]), _message(err)))
+            else:
+                issues.append(SpecIssue(str(site_path), key_path(err["loc"]), _message(err)))
+        return None, issues
+    # A relative path is relative to the file that wrote it, not to the caller's cwd.
+    for table, key in _SITE_PATH_KEYS:
+        section = getattr(site, table)
+        value = getattr(section, key)
+        if value is not None:
+            base = run_dir if (table, key) in overridden else site_path.parent
+            setattr(section, key, absolute_path(value, base))
+    return site, []
+
+
+def _local_path(value: str, base_dir: Path) -> Path:
+    path = Path(os.path.expanduser(value))
+    return path if path.is_absolute() else base_dir / path
+
+
+def _check_paths(raw: dict[str, Any], base_dir: Path, run_label: str) -> list[SpecIssue]:
+    """model.path and data.path must exist, unless they are hub ids ('org/name').
+    Checked on the raw document so these errors are reported even when other keys
+    of the same tables are invalid."""
+    issues = []
+    for table in ("model", "data"):
+        section = raw.get(table)
+        value = section.get("path") if isinstance(section, dict) else None
+        if not isinstance(value, str):
+            continue
+        local = _local_path(value, base_dir)
+        if not local.exists() and (value.startswith(("/", "./", "../", "~")) or not _HUB_ID.match(value)):
+            issues.append(SpecIssue(run_label, f"{table}.path", f"'{value}' does not exist (resolved to {local})"))
+    return issues
+
+
+def _absolute_paths(run: RunSpec, base_dir: Path) -> RunSpec:
+    """Local paths made absolute: compute nodes do not share the submitter's cwd."""
+    updates: dict[str, Any] = {}
+    for table in ("model", "data"):
+        section = getattr(run, table)
+        if section is not None and _local_path(section.path, base_dir).exists():
+            updates[table] = section.model_copy(update={"path": str(_local_path(section.path, base_dir).resolve())})
+    if run.job.runs_root:
+        updates["job"] = run.job.model_copy(update={"runs_root": absolute_path(run.job.runs_root, base_dir)})
+    return run.model_copy(update=updates) if updates else run
+
+
+def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:
+    issues: list[SpecIssue] = []
+    gpus = site.slurm.gpus_per_node
+    ppn = run.job.procs_per_node
+    if gpus and ppn is not None and ppn > gpus:
+        issues.append(
+            SpecIssue(run_label, "job.procs_per_node", f"{ppn} processes per node but the site has {gpus} GPUs per node")
+        )
+    cpus = site.slurm.cpus_per_node
+    if ppn is not None and ppn > cpus:
+        issues.append(
+            SpecIssue(run_label, "job.procs_per_node", f"{ppn} processes per node but only {cpus} CPUs per node "
+                      "(site slurm.cpus_per_node)")
+        )
+    return issues

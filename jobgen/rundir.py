@@ -1,0 +1,176 @@
+"""The run directory: ``<runs_root>/<job name>/``, everything a later array task or
+another user needs, nothing only in memory.
+
+Layout::
+
+    spec.json        resolved spec (run + site), what the scripts were rendered from
+    run.toml         the file the user submitted, verbatim
+    <program>.sbatch the rendered script(s)
+    jobs.json        every submission: job id, array, dependency, time
+    switches/        kill, save, abort (touch works as well as `jobgen stop`)
+    logs/ checkpoints/ repro/<jobid>/ history/
+
+A new run directory is assembled under a temporary name in the runs root and
+renamed into place, so an error at any point leaves either no directory or a
+complete one. Resubmitting an existing run keeps its checkpoints and logs and
+replaces spec and scripts atomically, one file at a time.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobgen.atomic import write_json_atomic, write_text_atomic
+from jobgen.loader import ResolvedSpec
+
+SUBDIRS = ("switches", "logs", "checkpoints", "repro", "history")
+SWITCHES = ("kill", "save", "abort")
+# Keys whose change would make the checkpoints in an existing run meaningless.
+IDENTITY_KEYS = ("model", "data")
+
+
+class RunDirError(RuntimeError):
+    """A run directory that cannot be created or continued; the message says why."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def spec_file(self) -> Path:
+        return self.path / "spec.json"
+
+    @property
+    def jobs_file(self) -> Path:
+        return self.path / "jobs.json"
+
+    @property
+    def switches(self) -> Path:
+        return self.path / "switches"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    def exists(self) -> bool:
+        return self.spec_file.is_file()
+
+    def load_spec(self) -> ResolvedSpec:
+        return ResolvedSpec.from_json(json.loads(self.spec_file.read_text()))
+
+    def script(self, program: str) -> Path:
+        return self.path / f"{program}.sbatch"
+
+    def jobs(self) -> list[dict[str, Any]]:
+        if not self.jobs_file.is_file():
+            return []
+        return json.loads(self.jobs_file.read_text())
+
+    def record_job(self, entry: dict[str, Any]) -> None:
+        entry = {"submitted_at": _now(), **entry}
+        write_json_atomic(self.jobs_file, [*self.jobs(), entry])
+
+    def set_switch(self, name: str) -> Path:
+        """Create a switch file; group-writable so teammates can remove it again."""
+        if name not in SWITCHES:
+            raise ValueError(f"unknown switch {name!r}; one of {SWITCHES}")
+        target = self.switches / name
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o664)
+        try:
+            os.write(fd, f"{_now()} by uid {os.getuid()}\n".encode())
+        finally:
+            os.close(fd)
+        return target
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _identity(spec_json: dict[str, Any]) -> dict[str, Any]:
+    return {key: spec_json["run"].get(key) for key in IDENTITY_KEYS}
+
+
+def materialize(spec: ResolvedSpec, scripts: dict[str, str], source_text: str | None) -> tuple[RunDir, bool]:
+    """Create the run directory, or update an existing one for a continued run.
+
+    Returns the run dir and whether it was newly created.
+    """
+    run = RunDir(spec.run_dir)
+    spec_json = spec.to_json()
+    try:
+        spec.runs_root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunDirError(f"cannot create runs root {spec.runs_root}: {exc.strerror}") from None
+    if run.path.exists():
+        if not run.exists():
+            raise RunDirError(f"{run.path} exists but is not a jobgen run directory (no spec.json); "
+                              "choose another job.name or move it away")
+        _update(run, spec_json, scripts, source_text)
+        return run, False
+    _create(run, spec_json, scripts, source_text)
+    return run, True
+
+
+def _fill(path: Path, spec_json: dict[str, Any], scripts: dict[str, str], source_text: str | None) -> None:
+    write_json_atomic(path / "spec.json", spec_json)
+    if source_text is not None:
+        write_text_atomic(path / "run.toml", source_text)
+    for name, text in scripts.items():
+        write_text_atomic(path / name, text, mode=0o755)
+
+
+def _create(run: RunDir, spec_json: dict[str, Any], scripts: dict[str, str], source_text: str | None) -> None:
+    staging = Path(tempfile.mkdtemp(prefix=f".{run.path.name}.", suffix=".staging", dir=run.path.parent))
+    try:
+        for sub in SUBDIRS:
+            (staging / sub).mkdir()
+        # The team shares a run: group members may flip switches (also with plain `touch`),
+        # and setgid keeps new files in the run's group whoever creates them.
+        for directory in (staging, staging / "switches"):
+            os.chmod(directory, 0o2775)
+        _fill(staging, spec_json, scripts, source_text)
+        os.rename(staging, run.path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _update(run: RunDir, spec_json: dict[str, Any], scripts: dict[str, str], source_text: str | None) -> None:
+    old = json.loads(run.spec_file.read_text())
+    before, after = _identity(old), _identity(spec_json)
+    changed = [k for k in IDENTITY_KEYS if before.get(k) != after.get(k)]
+    if changed:
+        raise RunDirError(
+            f"{run.path} holds a run with a different [{'], ['.join(changed)}]; its checkpoints would not fit. "
+            "Use a new job.name, or move the old run directory away"
+        )
+    for sub in SUBDIRS:
+        (run.path / sub).mkdir(exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y%m%dT%H%M%S%f")
+    write_json_atomic(run.path / "history" / f"spec-{stamp}.json", old)
+    _fill(run.path, spec_json, scripts, source_text)
+
+
+def remove_new(run: RunDir) -> None:
+    """Undo a run directory this submission created, when the submission itself failed."""
+    shutil.rmtree(run.path, ignore_errors=True)
+
+
+def find_run(ref: str, runs_root: Path | None) -> RunDir:
+    """A run given as its directory, or as its name under ``runs_root``."""
+    as_path = Path(ref).expanduser()
+    if (as_path / "spec.json").is_file():
+        return RunDir(as_path.absolute())
+    if runs_root is not None and "/" not in ref and (runs_root / ref / "spec.json").is_file():
+        return RunDir(runs_root / ref)
+    where = f" or under {runs_root}" if runs_root else ""
+    raise RunDirError(f"no run '{ref}': not a run directory{where} (a run directory holds spec.json)")

@@ -1,0 +1,209 @@
+"""Site profile: everything that belongs to the cluster rather than to one job.
+
+A profile lives in ``site_configs/<name>.toml`` (or any path) and is chosen by the
+run's top-level ``site`` key. The run may override any key of it, e.g.::
+
+    [site]
+    profile = "h100-ib"
+    network.debug = true
+
+The field descriptions below are the reference documentation (``jobgen schema``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from jobgen.fields import (
+    Constraint,
+    EnvName,
+    EnvValue,
+    InterfaceName,
+    ModuleName,
+    SafePath,
+    SlurmMemory,
+    SlurmName,
+    StrictModel,
+)
+
+
+class SlurmSettings(StrictModel):
+    """How jobs ask Slurm for resources on this cluster."""
+
+    partition: SlurmName | None = Field(
+        None, description="Partition for training jobs; empty means the cluster's default partition."
+    )
+    account: SlurmName | None = Field(None, description="Account (--account) to charge; empty for none.")
+    qos: SlurmName | None = Field(None, description="Quality of service (--qos); empty for none.")
+    constraint: Constraint | None = Field(
+        None, description="Node feature expression (--constraint), e.g. 'h100&ib'."
+    )
+    reservation: SlurmName | None = Field(None, description="Reservation (--reservation) to run in.")
+    gpus_per_node: int = Field(
+        0, ge=0, le=64, description="GPUs per node; 0 for a CPU-only site (gloo backend)."
+    )
+    gpu_request: Literal["gres", "gpus-per-node"] = Field(
+        "gres",
+        description="How GPUs are requested: '--gres=<gres_name>:<n>' or '--gpus-per-node=<n>'.",
+    )
+    gres_name: str = Field(
+        "gpu",
+        pattern=r"^[A-Za-z0-9_]+(:[A-Za-z0-9_.-]+)?$",
+        description="Gres name, optionally typed, e.g. 'gpu' or 'gpu:h100'.",
+    )
+    cpus_per_node: int = Field(
+        2, ge=1, le=1024, description="CPUs for the one task per node (--cpus-per-task)."
+    )
+    mem: SlurmMemory | None = Field(
+        None, description="Memory per node (--mem): '0' for all of it, or e.g. '480G'. Empty to omit."
+    )
+    exclusive: bool = Field(False, description="Ask for whole nodes (--exclusive).")
+    hint_nomultithread: bool = Field(
+        False, description="Add --hint=nomultithread (one thread per core for the task)."
+    )
+    output_per_node: bool = Field(
+        False,
+        description="Also write each node's training output to its own file (srun --output with %N).",
+    )
+    signal: Literal["USR1", "USR2"] = Field(
+        "USR1",
+        description="Signal Slurm sends the batch shell exit_grace before the time limit (--signal=B:SIG@T).",
+    )
+    requeue: bool = Field(
+        True, description="Let Slurm requeue the job after preemption or node failure (--requeue)."
+    )
+    extra_sbatch: list[str] = Field(
+        default_factory=list,
+        description="Extra '#SBATCH' options verbatim, e.g. ['--gpu-bind=none']; each must start with '--'.",
+    )
+
+    @model_validator(mode="after")
+    def _check_extra(self) -> SlurmSettings:
+        for option in self.extra_sbatch:
+            if not option.startswith("--") or any(c in option for c in "\n\r\x00"):
+                raise ValueError(
+                    f"extra_sbatch entry {option!r} must be one long option such as '--gpu-bind=none'"
+                )
+        return self
+
+
+class NetworkSettings(StrictModel):
+    """How ranks find each other and which network NCCL/Gloo use."""
+
+    ifname: InterfaceName | None = Field(
+        None,
+        description=(
+            "Network interface for bootstrap and socket traffic (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, "
+            "torchrun --local-addr), e.g. 'ib0', 'eth0', 'enp1s0'. Empty lets NCCL and Gloo guess."
+        ),
+    )
+    transport: Literal["ib", "socket"] = Field(
+        "socket",
+        description="'ib' for InfiniBand/RoCE; 'socket' for Ethernet-only (sets NCCL_IB_DISABLE=1, NCCL_NET=Socket).",
+    )
+    ib_hca: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.:,=^-]{1,256}$",
+        description="NCCL_IB_HCA, e.g. 'mlx5_0,mlx5_1' or '=mlx5_0:1'.",
+    )
+    resolve_head_ip: bool = Field(
+        True,
+        description=(
+            "Resolve the head node to the IPv4 address of 'ifname' on that node for the rendezvous endpoint, "
+            "instead of its hostname (which may resolve to another network)."
+        ),
+    )
+    rdzv_port: int = Field(29500, ge=1024, le=65535, description="Base TCP port of the c10d rendezvous.")
+    rdzv_port_spread: int = Field(
+        1000,
+        ge=0,
+        le=20000,
+        description=(
+            "The port is rdzv_port + (job id mod spread), so jobs that share a head node do not collide; "
+            "0 for a fixed port."
+        ),
+    )
+    debug: bool = Field(
+        False,
+        description="NCCL_DEBUG=INFO with one NCCL_DEBUG_FILE per host and process, TORCH_DISTRIBUTED_DEBUG=DETAIL.",
+    )
+    env: dict[EnvName, EnvValue] = Field(
+        default_factory=dict, description="Extra NCCL/GLOO variables, e.g. {NCCL_IB_GID_INDEX = '3'}."
+    )
+
+    @model_validator(mode="after")
+    def _check_port(self) -> NetworkSettings:
+        if self.rdzv_port + self.rdzv_port_spread > 65535:
+            raise ValueError("rdzv_port + rdzv_port_spread must stay below 65536")
+        if self.resolve_head_ip and self.ifname is None:
+            # Without an interface there is nothing to resolve on; use the hostname.
+            self.resolve_head_ip = False
+        return self
+
+
+class PathSettings(StrictModel):
+    """Shared filesystem locations every node sees."""
+
+    runs_root: SafePath = Field(
+        "~/jobgen-runs", description="Directory holding one run directory per job name; must be shared by all nodes."
+    )
+    hf_home: SafePath | None = Field(None, description="HF_HOME for the job (models, tokenizers, datasets cache).")
+    data_cache: SafePath | None = Field(
+        None, description="Where tokenized datasets are cached; default <runs_root>/.cache/data."
+    )
+
+
+class PythonSettings(StrictModel):
+    """How the job's Python environment is activated on every node."""
+
+    kind: Literal["venv", "modules", "container", "none"] = Field(
+        "venv",
+        description="'venv' (source <venv>/bin/activate), 'modules' (module load ...), 'container' (pyxis), or 'none'.",
+    )
+    venv: SafePath | None = Field(None, description="Virtualenv directory, when kind = 'venv'.")
+    modules: list[ModuleName] = Field(
+        default_factory=list, description="Modules to load in order, when kind = 'modules' (after 'module purge')."
+    )
+    module_venv: SafePath | None = Field(
+        None, description="Optional virtualenv to activate after loading the modules."
+    )
+    container_image: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_./:@+#-]{1,512}$",
+        description="Container image for pyxis (srun --container-image), e.g. 'nvcr.io#nvidia/pytorch:24.05-py3'.",
+    )
+    container_mounts: list[str] = Field(
+        default_factory=list,
+        description="Extra 'src:dst[:flags]' mounts; the runs root and the jobgen checkout are always mounted.",
+    )
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> PythonSettings:
+        if self.kind == "venv" and not self.venv:
+            raise ValueError("kind = 'venv' needs 'venv' (the virtualenv directory)")
+        if self.kind == "modules" and not self.modules:
+            raise ValueError("kind = 'modules' needs a non-empty 'modules' list")
+        if self.kind == "container" and not self.container_image:
+            raise ValueError("kind = 'container' needs 'container_image'")
+        for mount in self.container_mounts:
+            if not all(c.isalnum() or c in "_./:+@-" for c in mount):
+                raise ValueError(f"container mount {mount!r} has characters outside [A-Za-z0-9_./:+@-]")
+        return self
+
+
+class SiteProfile(StrictModel):
+    """One cluster."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Short name of the site.")
+    description: str = Field("", description="What this cluster is, for humans.")
+    slurm: SlurmSettings = Field(default_factory=SlurmSettings, description="Slurm resource requests.")
+    network: NetworkSettings = Field(default_factory=NetworkSettings, description="Rendezvous and NCCL/Gloo network.")
+    paths: PathSettings = Field(default_factory=PathSettings, description="Shared filesystem locations.")
+    python: PythonSettings = Field(
+        default_factory=lambda: PythonSettings(kind="none"), description="Python environment activation."
+    )
+    env: dict[EnvName, EnvValue] = Field(
+        default_factory=dict, description="Variables exported in every job of this site (the run's [env] wins)."
+    )

@@ -1,0 +1,190 @@
+"""The one place jobgen talks to Slurm: sbatch, squeue, scontrol, scancel.
+
+Commands run as argument lists (never through a shell) with parsable output
+formats; the parsers are plain functions of text so unit tests can feed them
+captured output. Nothing here decides policy: preflight and submit do.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TIMEOUT = 60.0
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed; the message carries its stderr."""
+
+    def __init__(self, command: list[str], returncode: int, stderr: str):
+        self.command = command
+        self.returncode = returncode
+        self.stderr = stderr.strip()
+        super().__init__(f"{' '.join(command)} failed (exit {returncode}): {self.stderr}")
+
+
+class SlurmUnavailable(SlurmError):
+    """Slurm's client commands are not installed or no controller answers."""
+
+
+def run(args: list[str], *, timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess[str]:
+    if shutil.which(args[0]) is None:
+        raise SlurmUnavailable(args, 127, f"{args[0]} not found on PATH: no Slurm client on this machine")
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise SlurmUnavailable(args, 124, f"no answer within {timeout:.0f}s (is slurmctld up?)") from None
+    if check and proc.returncode != 0:
+        err = proc.stderr or proc.stdout
+        unreachable = ("Unable to contact slurm controller", "Could not establish a configuration source")
+        cls = SlurmUnavailable if any(u in err for u in unreachable) else SlurmError
+        raise cls(args, proc.returncode, err)
+    return proc
+
+
+# ---------------------------------------------------------------- parsers
+
+_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/.]*)=")
+
+
+def parse_key_values(line: str) -> dict[str, str]:
+    """One ``scontrol show ... --oneliner`` record. Values may contain spaces
+    (``Reason=Not responding``), so a value runs until the next ``Key=``."""
+    out: dict[str, str] = {}
+    matches = list(_KEY.finditer(line))
+    for i, match in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
+        out[match.group(1)] = line[match.end():end].strip()
+    return out
+
+
+def parse_records(text: str) -> list[dict[str, str]]:
+    return [parse_key_values(line) for line in text.splitlines() if line.strip() and "=" in line]
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """``slurm 22.05.8`` / ``slurm-wlm 22.05.8`` → (22, 5, 8)."""
+    match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        raise ValueError(f"no Slurm version in {text!r}")
+    return tuple(int(x) for x in match.groups() if x is not None)
+
+
+def parse_job_id(text: str) -> int:
+    """``sbatch --parsable`` prints ``JOBID`` or ``JOBID;CLUSTER``."""
+    first = text.strip().splitlines()[-1].split(";")[0] if text.strip() else ""
+    if not first.isdigit():
+        raise ValueError(f"no job id in sbatch output {text!r}")
+    return int(first)
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """One line of ``squeue --array`` (one array task per line)."""
+
+    job_id: int  # this task's own job id (%A)
+    array_job_id: int  # the array's id (%F); equal to job_id for non-array jobs
+    array_task: str  # task index, or a pending range like "[2-4%1]", or "N/A"
+    state: str
+    reason: str
+    elapsed: str
+    time_limit: str
+    nodes: str
+    name: str
+
+
+SQUEUE_FORMAT = "%A|%F|%K|%T|%r|%M|%l|%N|%j"
+
+
+def parse_squeue(text: str) -> list[QueueEntry]:
+    entries = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        parts = line.split("|", SQUEUE_FORMAT.count("|"))
+        if len(parts) != SQUEUE_FORMAT.count("|") + 1:
+            raise ValueError(f"unexpected squeue line {line!r}")
+        job, array_job, task, state, reason, elapsed, limit, nodes, name = parts
+        entries.append(
+            QueueEntry(
+                job_id=int(job),
+                array_job_id=int(array_job) if array_job.isdigit() else int(job),
+                array_task=task,
+                state=state,
+                reason=reason,
+                elapsed=elapsed,
+                time_limit=limit,
+                nodes=nodes,
+                name=name,
+            )
+        )
+    return entries
+
+
+# ---------------------------------------------------------------- commands
+
+
+def version() -> tuple[int, ...]:
+    return parse_version(run(["sbatch", "--version"]).stdout)
+
+
+def partitions() -> list[dict[str, str]]:
+    return parse_records(run(["scontrol", "show", "partition", "--oneliner"]).stdout)
+
+
+def nodes() -> list[dict[str, str]]:
+    return parse_records(run(["scontrol", "show", "node", "--oneliner"]).stdout)
+
+
+def hostnames(expression: str) -> list[str]:
+    """Expand a Slurm hostlist (``node[1-3]``) into names."""
+    if not expression or expression == "(null)":
+        return []
+    return run(["scontrol", "show", "hostnames", expression]).stdout.split()
+
+
+def sbatch_test_only(script: Path, options: list[str]) -> str:
+    """``sbatch --test-only``: validates the script and the request without queueing.
+    Returns Slurm's estimate ("Job N to start at ... on nodes ...")."""
+    proc = run(["sbatch", "--test-only", *options, str(script)])
+    return (proc.stderr or proc.stdout).strip()
+
+
+def sbatch(script: Path, options: list[str]) -> int:
+    proc = run(["sbatch", "--parsable", *options, str(script)])
+    return parse_job_id(proc.stdout)
+
+
+def queue(job_ids: list[int] | None = None) -> list[QueueEntry]:
+    """Pending and running jobs (and array tasks), optionally only these array/job ids."""
+    args = ["squeue", "--noheader", "--array", f"--format={SQUEUE_FORMAT}"]
+    if job_ids:
+        args.append("--jobs=" + ",".join(str(j) for j in job_ids))
+    proc = run(args, check=False)
+    if proc.returncode != 0:
+        # squeue exits 1 for job ids it no longer knows; that means "not queued".
+        if "Invalid job id" in proc.stderr:
+            return []
+        raise SlurmError(args, proc.returncode, proc.stderr)
+    return parse_squeue(proc.stdout)
+
+
+def show_job(job_id: int) -> list[dict[str, str]]:
+    """``scontrol show job`` records (one per array task); empty once Slurm forgot the job
+    (MinJobAge after it ended)."""
+    proc = run(["scontrol", "show", "job", "--oneliner", str(job_id)], check=False)
+    if proc.returncode != 0:
+        return []
+    return parse_records(proc.stdout)
+
+
+def cancel(job_id: int | str, *, signal: str | None = None, batch_only: bool = False) -> None:
+    args = ["scancel"]
+    if signal:
+        args.append(f"--signal={signal}")
+    if batch_only:
+        args.append("--batch")
+    run([*args, str(job_id)])

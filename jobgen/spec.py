@@ -1,0 +1,176 @@
+"""The run spec: tables ``[job]``, ``[model]``, ``[data]``, ``[train]``, ``[env]`` of ``run.toml``.
+
+Key names are part of the product contract (``../shared/design.md``); descriptions
+are the reference documentation and feed ``jobgen schema``. Loading, site
+resolution and error reporting live in :mod:`jobgen.loader`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from jobgen.durations import format_human
+
+from jobgen.fields import (
+    Constraint,
+    Duration,
+    EnvName,
+    EnvValue,
+    HostList,
+    JobName,
+    SafePath,
+    SlurmName,
+    StrictModel,
+)
+
+# Slurm's default MaxArraySize is 1001, so the highest index is 1000.
+MAX_ARRAY = 1000
+
+
+class JobSpec(StrictModel):
+    """What to ask Slurm for. Keys here override the site profile's."""
+
+    name: JobName = Field(description="Job name; also the run directory's name under runs_root.")
+    program: Literal["train", "doctor"] = Field(
+        "train",
+        description="'train' runs the bundled trainer; 'doctor' runs the node health check (no model or data needed).",
+    )
+    nodes: int = Field(1, ge=1, le=4096, description="Number of nodes.")
+    procs_per_node: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Processes per node: GPUs per node on GPU sites (the default), processes on CPU sites (default 1).",
+    )
+    time: Duration = Field(description="Time limit of each array task, e.g. '20:00:00', '2-00:00:00' or '4h'.")
+    array: int = Field(
+        1,
+        ge=1,
+        le=MAX_ARRAY,
+        description="Number of chained array tasks (--array=1-N%1): the run continues after each time limit.",
+    )
+    exit_grace: Duration = Field(
+        "5m",
+        description=(
+            "Lead time before the time limit at which the job is told to save and exit (--signal, deadline). "
+            "Slurm may signal up to 60 s early; it must cover one step plus one checkpoint save."
+        ),
+    )
+    runs_root: SafePath | None = Field(None, description="Overrides the site's paths.runs_root.")
+    partition: SlurmName | None = Field(None, description="Overrides the site's slurm.partition.")
+    account: SlurmName | None = Field(None, description="Overrides the site's slurm.account.")
+    qos: SlurmName | None = Field(None, description="Overrides the site's slurm.qos.")
+    constraint: Constraint | None = Field(None, description="Overrides the site's slurm.constraint.")
+    exclude: list[HostList] = Field(
+        default_factory=list, description="Nodes never to run on (--exclude), e.g. ['gpu017', 'gpu[20-22]']."
+    )
+    nodelist: list[HostList] = Field(default_factory=list, description="Nodes to run on (--nodelist).")
+
+    @field_validator("exit_grace")
+    @classmethod
+    def _grace_below_time(cls, grace: int, info: ValidationInfo) -> int:
+        time = info.data.get("time")
+        if time is not None and grace >= time:
+            raise ValueError(
+                f"exit_grace ({format_human(grace)}) must be shorter than time ({format_human(time)}):"
+                " the job would be told to exit before it starts"
+            )
+        return grace
+
+
+class LoraSpec(StrictModel):
+    """Low-rank adapters through peft (pip install .[lora])."""
+
+    r: int = Field(16, ge=1, le=4096, description="Adapter rank.")
+    alpha: float = Field(32.0, gt=0, description="Scaling (lora_alpha).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names to adapt.",
+    )
+
+
+class ModelSpec(StrictModel):
+    """The model to fine-tune."""
+
+    path: str = Field(description="Local Hugging Face model directory (relative to run.toml), or a hub id 'org/name'.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Parameter dtype; CPU runs use float32 regardless."
+    )
+    gradient_checkpointing: bool = Field(False, description="Non-reentrant activation checkpointing.")
+    lora: LoraSpec | None = Field(None, description="LoRA adapters; omit for full fine-tuning.")
+
+
+class DataSpec(StrictModel):
+    """The training data."""
+
+    path: str = Field(
+        description="JSONL/JSON/CSV/Parquet file, a save_to_disk directory (relative to run.toml), or a hub dataset id."
+    )
+    format: Literal["alpaca", "chat", "text", "template"] = Field(
+        "alpaca", description="How rows become prompt + response."
+    )
+    template: str | None = Field(
+        None, description="Jinja template over the row's columns, when format = 'template'."
+    )
+    max_length: int = Field(1024, ge=8, le=1_048_576, description="Tokens per sequence; longer examples are truncated and counted.")
+    packing: bool = Field(False, description="Pack examples into max_length rows without cross-example attention.")
+
+    @field_validator("template")
+    @classmethod
+    def _template_matches_format(cls, template: str | None, info: ValidationInfo) -> str | None:
+        fmt = info.data.get("format")
+        if fmt == "template" and not template:
+            raise ValueError("format = 'template' needs a 'template'")
+        if fmt not in (None, "template") and template:
+            raise ValueError(f"'template' is only used with format = 'template' (format is '{fmt}')")
+        return template
+
+
+class TrainSpec(StrictModel):
+    """The optimisation loop."""
+
+    parallelism: Literal["ddp", "fsdp"] = Field("ddp", description="DistributedDataParallel or FSDP2 (fully_shard).")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per process per micro-step.")
+    grad_accum: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
+    lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    optimizer: Literal["adamw", "adafactor"] = Field("adamw", description="Optimizer.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps before the cosine decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
+    max_steps: int = Field(1000, ge=1, description="Optimizer steps in the whole run (across array tasks).")
+    save_every_steps: int = Field(500, ge=0, description="Checkpoint every N steps; 0 disables step-based saves.")
+    save_every: Duration = Field("30m", description="Also checkpoint after this much wall time since the last save.")
+    keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept on disk (oldest deleted first).")
+    async_save: bool = Field(False, description="Save in the background; training blocks only for the staging copy.")
+    seed: int = Field(1234, ge=0, description="Seed for data order, initialisation and dropout.")
+    log_every_steps: int = Field(10, ge=1, description="Append a metrics line every N steps.")
+    collective_timeout: Duration = Field(
+        "10m", description="Timeout of every collective; a rank that hangs longer ends the job."
+    )
+    max_host_memory_percent: float = Field(
+        95.0, gt=0, le=100, description="Save and exit when host memory use exceeds this percentage."
+    )
+    min_gpu_free_memory_mib: int = Field(
+        0, ge=0, description="Save and exit when free GPU memory drops below this (MiB); 0 disables."
+    )
+
+
+class RunSpec(StrictModel):
+    """A whole run.toml after the site reference has been taken out."""
+
+    job: JobSpec = Field(description="Slurm request for each array task.")
+    model: ModelSpec | None = Field(None, description="Model; required for program = 'train'.")
+    data: DataSpec | None = Field(None, description="Data; required for program = 'train'.")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="Training loop settings.")
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict, description="Variables exported in the job.")
+
+    @model_validator(mode="after")
+    def _check_program(self) -> RunSpec:
+        if self.job.program == "train":
+            missing = [t for t in ("model", "data") if getattr(self, t) is None]
+            if missing:
+                raise ValueError(f"program = 'train' needs the table(s) {', '.join('[' + m + ']' for m in missing)}")
+        return self

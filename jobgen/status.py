@@ -1,0 +1,148 @@
+"""What a run is doing: its jobs' Slurm states plus what the run directory records.
+
+Slurm forgets a job ``MinJobAge`` after it ends (and this project does not assume
+slurmdbd/sacct), so the run directory is the durable record: ``jobs.json`` for
+submissions, ``metrics.jsonl`` for progress, ``done`` for completion, the switch
+files for stops, ``doctor.json`` for node checks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jobgen import slurm
+from jobgen.rundir import RunDir
+
+ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED"}
+
+
+@dataclass
+class TaskStatus:
+    job_id: int
+    array_job_id: int
+    array_task: str
+    state: str
+    exit_code: str | None = None
+    reason: str | None = None
+    nodes: str | None = None
+
+
+@dataclass
+class RunStatus:
+    run_dir: str
+    name: str
+    program: str
+    state: str  # pending, running, stopped, finished, failed, unknown
+    step: int | None
+    max_steps: int | None
+    tasks: list[TaskStatus] = field(default_factory=list)
+    switches: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _last_metrics(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    last = None
+    with path.open() as fh:
+        for line in fh:
+            line = line.strip()
+            if line:
+                try:
+                    last = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line being appended right now
+    return last
+
+
+def _tasks(run: RunDir) -> list[TaskStatus]:
+    """Every array task Slurm still knows of, queued ones from squeue and recently
+    ended ones from scontrol; submissions it forgot keep their last known state."""
+    tasks: dict[int, TaskStatus] = {}
+    submissions = [j for j in run.jobs() if not j.get("local")]
+    for entry in slurm.queue([j["job_id"] for j in submissions]) if submissions else []:
+        tasks[entry.job_id] = TaskStatus(
+            entry.job_id, entry.array_job_id, entry.array_task, entry.state, reason=entry.reason, nodes=entry.nodes
+        )
+    for sub in submissions:
+        for record in slurm.show_job(sub["job_id"]):
+            job_id = int(record.get("JobId", "0") or 0)
+            if job_id and job_id not in tasks:
+                array_job = record.get("ArrayJobId", "")
+                tasks[job_id] = TaskStatus(
+                    job_id,
+                    int(array_job) if array_job.isdigit() else job_id,
+                    record.get("ArrayTaskId", "N/A"),
+                    record.get("JobState", "UNKNOWN"),
+                    exit_code=record.get("ExitCode"),
+                    reason=record.get("Reason"),
+                    nodes=record.get("NodeList"),
+                )
+        known = {t.job_id for t in tasks.values()} | {t.array_job_id for t in tasks.values()}
+        if sub["job_id"] not in known:
+            # Ended longer ago than Slurm's MinJobAge: only the run directory remembers it.
+            tasks[sub["job_id"]] = TaskStatus(sub["job_id"], sub["job_id"], "N/A", "ENDED")
+    return sorted(tasks.values(), key=lambda t: t.job_id)
+
+
+def run_status(run: RunDir) -> RunStatus:
+    spec = run.load_spec()
+    job = spec.run.job
+    metrics = _last_metrics(run.path / "metrics.jsonl")
+    switches = sorted(p.name for p in run.switches.iterdir()) if run.switches.is_dir() else []
+    tasks = _tasks(run)
+    states = {t.state for t in tasks}
+    status = RunStatus(
+        run_dir=str(run.path),
+        name=job.name,
+        program=job.program,
+        state="unknown",
+        step=metrics.get("step") if metrics else None,
+        max_steps=spec.run.train.max_steps if job.program == "train" else None,
+        tasks=tasks,
+        switches=switches,
+    )
+    doctor = run.path / "doctor.json"
+    if states & {"RUNNING", "COMPLETING", "CONFIGURING"}:
+        status.state = "running"
+    elif states & ACTIVE:
+        status.state = "pending"
+    elif (run.path / "done").exists():
+        status.state = "finished"
+    elif job.program == "doctor" and doctor.is_file():
+        status.state = "finished" if json.loads(doctor.read_text()).get("ok") else "failed"
+    elif "kill" in switches or "abort" in switches:
+        status.state = "stopped"
+    elif states & {"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}:
+        status.state = "failed"
+    elif tasks:
+        status.state = "stopped"
+    if "kill" in switches and status.state in {"running", "pending"}:
+        status.notes.append("kill switch set: the run stops at the next step and queued tasks will exit at once")
+    return status
+
+
+def format_status(status: RunStatus) -> str:
+    lines = [
+        f"run      {status.name}  ({status.program})",
+        f"dir      {status.run_dir}",
+        f"state    {status.state}",
+    ]
+    if status.max_steps is not None:
+        lines.append(f"step     {status.step if status.step is not None else '-'} / {status.max_steps}")
+    if status.switches:
+        lines.append(f"switches {', '.join(status.switches)}")
+    if status.tasks:
+        lines.append("")
+        lines.append(f"{'job id':>8}  {'task':<10} {'state':<12} {'exit':<6} {'nodes / reason'}")
+        for t in status.tasks:
+            detail = t.nodes if t.state == "RUNNING" else (t.reason or t.nodes or "")
+            lines.append(f"{t.job_id:>8}  {t.array_task:<10} {t.state:<12} {t.exit_code or '':<6} {detail or ''}")
+    lines.extend(f"note     {n}" for n in status.notes)
+    return "\n".join(lines)

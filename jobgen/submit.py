@@ -1,0 +1,161 @@
+"""Submission: render, preflight, run directory, sbatch, in that order.
+
+Nothing is created before the preflight passes, and a run directory created by a
+submission that then fails is removed again. Resubmitting a run continues it in
+the same directory (same checkpoints), but never while another job of that run is
+still queued or running, unless it is chained behind it with ``--after``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jobgen import slurm
+from jobgen.loader import ResolvedSpec
+from jobgen.preflight import Finding, preflight
+from jobgen.render import render_all, script_name
+from jobgen.rundir import RunDir, materialize, remove_new
+
+
+class SubmitError(RuntimeError):
+    """Submission refused; ``findings`` lists every reason."""
+
+    def __init__(self, findings: list[Finding]):
+        self.findings = findings
+        super().__init__("\n".join(str(f) for f in findings))
+
+
+@dataclass
+class SubmitResult:
+    run_dir: Path
+    script: Path
+    command: list[str]
+    job_id: int | None = None
+    created: bool = False
+    findings: list[Finding] = field(default_factory=list)
+
+
+def sbatch_options(spec: ResolvedSpec, *, array: int | None = None, after: int | None = None) -> list[str]:
+    """Options given on the sbatch command line (the script's #SBATCH lines carry the rest)."""
+    options = []
+    if spec.run.job.program == "train":
+        # %1: one task at a time; each continues from the previous task's checkpoint.
+        options.append(f"--array=1-{array or spec.run.job.array}%1")
+    if after is not None:
+        options.append(f"--dependency=afterany:{after}")
+    return options
+
+
+def active_jobs(run: RunDir) -> list[slurm.QueueEntry]:
+    """Jobs of this run that Slurm still has queued or running."""
+    ids = [j["job_id"] for j in run.jobs() if not j.get("local")]
+    return [e for e in slurm.queue(ids)] if ids else []
+
+
+def submit(
+    spec: ResolvedSpec,
+    *,
+    source_text: str | None = None,
+    array: int | None = None,
+    after: int | None = None,
+    dry_run: bool = False,
+    skip_preflight: bool = False,
+) -> SubmitResult:
+    scripts = render_all(spec)
+    name = script_name(spec)
+    options = sbatch_options(spec, array=array, after=after)
+    script_path = spec.run_dir / name
+    result = SubmitResult(run_dir=spec.run_dir, script=script_path, command=["sbatch", "--parsable", *options, str(script_path)])
+
+    findings: list[Finding] = []
+    if not skip_preflight:
+        with tempfile.TemporaryDirectory(prefix="jobgen-preflight-") as tmp:
+            candidate = Path(tmp) / name
+            candidate.write_text(scripts[name])
+            findings = preflight(spec, candidate, options)
+    run = RunDir(spec.run_dir)
+    if run.exists() and after is None:
+        busy = active_jobs(run)
+        if busy:
+            listing = ", ".join(f"{e.job_id} ({e.state})" for e in busy)
+            findings.append(Finding("error", "", f"run {run.path} still has job(s) {listing}: chain with "
+                                    f"--after {busy[0].array_job_id}, or stop it first (jobgen stop {spec.run.job.name})"))
+    result.findings = findings
+    if any(f.level == "error" for f in findings):
+        raise SubmitError(findings)
+    if dry_run:
+        return result
+
+    run, created = materialize(spec, scripts, source_text)
+    result.created = created
+    try:
+        result.job_id = slurm.sbatch(run.script(spec.run.job.program), options)
+    except BaseException:
+        if created:
+            remove_new(run)
+        raise
+    tasks = (array or spec.run.job.array) if spec.run.job.program == "train" else None
+    run.record_job({"job_id": result.job_id, "options": options, "array": tasks, "after": after})
+    return result
+
+
+def local_environment(spec: ResolvedSpec, job_id: int) -> dict[str, str]:
+    """The SLURM_* variables a one-node allocation would give the batch script."""
+    host = socket.gethostname().split(".")[0]
+    cpus = str(spec.site.slurm.cpus_per_node)
+    return {
+        **os.environ,
+        "JOBGEN_LOCAL": "1",
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_JOB_NAME": spec.run.job.name,
+        "SLURM_JOB_NODELIST": host,
+        "SLURM_NODELIST": host,
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NNODES": "1",
+        "SLURM_NTASKS": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_PROCID": "0",
+        "SLURM_CPUS_PER_TASK": cpus,
+        "SLURM_JOB_CPUS_PER_NODE": cpus,
+        "SLURM_ARRAY_TASK_ID": "1",
+        "SLURM_SUBMIT_DIR": os.getcwd(),
+        "SLURMD_NODENAME": host,
+    }
+
+
+def run_local(spec: ResolvedSpec, *, source_text: str | None = None) -> tuple[RunDir, int]:
+    """Run the rendered script on this machine as a one-node job, without Slurm."""
+    problems = []
+    if spec.run.job.nodes != 1:
+        problems.append(Finding("error", "job.nodes", f"--local runs on this one machine; the spec asks for {spec.run.job.nodes} nodes"))
+    if spec.site.python.kind == "container":
+        problems.append(Finding("error", "site.python.kind", "--local cannot start pyxis containers; use a venv or modules site"))
+    if problems:
+        raise SubmitError(problems)
+    run, _ = materialize(spec, render_all(spec), source_text)
+    job_id = int(time.time())
+    run.record_job({"job_id": job_id, "local": True, "options": []})
+    log_path = run.logs / f"{spec.run.job.name}-{job_id}.out"
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            ["bash", str(run.script(spec.run.job.program))],
+            env=local_environment(spec, job_id),
+            cwd=run.path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        assert proc.stdout is not None
+        for chunk in iter(lambda: proc.stdout.readline(), b""):
+            log.write(chunk)
+            log.flush()
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+        rc = proc.wait()
+    return run, rc

@@ -1,0 +1,73 @@
+"""Shared fixtures.
+
+Slurm behaviour is tested on the real dev cluster (``jobgen cluster up --netns``),
+started once per session by the ``cluster`` fixture when a test asks for it and
+taken down again at the end if this session started it. Golden files are
+regenerated only with ``pytest --update-golden``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/* from the current templates")
+
+
+@pytest.fixture(scope="session")
+def update_golden(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--update-golden"))
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing in the test suite may reach a model or dataset hub.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def write_spec(directory: Path, body: str, name: str = "run.toml") -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(body).lstrip())
+    return path
+
+
+def jobgen(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 300,
+           check: bool = False) -> subprocess.CompletedProcess[str]:
+    """The installed console script, as a user would run it."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([str(VENV_BIN / "jobgen"), *args], capture_output=True, text=True, env=full_env,
+                          cwd=cwd, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"jobgen {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The dev cluster in --netns mode with 3 nodes; reused if one is already up."""
+    if shutil.which("slurmctld") is None and os.geteuid() != 0:
+        pytest.skip("the dev cluster needs root to install and start Slurm")
+    from jobgen import devcluster
+
+    info = devcluster.status()
+    started = False
+    if info is None:
+        info = devcluster.up(nodes=3, cpus_per_node=4, netns=True)
+        started = True
+    if not info.netns or len(info.nodes) < 3:
+        pytest.fail(f"a dev cluster is up but not in the shape these tests need (3 nodes, --netns): {info}")
+    yield info
+    if started and not os.environ.get("JOBGEN_KEEP_CLUSTER"):
+        devcluster.down()

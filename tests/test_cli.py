@@ -1,0 +1,111 @@
+"""The command line as a user runs it: fast, no ML imports, switches, --local runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, jobgen, write_spec
+
+HEAVY = ("torch", "transformers", "datasets", "numpy")
+
+
+def test_cli_imports_no_ml_libraries():
+    spec = REPO / "tests" / "golden" / "specs" / "h100-ib-train.toml"
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from jobgen.cli import main\n"
+        f"r = CliRunner().invoke(main, ['render', {str(spec)!r}])\n"
+        "assert r.exit_code == 0, r.output\n"
+        f"r = CliRunner().invoke(main, ['validate', {str(spec)!r}])\n"
+        "assert r.exit_code == 0, r.output\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_help_does_not_import_pydantic_or_jinja():
+    code = "import sys; import jobgen.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'pydantic', 'jinja2', 'torch'}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_switch_commands_create_the_files(tmp_path: Path):
+    from jobgen.loader import load_run
+    from jobgen.render import render_all
+    from jobgen.rundir import materialize
+
+    spec_file = write_spec(tmp_path, """
+        site = "local"
+        [job]
+        name = "switchy"
+        program = "doctor"
+        time = "5m"
+        exit_grace = "1m"
+        runs_root = "runs"
+    """)
+    spec = load_run(spec_file)
+    run, _ = materialize(spec, render_all(spec), None)
+    env = {"JOBGEN_RUNS_ROOT": str(tmp_path / "runs")}
+    for command, switch in (("stop", "kill"), ("save", "save"), ("abort", "abort")):
+        proc = jobgen(command, "switchy", env=env, check=True)
+        assert (run.switches / switch).exists(), proc.stdout
+    assert jobgen("stop", "no-such-run", env=env).returncode == 1
+    status = json.loads(jobgen("status", str(run.path), "--json", check=True).stdout)
+    assert status["state"] == "stopped" and status["switches"] == ["abort", "kill", "save"]
+
+
+@pytest.mark.torch
+def test_local_run_of_the_doctor_keeps_user_values_inert(tmp_path: Path):
+    """`submit --local` runs the same rendered script without Slurm; an env value full of
+    shell syntax arrives verbatim and runs nothing."""
+    pytest.importorskip("torch")
+    marker = tmp_path / "pwned"
+    spec_file = write_spec(tmp_path, f"""
+        site = "local"
+        [job]
+        name = "doc-local"
+        program = "doctor"
+        nodes = 1
+        procs_per_node = 2
+        time = "5m"
+        exit_grace = "1m"
+        runs_root = "runs"
+        [env]
+        NASTY = "it's $(touch {marker}) `touch {marker}`; touch {marker}"
+    """)
+    proc = jobgen("submit", str(spec_file), "--local", timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT: all 2 ranks OK on 1 node(s)" in proc.stdout
+    run = tmp_path / "runs" / "doc-local"
+    verdict = json.loads((run / "doctor.json").read_text())
+    assert verdict["ok"] and verdict["world_size"] == 2
+    assert not marker.exists()
+    (repro,) = (run / "repro").iterdir()
+    env_lines = (repro / "env.txt").read_text().splitlines()
+    assert f"NASTY=it's $(touch {marker}) `touch {marker}`; touch {marker}" in env_lines
+    for name in ("nodes.txt", "pip-freeze.txt", "git-commit.txt", "versions.json"):
+        assert (repro / name).stat().st_size > 0, name
+    assert json.loads((repro / "versions.json").read_text())["torch"].startswith("2.")
+
+
+def test_local_refuses_multi_node(tmp_path: Path):
+    spec_file = write_spec(tmp_path, """
+        site = "local"
+        [job]
+        name = "two"
+        program = "doctor"
+        nodes = 2
+        time = "5m"
+        exit_grace = "1m"
+        runs_root = "runs"
+    """)
+    proc = jobgen("submit", str(spec_file), "--local")
+    assert proc.returncode == 2 and "job.nodes" in proc.stderr
+    assert not (tmp_path / "runs" / "two").exists()

@@ -1,0 +1,169 @@
+"""Rendered scripts: golden files, shell syntax, shellcheck, quoting, and every branch.
+
+Golden files change only with ``pytest tests/test_render.py --update-golden``; a
+diff in review is the point.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from jobgen.loader import load_run
+from jobgen.paths import PROJECT_ROOT
+from jobgen.render import build_context, render
+
+GOLDEN = Path(__file__).parent / "golden"
+SPECS = sorted(p for p in (GOLDEN / "specs").glob("*.toml") if not p.name.endswith("-site.toml"))
+
+
+def rendered(spec_path: Path) -> str:
+    return render(load_run(spec_path))
+
+
+def normalised(text: str) -> str:
+    return text.replace(str(PROJECT_ROOT), "@PROJECT@")
+
+
+@pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.stem)
+def test_matches_golden(spec_path: Path, update_golden: bool):
+    text = normalised(rendered(spec_path))
+    golden = GOLDEN / f"{spec_path.stem}.sbatch"
+    if update_golden or not golden.exists():
+        if not update_golden:
+            pytest.fail(f"{golden} missing: run pytest --update-golden and review it")
+        golden.write_text(text)
+    assert text == golden.read_text(), f"{golden} differs; review and run pytest --update-golden"
+
+
+@pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.stem)
+def test_bash_syntax_and_shellcheck(spec_path: Path, tmp_path: Path):
+    script = tmp_path / "job.sbatch"
+    script.write_text(rendered(spec_path))
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.fail("shellcheck is not installed (apt-get install shellcheck); .ci/run installs it")
+    proc = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+def directives(text: str) -> list[str]:
+    return [line.removeprefix("#SBATCH ") for line in text.splitlines() if line.startswith("#SBATCH ")]
+
+
+def by_name(stem: str) -> str:
+    return rendered(GOLDEN / "specs" / f"{stem}.toml")
+
+
+def test_header_derives_every_number_from_the_spec():
+    text = by_name("h100-ib-train")
+    d = directives(text)
+    assert "--nodes=4" in d and "--ntasks-per-node=1" in d and "--cpus-per-task=96" in d
+    assert "--gres=gpu:8" in d and "--time=2-00:00:00" in d and "--signal=B:USR2@600" in d
+    assert "--exclude=gpu017,gpu[20-22]" in d and "--hint=nomultithread" in d and "--exclusive" in d
+    assert "--constraint=h100&ib" in d and "--account=llm" in d and "--qos=normal" in d and "--gpu-bind=none" in d
+    assert "--nproc-per-node=8" in text and "--expected-world-size 32" in text
+    assert "EXPECTED_NODES=4" in text and "export OMP_NUM_THREADS=12" in text
+    assert "sbatch --array=1-10%1 train.sbatch" in text
+
+
+def test_ib_versus_sockets():
+    ib, sock = by_name("h100-ib-train"), by_name("cloud-ethernet-train")
+    assert "export NCCL_IB_DISABLE=0" in ib and "export NCCL_IB_HCA=mlx5" in ib and "NCCL_NET=Socket" not in ib
+    assert "export NCCL_IB_DISABLE=1" in sock and "export NCCL_NET=Socket" in sock
+    assert "export NCCL_SOCKET_IFNAME=ib0" in ib and "export GLOO_SOCKET_IFNAME=eth0" in sock
+
+
+def test_venv_modules_container():
+    venv, modules, container = by_name("local-doctor"), by_name("h100-ib-train"), by_name("cloud-ethernet-train")
+    assert f"source {PROJECT_ROOT}/.venv/bin/activate" in venv and "module load" not in venv
+    assert "module purge" in modules and "module load cuda/12.4.1" in modules
+    assert modules.index("module load gcc/12.2.0") < modules.index("module load nccl/2.21.5")
+    assert "source /lustre/shared/envs/llm/bin/activate" in modules
+    assert "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3'" in container
+    assert f"'--container-mounts=/shared/runs:/shared/runs,{PROJECT_ROOT}:{PROJECT_ROOT},/fsx:/fsx'" in container
+    assert '"${SRUN_CONTAINER[@]}" bash -c "$NODE_LAUNCH"' in container
+    assert "py_on_head() { run_on_head \"${SRUN_CONTAINER[@]}\" \"$@\"; }" in container
+
+
+def test_per_node_output_and_debug():
+    text = by_name("consumer-nfs-train")
+    assert '--output="$RUN_DIR/logs/%x-%j-%N.out"' in text
+    assert "export NCCL_DEBUG=INFO" in text and 'NCCL_DEBUG_FILE="$RUN_DIR/logs/nccl-$SLURM_JOB_ID-%h-%p.log"' in text
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in text and "export NCCL_P2P_DISABLE=1" in text
+    assert "--gres=gpu:rtx4090:4" in directives(text) and "--nodelist=ws[01-03]" in directives(text)
+    assert "%N" not in by_name("h100-ib-train")
+
+
+def test_bare_site_branches():
+    text = by_name("bare-train")
+    d = directives(text)
+    assert "--no-requeue" in d and not any(x.startswith("--partition") for x in d)
+    assert not any(x.startswith(("--gres", "--gpus", "--mem", "--exclude", "--hint")) for x in d)
+    assert "RDZV_PORT=29400" in text and 'HEAD_ADDR="$HEAD_NODE"' in text
+    assert '--local-addr="$NODE_ADDR"' not in text and "NCCL_SOCKET_IFNAME" not in text.split("if ! on_slurm")[0]
+    assert "run_on_head" not in text
+    assert "source " not in text and "module " not in text
+
+
+def test_kill_switch_is_checked_before_anything_else():
+    text = by_name("local-doctor")
+    body = text.split("set -euo pipefail", 1)[1]
+    assert body.index('"$SWITCHES/kill"') < body.index("srun") and body.index('"$SWITCHES/kill"') < body.index("source ")
+    train = by_name("h100-ib-train")
+    assert train.index('"$SWITCHES/kill"') < train.index('"$RUN_DIR/done"') < train.index("module purge")
+
+
+def test_no_localhost_fallback_for_the_head_node():
+    text = by_name("h100-ib-train")
+    assert "localhost" not in text.replace("fall back to localhost", "")
+    assert "127.0.0.1" not in text
+    assert 'die "no head node' in text and "die \"head node $HEAD_NODE has no IPv4 address" in text
+
+
+def test_signal_trap_and_wait_loop():
+    text = by_name("local-doctor")
+    assert "trap 'request_stop USR1' USR1" in text and "trap 'request_stop TERM' TERM" in text
+    assert '"$SWITCHES/stop.$SLURM_JOB_ID"' in text
+    assert text.index("trap 'request_stop") < text.index('srun --nodes="$SLURM_JOB_NUM_NODES"')
+
+
+def test_env_values_reach_bash_verbatim(tmp_path: Path):
+    """Run the rendered export lines in bash and read the values back: nothing executes."""
+    spec = load_run(GOLDEN / "specs" / "bare-train.toml")
+    text = render(spec)
+    exports = "\n".join(line for line in text.splitlines() if line.startswith("export ") and "=" in line
+                        and line.split("=")[0].split()[-1] in spec.run.env)
+    marker = tmp_path / "pwned"
+    probe = exports.replace("/tmp/pwned", str(marker)) + "\n" + "\n".join(
+        f'printf "%s\\0" "${name}"' for name in sorted(spec.run.env))
+    out = subprocess.run(["bash", "-c", probe], capture_output=True, check=True).stdout.decode()
+    expected = [v.replace("/tmp/pwned", str(marker)) for _, v in sorted(spec.run.env.items())]
+    assert out.split("\0")[:-1] == expected
+    assert not marker.exists()
+
+
+def test_context_is_pure_and_complete():
+    """Rendering needs no cluster: building the context runs no subprocess."""
+    spec = load_run(GOLDEN / "specs" / "local-doctor.toml")
+    orig = subprocess.Popen
+    try:
+        subprocess.Popen = None  # type: ignore[assignment,misc]
+        ctx = build_context(spec)
+        render(spec)
+    finally:
+        subprocess.Popen = orig  # type: ignore[misc]
+    assert ctx["world_size"] == 4 and ctx["omp_threads"] == 1 and ctx["entry_module"] == "trainer.doctor"
+
+
+def test_render_cli_writes_files(tmp_path: Path):
+    from conftest import jobgen
+
+    proc = jobgen("render", str(GOLDEN / "specs" / "local-doctor.toml"), "-o", str(tmp_path / "out"), check=True)
+    out = tmp_path / "out" / "doctor.sbatch"
+    assert str(out) in proc.stdout and out.read_text() == rendered(GOLDEN / "specs" / "local-doctor.toml")
+    assert re.match(r"#!/bin/bash\n", out.read_text())

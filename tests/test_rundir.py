@@ -1,0 +1,120 @@
+"""Run directories are created whole or not at all, and continued, never clobbered."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+import jobgen.rundir as rundir_mod
+from conftest import write_spec
+from jobgen.loader import load_run
+from jobgen.render import render_all
+from jobgen.rundir import RunDir, RunDirError, find_run, materialize
+
+
+@pytest.fixture()
+def spec_file(tmp_path: Path) -> Path:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    return write_spec(tmp_path, """
+        site = "local"
+        [job]
+        name = "sft"
+        time = "1h"
+        runs_root = "runs"
+        [model]
+        path = "model"
+        [data]
+        path = "data.jsonl"
+    """)
+
+
+def test_new_run_directory_layout(spec_file: Path):
+    spec = load_run(spec_file)
+    run, created = materialize(spec, render_all(spec), spec_file.read_text())
+    assert created and run.path == spec_file.parent / "runs" / "sft"
+    for sub in ("switches", "logs", "checkpoints", "repro", "history"):
+        assert (run.path / sub).is_dir()
+    assert json.loads(run.spec_file.read_text())["run"]["job"]["name"] == "sft"
+    assert (run.path / "run.toml").read_text() == spec_file.read_text()
+    assert os.access(run.path / "train.sbatch", os.X_OK)
+    mode = stat.S_IMODE((run.path / "switches").stat().st_mode)
+    assert mode & 0o020 and mode & stat.S_ISGID  # group-writable, setgid
+    assert [p.name for p in run.path.parent.iterdir()] == ["sft"]  # no staging left
+
+
+def test_failure_mid_creation_leaves_nothing(spec_file: Path, monkeypatch: pytest.MonkeyPatch):
+    spec = load_run(spec_file)
+    real = rundir_mod.write_text_atomic
+
+    def failing(path, text, mode=0o644):
+        if str(path).endswith(".sbatch"):
+            raise OSError(28, "No space left on device")
+        return real(path, text, mode)
+
+    monkeypatch.setattr(rundir_mod, "write_text_atomic", failing)
+    with pytest.raises(OSError):
+        materialize(spec, render_all(spec), "x")
+    assert list((spec_file.parent / "runs").iterdir()) == []
+
+
+def test_resubmit_continues_and_keeps_checkpoints(spec_file: Path):
+    spec = load_run(spec_file)
+    run, _ = materialize(spec, render_all(spec), spec_file.read_text())
+    (run.path / "checkpoints" / "step-10").mkdir()
+    (run.path / "logs" / "old.out").write_text("old")
+    longer = spec_file.read_text().replace('time = "1h"', 'time = "2h"')
+    spec_file.write_text(longer)
+    spec2 = load_run(spec_file)
+    run2, created = materialize(spec2, render_all(spec2), longer)
+    assert not created and run2.path == run.path
+    assert (run.path / "checkpoints" / "step-10").is_dir() and (run.path / "logs" / "old.out").exists()
+    assert "--time=02:00:00" in (run.path / "train.sbatch").read_text()
+    history = list((run.path / "history").glob("spec-*.json"))
+    assert len(history) == 1 and json.loads(history[0].read_text())["run"]["job"]["time"] == "1h"
+
+
+def test_resubmit_with_another_model_is_refused(spec_file: Path, tmp_path: Path):
+    spec = load_run(spec_file)
+    run, _ = materialize(spec, render_all(spec), None)
+    before = run.spec_file.read_text()
+    (tmp_path / "model2").mkdir()
+    spec_file.write_text(spec_file.read_text().replace('path = "model"', 'path = "model2"'))
+    spec2 = load_run(spec_file)
+    with pytest.raises(RunDirError, match=r"different \[model\]"):
+        materialize(spec2, render_all(spec2), None)
+    assert run.spec_file.read_text() == before
+
+
+def test_existing_foreign_directory_is_not_touched(spec_file: Path):
+    spec = load_run(spec_file)
+    spec.run_dir.mkdir(parents=True)
+    (spec.run_dir / "precious.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="not a jobgen run directory"):
+        materialize(spec, render_all(spec), None)
+    assert [p.name for p in spec.run_dir.iterdir()] == ["precious.txt"]
+
+
+def test_switches_and_lookup(spec_file: Path):
+    spec = load_run(spec_file)
+    run, _ = materialize(spec, render_all(spec), None)
+    assert find_run("sft", spec.runs_root).path == run.path
+    assert find_run(str(run.path), None).path == run.path
+    with pytest.raises(RunDirError):
+        find_run("nope", spec.runs_root)
+    target = run.set_switch("kill")
+    assert target == run.switches / "kill" and "uid" in target.read_text()
+    with pytest.raises(ValueError):
+        run.set_switch("reboot")
+
+
+def test_jobs_record_is_appended(spec_file: Path):
+    spec = load_run(spec_file)
+    run, _ = materialize(spec, render_all(spec), None)
+    run.record_job({"job_id": 1})
+    run.record_job({"job_id": 2, "after": 1})
+    assert [j["job_id"] for j in RunDir(run.path).jobs()] == [1, 2]

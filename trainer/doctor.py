@@ -1,0 +1,205 @@
+"""Node health check: every rank proves it can join the world, talk, and hold memory.
+
+Launched on every node by the rendered ``doctor.sbatch`` (``jobgen doctor --nodes 2``)::
+
+    torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d ... \\
+        -m trainer.doctor --run-dir RUN_DIR --expected-world-size 4
+
+or by hand on one machine::
+
+    torchrun --standalone --nproc-per-node=2 -m trainer.doctor --run-dir /tmp/doctor --expected-world-size 2
+
+Each rank initialises the process group (NCCL on GPU, Gloo on CPU), all-reduces,
+passes a barrier, allocates and verifies memory and times a bandwidth all-reduce.
+A failing check is recorded, not raised, so that rank 0 can still collect every
+rank's report, print one table per node, name the nodes that failed or whose
+versions differ, and write ``doctor.json`` into the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from jobgen.atomic import write_json_atomic
+from jobgen.exit_codes import ExitCode
+
+BANDWIDTH_MIB = 16
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainer.doctor", description=__doc__.split("\n")[0])
+    parser.add_argument("--run-dir", type=Path, required=True, help="where doctor.json is written")
+    parser.add_argument("--expected-world-size", type=int, required=True, help="nodes x procs_per_node")
+    parser.add_argument("--alloc-mib", type=int, default=256, help="memory each rank allocates and verifies")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds for init and each collective")
+    return parser.parse_args(argv)
+
+
+def identity() -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    return {
+        "rank": int(os.environ.get("RANK", 0)),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "checks": {},
+        "errors": {},
+    }
+
+
+def run_check(report: dict[str, Any], name: str, fn) -> None:
+    """Record a check's result; a failure is data for the table, not a crash."""
+    start = time.perf_counter()
+    try:
+        value = fn()
+        report["checks"][name] = value if value is not None else "ok"
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the report
+        report["checks"][name] = "FAILED"
+        report["errors"][name] = f"{type(exc).__name__}: {exc}"
+    report.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 4)
+
+
+def check_all_reduce(device: torch.device) -> str:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    value = torch.tensor([float(rank + 1)], device=device)
+    dist.all_reduce(value)
+    expected = world * (world + 1) / 2
+    if value.item() != expected:
+        raise RuntimeError(f"sum of ranks is {value.item()}, expected {expected}")
+    return "ok"
+
+
+def check_memory(device: torch.device, mib: int) -> str:
+    count = mib * 1024 * 1024 // 4
+    block = torch.arange(count, dtype=torch.float32, device=device)
+    block.mul_(2.0)
+    # The sum of 2*i for i < n is n*(n-1); summed in float64 to keep it exact.
+    total = block.to(torch.float64).sum().item()
+    if total != float(count) * (count - 1):
+        raise RuntimeError(f"checksum mismatch on a {mib} MiB block")
+    del block
+    return f"{mib} MiB"
+
+
+def check_bandwidth(device: torch.device) -> float:
+    """Bus bandwidth of a 16 MiB all-reduce in GB/s (nccl-tests' busbw definition)."""
+    world = dist.get_world_size()
+    buf = torch.ones(BANDWIDTH_MIB * 1024 * 1024 // 4, dtype=torch.float32, device=device)
+    dist.all_reduce(buf)  # warm-up: connections are set up lazily
+    iters = 5
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(buf)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / iters
+    algbw = buf.numel() * 4 / elapsed / 1e9
+    return round(algbw * 2 * (world - 1) / world, 3) if world > 1 else round(algbw, 3)
+
+
+def summarise(reports: list[dict[str, Any]], expected_world: int) -> tuple[list[str], dict[str, Any]]:
+    """Per-node table lines and the verdict, from every rank's report."""
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for rep in sorted(reports, key=lambda r: r["rank"]):
+        by_node.setdefault(rep["node"], []).append(rep)
+    reference = {key: max((r[key] for r in reports), key=lambda v: sum(r[key] == v for r in reports))
+                 for key in ("torch", "nccl", "python")}
+    failed_nodes: dict[str, list[str]] = {}
+    mismatched: dict[str, list[str]] = {}
+    header = f"{'node':<12} {'ranks':<10} {'device':<22} {'torch':<16} {'nccl':<8} {'busbw GB/s':>10}  status"
+    lines = [header, "-" * len(header)]
+    for node, reps in by_node.items():
+        problems = [f"rank {r['rank']} {name}: {err}" for r in reps for name, err in r["errors"].items()]
+        diffs = sorted({f"{k} {r[k]} (others {reference[k]})" for r in reps for k in reference if r[k] != reference[k]})
+        if problems:
+            failed_nodes[node] = problems
+        if diffs:
+            mismatched[node] = diffs
+        bw = [r["checks"].get("bandwidth") for r in reps if isinstance(r["checks"].get("bandwidth"), float)]
+        status = "FAILED" if problems else ("VERSIONS DIFFER" if diffs else "OK")
+        lines.append(
+            f"{node:<12} {','.join(str(r['rank']) for r in reps):<10} {reps[0]['device'][:22]:<22} "
+            f"{reps[0]['torch']:<16} {str(reps[0]['nccl'] or '-'):<8} "
+            f"{(min(bw) if bw else float('nan')):>10.3f}  {status}"
+        )
+    ok = not failed_nodes and not mismatched and len(reports) == expected_world
+    for node, problems in failed_nodes.items():
+        lines.extend(f"FAILED {node}: {p}" for p in problems)
+    for node, diffs in mismatched.items():
+        lines.extend(f"VERSIONS DIFFER {node}: {d}" for d in diffs)
+    if ok:
+        lines.append(f"RESULT: all {len(reports)} ranks OK on {len(by_node)} node(s)")
+    else:
+        bad = sorted(set(failed_nodes) | set(mismatched))
+        lines.append(f"RESULT: FAILED ({len(reports)}/{expected_world} ranks reported; bad nodes: {', '.join(bad) or 'none'})")
+    verdict = {
+        "ok": ok,
+        "world_size": len(reports),
+        "expected_world_size": expected_world,
+        "nodes": sorted(by_node),
+        "failed_nodes": failed_nodes,
+        "version_mismatch": mismatched,
+        "ranks": reports,
+    }
+    return lines, verdict
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = identity()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(report["local_rank"])
+    device = torch.device("cuda", report["local_rank"]) if cuda else torch.device("cpu")
+    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=dt.timedelta(seconds=args.timeout))
+    try:
+        world = dist.get_world_size()
+        if world != args.expected_world_size:
+            report["errors"]["world_size"] = f"world size {world}, expected {args.expected_world_size}"
+        run_check(report, "all_reduce", lambda: check_all_reduce(device))
+        run_check(report, "barrier", lambda: dist.barrier())
+        run_check(report, "memory", lambda: check_memory(device, args.alloc_mib))
+        run_check(report, "bandwidth", lambda: check_bandwidth(device))
+
+        gathered: list[dict[str, Any]] | None = [None] * world if dist.get_rank() == 0 else None  # type: ignore[list-item]
+        dist.gather_object(report, gathered, dst=0)
+        verdict_box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            assert gathered is not None
+            lines, verdict = summarise(gathered, args.expected_world_size)
+            print("\n".join(["jobgen doctor:", *lines]), flush=True)
+            args.run_dir.mkdir(parents=True, exist_ok=True)
+            verdict["finished_at"] = dt.datetime.now(dt.timezone.utc).isoformat()
+            write_json_atomic(args.run_dir / "doctor.json", verdict)
+            verdict_box[0] = (verdict["ok"], world == args.expected_world_size)
+        dist.broadcast_object_list(verdict_box, src=0)
+        ok, right_size = verdict_box[0]
+    finally:
+        dist.destroy_process_group()
+    if not right_size:
+        return int(ExitCode.WORLD_SIZE_MISMATCH)
+    return int(ExitCode.OK if ok else ExitCode.DOCTOR_FAILED)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
