@@ -147,10 +147,17 @@ def schema(site_profile: bool) -> None:
 @main.command()
 @click.argument("run_ref", metavar="[RUN]", required=False)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object (a list without RUN)")
-def status(run_ref: str | None, as_json: bool) -> None:
+@click.option("--watch", is_flag=True, help="with RUN: print a line at every change until the run ends")
+def status(run_ref: str | None, as_json: bool, watch: bool) -> None:
     """Runs and their array tasks: Slurm state, step, switches."""
-    from jobgen.status import format_status, run_status
+    from jobgen.status import format_status, run_status, watch_run
 
+    if watch:
+        if not run_ref:
+            _fail("jobgen status --watch needs RUN")
+        final = watch_run(_find_run(run_ref), click.echo)
+        click.echo(format_status(final))
+        sys.exit(0 if final.state == "finished" else 1)
     if run_ref:
         runs = [_find_run(run_ref)]
     else:

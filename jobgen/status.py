@@ -9,6 +9,8 @@ files for stops, ``doctor.json`` for node checks.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,3 +148,19 @@ def format_status(status: RunStatus) -> str:
             lines.append(f"{t.job_id:>8}  {t.array_task:<10} {t.state:<12} {t.exit_code or '':<6} {detail or ''}")
     lines.extend(f"note     {n}" for n in status.notes)
     return "\n".join(lines)
+
+
+def watch_run(run: RunDir, echo: Callable[[str], None], interval: float = 3.0) -> RunStatus:
+    """Print one line whenever the run's state, step or tasks change; return the final status."""
+    last = None
+    while True:
+        current = run_status(run)
+        line = f"{time.strftime('%H:%M:%S')} {current.state}" + (
+            f" step {current.step}/{current.max_steps}" if current.max_steps else "") + "  " + ", ".join(
+            f"{t.job_id}:{t.state}" for t in current.tasks)
+        if line.split(" ", 1)[1] != (last or " ").split(" ", 1)[1]:
+            echo(line)
+            last = line
+        if current.state not in {"pending", "running", "unknown"}:
+            return current
+        time.sleep(interval)
