@@ -110,7 +110,7 @@ def _print_findings(findings) -> None:
 def submit(spec_file: str, array: int | None, after: int | None, dry_run: bool, local: bool) -> None:
     """Preflight against the cluster, write the run directory, sbatch --array=1-N%1."""
     from jobgen.rundir import RunDirError
-    from jobgen.slurm import SlurmError
+    from jobgen.slurm import SlurmError, SlurmUnavailable
     from jobgen.submit import SubmitError, run_local, submit as do_submit
 
     spec = _load(spec_file)
@@ -125,6 +125,9 @@ def submit(spec_file: str, array: int | None, after: int | None, dry_run: bool, 
         click.echo(f"jobgen: not submitted, {len(exc.findings)} problem(s):", err=True)
         _print_findings(exc.findings)
         sys.exit(2)
+    except SlurmUnavailable as exc:
+        _fail(f"jobgen: not submitted: {exc}\n  no cluster here? `jobgen cluster up --netns` starts a local one; "
+              "`jobgen submit --local` runs one node on this machine without Slurm")
     except (SlurmError, RunDirError) as exc:
         _fail(f"jobgen: not submitted: {exc}")
     _print_findings([f for f in result.findings if f.level == "warning"])

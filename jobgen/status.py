@@ -66,21 +66,23 @@ def _last_metrics(path: Path) -> dict[str, Any] | None:
 def _tasks(run: RunDir) -> list[TaskStatus]:
     """Every array task Slurm still knows of, queued ones from squeue and recently
     ended ones from scontrol; submissions it forgot keep their last known state."""
-    tasks: dict[int, TaskStatus] = {}
+    # Keyed by (array id, task index): pending tasks have no job id of their own yet.
+    tasks: dict[tuple[int, str], TaskStatus] = {}
     submissions = [j for j in run.jobs() if not j.get("local")]
     for entry in slurm.queue([j["job_id"] for j in submissions]) if submissions else []:
-        tasks[entry.job_id] = TaskStatus(
+        tasks[(entry.array_job_id, entry.array_task)] = TaskStatus(
             entry.job_id, entry.array_job_id, entry.array_task, entry.state, reason=entry.reason, nodes=entry.nodes
         )
     for sub in submissions:
         for record in slurm.show_job(sub["job_id"]):
             job_id = int(record.get("JobId", "0") or 0)
-            if job_id and job_id not in tasks:
-                array_job = record.get("ArrayJobId", "")
-                tasks[job_id] = TaskStatus(
+            array_job = record.get("ArrayJobId", "")
+            key = (int(array_job) if array_job.isdigit() else job_id, record.get("ArrayTaskId", "N/A"))
+            if job_id and key not in tasks and "-" not in key[1]:  # "2-3%1": the still-pending rest
+                tasks[key] = TaskStatus(
                     job_id,
-                    int(array_job) if array_job.isdigit() else job_id,
-                    record.get("ArrayTaskId", "N/A"),
+                    key[0],
+                    key[1],
                     record.get("JobState", "UNKNOWN"),
                     exit_code=record.get("ExitCode"),
                     reason=record.get("Reason"),
@@ -89,8 +91,8 @@ def _tasks(run: RunDir) -> list[TaskStatus]:
         known = {t.job_id for t in tasks.values()} | {t.array_job_id for t in tasks.values()}
         if sub["job_id"] not in known:
             # Ended longer ago than Slurm's MinJobAge: only the run directory remembers it.
-            tasks[sub["job_id"]] = TaskStatus(sub["job_id"], sub["job_id"], "N/A", "ENDED")
-    return sorted(tasks.values(), key=lambda t: t.job_id)
+            tasks[(sub["job_id"], "N/A")] = TaskStatus(sub["job_id"], sub["job_id"], "N/A", "ENDED")
+    return sorted(tasks.values(), key=lambda t: (t.array_job_id, t.job_id, t.array_task))
 
 
 def run_status(run: RunDir) -> RunStatus:

@@ -10,12 +10,27 @@ PartitionName=debug AllowGroups=ALL AllowAccounts=ALL AllowQos=ALL AllocNodes=AL
 PartitionName=short AllowGroups=ALL AllowAccounts=ALL AllowQos=ALL AllocNodes=ALL Default=NO QoS=N/A DefaultTime=NONE DisableRootJobs=NO ExclusiveUser=NO GraceTime=0 Hidden=NO MaxNodes=UNLIMITED MaxTime=00:05:00 MinNodes=0 LLN=NO MaxCPUsPerNode=UNLIMITED Nodes=node[1-3] PriorityJobFactor=1 PriorityTier=1 RootOnly=NO ReqResv=NO OverSubscribe=NO OverTimeLimit=NONE PreemptMode=OFF State=UP TotalCPUs=12 TotalNodes=3 SelectTypeParameters=NONE JobDefaults=(null) DefMemPerNode=UNLIMITED MaxMemPerNode=UNLIMITED
 """
 
-NODE_DOWN = (
-    "NodeName=node2 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUEfctv=4 CPUTot=4 CPULoad=0.31 AvailableFeatures=(null) "
-    "ActiveFeatures=(null) Gres=gpu:h100:8(S:0-1),shard:8 NodeAddr=10.213.47.12 NodeHostName=vm Version=22.05.8 "
-    "OS=Linux 6.1.0-18-amd64 #1 SMP PREEMPT_DYNAMIC Debian 6.1.76-1 (2024-02-01) RealMemory=4096 AllocMem=0 "
-    "State=DOWN+NOT_RESPONDING ThreadsPerCore=1 Reason=Not responding [root@2026-11-21T19:50:01]"
+# `scontrol show node node3 --oneliner` after
+# `scontrol update nodename=node3 state=drain reason="disk full on /scratch"`.
+NODE_DRAINED = (
+    "NodeName=node3 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=4 CPUTot=4 CPULoad=1.10 AvailableFeatures=(null) "
+    "ActiveFeatures=(null) Gres=(null) NodeAddr=10.213.47.13 NodeHostName=vm Port=17003 Version=22.05.8 "
+    "OS=Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=4096 AllocMem=0 FreeMem=22833 Sockets=4 Boards=1 "
+    "State=IDLE+DRAIN ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A Partitions=debug,short  "
+    "BootTime=2026-11-21T19:41:18 SlurmdStartTime=2026-11-21T20:00:45 LastBusyTime=2026-11-21T20:00:45 "
+    "CfgTRES=cpu=4,mem=4G,billing=4 AllocTRES= CapWatts=n/a CurrentWatts=0 AveWatts=0 ExtSensorsJoules=n/s "
+    "ExtSensorsWatts=0 ExtSensorsTemp=n/s Reason=disk full on /scratch [root@2026-11-21T20:00:47]"
 )
+
+# `squeue --noheader --array --format=...` with `sbatch --array=1-3%1` running its first
+# task and a job held by --dependency=afterany on it. Pending tasks have no job id of
+# their own yet: %A is the array's id for them.
+SQUEUE = """\
+1|1|2|PENDING|JobArrayTaskLimit|0:00|1-00:00:00||arr
+1|1|3|PENDING|JobArrayTaskLimit|0:00|1-00:00:00||arr
+2|2|N/A|PENDING|Dependency|0:00|1-00:00:00||dep
+3|1|1|RUNNING|None|0:01|1-00:00:00|node1|arr
+"""
 
 
 def test_partition_records():
@@ -25,10 +40,11 @@ def test_partition_records():
 
 
 def test_values_with_spaces_run_until_the_next_key():
-    node = parse_key_values(NODE_DOWN)
-    assert node["OS"] == "Linux 6.1.0-18-amd64 #1 SMP PREEMPT_DYNAMIC Debian 6.1.76-1 (2024-02-01)"
-    assert node["Reason"] == "Not responding [root@2026-11-21T19:50:01]"
-    assert node["State"] == "DOWN+NOT_RESPONDING" and node["CPUTot"] == "4"
+    node = parse_key_values(NODE_DRAINED)
+    assert node["OS"] == "Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0"
+    assert node["Reason"] == "disk full on /scratch [root@2026-11-21T20:00:47]"
+    assert node["State"] == "IDLE+DRAIN" and node["CPUTot"] == "4" and node["Gres"] == "(null)"
+    assert node["CfgTRES"] == "cpu=4,mem=4G,billing=4" and node["AllocTRES"] == ""
 
 
 @pytest.mark.parametrize("gres, name, count", [
@@ -58,13 +74,13 @@ def test_job_ids():
 
 
 def test_squeue_array_lines():
-    text = (
-        "41|40|1|RUNNING|None|0:12|5:00|node[1-2]|sft\n"
-        "40|40|[2-3%1]|PENDING|JobArrayTaskLimit|0:00|5:00||sft\n"
-        "44|44|N/A|PENDING|Dependency|0:00|10:00||name|with|pipes\n"
-    )
-    rows = parse_squeue(text)
-    assert [r.job_id for r in rows] == [41, 40, 44]
-    assert rows[0].array_job_id == 40 and rows[0].array_task == "1" and rows[0].state == "RUNNING"
-    assert rows[1].array_task == "[2-3%1]" and rows[1].reason == "JobArrayTaskLimit"
-    assert rows[2].reason == "Dependency" and rows[2].name == "name|with|pipes"
+    rows = parse_squeue(SQUEUE)
+    assert [(r.job_id, r.array_job_id, r.array_task, r.state) for r in rows] == [
+        (1, 1, "2", "PENDING"), (1, 1, "3", "PENDING"), (2, 2, "N/A", "PENDING"), (3, 1, "1", "RUNNING")]
+    assert rows[0].reason == "JobArrayTaskLimit" and rows[2].reason == "Dependency"
+    assert rows[3].nodes == "node1" and rows[3].time_limit == "1-00:00:00"
+
+
+def test_squeue_names_may_contain_the_separator():
+    (row,) = parse_squeue("44|44|N/A|PENDING|Dependency|0:00|10:00||name|with|pipes\n")
+    assert row.name == "name|with|pipes"

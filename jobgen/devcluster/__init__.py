@@ -1,0 +1,39 @@
+"""A real local Slurm cluster for tests and demos: munged, slurmctld and N slurmd.
+
+From the shell::
+
+    jobgen cluster up --nodes 2 [--netns]     # idempotent; restarts dead daemons
+    jobgen cluster status                     # exit 1 when not up
+    jobgen cluster down                       # undoes exactly what `up` did
+
+From Python (tests, fixtures)::
+
+    import jobgen.devcluster as devcluster
+    info = devcluster.status() or devcluster.up(nodes=2, netns=True)
+    info.nodes, info.node_addrs, info.nic, info.slurm_conf
+    devcluster.down()
+
+All configuration and state live in one directory (default
+/var/tmp/jobgen-cluster, or $JOBGEN_CLUSTER_DIR, or ``state_dir=``), plus a
+symlink /etc/slurm/slurm.conf so that every Slurm command works for every user
+without extra environment.  See lifecycle.py for the rules ``up``/``down`` follow.
+"""
+
+from .config import DEFAULT_PARTITION, PARTITIONS, SHORT_MAX_TIME, SLURMCTLD_PORT
+from .lifecycle import down, status, up
+from .state import DEFAULT_STATE_DIR, STATE_DIR_ENV, ClusterError, ClusterInfo, resolve_state_dir
+
+__all__ = [
+    "ClusterError",
+    "ClusterInfo",
+    "DEFAULT_PARTITION",
+    "DEFAULT_STATE_DIR",
+    "PARTITIONS",
+    "SHORT_MAX_TIME",
+    "SLURMCTLD_PORT",
+    "STATE_DIR_ENV",
+    "down",
+    "resolve_state_dir",
+    "status",
+    "up",
+]

@@ -1,0 +1,114 @@
+"""``jobgen cluster up|down|status``: the click group the main CLI registers.
+
+    jobgen cluster up --nodes 2 --cpus-per-node 4 [--netns] [--state-dir DIR]
+    jobgen cluster status [--json]
+    jobgen cluster down
+
+Also runnable on its own: ``python -m jobgen.devcluster.cli up --nodes 2``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .config import DEBUG_MAX_TIME, DEFAULT_PARTITION, SHORT_MAX_TIME
+from .lifecycle import DEFAULT_TIMEOUT, down, status, up
+from .state import STATE_DIR_ENV, ClusterError, ClusterInfo
+
+_state_dir_option = click.option(
+    "--state-dir",
+    envvar=STATE_DIR_ENV,
+    default=None,
+    show_envvar=True,
+    help="Directory holding the cluster's config, logs and state [default: /var/tmp/jobgen-cluster].",
+)
+
+
+@click.group(name="cluster")
+def cluster() -> None:
+    """A real local Slurm cluster (munge, slurmctld, N slurmd) for demos and tests."""
+
+
+@cluster.command(name="up")
+@click.option("--nodes", "-N", type=click.IntRange(1, 64), default=2, show_default=True, help="Number of slurmd nodes.")
+@click.option("--cpus-per-node", type=click.IntRange(1), default=4, show_default=True, help="CPUs each node declares.")
+@click.option(
+    "--mem-per-node", "mem_per_node_mb", type=click.IntRange(64), default=4096, show_default=True,
+    help="RealMemory (MB) each node declares; memory is not a consumable.",
+)
+@click.option("--netns/--no-netns", default=False, show_default=True,
+              help="Give every node its own network namespace and eth0 address.")
+@click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
+              help="Seconds to wait for every node to become idle.")
+@_state_dir_option
+def up_cmd(nodes: int, cpus_per_node: int, mem_per_node_mb: int, netns: bool, timeout: float,
+           state_dir: str | None) -> None:
+    """Start the cluster (installing slurm-wlm and munge if missing); idempotent."""
+    try:
+        info = up(nodes=nodes, cpus_per_node=cpus_per_node, netns=netns, state_dir=state_dir,
+                  mem_per_node_mb=mem_per_node_mb, timeout=timeout)
+    except ClusterError as exc:
+        raise click.ClickException(str(exc)) from None
+    _print_status(info)
+
+
+@cluster.command(name="down")
+@_state_dir_option
+def down_cmd(state_dir: str | None) -> None:
+    """Stop the cluster and remove everything `up` created; fine when nothing is up."""
+    try:
+        down(state_dir=state_dir)
+    except ClusterError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@cluster.command(name="status")
+@click.option("--json", "as_json", is_flag=True, help="Print the cluster info as one JSON object.")
+@_state_dir_option
+def status_cmd(as_json: bool, state_dir: str | None) -> None:
+    """Print nodes, their Slurm states, mode and state dir; exit 1 when not up."""
+    try:
+        info = status(state_dir=state_dir)
+    except ClusterError as exc:
+        raise click.ClickException(str(exc)) from None
+    if info is None:
+        if as_json:
+            click.echo(json.dumps({"up": False}))
+        else:
+            click.echo("dev cluster: not up", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps({"up": True, **info.to_dict()}, indent=2, sort_keys=True))
+    else:
+        _print_status(info)
+
+
+def _print_status(info: ClusterInfo) -> None:
+    mode = f"netns (bridge {info.bridge}, controller {info.controller_addr})" if info.netns else "loopback"
+    click.echo(f"dev cluster: up, {len(info.nodes)} nodes, {mode}, nic {info.nic}")
+    click.echo(f"state dir:   {info.state_dir}")
+    click.echo(f"slurm.conf:  {info.slurm_conf}")
+    click.echo(
+        f"partitions:  {DEFAULT_PARTITION} (default, MaxTime {DEBUG_MAX_TIME}), short (MaxTime {SHORT_MAX_TIME})"
+    )
+    rows = [("NODE", "ADDR", "PORT", "CPUS", "STATE", "SLURMD")]
+    for node in info.nodes:
+        pid = info.daemons.get(f"slurmd:{node}")
+        rows.append((
+            node,
+            info.node_addrs.get(node, "?"),
+            str(info.slurmd_ports.get(node, "?")),
+            str(info.cpus_per_node),
+            info.node_states.get(node, "?"),
+            f"pid {pid}" if pid else "not running",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+if __name__ == "__main__":
+    cluster()

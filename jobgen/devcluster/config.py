@@ -1,0 +1,173 @@
+"""Render the dev cluster's slurm.conf and decide its layout on disk.
+
+The settings follow what was measured on the 2-core, GPU-less build machines
+(see "Facts measured on this machine kind" in the design): root daemons with
+no cgroups, several ``slurmd -N nodeK`` on one host, CPUs declared beyond the
+real core count, and timings that make failure tests finish in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+SLURMCTLD_PORT = 16817
+# Off Slurm's defaults (6817/6818) so a system Slurm on the same host is left alone.
+SLURMD_BASE_PORT = 17001
+CLUSTER_NAME = "jobgen"
+
+PARTITIONS = ("debug", "short")
+DEFAULT_PARTITION = "debug"
+DEBUG_MAX_TIME = "1-00:00:00"
+# Short on purpose: the preflight tests submit a job whose time exceeds it.
+SHORT_MAX_TIME = "00:05:00"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every file of one dev cluster lives, all below its state dir."""
+
+    root: Path
+
+    @property
+    def slurm_conf(self) -> Path:
+        return self.root / "slurm.conf"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.root / "log"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def ctld_state(self) -> Path:
+        return self.root / "slurmctld"
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.root / "spool"
+
+    @property
+    def slurmctld_pidfile(self) -> Path:
+        return self.run_dir / "slurmctld.pid"
+
+    @property
+    def slurmctld_log(self) -> Path:
+        return self.log_dir / "slurmctld.log"
+
+    def slurmd_pidfile(self, node: str) -> Path:
+        return self.run_dir / f"slurmd.{node}.pid"
+
+    def slurmd_log(self, node: str) -> Path:
+        return self.log_dir / f"slurmd.{node}.log"
+
+    def stdout_log(self, daemon: str) -> Path:
+        """stdout/stderr of a daemon: what it says before its own log is open."""
+        return self.log_dir / f"{daemon}.out"
+
+    def mkdirs(self, nodes: list[str]) -> None:
+        # slurmd creates its spool dir itself, but complains first that the
+        # domain socket directory is missing.
+        node_spools = [self.spool_dir / node for node in nodes]
+        for path in (self.root, self.log_dir, self.run_dir, self.ctld_state, self.spool_dir, *node_spools):
+            path.mkdir(parents=True, exist_ok=True)
+            # Plain users read slurm.conf and the logs (sinfo, jobgen status).
+            path.chmod(0o755)
+
+
+def node_names(count: int) -> list[str]:
+    return [f"node{k}" for k in range(1, count + 1)]
+
+
+def render_slurm_conf(
+    *,
+    layout: Layout,
+    hostname: str,
+    controller_addr: str,
+    node_addrs: dict[str, str],
+    cpus_per_node: int,
+    mem_per_node_mb: int,
+) -> str:
+    """The slurm.conf text for ``len(node_addrs)`` nodes named node1..nodeN.
+
+    One NodeName line per node, because in netns mode every node has its own
+    address; the ports still follow node order (17001, 17002, ...).
+    """
+    nodes = list(node_addrs)
+    hostlist = f"node[1-{len(nodes)}]" if len(nodes) > 1 else nodes[0]
+    node_lines = [
+        f"NodeName={name} NodeHostname={hostname} NodeAddr={addr} "
+        f"Port={SLURMD_BASE_PORT + i} CPUs={cpus_per_node} "
+        f"RealMemory={mem_per_node_mb} State=UNKNOWN"
+        for i, (name, addr) in enumerate(node_addrs.items())
+    ]
+    spool = layout.spool_dir
+    return "\n".join(
+        [
+            "# Written by `jobgen cluster up`; removed by `jobgen cluster down`.",
+            "# A dev cluster: several `slurmd -N nodeK` on one host.",
+            f"ClusterName={CLUSTER_NAME}",
+            f"SlurmctldHost={hostname}({controller_addr})",
+            f"SlurmctldPort={SLURMCTLD_PORT}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            "",
+            "# No cgroups here: track job processes by parentage and bind nothing.",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "MpiDefault=none",
+            "SwitchType=switch/none",
+            "MailProg=/bin/true",
+            "",
+            "# CPUs are the only consumable; memory is advisory so jobs never",
+            "# pend on the host's real memory.",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "# Declared CPUs may exceed the host's real cores.",
+            "SlurmdParameters=config_overrides",
+            "",
+            "# Reject at submission what can never run (e.g. --time above the",
+            "# partition's MaxTime), as production clusters do; Slurm's default",
+            "# accepts such a job and leaves it pending forever.",
+            "EnforcePartLimits=ALL",
+            "SchedulerType=sched/backfill",
+            "SchedulerParameters=sched_interval=5,bf_interval=5",
+            "",
+            "# No slurmdbd, so sacct does not work: keep finished jobs visible to",
+            "# `scontrol show job` for 10 minutes instead.",
+            "AccountingStorageType=accounting_storage/none",
+            "JobCompType=jobcomp/none",
+            "MinJobAge=600",
+            "MaxArraySize=1001",
+            "KillWait=30",
+            "JobRequeue=1",
+            "# Tests kill a slurmd and expect its node DOWN within ~20s and back",
+            "# as soon as the slurmd registers again.",
+            "SlurmdTimeout=20",
+            "ReturnToService=2",
+            "SlurmctldTimeout=30",
+            "InactiveLimit=0",
+            "MessageTimeout=10",
+            "",
+            f"StateSaveLocation={layout.ctld_state}",
+            f"SlurmctldPidFile={layout.slurmctld_pidfile}",
+            f"SlurmctldLogFile={layout.slurmctld_log}",
+            f"SlurmdSpoolDir={spool}/%n",
+            f"SlurmdPidFile={layout.run_dir}/slurmd.%n.pid",
+            f"SlurmdLogFile={layout.log_dir}/slurmd.%n.log",
+            "SlurmctldDebug=info",
+            "SlurmdDebug=info",
+            "",
+            *node_lines,
+            "",
+            f"PartitionName={DEFAULT_PARTITION} Nodes={hostlist} Default=YES "
+            f"MaxTime={DEBUG_MAX_TIME} State=UP",
+            f"PartitionName=short Nodes={hostlist} MaxTime={SHORT_MAX_TIME} State=UP",
+            "",
+        ]
+    )

@@ -1,0 +1,261 @@
+"""Install, start and watch the dev cluster's daemons: munged, slurmctld, slurmd.
+
+What ``up`` runs, for a state dir S::
+
+    munged -F                                   (as user munge, only if munge is not answering)
+    slurmctld -D -i -f S/slurm.conf
+    slurmd -D -f S/slurm.conf -N node1          (netns mode: nsenter --net=/run/netns/jgnode1 slurmd ...)
+
+Daemons run in the foreground of their own session (``-D`` under
+``start_new_session``), so the pid is known at once and an early crash is
+noticed while ``up`` is still waiting, instead of after a timeout.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import procs
+from .config import Layout
+from .state import ClusterError
+
+SLURM_PACKAGES = ("slurm-wlm", "munge")
+SLURM_BINARIES = ("slurmctld", "slurmd", "sinfo", "sbatch", "srun", "scontrol", "munged", "munge", "unmunge")
+MUNGE_KEY = Path("/etc/munge/munge.key")
+MUNGE_RUNDIR = Path("/run/munge")
+MUNGE_DIRS = (Path("/var/log/munge"), Path("/var/lib/munge"))
+DAEMON_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def log(msg: str) -> None:
+    print(f"[jobgen cluster] {msg}", file=sys.stderr, flush=True)
+
+
+def missing_binaries(extra: tuple[str, ...] = ()) -> list[str]:
+    return [b for b in SLURM_BINARIES + extra if shutil.which(b, path=DAEMON_PATH) is None]
+
+
+def apt_install(packages: list[str]) -> None:
+    """``apt-get update && apt-get install -y PACKAGES``, failing with apt's own words."""
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for args in (["apt-get", "update"], ["apt-get", "install", "-y", *packages]):
+        log(f"running {' '.join(args)}")
+        proc = subprocess.run(args, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
+            if args[1] == "update":
+                # Offline, the package lists and .debs already on disk may do.
+                log(f"warning: apt-get update failed; trying the install anyway:\n{tail}")
+                continue
+            raise ClusterError(f"`{' '.join(args)}` failed (exit {proc.returncode}):\n{tail}")
+
+
+def daemon_env(state_dir: Path, slurm_conf: Path) -> dict[str, str]:
+    """A clean environment for the daemons: the caller's venv or PYTHONPATH must
+    not leak into every job, and the marker lets ``down`` find leftover steps."""
+    return {
+        "PATH": DAEMON_PATH,
+        "LANG": "C.UTF-8",
+        "HOME": "/root",
+        "SLURM_CONF": str(slurm_conf),
+        procs.MARKER_ENV: str(state_dir),
+    }
+
+
+def spawn(argv: list[str], out: Path, env: dict[str, str], **kwargs: object) -> int:
+    """Start ``argv`` in its own session with output appended to ``out``; return its pid."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "ab") as fh:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+            **kwargs,  # type: ignore[arg-type]
+        )
+    return proc.pid
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"    ({path}: missing)"
+    body = "\n".join("    " + line for line in text.splitlines()[-lines:])
+    return f"  --- {path} (last {lines} lines) ---\n{body or '    (empty)'}"
+
+
+# --- munge -----------------------------------------------------------------
+
+
+def munge_answers() -> bool:
+    """``munge -n | unmunge``: the test every Slurm daemon's auth depends on."""
+    try:
+        cred = subprocess.run(["munge", "-n"], capture_output=True, timeout=10)
+        if cred.returncode != 0:
+            return False
+        check = subprocess.run(["unmunge"], input=cred.stdout, capture_output=True, timeout=10)
+        return check.returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def ensure_munge_key() -> bool:
+    """Make /etc/munge/munge.key exist, owned by munge, mode 0400; True if created here."""
+    munge = pwd.getpwnam("munge")
+    created = False
+    if not MUNGE_KEY.exists():
+        MUNGE_KEY.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chown(MUNGE_KEY.parent, munge.pw_uid, munge.pw_gid)
+        fd = os.open(MUNGE_KEY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(os.urandom(1024))
+        created = True
+    st = MUNGE_KEY.stat()
+    if (st.st_uid, st.st_gid) != (munge.pw_uid, munge.pw_gid):
+        os.chown(MUNGE_KEY, munge.pw_uid, munge.pw_gid)
+    if st.st_mode & 0o077:
+        # munged refuses a key that group or others can read.
+        os.chmod(MUNGE_KEY, 0o400)
+    return created
+
+
+def start_munged(layout: Layout) -> tuple[int, bool]:
+    """Start munged as user munge; return (pid, whether /run/munge was created)."""
+    munge = pwd.getpwnam("munge")
+    group = grp.getgrgid(munge.pw_gid)
+    rundir_created = not MUNGE_RUNDIR.exists()
+    for path in (MUNGE_RUNDIR, *MUNGE_DIRS):
+        path.mkdir(parents=True, exist_ok=True)
+        os.chown(path, munge.pw_uid, munge.pw_gid)
+    MUNGE_RUNDIR.chmod(0o755)  # plain users' clients must reach the socket
+    pid = spawn(
+        ["munged", "-F"],
+        layout.stdout_log("munged"),
+        {"PATH": DAEMON_PATH, "LANG": "C.UTF-8"},
+        user=munge.pw_uid,
+        group=group.gr_gid,
+        extra_groups=[],
+        cwd="/",
+    )
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if munge_answers():
+            return pid, rundir_created
+        if not procs.is_alive(pid):
+            break
+        time.sleep(0.2)
+    raise ClusterError(
+        "munged did not start answering `munge -n | unmunge`:\n"
+        + tail(layout.stdout_log("munged"))
+        + "\n"
+        + tail(Path("/var/log/munge/munged.log"))
+    )
+
+
+# --- slurm -----------------------------------------------------------------
+
+
+def start_slurmctld(layout: Layout, env: dict[str, str]) -> int:
+    # -i: ignore state files a killed earlier run may have left half-written.
+    return spawn(
+        ["slurmctld", "-D", "-i", "-f", str(layout.slurm_conf)],
+        layout.stdout_log("slurmctld"),
+        env,
+        cwd=str(layout.root),
+    )
+
+
+def start_slurmd(layout: Layout, env: dict[str, str], node: str, netns_path: str | None) -> int:
+    argv = ["slurmd", "-D", "-f", str(layout.slurm_conf), "-N", node]
+    if netns_path:
+        # nsenter, not `ip netns exec`: the latter remounts /sys, and slurmd
+        # then fails to initialise.  nsenter execs slurmd, so the pid is slurmd's.
+        argv = ["nsenter", f"--net={netns_path}", "--", *argv]
+    return spawn(argv, layout.stdout_log(f"slurmd.{node}"), env, cwd=str(layout.root))
+
+
+def slurmctld_matches(pid: int | None, layout: Layout) -> bool:
+    return procs.matches(pid, "slurmctld", str(layout.slurm_conf))
+
+
+def slurmd_matches(pid: int | None, layout: Layout, node: str) -> bool:
+    if not procs.matches(pid, "slurmd", str(layout.slurm_conf)):
+        return False
+    argv = procs.cmdline(pid)  # type: ignore[arg-type]
+    return any(a == "-N" and b == node for a, b in zip(argv, argv[1:]))
+
+
+def node_states(slurm_conf: Path | str, timeout: float = 10.0) -> dict[str, str]:
+    """``sinfo -N``: node name to its state (e.g. "idle", "idle*", "down*", "mix")."""
+    proc = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N %t"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, SLURM_CONF=str(slurm_conf)),
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise ClusterError(f"sinfo failed: {proc.stderr.strip()}")
+    states: dict[str, str] = {}
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            # A node in two partitions is listed twice with the same state.
+            states[parts[0]] = parts[1]
+    return states
+
+
+RESPONSIVE = {"idle", "mix", "alloc", "comp", "resv", "plnd"}
+
+
+def wait_for_nodes(
+    layout: Layout,
+    nodes: list[str],
+    watched: dict[str, int],
+    timeout: float,
+    want: set[str] | None = None,
+) -> dict[str, str]:
+    """Wait until every node's sinfo state is in ``want`` (default: only "idle").
+
+    ``watched`` maps daemon names to pids; if one dies meanwhile, fail at once.
+    """
+    want = want or {"idle"}
+    deadline = time.monotonic() + timeout
+    states: dict[str, str] = {}
+    last_error = ""
+    while True:
+        for name, pid in watched.items():
+            if not procs.is_alive(pid):
+                raise ClusterError(f"{name} (pid {pid}) exited during startup:\n" + logs_report(layout, nodes))
+        try:
+            states = node_states(layout.slurm_conf)
+            last_error = ""
+        except (ClusterError, subprocess.TimeoutExpired) as exc:
+            last_error = str(exc)
+        if states and all(states.get(n) in want for n in nodes):
+            return states
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"nodes did not become {'/'.join(sorted(want))} within {timeout:.0f}s "
+                f"(sinfo: {states or last_error}):\n" + logs_report(layout, nodes)
+            )
+        time.sleep(0.5)
+
+
+def logs_report(layout: Layout, nodes: list[str]) -> str:
+    parts = [tail(layout.slurmctld_log), tail(layout.stdout_log("slurmctld"), 5)]
+    for node in nodes:
+        parts.append(tail(layout.slurmd_log(node), 10))
+        parts.append(tail(layout.stdout_log(f"slurmd.{node}"), 5))
+    return "\n".join(parts)

@@ -1,0 +1,484 @@
+"""Bring the dev cluster up, repair it, read its status, and take it down.
+
+Entry points (also behind ``jobgen cluster up|down|status``)::
+
+    python -c 'import jobgen.devcluster as c; c.up(nodes=2, netns=True)'
+    python -c 'import jobgen.devcluster as c; c.down()'
+
+Rules that shape the code:
+
+* Every resource is recorded in the state file the moment it exists, so a
+  killed ``up`` leaves a record and ``down`` (or the next ``up``) undoes it.
+* ``down`` only touches what the record names: pids are verified against
+  their command line, /etc/slurm/slurm.conf is removed only if it still points
+  at our slurm.conf, and munged only if we started it.
+* A second ``up`` with the same shape restarts any dead daemon and otherwise
+  does nothing; a record whose daemons are all dead is stale and is cleaned.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from . import daemons, netns as netns_mod, procs
+from .config import (
+    DEFAULT_PARTITION,
+    PARTITIONS,
+    SLURMCTLD_PORT,
+    SLURMD_BASE_PORT,
+    Layout,
+    node_names,
+    render_slurm_conf,
+)
+from .daemons import log
+from .state import (
+    ClusterError,
+    ClusterInfo,
+    State,
+    global_lock,
+    load_state,
+    resolve_state_dir,
+    save_state,
+)
+
+SYSTEM_SLURM_CONF = Path("/etc/slurm/slurm.conf")
+DEFAULT_TIMEOUT = 120.0
+# What a state dir may hold; anything else means the directory is not ours to wipe.
+OUR_ENTRIES = {"state.json", "slurm.conf", "log", "run", "slurmctld", "spool"}
+
+
+def _require_root(action: str) -> None:
+    if os.geteuid() != 0:
+        raise ClusterError(f"`jobgen cluster {action}` must run as root (it starts daemons and edits /etc)")
+
+
+def _hostname() -> str:
+    # slurmctld only starts on a host whose short name matches SlurmctldHost.
+    return socket.gethostname().split(".")[0]
+
+
+# --- liveness ----------------------------------------------------------------
+
+
+def _live_daemons(state: State) -> dict[str, int]:
+    """Slurm daemons (not munged) of this cluster that are running, by name."""
+    layout = Layout(Path(state.info.state_dir))
+    live = {}
+    for name in ["slurmctld", *(f"slurmd:{n}" for n in state.info.nodes)]:
+        if name == "slurmctld":
+            pidfile = layout.slurmctld_pidfile
+        else:
+            pidfile = layout.slurmd_pidfile(name.removeprefix("slurmd:"))
+        # The daemon's own pid file too: `up` may have been killed between
+        # starting a daemon and recording its pid.
+        for pid in (state.resources.daemons.get(name), procs.read_pidfile(pidfile)):
+            if _is_our_daemon(name, pid, layout):
+                live[name] = pid  # type: ignore[assignment]
+                break
+    return live
+
+
+def _is_our_daemon(name: str, pid: int | None, layout: Layout) -> bool:
+    if name == "slurmctld":
+        return daemons.slurmctld_matches(pid, layout)
+    return daemons.slurmd_matches(pid, layout, name.removeprefix("slurmd:"))
+
+
+def status(state_dir: str | os.PathLike[str] | None = None) -> ClusterInfo | None:
+    """The running cluster's info with live node states, or None when it is not up.
+
+    ``jobgen cluster status [--json]``.
+
+    Safe for plain users and other processes: it only reads the state file,
+    /proc/PID/cmdline and ``sinfo``.
+    """
+    state = load_state(resolve_state_dir(state_dir))
+    if state is None or state.phase != "up":
+        return None
+    live = _live_daemons(state)
+    if "slurmctld" not in live:
+        return None
+    info = state.info
+    info.daemons = live
+    try:
+        info.node_states = daemons.node_states(info.slurm_conf)
+    except Exception:  # best effort: a hung slurmctld must not break status()
+        info.node_states = {}
+    return info
+
+
+# --- up ------------------------------------------------------------------------
+
+
+def up(
+    nodes: int = 2,
+    cpus_per_node: int = 4,
+    netns: bool = False,
+    state_dir: str | os.PathLike[str] | None = None,
+    *,
+    mem_per_node_mb: int = 4096,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> ClusterInfo:
+    """Start (or repair) the dev cluster and return its status once every node answers.
+
+    ``jobgen cluster up --nodes N --cpus-per-node C [--netns] [--state-dir DIR]``.
+    Same shape as a running cluster: restart dead daemons, else do nothing.
+    Other shape: ClusterError (run ``down`` first).  A record whose daemons
+    are all dead is torn down first.  Installs slurm-wlm and munge if missing.
+    """
+    _require_root("up")
+    if nodes < 1 or cpus_per_node < 1 or mem_per_node_mb < 64:
+        raise ClusterError("need nodes >= 1, cpus_per_node >= 1 and mem_per_node_mb >= 64")
+    root = resolve_state_dir(state_dir)
+    wanted = {"nodes": nodes, "cpus_per_node": cpus_per_node, "mem_per_node_mb": mem_per_node_mb, "netns": netns}
+    with global_lock():
+        existing = load_state(root)
+        if existing is not None:
+            if not _live_daemons(existing):
+                log(f"found a stale dev cluster record in {root} (no daemon alive); cleaning it up")
+                _report(_teardown(existing))
+            elif existing.info.shape != wanted:
+                raise ClusterError(
+                    f"a dev cluster with a different shape is up in {root} "
+                    f"({_describe(existing.info.shape)}; asked for {_describe(wanted)}); "
+                    f"run `jobgen cluster down` first"
+                )
+            else:
+                _repair(existing, timeout)
+                info = status(root)
+                if info is None:
+                    raise ClusterError(f"the dev cluster in {root} did not come back; run `jobgen cluster down`")
+                return info
+        _check_system_conf(root)
+        _check_port_free(SLURMCTLD_PORT)
+        _fresh_up(root, nodes, cpus_per_node, netns, mem_per_node_mb, timeout)
+    info = status(root)
+    if info is None:
+        raise ClusterError(f"the dev cluster in {root} went away right after starting")
+    return info
+
+
+def _describe(shape: dict[str, object]) -> str:
+    mode = "netns" if shape["netns"] else "loopback"
+    return f"{shape['nodes']} nodes x {shape['cpus_per_node']} CPUs, {shape['mem_per_node_mb']} MB, {mode}"
+
+
+def _check_system_conf(root: Path) -> None:
+    """/etc/slurm/slurm.conf must be absent, ours, or a leftover of a dead dev cluster."""
+    conf = SYSTEM_SLURM_CONF
+    if not conf.is_symlink():
+        if conf.exists():
+            raise ClusterError(
+                f"{conf} exists and is not a dev-cluster symlink; this machine has its own Slurm. "
+                f"Move it away to use `jobgen cluster up`."
+            )
+        return
+    target = Path(os.readlink(conf))
+    if target == root / "slurm.conf":
+        # Ours, left by a run whose record is gone: recreate it, so that this
+        # run records it and `down` removes it.
+        conf.unlink()
+        return
+    other = load_state(target.parent) if target.parent.is_dir() else None
+    if other is not None and _live_daemons(other):
+        raise ClusterError(
+            f"another dev cluster is up in {target.parent} ({conf} points there); "
+            f"run `jobgen cluster down --state-dir {target.parent}` first"
+        )
+    if other is not None:
+        log(f"cleaning up the stale dev cluster in {target.parent}")
+        _report(_teardown(other))
+    elif target.exists():
+        raise ClusterError(f"{conf} is a symlink to {target}, which is not a dev cluster's; remove it first")
+    if conf.is_symlink():
+        log(f"removing dangling {conf} -> {target} left by a killed dev cluster")
+        conf.unlink()
+
+
+def _check_port_free(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ClusterError(
+                    f"port {port} (slurmctld) is in use by another process; is another Slurm controller running?"
+                ) from exc
+            raise
+
+
+def _fresh_up(root: Path, nodes: int, cpus: int, use_netns: bool, mem_mb: int, timeout: float) -> None:
+    started = time.monotonic()
+    names = node_names(nodes)
+    extra = ("ip", "nsenter") if use_netns else ()
+    missing = daemons.missing_binaries(extra)
+    apt_installed: list[str] = []
+    if missing:
+        packages = list(daemons.SLURM_PACKAGES)
+        if "ip" in missing:
+            packages.append("iproute2")
+        log(f"missing {', '.join(missing)}; installing {' '.join(packages)}")
+        daemons.apt_install(packages)
+        apt_installed = packages
+        still = daemons.missing_binaries(extra)
+        if still:
+            raise ClusterError(f"still missing after apt-get install: {', '.join(still)}")
+
+    layout = Layout(root)
+    hostname = _hostname()
+    if use_netns:
+        plan = netns_mod.plan(names)
+        node_addrs, controller = plan.node_addrs, plan.bridge_addr
+    else:
+        plan = None
+        node_addrs, controller = {n: "127.0.0.1" for n in names}, "127.0.0.1"
+
+    if root.exists():
+        foreign = [p.name for p in root.iterdir() if p.name not in OUR_ENTRIES and not p.name.startswith(".state.")]
+        if foreign:
+            raise ClusterError(
+                f"{root} exists and holds files that are not a dev cluster's ({', '.join(sorted(foreign)[:5])}); "
+                f"choose another --state-dir"
+            )
+        shutil.rmtree(root)  # leftovers of a killed `up` without a usable record
+    layout.mkdirs(names)
+    info = ClusterInfo(
+        state_dir=str(root),
+        nodes=names,
+        netns=use_netns,
+        node_addrs=node_addrs,
+        nic="eth0" if use_netns else "lo",
+        partitions=list(PARTITIONS),
+        slurm_conf=str(layout.slurm_conf),
+        default_partition=DEFAULT_PARTITION,
+        cpus_per_node=cpus,
+        mem_per_node_mb=mem_mb,
+        hostname=hostname,
+        controller_addr=controller,
+        slurmctld_port=SLURMCTLD_PORT,
+        slurmd_ports={n: SLURMD_BASE_PORT + i for i, n in enumerate(names)},
+        bridge=netns_mod.BRIDGE if use_netns else None,
+        netns_names={n: netns_mod.ns_name(n) for n in names} if use_netns else {},
+        log_dir=str(layout.log_dir),
+        created_at=time.time(),
+    )
+    state = State(info=info)
+    state.resources.apt_installed = apt_installed
+    save_state(state)
+    log(f"starting a {_describe(info.shape)} dev cluster in {root}")
+    try:
+        res = state.resources
+        if plan is not None:
+            def record(kind: str, name: str) -> None:
+                if kind == "netns_dir":
+                    res.netns_dir_created = True
+                elif kind == "bridge":
+                    res.bridge = name
+                elif kind == "netns" and name not in res.namespaces:
+                    res.namespaces.append(name)
+                elif kind == "veth" and name not in res.veths:
+                    res.veths.append(name)
+                save_state(state)
+
+            netns_mod.create(plan, record)
+        # Node names resolve in both modes, so scripts may use them as hosts.
+        res.hosts_block = True
+        save_state(state)
+        netns_mod.add_hosts(node_addrs)
+
+        layout.slurm_conf.write_text(
+            render_slurm_conf(
+                layout=layout,
+                hostname=hostname,
+                controller_addr=controller,
+                node_addrs=node_addrs,
+                cpus_per_node=cpus,
+                mem_per_node_mb=mem_mb,
+            )
+        )
+        layout.slurm_conf.chmod(0o644)
+        if not os.path.lexists(SYSTEM_SLURM_CONF):
+            SYSTEM_SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
+            SYSTEM_SLURM_CONF.symlink_to(layout.slurm_conf)
+            res.slurm_conf_symlink = str(SYSTEM_SLURM_CONF)
+            save_state(state)
+
+        _ensure_munge(state, layout)
+        _start_slurm(state, layout, only=None, timeout=timeout, want={"idle"})
+        state.phase = "up"
+        save_state(state)
+    except BaseException as exc:
+        log(f"`up` failed ({type(exc).__name__}); undoing what it created")
+        _report(_teardown(state))
+        raise
+    log(f"up in {time.monotonic() - started:.1f}s")
+
+
+def _ensure_munge(state: State, layout: Layout) -> None:
+    if daemons.munge_answers():
+        return
+    res = state.resources
+    if daemons.ensure_munge_key():
+        res.munge_key_created = True
+        save_state(state)
+    log("starting munged")
+    pid, rundir_created = daemons.start_munged(layout)
+    res.munged_pid = pid
+    res.munge_rundir_created = res.munge_rundir_created or rundir_created
+    save_state(state)
+
+
+def _start_slurm(state: State, layout: Layout, only: set[str] | None, timeout: float, want: set[str]) -> None:
+    """Start slurmctld and the slurmds named in ``only`` (all when None), then wait.
+
+    slurmctld must answer before the slurmds start: a slurmd that cannot
+    register at startup waits for the controller's next ping, which is slow.
+    """
+    info, res = state.info, state.resources
+    env = daemons.daemon_env(Path(info.state_dir), layout.slurm_conf)
+    names = info.nodes if only is None else [n for n in info.nodes if n in only]
+    # Watch the daemons left running too: one that dies meanwhile should fail
+    # the wait at once, not after the timeout.
+    watched = dict(_live_daemons(state)) if only is not None else {}
+    if only is None or "slurmctld" in only:
+        pid = daemons.start_slurmctld(layout, env)
+        res.daemons["slurmctld"] = pid
+        save_state(state)
+        watched["slurmctld"] = pid
+        _wait_for_controller(layout, pid, info.nodes, timeout)
+    for node in names:
+        pid = daemons.start_slurmd(layout, env, node, netns_mod.ns_path(node) if info.netns else None)
+        res.daemons[f"slurmd:{node}"] = pid
+        save_state(state)
+        watched[f"slurmd:{node}"] = pid
+    daemons.wait_for_nodes(layout, info.nodes, watched, timeout, want=want)
+
+
+def _wait_for_controller(layout: Layout, pid: int, nodes: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if not procs.is_alive(pid):
+            raise ClusterError(f"slurmctld (pid {pid}) exited at startup:\n" + daemons.logs_report(layout, []))
+        try:
+            daemons.node_states(layout.slurm_conf, timeout=5)
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"slurmctld did not answer within {timeout:.0f}s:\n" + daemons.logs_report(layout, [])
+                ) from None
+            time.sleep(0.3)
+
+
+def _repair(state: State, timeout: float) -> None:
+    """Restart whatever died (munged, slurmctld, slurmds) in a cluster that is up."""
+    layout = Layout(Path(state.info.state_dir))
+    live = _live_daemons(state)
+    dead = {"slurmctld"} - set(live)
+    dead |= {n for n in state.info.nodes if f"slurmd:{n}" not in live}
+    if not dead and daemons.munge_answers():
+        log(f"already up in {state.info.state_dir}: nothing to do")
+        return
+    _ensure_munge(state, layout)
+    if not dead:
+        return
+    log(f"restarting {', '.join(sorted(dead))}")
+    if state.info.netns:
+        missing = [n for n in state.info.nodes if not os.path.exists(netns_mod.ns_path(n))]
+        if missing:
+            raise ClusterError(
+                f"the network namespaces of {', '.join(missing)} are gone; run `jobgen cluster down` and `up` again"
+            )
+    # Responsive is enough: nodes may be running jobs, or recovering to idle.
+    _start_slurm(state, layout, only=dead, timeout=timeout, want=daemons.RESPONSIVE)
+    state.phase = "up"
+    save_state(state)
+
+
+# --- down --------------------------------------------------------------------
+
+
+def down(state_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Stop what ``up`` started and remove what it created; False when nothing was up.
+
+    ``jobgen cluster down [--state-dir DIR]``.  Packages installed by ``up``
+    stay installed.
+    """
+    _require_root("down")
+    root = resolve_state_dir(state_dir)
+    with global_lock():
+        state = load_state(root)
+        if state is None:
+            log(f"no dev cluster recorded in {root}; nothing to do")
+            return False
+        started = time.monotonic()
+        errors = _teardown(state)
+        _report(errors)
+        if errors:
+            raise ClusterError("`down` could not undo everything:\n  " + "\n  ".join(errors))
+        log(f"down in {time.monotonic() - started:.1f}s")
+        return True
+
+
+def _teardown(state: State) -> list[str]:
+    """Undo everything in the record, in reverse order; collect errors, never stop early."""
+    info, res = state.info, state.resources
+    layout = Layout(Path(info.state_dir))
+    errors: list[str] = []
+
+    # Slurm first: daemons, the slurmstepds they left behind, and every job
+    # process below those (or, in netns mode, anywhere in the nodes' namespaces).
+    roots = set(_live_daemons(state).values())
+    roots |= procs.marked_pids(info.state_dir, info.slurm_conf)
+    if info.netns:
+        roots |= procs.pids_in_netns(netns_mod.ns_path(n) for n in info.nodes)
+    targets = procs.with_descendants(roots)
+    if targets:
+        stepds = {p for p in targets if procs.comm(p) == "slurmstepd"}
+        hard = procs.terminate(targets, grace=5.0, kill_first=stepds)
+        if hard:
+            log(f"killed {len(hard)} process(es) that ignored SIGTERM")
+    left = [p for p in targets if procs.is_alive(p)] if targets else []
+    left = [p for p in left if p not in procs.own_lineage()]
+    if left:
+        errors.append(f"processes still alive: {left}")
+
+    if res.munged_pid and procs.matches(res.munged_pid, "munged"):
+        procs.terminate([res.munged_pid], grace=5.0)
+    if res.munge_key_created:
+        try:
+            daemons.MUNGE_KEY.unlink()
+        except FileNotFoundError:
+            pass
+    if res.munge_rundir_created:
+        shutil.rmtree(daemons.MUNGE_RUNDIR, ignore_errors=True)
+
+    if res.slurm_conf_symlink:
+        link = Path(res.slurm_conf_symlink)
+        if link.is_symlink() and Path(os.readlink(link)) == layout.slurm_conf:
+            link.unlink()
+
+    if res.hosts_block:
+        try:
+            netns_mod.remove_hosts()
+        except OSError as exc:
+            errors.append(f"/etc/hosts: {exc}")
+
+    errors += netns_mod.destroy(
+        namespaces=res.namespaces, veths=res.veths, bridge=res.bridge, netns_dir=res.netns_dir_created
+    )
+
+    if not errors:
+        shutil.rmtree(info.state_dir, ignore_errors=True)
+    return errors
+
+
+def _report(errors: list[str]) -> None:
+    for err in errors:
+        log(f"warning: {err}")

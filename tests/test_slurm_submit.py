@@ -1,0 +1,262 @@
+"""Submission on the real dev cluster (3 nodes, each its own host in --netns mode).
+
+These tests start real jobs through sbatch → srun → torchrun; they share one
+cluster (the session fixture) and each uses its own runs root under tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, jobgen, write_spec
+from jobgen import slurm
+
+pytestmark = pytest.mark.slurm
+
+
+def wait_until_gone(job_ids: list[int], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while slurm.queue(job_ids):
+        assert time.monotonic() < deadline, f"jobs {job_ids} still queued after {timeout}s: {slurm.queue(job_ids)}"
+        time.sleep(1)
+
+
+def job_id_of(stdout: str) -> int:
+    match = re.search(r"submitted (?:doctor )?job (\d+)", stdout)
+    assert match, stdout
+    return int(match.group(1))
+
+
+def final_state(job_id: int) -> dict[str, str]:
+    (record,) = slurm.show_job(job_id)
+    return record
+
+
+def test_doctor_example_runs_world_size_four_on_two_hosts(cluster, tmp_path: Path):
+    env = {"HOME": str(tmp_path)}  # examples/doctor.toml keeps its runs under ~/jobgen-runs
+    proc = jobgen("submit", str(REPO / "examples" / "doctor.toml"), env=env, check=True)
+    job_id = job_id_of(proc.stdout)
+    wait_until_gone([job_id])
+    run = tmp_path / "jobgen-runs" / "doctor"
+    log = (run / "logs" / f"doctor-{job_id}.out").read_text()
+    verdict = json.loads((run / "doctor.json").read_text())
+    assert verdict["ok"], log
+    assert verdict["world_size"] == verdict["expected_world_size"] == 4
+    assert verdict["nodes"] == ["node1", "node2"]
+    assert sorted((r["node"], r["local_rank"]) for r in verdict["ranks"]) == [
+        ("node1", 0), ("node1", 1), ("node2", 0), ("node2", 1)]
+    # The rendezvous used the head's own eth0 address, not a hostname or localhost.
+    head_addr = cluster.node_addrs["node1"]
+    assert f"rendezvous at {head_addr}:" in log
+    assert "RESULT: all 4 ranks OK on 2 node(s)" in log
+    assert final_state(job_id)["ExitCode"] == "0:0"
+    repro = run / "repro" / str(job_id)
+    assert (repro / "nodes.txt").read_text().split() == ["node1", "node2"]
+    assert "torch==2.13.0" in (repro / "pip-freeze.txt").read_text()
+    assert "JobId=" in (repro / "job.txt").read_text()
+
+
+def test_doctor_command_reports_every_rank(cluster, tmp_path: Path):
+    proc = jobgen("doctor", "--nodes", "2", env={"HOME": str(tmp_path)}, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT: all 4 ranks OK on 2 node(s)" in proc.stdout
+    assert re.search(r"^node1\s+0,1\s", proc.stdout, re.M) and re.search(r"^node2\s+2,3\s", proc.stdout, re.M)
+
+
+def test_wrong_nic_fails_fast_with_a_clear_message(cluster, tmp_path: Path):
+    spec = write_spec(tmp_path, """
+        [site]
+        profile = "local"
+        network.ifname = "eth9"
+        [job]
+        name = "bad-nic"
+        program = "doctor"
+        nodes = 2
+        procs_per_node = 2
+        time = "5m"
+        exit_grace = "1m"
+        runs_root = "runs"
+    """)
+    started = time.monotonic()
+    job_id = job_id_of(jobgen("submit", str(spec), check=True).stdout)
+    wait_until_gone([job_id], timeout=90)
+    elapsed = time.monotonic() - started
+    log = (tmp_path / "runs" / "bad-nic" / "logs" / f"bad-nic-{job_id}.out").read_text()
+    assert "has no IPv4 address on interface 'eth9' (site network.ifname)" in log
+    assert final_state(job_id)["ExitCode"] == "3:0"
+    assert elapsed < 60, f"took {elapsed:.0f}s to fail"
+
+
+PREFLIGHT_CASES = {
+    "too-many-nodes": ('nodes = 5', "job.nodes: 5 nodes requested but partition 'debug' has 3"),
+    "over-max-time": ('partition = "short"\n        time = "10m"', "job.time: 10m exceeds partition 'short' MaxTime 5m"),
+    "no-partition": ('partition = "gpu-nope"', "partition 'gpu-nope' does not exist"),
+    "excluded-away": ('nodes = 2\n        exclude = ["node[1-2]"]', "2 nodes requested but partition 'debug' has 1 after excluding node1, node2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PREFLIGHT_CASES))
+def test_preflight_refuses_before_queueing(cluster, tmp_path: Path, case: str):
+    line, message = PREFLIGHT_CASES[case]
+    body = f"""
+        site = "local"
+        [job]
+        name = "pre"
+        program = "doctor"
+        {line}
+        exit_grace = "1m"
+        runs_root = "runs"
+    """
+    if "time =" not in line:
+        body = body.replace('exit_grace = "1m"', 'time = "5m"\n        exit_grace = "1m"')
+    proc = jobgen("submit", str(write_spec(tmp_path, body)))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr
+    assert not (tmp_path / "runs" / "pre").exists()
+
+
+def test_preflight_refuses_gres_the_cluster_lacks(cluster, tmp_path: Path):
+    spec = write_spec(tmp_path, """
+        [site]
+        profile = "local"
+        slurm.gpus_per_node = 2
+        [job]
+        name = "gpus"
+        program = "doctor"
+        procs_per_node = 2
+        time = "5m"
+        exit_grace = "1m"
+        runs_root = "runs"
+    """)
+    proc = jobgen("submit", str(spec))
+    assert proc.returncode == 2 and "site.slurm.gpus_per_node: 2 x gres 'gpu' per node" in proc.stderr
+
+
+@pytest.mark.parametrize("variant", [
+    'exclude = ["node3"]',
+    'nodelist = ["node[1-2]"]',
+])
+def test_sbatch_test_only_accepts_rendered_variants(cluster, tmp_path: Path, variant: str):
+    spec = write_spec(tmp_path, f"""
+        [site]
+        profile = "local"
+        slurm.hint_nomultithread = true
+        slurm.output_per_node = true
+        slurm.mem = "1G"
+        slurm.exclusive = true
+        network.debug = true
+        [job]
+        name = "variant"
+        program = "doctor"
+        nodes = 2
+        time = "5m"
+        exit_grace = "1m"
+        runs_root = "runs"
+        {variant}
+    """)
+    proc = jobgen("submit", str(spec), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "would create/continue" in proc.stdout and "sbatch --parsable" in proc.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_failed_sbatch_leaves_no_run_directory(cluster, tmp_path: Path):
+    from jobgen.loader import load_run
+    from jobgen.submit import submit
+
+    spec = load_run(write_spec(tmp_path, """
+        site = "local"
+        [job]
+        name = "ghost"
+        program = "doctor"
+        partition = "nope"
+        time = "5m"
+        exit_grace = "1m"
+        runs_root = "runs"
+    """))
+    with pytest.raises(slurm.SlurmError, match="partition"):
+        submit(spec, skip_preflight=True)
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_array_after_chaining_and_kill_switch_burn_through(cluster, tmp_path: Path):
+    """An array chained --after a running job waits for it; with the kill switch set,
+    every task exits within seconds, one task at a time (%1), before srun."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    blocker = write_spec(tmp_path, """
+        site = "local"
+        [job]
+        name = "blocker"
+        program = "doctor"
+        nodes = 2
+        procs_per_node = 2
+        time = "5m"
+        exit_grace = "1m"
+        runs_root = "runs"
+    """, name="blocker.toml")
+    train = write_spec(tmp_path, """
+        site = "local"
+        [job]
+        name = "chained"
+        time = "5m"
+        exit_grace = "1m"
+        array = 3
+        runs_root = "runs"
+        [model]
+        path = "model"
+        [data]
+        path = "data.jsonl"
+    """, name="train.toml")
+    first = job_id_of(jobgen("submit", str(blocker), check=True).stdout)
+    second = job_id_of(jobgen("submit", str(train), "--after", str(first), check=True).stdout)
+    run = tmp_path / "runs" / "chained"
+    jobgen("stop", str(run), check=True)
+    assert (run / "switches" / "kill").exists()
+
+    # The scheduler gives the reason on its next pass; until then it reads "None".
+    deadline = time.monotonic() + 20
+    while True:
+        pending = slurm.queue([second])
+        assert pending and all(e.state == "PENDING" for e in pending), pending
+        if any(e.reason == "Dependency" for e in pending) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert any(e.reason == "Dependency" for e in pending), pending
+
+    # Resubmitting while the array is queued would start a second writer of the same run.
+    refused = jobgen("submit", str(train))
+    assert refused.returncode == 2 and f"--after {second}" in refused.stderr
+    third = job_id_of(jobgen("submit", str(train), "--after", str(second), "--array", "2", check=True).stdout)
+
+    wait_until_gone([first, second, third], timeout=240)
+    jobs = json.loads((run / "jobs.json").read_text())
+    assert [(j["job_id"], j["after"], j["array"]) for j in jobs] == [(second, first, 3), (third, second, 2)]
+    assert [j["options"][0] for j in jobs] == ["--array=1-3%1", "--array=1-2%1"]
+
+    logs = sorted((run / "logs").glob("chained-*.out"))
+    assert len(logs) == 5, [p.name for p in logs]
+    for path in logs:
+        text = path.read_text()
+        assert "kill switch" in text and "not starting" in text, text
+        assert "rendezvous" not in text
+    # One task at a time (%1), and the first only after the blocker ended (afterany).
+    (blocker_record,) = slurm.show_job(first)
+    tasks = sorted(slurm.show_job(second), key=lambda r: int(r["ArrayTaskId"]))
+    assert [r["ArrayTaskId"] for r in tasks] == ["1", "2", "3"]
+    assert all(r["JobState"] == "COMPLETED" and r["ExitCode"] == "0:0" for r in tasks)
+    assert tasks[0]["StartTime"] >= blocker_record["EndTime"]
+    for before, after in zip(tasks, tasks[1:]):
+        assert after["StartTime"] >= before["EndTime"]
+    # Burning through: each task exits within seconds.
+    for record in tasks:
+        minutes, seconds = record["RunTime"].split(":")[-2:]
+        assert int(minutes) == 0 and int(seconds) <= 10, record["RunTime"]
+    status = json.loads(jobgen("status", str(run), "--json", check=True).stdout)
+    assert status["state"] == "stopped"
+    assert len(status["tasks"]) == 5 and {t["state"] for t in status["tasks"]} == {"COMPLETED"}

@@ -1,0 +1,1 @@
+"""Scheduled checks that run as Slurm jobs and alert a person before a run dies."""
