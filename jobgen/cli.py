@@ -98,7 +98,7 @@ def render(spec_file: str, output_dir: str | None) -> None:
 
 def _print_findings(findings) -> None:
     for finding in findings:
-        click.echo(f"  {finding}", err=True)
+        click.echo(f"  {finding}", err=finding.level != "info")
 
 
 @main.command()
@@ -132,6 +132,7 @@ def submit(spec_file: str, array: int | None, after: int | None, dry_run: bool, 
         _fail(f"jobgen: not submitted: {exc}")
     _print_findings([f for f in result.findings if f.level == "warning"])
     if dry_run:
+        _print_findings([f for f in result.findings if f.level == "info"])
         click.echo(f"would create/continue {result.run_dir} and run:\n  {' '.join(result.command)}")
         return
     verb = "created" if result.created else "continuing"

@@ -22,7 +22,7 @@ UNUSABLE_STATES = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "N
 
 @dataclass(frozen=True)
 class Finding:
-    level: str  # "error" or "warning"
+    level: str  # "error", "warning" or "info"
     key: str  # spec key it concerns, "" for the cluster as a whole
     message: str
 
@@ -113,7 +113,8 @@ def preflight(spec: ResolvedSpec, script: Path, sbatch_options: list[str]) -> li
     findings = check_cluster(spec)
     if not any(f.level == "error" for f in findings):
         try:
-            slurm.sbatch_test_only(script, sbatch_options)
+            estimate = slurm.sbatch_test_only(script, sbatch_options)
+            findings.append(Finding("info", "", f"sbatch --test-only: {estimate.removeprefix('sbatch: ')}"))
         except slurm.SlurmError as exc:
             findings.append(Finding("error", "", f"sbatch --test-only refused the script: {exc.stderr}"))
     return findings

@@ -146,7 +146,9 @@ def format_status(status: RunStatus) -> str:
         lines.append("")
         lines.append(f"{'job id':>8}  {'task':<10} {'state':<12} {'exit':<6} {'nodes / reason'}")
         for t in status.tasks:
-            detail = t.nodes if t.state == "RUNNING" else (t.reason or t.nodes or "")
+            nodes = t.nodes if t.nodes not in (None, "", "(null)") else None
+            reason = t.reason if t.reason not in (None, "None") else None
+            detail = (nodes or reason) if t.state != "PENDING" else (reason or "")
             lines.append(f"{t.job_id:>8}  {t.array_task:<10} {t.state:<12} {t.exit_code or '':<6} {detail or ''}")
     lines.extend(f"note     {n}" for n in status.notes)
     return "\n".join(lines)

@@ -162,6 +162,8 @@ def test_sbatch_test_only_accepts_rendered_variants(cluster, tmp_path: Path, var
     proc = jobgen("submit", str(spec), "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "would create/continue" in proc.stdout and "sbatch --parsable" in proc.stdout
+    # Slurm itself accepted the exact script: its estimate names the nodes it would use.
+    assert re.search(r"info: sbatch --test-only: Job \d+ to start at \S+ using \d+ processors on nodes node", proc.stdout), proc.stdout
     assert not (tmp_path / "runs").exists()
 
 
