@@ -229,6 +229,44 @@ def doctor(nodes: int, procs_per_node: int | None, site_ref: str, partition: str
                         partition=partition, time_limit=time_limit, wait=wait))
 
 
+@main.command(name="make-tiny-model")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--hidden-size", default=64, show_default=True, type=click.IntRange(8, 4096))
+@click.option("--layers", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option("--heads", default=4, show_default=True, type=click.IntRange(1, 64))
+@click.option("--vocab-size", default=512, show_default=True, type=click.IntRange(300, 65536))
+@click.option("--seed", default=0, show_default=True, type=int)
+def make_tiny_model_command(directory: str, hidden_size: int, layers: int, heads: int, vocab_size: int, seed: int) -> None:
+    """A random tiny Llama-style model and a locally trained tokenizer with a chat template."""
+    from jobgen.tinymodel import make_tiny_model
+
+    if hidden_size % heads:
+        _fail(f"--hidden-size {hidden_size} must be a multiple of --heads {heads}", 2)
+    try:
+        path = make_tiny_model(Path(directory), hidden_size=hidden_size, layers=layers, heads=heads,
+                               vocab_size=vocab_size, seed=seed)
+    except FileExistsError as exc:
+        _fail(f"jobgen: {exc}", 2)
+    click.echo(f"tiny model and tokenizer written to {path}")
+
+
+@main.command()
+@click.argument("run_ref", metavar="RUN")
+@click.option("--to", "target", required=True, type=click.Path(file_okay=False), help="output directory (new or empty)")
+@click.option("--checkpoint", help="checkpoint name, e.g. step-00000120 (default: the newest complete one)")
+@click.option("--merge-lora", is_flag=True, help="merge LoRA adapters into the base weights")
+def export(run_ref: str, target: str, checkpoint: str | None, merge_lora: bool) -> None:
+    """A consolidated Hugging Face model (and tokenizer) from the run's checkpoint."""
+    run = _find_run(run_ref)
+    from trainer.export import ExportError, export as do_export
+
+    try:
+        source = do_export(run.load_spec(), run.path, Path(target), checkpoint=checkpoint, merge_lora=merge_lora)
+    except ExportError as exc:
+        _fail(f"jobgen export: {exc}", 2)
+    click.echo(f"exported {source.name} of {run.path} to {target}")
+
+
 def _register_cluster() -> None:
     from jobgen.devcluster.cli import cluster
 

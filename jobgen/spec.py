@@ -113,8 +113,16 @@ class DataSpec(StrictModel):
         "alpaca", description="How rows become prompt + response."
     )
     template: str | None = Field(
-        None, description="Jinja template over the row's columns, when format = 'template'."
+        None,
+        description=(
+            "Jinja template over the row's columns, when format = 'template', e.g. "
+            "'### Input: {{input}}\\n\\n### Label: {{output}}'. The text rendered from response_column is the response."
+        ),
     )
+    response_column: str = Field(
+        "output", description="Column holding the response (format 'template'); loss is computed on it only."
+    )
+    text_column: str = Field("text", description="Column holding the text (format 'text'); loss on all of it.")
     max_length: int = Field(1024, ge=8, le=1_048_576, description="Tokens per sequence; longer examples are truncated and counted.")
     packing: bool = Field(False, description="Pack examples into max_length rows without cross-example attention.")
 

@@ -55,6 +55,15 @@ def jobgen(*args: str, env: dict[str, str] | None = None, cwd: Path | None = Non
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`jobgen make-tiny-model` once per session: random tiny Llama + local tokenizer."""
+    pytest.importorskip("transformers")
+    from jobgen.tinymodel import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
 def cluster():
     """The dev cluster in --netns mode with 3 nodes; reused if one is already up."""
     if shutil.which("slurmctld") is None and os.geteuid() != 0:

@@ -113,9 +113,10 @@ def test_bare_site_branches():
 def test_kill_switch_is_checked_before_anything_else():
     text = by_name("local-doctor")
     body = text.split("set -euo pipefail", 1)[1]
-    assert body.index('"$SWITCHES/kill"') < body.index("srun") and body.index('"$SWITCHES/kill"') < body.index("source ")
+    check = body.index("for switch in kill abort; do")
+    assert check < body.index('[[ -e "$SWITCHES/$switch" ]]') < body.index("srun") and check < body.index("source ")
     train = by_name("h100-ib-train")
-    assert train.index('"$SWITCHES/kill"') < train.index('"$RUN_DIR/done"') < train.index("module purge")
+    assert train.index("for switch in kill abort") < train.index('"$RUN_DIR/done"') < train.index("module purge")
 
 
 def test_no_localhost_fallback_for_the_head_node():

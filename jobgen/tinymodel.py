@@ -1,0 +1,123 @@
+"""A random tiny Llama-style model and a tokenizer trained here: tests and demos need no hub.
+
+    jobgen make-tiny-model DIR [--hidden-size 64] [--layers 2] [--vocab-size 512] [--seed 0]
+
+The tokenizer is a byte-level BPE trained with the ``tokenizers`` library on the
+project's example data plus a fixed corpus, with ``<s>``/``</s>``/``<pad>`` and a
+ChatML chat template, saved as a ``PreTrainedTokenizerFast``. The model is a
+``LlamaForCausalLM`` with random weights from ``seed``. Both are written into a
+temporary directory next to DIR and renamed into place, so DIR is either complete
+or absent. Imports torch and transformers: only this command and the trainer do.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from jobgen.paths import EXAMPLES_DIR
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML; the generation prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_FIXED_CORPUS = [
+    "### Instruction:\n", "### Input:\n", "### Response:\n", "### Label:", "Below is an instruction.",
+    "The quick brown fox jumps over the lazy dog.", "0 1 2 3 4 5 6 7 8 9 10 100 1000",
+    "system user assistant", "You are a helpful assistant.",
+]
+
+
+def _corpus() -> list[str]:
+    texts = list(_FIXED_CORPUS)
+    for path in sorted((EXAMPLES_DIR / "data").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            for value in row.values():
+                if isinstance(value, str):
+                    texts.append(value)
+                elif isinstance(value, list):
+                    texts.extend(m.get("content", "") for m in value if isinstance(m, dict))
+    return texts
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE over the corpus, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+        padding_side="right",
+    )
+
+
+def make_tiny_model(
+    target: Path, *, hidden_size: int = 64, layers: int = 2, heads: int = 4, vocab_size: int = 512, seed: int = 0
+) -> Path:
+    """Write tokenizer + random LlamaForCausalLM to ``target`` atomically; return it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target = Path(target)
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target} exists and is not empty")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".staging", dir=target.parent))
+    try:
+        tokenizer = train_tokenizer(vocab_size)
+        tokenizer.save_pretrained(staging)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 2,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 2),
+            max_position_embeddings=2048,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=False,
+        )
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(staging, safe_serialization=True)
+        staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from the team
+        if target.exists():
+            target.rmdir()  # empty, checked above
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,269 @@
+"""trainer.data_cache: tokenize once, reuse, survive concurrent builders and a SIGKILLed rank 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.torch
+datasets = pytest.importorskip("datasets")
+pytest.importorskip("transformers")
+
+from jobgen.spec import DataSpec  # noqa: E402
+from trainer import data as data_mod  # noqa: E402
+from trainer.data import DataError  # noqa: E402
+from trainer.data_cache import (  # noqa: E402
+    STAGING_PREFIX,
+    DataCacheError,
+    cache_key,
+    hash_path,
+    is_complete,
+    prepare_dataset,
+    remove_stale_staging,
+    tokenizer_fingerprint,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+# rank 0 of a job, in its own process; the encoder is slowed (and optionally gated on
+# other builders being mid-way too) through trainer.data's module attributes.
+WORKER = r"""
+import json, sys, time
+from pathlib import Path
+args = json.loads(sys.argv[1])
+import datasets
+datasets.disable_progress_bars()
+from transformers import AutoTokenizer
+from jobgen.spec import DataSpec
+from trainer import data
+from trainer.data_cache import prepare_dataset
+
+data.MAP_BATCH_SIZE = args["batch_size"]
+original = data.Encoder.__call__
+
+def slow(self, batch, indices):
+    Path(args["marker"]).touch()
+    for other in args["wait_for"]:
+        deadline = time.time() + 120
+        while not Path(other).exists() and time.time() < deadline:
+            time.sleep(0.05)
+    time.sleep(args["delay"])
+    return original(self, batch, indices)
+
+data.Encoder.__call__ = slow
+tokenizer = AutoTokenizer.from_pretrained(args["model"])
+ds, stats, entry = prepare_dataset(DataSpec(**args["spec"]), tokenizer, args["model"], args["cache"],
+                                   rank=0, barrier=lambda: None)
+print(json.dumps({"entry": str(entry), "rows": len(ds), "stats": stats.to_dict()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture
+def spec(tmp_path) -> DataSpec:
+    path = tmp_path / "data" / "instructions.jsonl"
+    path.parent.mkdir()
+    shutil.copy(REPO / "examples" / "data" / "instructions.jsonl", path)
+    return DataSpec(path=str(path), format="alpaca", max_length=256)
+
+
+def no_barrier() -> None:
+    pass
+
+
+def entries(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.iterdir() if not p.name.startswith(STAGING_PREFIX) and p.name != "hub")
+
+
+def staging_dirs(cache: Path) -> list[Path]:
+    return sorted(cache.glob(STAGING_PREFIX + "*"))
+
+
+def start_worker(tiny_model, spec, cache, marker, *, delay, batch_size=20, wait_for=()):
+    args = {
+        "model": str(tiny_model), "cache": str(cache), "spec": spec.model_dump(), "marker": str(marker),
+        "delay": delay, "batch_size": batch_size, "wait_for": [str(w) for w in wait_for],
+    }
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(args)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"worker exited {proc.returncode} early:\n{proc.stderr.read()}")
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path} never appeared")
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- reuse and keys
+
+
+def test_second_call_reuses_the_cache_without_tokenizing(tokenizer, tiny_model, spec, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    ds, stats, entry = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, barrier=no_barrier)
+    assert entries(cache) == [entry] and is_complete(entry) and not staging_dirs(cache)
+    assert len(ds) == stats.kept == 400 and ds.column_names == ["input_ids", "labels", "length"]
+    assert json.loads((entry / "stats.json").read_text())["inputs"]["format"] == "alpaca"
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("re-tokenized although the cache was complete")
+
+    monkeypatch.setattr(data_mod, "tokenize_dataset", forbidden)
+    monkeypatch.setattr(data_mod, "load_raw", forbidden)
+    again, stats2, entry2 = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, barrier=no_barrier)
+    assert entry2 == entry and stats2 == stats
+    assert again["input_ids"] == ds["input_ids"] and again["labels"] == ds["labels"]
+
+
+def test_fingerprint_follows_content_tokenizer_and_format_not_packing(tokenizer, tiny_model, spec, tmp_path):
+    import copy
+
+    tok_hash = tokenizer_fingerprint(tokenizer, tiny_model)
+    data_hash = hash_path(spec.path)
+    key = cache_key(spec, data_hash, tok_hash)[0]
+    assert cache_key(spec.model_copy(update={"packing": True}), data_hash, tok_hash)[0] == key
+    assert cache_key(spec.model_copy(update={"max_length": 512}), data_hash, tok_hash)[0] != key
+    assert cache_key(spec.model_copy(update={"format": "text"}), data_hash, tok_hash)[0] != key
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = "{{ messages }}"
+    assert tokenizer_fingerprint(other, tiny_model) != tok_hash
+    assert tokenizer_fingerprint(tokenizer, tiny_model) == tok_hash
+    copy_path = tmp_path / "elsewhere.jsonl"
+    shutil.copy(spec.path, copy_path)
+    assert hash_path(copy_path) == data_hash  # content, not the path
+    with open(copy_path, "a") as fh:
+        fh.write(json.dumps({"instruction": "x", "input": "", "output": "y"}) + "\n")
+    assert hash_path(copy_path) != data_hash
+
+
+def test_save_to_disk_source_is_keyed_by_content(tokenizer, tiny_model, spec, tmp_path):
+    rows = datasets.load_dataset("json", data_files=spec.path, split="train", cache_dir=str(tmp_path / "hf"))
+    rows.save_to_disk(str(tmp_path / "saved_a"))
+    shutil.copytree(tmp_path / "saved_a", tmp_path / "saved_b")
+    cache = tmp_path / "cache"
+    results = [
+        prepare_dataset(spec.model_copy(update={"path": str(tmp_path / name)}), tokenizer, tiny_model, cache,
+                        rank=0, barrier=no_barrier)
+        for name in ("saved_a", "saved_b")
+    ]
+    assert results[0][2] == results[1][2] and len(results[0][0]) == 400
+    assert len(entries(cache)) == 1
+
+
+def test_hub_id_offline_fails_naming_it(tokenizer, tiny_model, spec, tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError, match="'someorg/some-data'"):
+        prepare_dataset(spec.model_copy(update={"path": "someorg/some-data"}), tokenizer, tiny_model,
+                        tmp_path / "cache", rank=0, barrier=no_barrier)
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+def run_ranks(spec, tokenizer, tiny_model, cache, world=2):
+    barrier = threading.Barrier(world, timeout=120)
+    results: dict[int, object] = {}
+
+    def run(rank):
+        try:
+            results[rank] = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=rank, barrier=barrier.wait)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    return results
+
+
+def test_only_rank_0_tokenizes_and_every_rank_loads_the_same_entry(tokenizer, tiny_model, spec, tmp_path,
+                                                                   monkeypatch):
+    calls = []
+    real = data_mod.tokenize_dataset
+
+    def counting(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data_mod, "tokenize_dataset", counting)
+    results = run_ranks(spec, tokenizer, tiny_model, tmp_path / "cache", world=3)
+    assert len(calls) == 1
+    assert all(not isinstance(r, Exception) for r in results.values()), results
+    assert len({r[2] for r in results.values()}) == 1
+    assert all(r[0]["input_ids"] == results[0][0]["input_ids"] for r in results.values())
+
+
+def test_a_failing_rank_0_makes_the_others_fail_at_once(tokenizer, tiny_model, spec, tmp_path):
+    bad = spec.model_copy(update={"format": "text", "text_column": "body"})
+    results = run_ranks(bad, tokenizer, tiny_model, tmp_path / "cache")
+    assert isinstance(results[0], DataError) and "'body'" in str(results[0])
+    assert isinstance(results[1], DataCacheError) and "rank 1" in str(results[1])
+
+
+# --------------------------------------------------------------------------- concurrency and kills
+
+
+def test_two_concurrent_builders_end_with_one_valid_entry(tiny_model, spec, tmp_path):
+    cache = tmp_path / "cache"
+    markers = [tmp_path / "a.tokenizing", tmp_path / "b.tokenizing"]
+    # Each waits, inside tokenization, until the other has started too: they really overlap.
+    procs = [start_worker(tiny_model, spec, cache, m, delay=0.05, wait_for=markers) for m in markers]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    assert outputs[0] == outputs[1]
+    assert outputs[0]["rows"] == 400
+    entry = Path(outputs[0]["entry"])
+    assert entries(cache) == [entry] and is_complete(entry)
+    assert not staging_dirs(cache), "the loser must discard its copy"
+    assert len(datasets.load_from_disk(str(entry / "dataset"))) == 400
+
+
+def test_rank_0_killed_mid_preprocessing_leaves_no_broken_cache(tokenizer, tiny_model, spec, tmp_path):
+    cache = tmp_path / "cache"
+    marker = tmp_path / "tokenizing"
+    proc = start_worker(tiny_model, spec, cache, marker, delay=0.5, batch_size=10)
+    wait_for_file(marker, proc)
+    time.sleep(1.2)  # a few batches into datasets.map, Arrow file half written
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    assert entries(cache) == [], "a killed build must not publish an entry"
+    leftovers = staging_dirs(cache)
+    assert len(leftovers) == 1 and any(leftovers[0].rglob("*.arrow"))
+
+    ds, stats, entry = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, barrier=no_barrier)
+    assert is_complete(entry) and len(ds) == stats.kept == 400
+    assert len(datasets.load_from_disk(str(entry / "dataset"))) == 400
+    assert staging_dirs(cache) == leftovers, "a young staging dir may be a live build: left alone"
+
+    old = time.time() - 2 * 3600
+    for path in [leftovers[0], *leftovers[0].rglob("*")]:
+        os.utime(path, (old, old), follow_symlinks=False)
+    prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, barrier=no_barrier)  # rank 0 sweeps stale builds
+    assert staging_dirs(cache) == [] and entries(cache) == [entry]
+    assert remove_stale_staging(cache) == []

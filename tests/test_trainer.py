@@ -1,0 +1,284 @@
+"""The trainer under torchrun: 2 processes on gloo (CPU), the tiny model, the example data.
+
+Each test builds a run directory the way ``jobgen submit`` does and launches
+``torchrun --standalone --nproc-per-node=2 -m trainer``: the same entry point the
+rendered script runs on every node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, VENV_BIN, write_spec
+from jobgen.exit_codes import ExitCode
+from jobgen.loader import load_run
+from jobgen.render import render_all
+from jobgen.rundir import materialize
+
+pytestmark = pytest.mark.torch
+
+DATA = REPO / "examples" / "data" / "instructions.jsonl"
+
+
+def make_run(tmp_path: Path, tiny_model: Path, name: str = "sft", _model: str = "", **train: object) -> Path:
+    """A run directory as `jobgen submit` writes it; ``_model`` adds lines to [model]."""
+    settings = {"max_steps": 12, "micro_batch_size": 4, "grad_accum": 2, "lr": 3e-3, "save_every_steps": 0,
+                "log_every_steps": 1, "seed": 7, "warmup_steps": 2, **train}
+    lines = "\n        ".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    spec_file = write_spec(tmp_path, f"""
+        site = "local"
+        [job]
+        name = "{name}"
+        time = "1h"
+        runs_root = "runs"
+        [model]
+        path = "{tiny_model}"
+        {_model}
+        [data]
+        path = "{DATA}"
+        max_length = 256
+        [train]
+        {lines}
+    """, name=f"{name}.toml")
+    spec = load_run(spec_file)
+    run, _ = materialize(spec, render_all(spec), spec_file.read_text())
+    return run.path
+
+
+def torchrun(run_dir: Path, *, nproc: int = 2, expected: int | None = None, env: dict[str, str] | None = None,
+             timeout: float = 300, background: bool = False):
+    cmd = [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m", "trainer",
+           "--run-dir", str(run_dir), "--expected-world-size", str(expected or nproc)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    if background:
+        return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["step"]] = record["loss"]
+    return out
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def checkpoints(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+
+
+def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early ({proc.returncode}):\n{proc.stdout.read()}")
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_two_process_run_reduces_loss(tmp_path, tiny_model, parallelism):
+    run = make_run(tmp_path, tiny_model, parallelism=parallelism, max_steps=25)
+    proc = torchrun(run)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    curve = losses(run)
+    assert sorted(curve) == list(range(1, 26))
+    first, last = sum(curve[s] for s in (1, 2, 3)) / 3, sum(curve[s] for s in (23, 24, 25)) / 3
+    assert last < first * 0.8, curve
+    info = summary(run)
+    assert info["exit_code"] == 0 and info["world_size"] == 2 and info["end_step"] == 25
+    assert len(info["tokens_per_s_per_rank"]) == 2 and all(t > 0 for t in info["tokens_per_s_per_rank"])
+    assert json.loads((run / "done").read_text())["step"] == 25
+    assert checkpoints(run) == ["step-00000025"] and (run / "checkpoints" / "latest").read_text().strip() == "step-00000025"
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("loss", "lr", "grad_norm", "tokens", "target_tokens", "tokens_per_s", "rss_mib", "job_id"):
+        assert key in record, key
+    assert "exit 0: reached step 25 of 25: finished" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_resume_after_kill_switch_is_exact(tmp_path, tiny_model, parallelism):
+    reference = make_run(tmp_path / "a", tiny_model, parallelism=parallelism, max_steps=14)
+    assert torchrun(reference).returncode == 0
+    expected = losses(reference)
+
+    run = make_run(tmp_path / "b", tiny_model, parallelism=parallelism, max_steps=14)
+    proc = torchrun(run, background=True)
+    wait_for_step(run, proc, 2)
+    (run / "switches" / "kill").touch()
+    out, _ = proc.communicate(timeout=180)
+    stopped = summary(run)
+    k = stopped["end_step"]
+    assert stopped["exit_code"] == ExitCode.KILL_SWITCH and 2 <= k < 14, out
+    assert checkpoints(run) == [f"step-{k:08d}"] and (run / "switches" / "kill").exists()
+    assert "kill switch" in out
+
+    (run / "switches" / "kill").unlink()
+    proc2 = torchrun(run)
+    assert proc2.returncode == 0, proc2.stdout + proc2.stderr
+    resumed = losses(run)
+    assert summary(run)["start_step"] == k
+    for step in range(k + 1, 15):
+        assert resumed[step] == pytest.approx(expected[step], abs=1e-5), (step, resumed[step], expected[step])
+
+
+def test_kill_switch_at_start_exits_before_loading(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model)
+    (run / "switches" / "kill").touch()
+    started = time.monotonic()
+    proc = torchrun(run)
+    assert "kill switch present at start: not starting" in proc.stdout + proc.stderr
+    assert f"exit {int(ExitCode.NOT_STARTED)}" in proc.stdout + proc.stderr
+    assert checkpoints(run) == [] and not (run / "metrics.json").exists()
+    assert (run / "switches" / "kill").exists()
+    assert time.monotonic() - started < 60
+
+
+def test_save_switch_saves_deletes_and_continues(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model, max_steps=30, keep_checkpoints=5)
+    proc = torchrun(run, background=True)
+    wait_for_step(run, proc, 2)
+    (run / "switches" / "save").touch()
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+    saved = checkpoints(run)
+    assert len(saved) == 2 and saved[-1] == "step-00000030", saved
+    assert not (run / "switches" / "save").exists()
+    assert "save switch" in out and summary(run)["end_step"] == 30
+
+
+def test_abort_switch_exits_without_saving(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model, max_steps=200)
+    proc = torchrun(run, background=True)
+    wait_for_step(run, proc, 2)
+    (run / "switches" / "abort").touch()
+    out, _ = proc.communicate(timeout=180)
+    info = summary(run)
+    assert info["exit_code"] == ExitCode.ABORTED and info["end_step"] < 200, out
+    assert checkpoints(run) == [] and (run / "switches" / "abort").exists()
+    assert not (run / "done").exists()
+
+
+@pytest.mark.parametrize("how", ["signal", "request-file"])
+def test_stop_request_saves_and_exits(tmp_path, tiny_model, how):
+    run = make_run(tmp_path, tiny_model, max_steps=300)
+    proc = torchrun(run, background=True, env={"SLURM_JOB_ID": "4242"})
+    wait_for_step(run, proc, 2)
+    if how == "signal":
+        # Slurm's preemption and `scancel --signal` reach every process of the step; here
+        # only the workers (torchrun's children): torchrun itself dies of SIGUSR1.
+        subprocess.run(["pkill", "-USR1", "-P", str(proc.pid)], check=True)
+    else:
+        (run / "switches" / "stop.4242").touch()  # what the batch shell's trap writes
+    out, _ = proc.communicate(timeout=180)
+    info = summary(run)
+    assert info["exit_code"] == ExitCode.SIGNALLED, out
+    assert checkpoints(run) == [f"step-{info['end_step']:08d}"]
+    assert not (run / "switches" / "stop.4242").exists()
+
+
+def test_deadline_saves_and_exits(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model, max_steps=500)
+    # job.time is 1h with exit_grace 5m: a job ending in 5m + 8s must stop about 8s in.
+    end = int(time.time()) + 300 + 8
+    proc = torchrun(run, env={"JOBGEN_JOB_END_TIME": str(end)})
+    info = summary(run)
+    assert info["exit_code"] == ExitCode.DEADLINE, proc.stdout + proc.stderr
+    assert checkpoints(run) == [f"step-{info['end_step']:08d}"] and info["end_step"] < 500
+    assert "deadline" in proc.stdout + proc.stderr
+
+
+def test_memory_guard_saves_and_exits(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model, max_steps=50, max_host_memory_percent=0.5)
+    proc = torchrun(run)
+    info = summary(run)
+    assert info["exit_code"] == ExitCode.MEMORY_GUARD and info["end_step"] == 1, proc.stdout + proc.stderr
+    assert checkpoints(run) == ["step-00000001"]
+    assert "memory guard" in proc.stdout + proc.stderr
+
+
+def test_finished_run_exits_at_once(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model, max_steps=3)
+    assert torchrun(run).returncode == 0
+    again = torchrun(run)
+    assert again.returncode == 0 and "run already finished" in again.stdout + again.stderr
+    assert summary(run)["end_step"] == 3
+
+
+def test_truncated_newest_checkpoint_falls_back(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model, max_steps=6, save_every_steps=2, keep_checkpoints=3)
+    assert torchrun(run).returncode == 0
+    assert checkpoints(run) == ["step-00000002", "step-00000004", "step-00000006"]
+    (run / "done").unlink()
+    shard = sorted((run / "checkpoints" / "step-00000006").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    spec = json.loads((run / "spec.json").read_text())
+    spec["run"]["train"]["max_steps"] = 8
+    (run / "spec.json").write_text(json.dumps(spec))
+    proc = torchrun(run)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "step-00000006 is unusable; falling back to the previous one" in out
+    assert summary(run)["start_step"] == 4 and summary(run)["end_step"] == 8
+
+
+def test_world_size_mismatch_is_refused(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model)
+    proc = torchrun(run, expected=4)
+    assert "world size is 2, the spec asks for 4" in proc.stdout + proc.stderr
+    assert not (run / "metrics.json").exists()
+
+
+def test_lora_with_gradient_checkpointing_under_ddp(tmp_path, tiny_model):
+    pytest.importorskip("peft")
+    run = make_run(tmp_path, tiny_model, max_steps=4, _model='gradient_checkpointing = true\n        [model.lora]\n        r = 4\n        target_modules = ["q_proj", "v_proj"]')
+    proc = torchrun(run)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mark a variable ready only once" not in proc.stdout + proc.stderr
+    assert summary(run)["end_step"] == 4
+
+
+def test_export_loads_and_generates(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model, max_steps=4)
+    assert torchrun(run).returncode == 0
+    out = tmp_path / "exported"
+    proc = subprocess.run([str(VENV_BIN / "jobgen"), "export", str(run), "--to", str(out)], capture_output=True,
+                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    code = f"""
+import torch, sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+import torch.distributed.checkpoint as dcp
+tok = AutoTokenizer.from_pretrained({str(out)!r})
+model = AutoModelForCausalLM.from_pretrained({str(out)!r})
+ids = tok("Add 2 and 3.", return_tensors="pt").input_ids
+gen = model.generate(ids, max_new_tokens=5, do_sample=False)
+assert gen.shape[1] > ids.shape[1]
+base = AutoModelForCausalLM.from_pretrained({str(tiny_model)!r})
+state = {{"model": {{k: torch.empty_like(v) for k, v in base.state_dict().items()}}}}
+dcp.load(state, checkpoint_id={str(run / 'checkpoints' / 'step-00000004')!r})
+trained = state["model"]["model.layers.0.self_attn.q_proj.weight"]
+exported = model.state_dict()["model.layers.0.self_attn.q_proj.weight"].float()
+assert torch.allclose(trained.to(torch.bfloat16).float(), exported), "exported weights differ from the checkpoint"
+assert not torch.allclose(base.state_dict()["model.layers.0.self_attn.q_proj.weight"], trained)
+print("ok")
+"""
+    check = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert check.stdout.strip().endswith("ok"), check.stderr

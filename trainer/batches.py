@@ -1,0 +1,80 @@
+"""From the run spec to micro-batches: preprocess (cached), pack into rows, sample, collate.
+
+This is the trainer's one handle on data. Its ``state_dict`` is the sampler's
+position, the same on every rank, so a resumed run continues with exactly the
+rows it had not yet seen.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from jobgen.loader import ResolvedSpec
+from trainer.data_cache import prepare_dataset
+from trainer.distributed import DistEnv
+from trainer.packing import build_rows, collate, fetch_rows, fill_ratio, model_inputs, token_loss_sum
+from trainer.sampler import ResumableSampler
+
+log = logging.getLogger("trainer.data")
+
+# Tokenizing a large dataset on rank 0 can take far longer than a collective timeout.
+PREPROCESS_TIMEOUT = dt.timedelta(hours=6)
+
+
+def cache_root(spec: ResolvedSpec) -> Path:
+    return Path(spec.site.paths.data_cache) if spec.site.paths.data_cache else spec.runs_root / ".cache" / "data"
+
+
+class DataPipeline:
+    def __init__(self, spec: ResolvedSpec, tokenizer, env: DistEnv, run_dir: Path):
+        data_spec, model_spec, train = spec.run.data, spec.run.model, spec.run.train
+        assert data_spec is not None and model_spec is not None
+        self.packing = data_spec.packing
+        self.pad_token_id = tokenizer.pad_token_id
+        group = dist.new_group(backend="gloo", timeout=PREPROCESS_TIMEOUT)
+        self.dataset, self.stats, self.entry = prepare_dataset(
+            data_spec, tokenizer, model_spec.path, cache_root(spec), rank=env.rank,
+            barrier=lambda: dist.barrier(group=group),
+        )
+        dist.destroy_process_group(group)
+        lengths = self.dataset["length"]
+        self.rows = build_rows(lengths, data_spec.max_length, self.packing)
+        self.sampler = ResumableSampler(len(self.rows), world_size=env.world_size, rank=env.rank,
+                                        micro_batch_size=train.micro_batch_size, seed=train.seed)
+        if env.is_main:
+            log.info("data: %s (cache %s)", self.stats.summary(), self.entry)
+            if self.stats.truncated:
+                log.warning("data: %d of %d examples were longer than max_length=%d and were truncated",
+                            self.stats.truncated, self.stats.examples_in, data_spec.max_length)
+            if self.packing:
+                log.info("data: %d examples packed into %d rows (%.0f%% full)", len(lengths), len(self.rows),
+                         100 * fill_ratio(self.rows, lengths, data_spec.max_length))
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """This rank's next micro-batch; ``num_tokens`` counts its non-padding tokens."""
+        rows = fetch_rows(self.dataset, self.rows, self.sampler.next_batch())
+        batch = collate(rows, pad_token_id=self.pad_token_id, packing=self.packing)
+        batch["num_tokens"] = torch.tensor(sum(len(ex["input_ids"]) for row in rows for ex in row))
+        return batch
+
+    @staticmethod
+    def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+        inputs = model_inputs({k: v for k, v in batch.items() if k != "num_tokens"})
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    loss_sum = staticmethod(token_loss_sum)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    def stats_dict(self) -> dict[str, Any]:
+        return {**self.stats.to_dict(), "rows": len(self.rows), "packing": self.packing}

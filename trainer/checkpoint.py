@@ -1,0 +1,219 @@
+"""Sharded checkpoints with torch.distributed.checkpoint, written so none is ever half-complete.
+
+Layout under ``<run_dir>/checkpoints/``::
+
+    step-00000120/            a complete checkpoint (only ever created by a rename)
+        .metadata, __*_*.distcp   model + optimizer, sharded by DCP (DDP or FSDP2)
+        trainer_state.json        step, tokens, sampler position, scheduler, seed
+        rng-rank00000.pt ...      each rank's RNG streams
+    .tmp-step-00000130/       a save in progress (or cut short): never loaded
+    latest                    name of the newest complete checkpoint, for humans and export
+
+A save writes everything into ``.tmp-step-N``, waits until every rank is done,
+then rank 0 renames it to ``step-N``, then updates ``latest``, then deletes the
+oldest beyond ``keep``. Loading walks complete checkpoints from the newest; one
+that fails to load on any rank is reported and the previous one is tried.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from jobgen.atomic import fsync_dir, write_json_atomic, write_text_atomic
+from trainer.distributed import DistEnv, barrier, broadcast_object, reduce_max
+
+log = logging.getLogger("trainer.checkpoint")
+
+PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+# LoRA: only the adapters are trained, so only they are checkpointed.
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints, newest first. A directory is complete iff it has its final name."""
+    found = []
+    for path in root.glob(f"{PREFIX}*"):
+        suffix = path.name[len(PREFIX):]
+        if path.is_dir() and suffix.isdigit():
+            found.append((int(suffix), path))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class _Pending:
+    future: Future
+    tmp: Path
+    final: Path
+    started: float
+
+
+class Checkpointer:
+    """Decides when to save, saves, finishes async saves, loads with fallback."""
+
+    def __init__(self, root: Path, env: DistEnv, *, keep: int, every_steps: int, every_seconds: int,
+                 async_save: bool = False):
+        self.root = root
+        self.env = env
+        self.keep = keep
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.async_save = async_save
+        self.last_save = time.monotonic()
+        self.save_seconds: list[float] = []  # wall time of each save, staging to rename
+        self.blocking_seconds: list[float] = []  # how long training was held up by each save
+        self._pending: _Pending | None = None
+        # Background saves talk on their own gloo group, never interleaving with training collectives.
+        self._group = dist.new_group(backend="gloo") if async_save else None
+        if env.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(f"{TMP_PREFIX}*"):
+                log.warning("removing %s: a save that never completed", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        barrier()
+
+    # ------------------------------------------------------------------ saving
+
+    def due(self, step: int) -> bool:
+        by_steps = self.every_steps > 0 and step % self.every_steps == 0
+        by_time = self.every_seconds > 0 and time.monotonic() - self.last_save >= self.every_seconds
+        return by_steps or by_time
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             trainer_state: dict[str, Any], *, blocking: bool = False) -> Path:
+        """Save step ``step``; returns the final path. With async_save and not ``blocking``,
+        returns once the state is staged; ``poll``/``wait`` complete it later."""
+        final = self.root / checkpoint_name(step)
+        self.wait()  # one save in flight at a time
+        if final.exists():
+            return final  # this step is already saved (e.g. a stop right after a periodic save)
+        started = time.monotonic()
+        tmp = self.root / f"{TMP_PREFIX}{final.name}"
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        torch.save(rng_state(), tmp / f"rng-rank{self.env.rank:05d}.pt")
+        if self.env.is_main:
+            write_json_atomic(tmp / "trainer_state.json", trainer_state)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.async_save and not blocking:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+            self._pending = _Pending(future, tmp, final, started)
+            self.blocking_seconds.append(time.monotonic() - started)
+            return final
+        dcp.save(state, checkpoint_id=str(tmp))
+        self._complete(tmp, final, started)
+        self.blocking_seconds.append(time.monotonic() - started)
+        return final
+
+    def poll(self) -> None:
+        """Complete a background save if every rank has finished writing it (collective)."""
+        if not self.async_save:
+            return
+        not_done = 1 if (self._pending is not None and not self._pending.future.done()) else 0
+        pending_anywhere = reduce_max(self.env, [not_done, int(self._pending is not None)])
+        if pending_anywhere[1] and not pending_anywhere[0]:
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until a background save is written and renamed into place (collective)."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        pending.future.result()
+        self._complete(pending.tmp, pending.final, pending.started)
+
+    def _complete(self, tmp: Path, final: Path, started: float) -> None:
+        barrier()  # every rank's shards, RNG file and the metadata are on disk
+        if self.env.is_main:
+            fsync_dir(tmp)
+            os.rename(tmp, final)
+            fsync_dir(self.root)
+            write_text_atomic(self.root / "latest", final.name + "\n")
+            self._prune()
+        barrier()
+        self.last_save = time.monotonic()
+        self.save_seconds.append(self.last_save - started)
+        log.info("checkpoint %s complete in %.2fs", final.name, self.save_seconds[-1])
+
+    def _prune(self) -> None:
+        for old in complete_checkpoints(self.root)[self.keep:]:
+            # Renamed first, so a deletion cut short can never look like a complete checkpoint.
+            doomed = old.with_name(f"{TMP_PREFIX}deleting-{old.name}")
+            os.rename(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    # ------------------------------------------------------------------ loading
+
+    def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], Path] | None:
+        """Restore the newest checkpoint that loads on every rank; None if there is none.
+        Raises RuntimeError when checkpoints exist but none of them loads."""
+        candidates = broadcast_object(self.env, [str(p) for p in complete_checkpoints(self.root)])
+        assert isinstance(candidates, list)
+        for path_text in candidates:
+            path = Path(path_text)
+            error = None
+            try:
+                model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+                state = {"model": model_sd, "optim": optim_sd}
+                dcp.load(state, checkpoint_id=str(path))
+                trainer_state = json.loads((path / "trainer_state.json").read_text())
+                rng_file = path / f"rng-rank{self.env.rank:05d}.pt"
+                rng = torch.load(rng_file, weights_only=False) if rng_file.exists() else None
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure: try the previous one
+                error = f"{type(exc).__name__}: {exc}"
+            failed = reduce_max(self.env, [1 if error else 0])[0]
+            if failed:
+                if error:
+                    log.error("checkpoint %s failed to load on rank %d: %s", path.name, self.env.rank, error[:500])
+                if self.env.is_main:
+                    log.error("checkpoint %s is unusable; falling back to the previous one", path.name)
+                continue
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=_OPTIONS)
+            if rng is not None:
+                set_rng_state(rng)
+            elif self.env.is_main:
+                log.warning("no RNG state for rank %d in %s (world size changed?); RNG streams restart",
+                            self.env.rank, path.name)
+            return trainer_state, path
+        if candidates:
+            raise RuntimeError(f"none of the {len(candidates)} checkpoint(s) in {self.root} could be loaded")
+        return None

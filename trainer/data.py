@@ -1,0 +1,488 @@
+"""Training data: load the rows of ``[data] path`` and turn them into token ids + labels.
+
+Every format becomes a list of text *segments*, each with a loss role, which are
+tokenized separately and concatenated:
+
+- ``alpaca``: the Stanford Alpaca prompt (instruction, optional input) as prompt,
+  ``output`` + eos as the target;
+- ``chat``: ``messages`` rendered turn by turn with the tokenizer's chat template
+  (ChatML when it has none); targets are each assistant turn's content and its
+  end-of-turn token, never the role header or the other turns;
+- ``template``: a Jinja template over the row; the text rendered from
+  ``response_column`` (+ eos) is the target, the rest is prompt;
+- ``text``: ``text_column`` + eos, all target.
+
+``labels`` is ``-100`` where no loss is taken. The first token is never a target:
+nothing predicts it in an unpacked sequence, and in a packed row it would be
+"predicted" from the previous example. Examples longer than ``max_length`` are
+cut (the head is kept) and counted; an example left without any target token is
+dropped and counted. Nothing is silent: the counts are returned as
+:class:`DataStats` and end up in the cache's ``stats.json``.
+
+The preprocessing cache (:mod:`trainer.data_cache`) decides where this runs;
+this module never writes anywhere except the ``work_dir`` it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import datasets
+
+from jobgen.spec import DataSpec
+
+IGNORE_INDEX = -100
+
+# Rows per datasets.map batch: one batched tokenizer call each, so the Rust
+# tokenizer can use its threads. A module attribute so tests can shrink it.
+MAP_BATCH_SIZE = 1000
+
+DATA_FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+ALPACA_PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+# Used for format "chat" when the tokenizer has no chat template of its own.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Segment roles.
+PROMPT = 0  # no loss
+TARGET = 1  # loss on every token
+TURN_END = 2  # loss up to and including the first special token (end of turn), none after it
+
+# Stands in for the response column when locating the response in a template rendering.
+_SENTINEL = "\u2063JOBGEN-RESPONSE\u2063"
+
+
+class DataError(ValueError):
+    """Bad data: a missing file or column, a malformed row. The message names the path and row."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataStats:
+    """What preprocessing did, for the log and ``stats.json``."""
+
+    examples_in: int
+    kept: int
+    truncated: int  # examples longer than max_length, cut to it (dropped ones included)
+    dropped: int  # examples without any target token after truncation
+    total_tokens: int  # over kept examples
+    target_tokens: int  # over kept examples
+    longest: int  # longest example before truncation, in tokens
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DataStats:
+        return cls(**{f.name: int(data[f.name]) for f in dataclasses.fields(cls)})
+
+    def summary(self) -> str:
+        return (
+            f"{self.kept}/{self.examples_in} examples kept, {self.truncated} truncated, {self.dropped} dropped "
+            f"(no target token left); {self.total_tokens} tokens, {self.target_tokens} targets; "
+            f"longest {self.longest} tokens"
+        )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def is_hub_id(path: str) -> bool:
+    """A relative name that is not on disk and does not look like a file: 'org/name' or 'name'."""
+    p = Path(path)
+    if p.is_absolute() or p.exists() or path.startswith((".", "~")):
+        return False
+    return not any(path.endswith(suffix) for suffix in DATA_FILE_TYPES) and path.count("/") <= 1
+
+
+def data_files(directory: Path) -> list[Path]:
+    """The data files under a directory (recursively, hidden ones skipped), sorted."""
+    return sorted(
+        f
+        for f in directory.rglob("*")
+        if f.is_file()
+        and f.suffix in DATA_FILE_TYPES
+        and not any(part.startswith(".") for part in f.relative_to(directory).parts)
+    )
+
+
+def is_saved_dataset(directory: Path) -> bool:
+    return (directory / "state.json").is_file() or (directory / "dataset_dict.json").is_file()
+
+
+def load_raw(path: str, *, cache_dir: str | Path | None = None) -> datasets.Dataset:
+    """The rows of a data file, a directory of them, a ``save_to_disk`` directory or a hub dataset.
+
+    ``cache_dir`` is where the ``datasets`` builders write their Arrow files for
+    local files; pass a private directory so that concurrent jobs never share them.
+    """
+    cache = str(cache_dir) if cache_dir is not None else None
+    if is_hub_id(path):
+        try:
+            return datasets.load_dataset(path, split="train")
+        except Exception as exc:  # offline, unknown id, no 'train' split: all end the same way
+            raise DataError(
+                f"data path '{path}' is not a local file or directory, and loading it as a hub dataset failed: {exc}"
+            ) from exc
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data path {p} does not exist")
+    if p.is_dir() and is_saved_dataset(p):
+        return _load_saved(p)
+    if p.is_dir():
+        files = data_files(p)
+        if not files:
+            raise DataError(f"data directory {p} holds no {'/'.join(DATA_FILE_TYPES)} files and no save_to_disk dataset")
+        kinds = {DATA_FILE_TYPES[f.suffix] for f in files}
+        if len(kinds) > 1:
+            raise DataError(f"data directory {p} mixes file types ({', '.join(sorted(kinds))}); use one")
+        builder, names = kinds.pop(), [str(f) for f in files]
+    else:
+        if p.suffix not in DATA_FILE_TYPES:
+            raise DataError(f"data file {p}: unsupported type '{p.suffix}' (use {', '.join(DATA_FILE_TYPES)})")
+        builder, names = DATA_FILE_TYPES[p.suffix], [str(p)]
+    try:
+        return datasets.load_dataset(builder, data_files=names, split="train", cache_dir=cache)
+    except Exception as exc:
+        raise DataError(f"could not read {p} as {builder}: {exc}") from exc
+
+
+def _load_saved(p: Path) -> datasets.Dataset:
+    try:
+        loaded = datasets.load_from_disk(str(p))
+    except Exception as exc:
+        raise DataError(f"could not load the save_to_disk dataset {p}: {exc}") from exc
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" in loaded:
+            return loaded["train"]
+        if len(loaded) == 1:
+            return next(iter(loaded.values()))
+        raise DataError(f"save_to_disk dataset {p} has splits {sorted(loaded)} and none is named 'train'")
+    return loaded
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def required_columns(spec: DataSpec) -> list[str]:
+    if spec.format == "alpaca":
+        return ["instruction", "output"]
+    if spec.format == "chat":
+        return ["messages"]
+    if spec.format == "text":
+        return [spec.text_column]
+    return [spec.response_column, *sorted(_template_variables(spec.template or "") - {spec.response_column})]
+
+
+def check_columns(raw: datasets.Dataset, spec: DataSpec, source: str) -> None:
+    missing = [c for c in required_columns(spec) if c not in raw.column_names]
+    if missing:
+        raise DataError(
+            f"{source}: format '{spec.format}' needs column(s) {', '.join(repr(c) for c in missing)}; "
+            f"the data has {', '.join(repr(c) for c in raw.column_names) or 'no columns'}"
+        )
+
+
+def _jinja_env():
+    from jinja2 import StrictUndefined
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    # StrictUndefined: a column the template names but the row lacks is an error, not "".
+    return ImmutableSandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True)
+
+
+def _template_variables(template: str) -> set[str]:
+    from jinja2 import meta
+
+    return set(meta.find_undeclared_variables(_jinja_env().parse(template)))
+
+
+def _text(row: dict[str, Any], column: str, where: str, *, optional: bool = False) -> str:
+    value = row.get(column)
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str):
+        kind = "missing (null)" if value is None else f"a {type(value).__name__}, not a string"
+        raise DataError(f"{where}: column '{column}' is {kind}")
+    return value
+
+
+def alpaca_segments(row: dict[str, Any], where: str) -> list[tuple[str, int]]:
+    instruction = _text(row, "instruction", where)
+    extra = _text(row, "input", where, optional=True)
+    output = _text(row, "output", where)
+    if extra.strip():
+        prompt = ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=extra)
+    else:
+        prompt = ALPACA_PROMPT.format(instruction=instruction)
+    return [(prompt, PROMPT), (output, TARGET)]
+
+
+def template_segments(row: dict[str, Any], spec: DataSpec, compiled, where: str) -> list[tuple[str, int]]:
+    """Render twice, once with a sentinel for the response, to find where the response sits."""
+    from jinja2 import UndefinedError
+
+    _text(row, spec.response_column, where)
+    try:
+        real = compiled.render(**row)
+        marked = compiled.render(**{**row, spec.response_column: _SENTINEL})
+    except UndefinedError as exc:
+        raise DataError(f"{where}: template refers to something the row lacks: {exc.message}") from exc
+    if marked.count(_SENTINEL) != 1:
+        raise DataError(
+            f"{where}: the template must render column '{spec.response_column}' exactly once and unchanged "
+            f"(found {marked.count(_SENTINEL)} times); filters on the response column are not supported"
+        )
+    prefix, suffix = marked.split(_SENTINEL)
+    if not (real.startswith(prefix) and real.endswith(suffix)) or len(prefix) + len(suffix) > len(real):
+        raise DataError(f"{where}: the template renders the text around '{spec.response_column}' differently per row")
+    response = real[len(prefix) : len(real) - len(suffix)]
+    # Text after the response (rare) carries no loss; eos still does, so the model learns to stop.
+    return [(prefix, PROMPT), (response, TARGET), (suffix, PROMPT)]
+
+
+def chat_segments(messages: Any, render, where: str) -> list[tuple[str, int]]:
+    """Turn-by-turn renderings of the conversation's prefixes: turn i is render(:i+1) minus render(:i).
+
+    For an assistant turn, render(:i, add_generation_prompt=True) ends where the
+    content starts, so the header is prompt. What follows the content up to the
+    turn's first special token is its end-of-turn token (target); anything after
+    it (ChatML's newline) is not. A template that strips or rewrites the content
+    gets the whole turn body as target.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    clean = []
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise DataError(f"{where}: message {j} has no 'role'")
+        if not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: message {j} ({message['role']}) has no string 'content'")
+        # datasets fills keys that only some messages have with None; templates test for presence.
+        clean.append({k: v for k, v in message.items() if v is not None})
+
+    segments: list[tuple[str, int]] = []
+    done = ""
+    for i, message in enumerate(clean):
+        full = render(clean[: i + 1], False)
+        if not full.startswith(done):
+            raise DataError(
+                f"{where}: the chat template does not render conversation prefixes consistently "
+                f"(turn {i} changes the text of earlier turns), so turns cannot be masked"
+            )
+        if message["role"] != "assistant":
+            segments.append((full[len(done) :], PROMPT))
+        else:
+            if i == 0:
+                raise DataError(f"{where}: the conversation starts with an assistant turn; it needs a prompt before it")
+            header = render(clean[:i], True)
+            if not (header.startswith(done) and full.startswith(header)):
+                raise DataError(
+                    f"{where}: the chat template's generation prompt is not a prefix of the rendered assistant turn {i}"
+                )
+            body = full[len(header) :]
+            content = message["content"]
+            segments.append((header[len(done) :], PROMPT))
+            if content and body.startswith(content):
+                segments += [(content, TARGET), (body[len(content) :], TURN_END)]
+            else:
+                segments.append((body, TARGET))
+        done = full
+    return segments
+
+
+def _chat_renderer(tokenizer):
+    template = None if getattr(tokenizer, "chat_template", None) else CHATML_TEMPLATE
+
+    def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    return render
+
+
+def special_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer puts before a text by itself (bos), and nothing it puts after (some add eos)."""
+    probe = "a"
+    bare = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe, add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return list(full[:start])
+    return []
+
+
+class Encoder:
+    """The ``datasets.map`` function: a batch of rows → input_ids, labels and bookkeeping columns."""
+
+    def __init__(self, spec: DataSpec, tokenizer, source: str):
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.source = source
+        self.prefix = special_prefix(tokenizer) if spec.format != "chat" else []  # chat templates add their own
+        self.eos = tokenizer.eos_token_id
+        self.special_ids = set(tokenizer.all_special_ids) | {
+            i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+        }
+        self.compiled = _jinja_env().from_string(spec.template) if spec.format == "template" else None
+        self.render = _chat_renderer(tokenizer) if spec.format == "chat" else None
+
+    def segments(self, row: dict[str, Any], index: int) -> list[tuple[str, int]]:
+        where = f"{self.source}: row {index}"
+        fmt = self.spec.format
+        if fmt == "alpaca":
+            return alpaca_segments(row, where)
+        if fmt == "template":
+            return template_segments(row, self.spec, self.compiled, where)
+        if fmt == "chat":
+            return chat_segments(row.get("messages"), self.render, where)
+        return [(_text(row, self.spec.text_column, where), TARGET)]
+
+    def __call__(self, batch: dict[str, list[Any]], indices: Sequence[int]) -> dict[str, list[Any]]:
+        columns = list(batch)
+        per_row = [self.segments({c: batch[c][k] for c in columns}, index) for k, index in enumerate(indices)]
+        # One tokenizer call for the whole batch: the Rust tokenizer parallelises it.
+        texts = [text for segs in per_row for text, _ in segs if text]
+        ids_iter = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+        out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "length", "targets", "full_length")}
+        max_length = self.spec.max_length
+        for segs in per_row:
+            ids, labels = list(self.prefix), [IGNORE_INDEX] * len(self.prefix)
+            for text, role in segs:
+                if not text:
+                    continue
+                piece = list(next(ids_iter))
+                ids += piece
+                labels += self._labels(piece, role)
+            if self.eos is not None and self.spec.format != "chat":
+                ids.append(self.eos)
+                labels.append(self.eos)
+            if labels:
+                labels[0] = IGNORE_INDEX
+            full_length = len(ids)
+            ids, labels = ids[:max_length], labels[:max_length]
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out["length"].append(len(ids))
+            out["targets"].append(sum(1 for label in labels if label != IGNORE_INDEX))
+            out["full_length"].append(full_length)
+        return out
+
+    def _labels(self, piece: list[int], role: int) -> list[int]:
+        if role == PROMPT:
+            return [IGNORE_INDEX] * len(piece)
+        if role == TARGET:
+            return list(piece)
+        for k, token in enumerate(piece):
+            if token in self.special_ids:
+                return piece[: k + 1] + [IGNORE_INDEX] * (len(piece) - k - 1)
+        return list(piece)  # no special token: the template ends turns with plain text, learn all of it
+
+
+FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "labels": datasets.List(datasets.Value("int32")),
+        "length": datasets.Value("int32"),
+        "targets": datasets.Value("int32"),
+        "full_length": datasets.Value("int32"),
+    }
+)
+
+
+def tokenize_dataset(
+    raw: datasets.Dataset, spec: DataSpec, tokenizer, *, source: str, work_dir: str | Path | None = None
+) -> tuple[datasets.Dataset, DataStats]:
+    """Tokenize ``raw`` per ``spec``; return the kept examples (input_ids, labels, length) and the counts.
+
+    With ``work_dir`` the intermediate Arrow files go there (the caller's private
+    staging directory); without it everything stays in memory. Never next to the
+    source data, which may be shared or read-only.
+    """
+    check_columns(raw, spec, source)
+    if len(raw) == 0:
+        raise DataError(f"{source}: the data has no rows")
+    work = Path(work_dir) if work_dir is not None else None
+    if work is not None:
+        work.mkdir(parents=True, exist_ok=True)
+    encoded = raw.map(
+        Encoder(spec, tokenizer, source),
+        batched=True,
+        batch_size=MAP_BATCH_SIZE,
+        with_indices=True,
+        remove_columns=raw.column_names,
+        features=FEATURES,
+        keep_in_memory=work is None,
+        cache_file_name=str(work / "encoded.arrow") if work is not None else None,
+        # An explicit fingerprint: hashing the tokenizer for datasets' own cache is slow and useless here.
+        new_fingerprint="jobgen-encoded",
+        desc=f"tokenizing ({spec.format})",
+    )
+    stats = _stats(encoded.data, len(encoded), spec.max_length)
+    if stats.kept == 0:
+        raise DataError(
+            f"{source}: no example has a target token within max_length={spec.max_length} "
+            f"(are the prompts longer than that?): {stats.summary()}"
+        )
+    kept = encoded.filter(
+        lambda targets: [t > 0 for t in targets],
+        input_columns=["targets"],
+        batched=True,
+        keep_in_memory=work is None,
+        cache_file_name=str(work / "kept.arrow") if work is not None else None,
+        new_fingerprint="jobgen-kept",
+    )
+    return kept.remove_columns(["targets", "full_length"]), stats
+
+
+def _stats(table, examples_in: int, max_length: int) -> DataStats:
+    """Counts over the encoded Arrow table, without pulling the token lists into Python."""
+    import pyarrow.compute as pc
+
+    def count(mask) -> int:
+        return int(pc.sum(pc.cast(mask, "int64")).as_py() or 0)
+
+    def total(column: str, where) -> int:
+        return int(pc.sum(table.column(column).filter(where)).as_py() or 0)
+
+    if examples_in == 0:
+        return DataStats(0, 0, 0, 0, 0, 0, 0)
+    has_target = pc.greater(table.column("targets"), 0)
+    kept = count(has_target)
+    return DataStats(
+        examples_in=examples_in,
+        kept=kept,
+        truncated=count(pc.greater(table.column("full_length"), max_length)),
+        dropped=examples_in - kept,
+        total_tokens=total("length", has_target),
+        target_tokens=total("targets", has_target),
+        longest=int(pc.max(table.column("full_length")).as_py()),
+    )
+
+
+def write_stats(path: Path, stats: DataStats, extra: dict[str, Any] | None = None) -> None:
+    from jobgen.atomic import write_json_atomic
+
+    write_json_atomic(path, {**stats.to_dict(), **(extra or {})})
+
+
+def read_stats(path: Path) -> DataStats:
+    return DataStats.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,79 @@
+"""Process group set-up and the few collectives the trainer's control flow needs.
+
+Launched under torchrun, so RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* come from the
+environment. NCCL on GPU, Gloo on CPU; every collective times out after the spec's
+``collective_timeout`` so a hung rank ends the job instead of holding it forever.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class WorldSizeError(RuntimeError):
+    """torchrun formed a world of another size than nodes x procs_per_node."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(timeout_seconds: int, expected_world_size: int | None) -> DistEnv:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "cpu:gloo,cuda:nccl"  # gloo for CPU-side collectives (async checkpoint staging)
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=dt.timedelta(seconds=timeout_seconds))
+    env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+    if expected_world_size is not None and env.world_size != expected_world_size:
+        raise WorldSizeError(f"world size is {env.world_size}, the spec asks for {expected_world_size} "
+                             "(nodes x procs_per_node)")
+    return env
+
+
+def reduce_max(env: DistEnv, values: list[int]) -> list[int]:
+    """Element-wise max over ranks: how every rank takes the same branch on the same step."""
+    tensor = torch.tensor(values, dtype=torch.int64, device=env.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
+def reduce_sum(env: DistEnv, values: list[float]) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=env.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return [float(v) for v in tensor.tolist()]
+
+
+def broadcast_object(env: DistEnv, value: object) -> object:
+    box = [value if env.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

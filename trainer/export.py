@@ -1,0 +1,77 @@
+"""Consolidate a sharded checkpoint into a Hugging Face model directory.
+
+    jobgen export RUN --to DIR [--checkpoint step-00000120] [--merge-lora]
+
+Runs in one process without a process group: torch.distributed.checkpoint reads
+every shard, whatever world size or parallelism (DDP or FSDP2) wrote them. The
+result is written next to DIR under a temporary name and renamed into place, and
+``AutoModelForCausalLM.from_pretrained(DIR)`` loads it. With LoRA, the adapters are
+saved as a peft adapter directory, or merged into the base weights on request.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from jobgen.loader import ResolvedSpec
+from trainer.checkpoint import complete_checkpoints
+from trainer.model import DTYPES, load_model, load_tokenizer
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def pick_checkpoint(run_dir: Path, name: str | None) -> Path:
+    root = run_dir / "checkpoints"
+    if name:
+        path = root / name
+        if not path.is_dir():
+            raise ExportError(f"no checkpoint {name} in {root}")
+        return path
+    found = complete_checkpoints(root)
+    if not found:
+        raise ExportError(f"no complete checkpoint in {root}")
+    return found[0]
+
+
+def export(spec: ResolvedSpec, run_dir: Path, target: Path, *, checkpoint: str | None = None,
+           merge_lora: bool = False) -> Path:
+    model_spec = spec.run.model
+    if model_spec is None:
+        raise ExportError(f"{run_dir} is not a training run (no [model])")
+    if target.exists() and any(target.iterdir()):
+        raise ExportError(f"{target} exists and is not empty")
+    source = pick_checkpoint(run_dir, checkpoint)
+    cpu = torch.device("cpu")
+    # The checkpoint holds trainable weights only; the rest comes from the base model.
+    model = load_model(model_spec.model_copy(update={"gradient_checkpointing": False}), cpu)
+    options = StateDictOptions(ignore_frozen_params=True)
+    state = {"model": get_model_state_dict(model, options=options)}
+    dcp.load(state, checkpoint_id=str(source))
+    set_model_state_dict(model, state["model"], options=options)
+    if model_spec.lora is not None and merge_lora:
+        model = model.merge_and_unload()
+    model = model.to(DTYPES[model_spec.dtype])
+    model.config.use_cache = True
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".staging", dir=target.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        load_tokenizer(model_spec.path).save_pretrained(staging)
+        (staging / "jobgen_export.txt").write_text(f"run {run_dir}\ncheckpoint {source.name}\n")
+        staging.chmod(0o755)
+        if target.exists():
+            target.rmdir()
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return source

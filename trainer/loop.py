@@ -1,0 +1,236 @@
+"""The training loop: a Trainer whose whole state is ``state_dict()``-able.
+
+One optimizer step = ``grad_accum`` micro-batches per rank. The loss is the mean
+over every target token of the step on every rank (token-weighted, so packing,
+padding and uneven batches do not skew it), gradients are synchronised only on the
+last micro-batch, then clipped, then the optimizer and the schedule step. At every
+step boundary the ranks agree on one action (continue, save, or save-and-exit) with
+one small all-reduce; a checkpointer decides when periodic saves are due.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from jobgen.atomic import write_json_atomic
+from jobgen.exit_codes import ExitCode
+from jobgen.loader import ResolvedSpec
+from trainer.batches import DataPipeline
+from trainer.checkpoint import Checkpointer
+from trainer.distributed import DistEnv, reduce_max, reduce_sum
+from trainer.metrics import MetricsWriter, memory_snapshot
+from trainer.model import load_model, load_tokenizer, trainable_parameters, wrap
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.packing import count_targets
+from trainer.stopping import Action, StopMonitor
+
+log = logging.getLogger("trainer")
+
+
+class Trainer:
+    def __init__(self, spec: ResolvedSpec, run_dir: Path, env: DistEnv, monitor: StopMonitor):
+        assert spec.run.model is not None and spec.run.data is not None
+        self.spec = spec
+        self.cfg = spec.run.train
+        self.run_dir = run_dir
+        self.env = env
+        self.monitor = monitor
+        self.started = time.time()
+        # Identical initialisation on every rank (FSDP2 does not broadcast parameters).
+        torch.manual_seed(self.cfg.seed)
+        self.tokenizer = load_tokenizer(spec.run.model.path)
+        self.data = DataPipeline(spec, self.tokenizer, env, run_dir)
+        self.model = wrap(load_model(spec.run.model, env.device), self.cfg.parallelism, env)
+        self.optimizer = build_optimizer(trainable_parameters(self.model), self.cfg)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg)
+        self.checkpointer = Checkpointer(run_dir / "checkpoints", env, keep=self.cfg.keep_checkpoints,
+                                         every_steps=self.cfg.save_every_steps, every_seconds=self.cfg.save_every,
+                                         async_save=self.cfg.async_save)
+        self.metrics = MetricsWriter(run_dir, enabled=env.is_main)
+        # Per-rank streams for dropout and friends; restored from checkpoints on resume.
+        torch.manual_seed(self.cfg.seed * 1000 + env.rank)
+        self.step = 0
+        self.tokens_seen = 0  # non-padding tokens over all ranks
+        self.target_tokens_seen = 0
+        self.steps_this_job = 0
+        self.local_tokens_this_job = 0  # this rank's own share
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "target_tokens_seen": self.target_tokens_seen,
+            "sampler": self.data.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "seed": self.cfg.seed,
+            "world_size": self.env.world_size,
+            "saved_at": time.time(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.target_tokens_seen = int(state["target_tokens_seen"])
+        self.data.load_state_dict(state["sampler"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def resume(self) -> Path | None:
+        loaded = self.checkpointer.load_latest(self.model, self.optimizer)
+        if loaded is None:
+            return None
+        state, path = loaded
+        self.load_state_dict(state)
+        return path
+
+    def save(self, *, blocking: bool) -> Path:
+        return self.checkpointer.save(self.step, self.model, self.optimizer, self.state_dict(), blocking=blocking)
+
+    # ------------------------------------------------------------------ one step
+
+    def _sync_context(self, last_micro: bool):
+        """No gradient all-reduce on the micro-steps before the last one."""
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(last_micro)
+            return contextlib.nullcontext()
+        if last_micro or not hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def train_step(self) -> dict[str, float]:
+        micro_batches = [self.data.next_batch() for _ in range(self.cfg.grad_accum)]
+        local_targets = sum(int(count_targets(b["labels"])) for b in micro_batches)
+        local_tokens = sum(int(b["num_tokens"]) for b in micro_batches)
+        global_targets, global_tokens = reduce_sum(self.env, [float(local_targets), float(local_tokens)])
+        # DDP and FSDP average gradients over ranks; scaling by world size turns that
+        # average into the sum, so the gradient is that of the global token mean.
+        scale = self.env.world_size / max(global_targets, 1.0)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.env.device.type == "cuda"
+                    else contextlib.nullcontext())
+        for i, batch in enumerate(micro_batches):
+            labels = batch["labels"].to(self.env.device)
+            inputs = self.data.model_inputs(batch, self.env.device)
+            with self._sync_context(i == len(micro_batches) - 1), autocast:
+                logits = self.model(**inputs).logits
+                summed, _count = self.data.loss_sum(logits.float(), labels)
+            (summed * scale).backward()
+            loss_sum += summed.detach().double().cpu()
+        params = trainable_parameters(self.model)
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        (total_loss,) = reduce_sum(self.env, [float(loss_sum)])
+        self.tokens_seen += int(global_tokens)
+        self.local_tokens_this_job += local_tokens
+        self.target_tokens_seen += int(global_targets)
+        return {"loss": total_loss / max(global_targets, 1.0), "grad_norm": float(grad_norm), "lr": lr,
+                "step_tokens": int(global_tokens), "step_target_tokens": int(global_targets)}
+
+    # ------------------------------------------------------------------ the loop
+
+    def _finish(self) -> None:
+        self.save(blocking=True)
+        if self.env.is_main:
+            write_json_atomic(self.run_dir / "done", {"step": self.step, "finished_at": time.time(),
+                                                     "tokens_seen": self.tokens_seen})
+
+    def fit(self) -> tuple[ExitCode, str]:
+        """Train until max_steps or a stop; returns the exit code and a one-line reason."""
+        max_steps = self.cfg.max_steps
+        resumed = self.resume()
+        start_step = self.step
+        if self.env.is_main:
+            log.info("%s at step %d of %d (world size %d, %s)", f"resumed from {resumed.name}" if resumed else "starting",
+                     self.step, max_steps, self.env.world_size, self.cfg.parallelism)
+        if self.step >= max_steps:
+            self._finish()
+            return ExitCode.OK, f"already at step {self.step} of {max_steps}: finished"
+        self.model.train()
+        window_start, window_tokens, first_step_seconds = time.time(), 0, None
+        action = Action.CONTINUE
+        try:
+            while self.step < max_steps:
+                record = self.train_step()
+                self.step += 1
+                self.steps_this_job += 1
+                window_tokens += record["step_tokens"]
+                if first_step_seconds is None:
+                    first_step_seconds = time.time() - self.started
+                    self.metrics.log_task({"event": "first_step", "step": self.step, "start_step": start_step,
+                                           "seconds_to_first_step": round(first_step_seconds, 3),
+                                           "resumed_from": resumed.name if resumed else None})
+                if self.step % self.cfg.log_every_steps == 0 or self.step == max_steps:
+                    elapsed = max(time.time() - window_start, 1e-9)
+                    self.metrics.log_step({"step": self.step, **record, "tokens": self.tokens_seen,
+                                           "target_tokens": self.target_tokens_seen,
+                                           "tokens_per_s": round(window_tokens / elapsed, 2), **memory_snapshot()})
+                    if self.env.is_main:
+                        log.info("step %d loss %.4f lr %.3g grad_norm %.3f", self.step, record["loss"], record["lr"],
+                                 record["grad_norm"])
+                    window_start, window_tokens = time.time(), 0
+                if self.step >= max_steps:
+                    break
+                action = Action(reduce_max(self.env, [int(self.monitor.local_action())])[0])
+                if action.exits:
+                    if self.env.is_main:
+                        log.warning("step %d: %s", self.step, self.monitor.describe(action))
+                    if action.saves:
+                        self.save(blocking=True)
+                        if self.env.is_main:
+                            self.monitor.consume_stop_request()
+                    return action.exit_code, self.monitor.describe(action)
+                if action is Action.SAVE or self.checkpointer.due(self.step):
+                    if action is Action.SAVE and self.env.is_main:
+                        log.info("step %d: %s", self.step, self.monitor.describe(action))
+                    self.save(blocking=action is Action.SAVE)
+                    if action is Action.SAVE and self.env.is_main:
+                        self.monitor.consume_save_switch()
+                self.checkpointer.poll()
+            self._finish()
+            return ExitCode.OK, f"reached step {self.step} of {max_steps}: finished"
+        finally:
+            self.checkpointer.wait()
+            self.summary = {
+                "start_step": start_step,
+                "end_step": self.step,
+                "steps_this_job": self.steps_this_job,
+                "seconds_to_first_step": first_step_seconds,
+                "save_seconds": [round(s, 3) for s in self.checkpointer.save_seconds],
+                "save_blocking_seconds": [round(s, 3) for s in self.checkpointer.blocking_seconds],
+            }
+
+    def write_summary(self, code: ExitCode, reason: str) -> None:
+        wall = time.time() - self.started
+        per_rank = [None] * self.env.world_size
+        dist.all_gather_object(per_rank, round(self.local_tokens_this_job / max(wall, 1e-9), 2))
+        model_spec, data_spec = self.spec.run.model, self.spec.run.data
+        summary = {
+            **getattr(self, "summary", {}),
+            "exit_code": int(code),
+            "exit_reason": reason,
+            "wall_seconds": round(wall, 3),
+            "tokens_per_s_per_rank": per_rank,
+            "world_size": self.env.world_size,
+            "torch": torch.__version__,
+            "model": model_spec.path if model_spec else None,
+            "dataset": data_spec.path if data_spec else None,
+            "data_stats": self.data.stats_dict(),
+            "seed": self.cfg.seed,
+            "parallelism": self.cfg.parallelism,
+        }
+        self.metrics.write_summary(summary)
+        self.metrics.log_task({"event": "exit", **summary, "data_stats": None})

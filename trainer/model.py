@@ -1,0 +1,96 @@
+"""Load the model and tokenizer, add LoRA and activation checkpointing, wrap for DDP or FSDP2.
+
+Order matters: LoRA adapters and gradient checkpointing are set up on the plain
+module before it is wrapped, and checkpointing is always non-reentrant: the
+reentrant variant re-runs forward hooks during backward and makes DDP raise
+"Expected to mark a variable ready only once", most visibly together with LoRA.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from jobgen.spec import ModelSpec
+from trainer.distributed import DistEnv
+
+log = logging.getLogger("trainer.model")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def param_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
+    # CPU runs train in float32: bf16 matmuls there are slow and numerically poorer.
+    return DTYPES[spec.dtype] if device.type == "cuda" else torch.float32
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+    """The bare causal LM, with LoRA and gradient checkpointing as the spec asks."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=param_dtype(spec, device))
+    model.config.use_cache = False  # no KV cache while training; it also conflicts with checkpointing
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec.lora is not None:
+        model = add_lora(model, spec)
+    return model.to(device)
+
+
+def add_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise RuntimeError("model.lora needs peft: pip install 'jobgen[lora]'") from None
+    assert spec.lora is not None
+    config = LoraConfig(r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,
+                        target_modules=list(spec.lora.target_modules), task_type="CAUSAL_LM")
+    if spec.gradient_checkpointing:
+        # With frozen embeddings no checkpointed input requires grad; make them carry it.
+        model.enable_input_require_grads()
+    return get_peft_model(model, config)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks, found by class name (LlamaDecoderLayer, Qwen2DecoderLayer, ...)."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if not layers:  # GPT-2 style naming
+        layers = [m for m in model.modules() if type(m).__name__.endswith("Block")]
+    if not layers:
+        raise RuntimeError(f"no decoder layers found in {type(model).__name__} to shard with FSDP")
+    return layers
+
+
+def wrap(model: torch.nn.Module, parallelism: str, env: DistEnv) -> torch.nn.Module:
+    """DDP keeps a full replica per rank; FSDP2 shards each block's parameters, gradients
+    and optimizer state across ranks (fully_shard per block, then the root)."""
+    if parallelism == "ddp":
+        return DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = {}
+    if env.device.type == "cuda":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]

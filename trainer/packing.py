@@ -1,0 +1,199 @@
+"""Batches for the model: best-fit packing, collation, and the token-summed loss.
+
+Rows
+    A *row* is what one sequence of a micro-batch holds: with ``packing`` several
+    examples packed best-fit into at most ``max_length`` tokens (:func:`pack`),
+    without it one example. :func:`build_rows` gives the row list the sampler
+    indexes; :func:`collate` turns a micro-batch of rows into tensors.
+
+How packed examples are kept apart
+    A packed batch carries per-example ``position_ids`` that restart at 0 at every
+    example and **no** ``attention_mask``. transformers 5 (``masking_utils.
+    create_causal_mask``) then detects the packed layout from the position ids and
+    builds a block-diagonal causal mask for ``sdpa`` (the default, also on CPU),
+    ``eager`` and ``flex`` attention; ``flash_attention_2/3`` turn the same
+    position ids into varlen ``cu_seqlens``. So one batch format works on CPU and
+    GPU, and nothing ``O(L²)`` is built or moved here.
+
+    transformers only does that detection when the forward gets neither an
+    ``attention_mask`` (even an all-ones one) nor a KV cache. ``use_cache``
+    defaults to ``config.use_cache`` (True for most models, in train mode too), and
+    the forward then creates an empty cache, which silently turns the detection
+    off: every token attends across example boundaries and the loss still goes
+    down. Hence :func:`model_inputs`, which passes ``use_cache=False``; also set
+    ``model.config.use_cache = False`` when loading a model for training.
+    ``tests/test_packing.py`` checks the equivalence with examples run one by one
+    and that each of these traps is real.
+
+    The first token of every packed example is never a target (its label is
+    ``-100``): in a row it would be "predicted" from the previous example's last
+    token, which an unpacked sequence never does.
+
+Loss
+    :func:`token_loss_sum` returns the summed next-token loss and the number of
+    target tokens, so that the trainer can divide by the *global* target count
+    (all ranks, all micro-steps) and weight every token equally.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def pack(lengths: Sequence[int], max_length: int) -> list[list[int]]:
+    """Best-fit decreasing: indices of ``lengths`` grouped into rows of at most ``max_length`` tokens.
+
+    Longest first, each into the open row with the least room that still fits it
+    (a new row if none does). Ties break on the index, so the result depends on
+    the lengths only. Within a row, indices are ascending.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    rows: list[list[int]] = []
+    # (room left, row number), kept sorted: bisect finds the tightest row that fits.
+    room: list[tuple[int, int]] = []
+    for i in order:
+        n = int(lengths[i])
+        if n > max_length:
+            raise ValueError(f"example {i} has {n} tokens, more than max_length={max_length}; truncate first")
+        if n <= 0:
+            raise ValueError(f"example {i} is empty")
+        k = bisect.bisect_left(room, (n, -1))
+        if k == len(room):
+            rows.append([i])
+            left, row = max_length - n, len(rows) - 1
+        else:
+            left, row = room.pop(k)
+            rows[row].append(i)
+            left -= n
+        if left > 0:
+            bisect.insort(room, (left, row))
+    return [sorted(r) for r in rows]
+
+
+def build_rows(lengths: Sequence[int], max_length: int, packing: bool) -> list[list[int]]:
+    """The rows the sampler indexes: packed groups of example indices, or one example per row."""
+    if packing:
+        return pack(lengths, max_length)
+    return [[i] for i in range(len(lengths))]
+
+
+def fill_ratio(rows: Sequence[Sequence[int]], lengths: Sequence[int], max_length: int) -> float:
+    """Fraction of the rows' ``max_length`` slots that hold real tokens (for the log)."""
+    if not rows:
+        return 0.0
+    return sum(int(lengths[i]) for r in rows for i in r) / (len(rows) * max_length)
+
+
+def fetch_rows(dataset, rows: Sequence[Sequence[int]], row_ids: Sequence[int]) -> list[list[dict[str, Any]]]:
+    """The examples of the given rows, read from the tokenized dataset in one batched access."""
+    flat = [i for r in row_ids for i in rows[r]]
+    data = dataset.select_columns(["input_ids", "labels"])[flat] if flat else {"input_ids": [], "labels": []}
+    examples = [{"input_ids": a, "labels": b} for a, b in zip(data["input_ids"], data["labels"])]
+    out, k = [], 0
+    for r in row_ids:
+        out.append(examples[k : k + len(rows[r])])
+        k += len(rows[r])
+    return out
+
+
+def collate(
+    rows: Sequence[Sequence[Mapping[str, Sequence[int]]]], *, pad_token_id: int, packing: bool
+) -> dict[str, torch.Tensor]:
+    """A micro-batch of rows (each a list of examples with ``input_ids`` and ``labels``) as tensors.
+
+    Sequences are right-padded to the longest row of this batch, not to
+    ``max_length``. Returns int64 tensors of shape ``[batch, longest]``:
+
+    - packing: ``input_ids``, ``position_ids`` (restart at 0 per example; the
+      padding tail counts from 0 as its own segment), ``labels``. No
+      ``attention_mask``, on purpose (see the module docstring): never add one.
+    - no packing (one example per row): ``input_ids``, ``attention_mask``
+      (1 real, 0 padding), ``labels``.
+
+    ``labels`` is ``-100`` on padding and on the first token of every example.
+    Call the model as ``model(**model_inputs(batch))`` (everything but
+    ``labels``, plus ``use_cache=False``, which packing needs), then
+    :func:`token_loss_sum` with ``batch["labels"]``.
+    """
+    if not rows:
+        raise ValueError("collate needs at least one row")
+    ids_rows, label_rows, pos_rows = [], [], []
+    for row in rows:
+        if not row:
+            raise ValueError("collate got an empty row")
+        if not packing and len(row) != 1:
+            raise ValueError(f"without packing a row holds one example, got {len(row)}")
+        ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+        for example in row:
+            ex_ids, ex_labels = list(example["input_ids"]), list(example["labels"])
+            if len(ex_ids) != len(ex_labels) or not ex_ids:
+                raise ValueError("an example needs non-empty input_ids and labels of equal length")
+            ex_labels[0] = IGNORE_INDEX
+            ids += ex_ids
+            labels += ex_labels
+            positions += range(len(ex_ids))
+        ids_rows.append(ids)
+        label_rows.append(labels)
+        pos_rows.append(positions)
+
+    longest = max(len(r) for r in ids_rows)
+    batch = len(rows)
+    input_ids = torch.full((batch, longest), pad_token_id, dtype=torch.long)
+    labels = torch.full((batch, longest), IGNORE_INDEX, dtype=torch.long)
+    second = torch.zeros((batch, longest), dtype=torch.long)
+    for b, (ids, lab, pos) in enumerate(zip(ids_rows, label_rows, pos_rows)):
+        n = len(ids)
+        input_ids[b, :n] = torch.tensor(ids, dtype=torch.long)
+        labels[b, :n] = torch.tensor(lab, dtype=torch.long)
+        if packing:
+            second[b, :n] = torch.tensor(pos, dtype=torch.long)
+            second[b, n:] = torch.arange(longest - n)
+        else:
+            second[b, :n] = 1
+    if packing:
+        return {"input_ids": input_ids, "position_ids": second, "labels": labels}
+    return {"input_ids": input_ids, "attention_mask": second, "labels": labels}
+
+
+def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The forward's keyword arguments: the batch without ``labels``, plus ``use_cache=False``.
+
+    Without ``use_cache=False`` the model builds a KV cache, and transformers then
+    ignores the packed ``position_ids`` when building the attention mask (see the
+    module docstring). Harmless for unpacked batches, so always call the model
+    as ``model(**model_inputs(batch))``.
+    """
+    inputs: dict[str, Any] = {k: v for k, v in batch.items() if k != "labels"}
+    inputs["use_cache"] = False
+    return inputs
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Target tokens in a batch: labels that a next-token prediction is scored against."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy summed over target tokens, and their count.
+
+    ``logits[:, t]`` predicts ``labels[:, t + 1]``; the shift happens here. The
+    loss is computed in float32 whatever the logits' dtype (bf16 log-softmax over
+    a large vocabulary loses too much). Divide the sum by the global count.
+    """
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:].to(shift_logits.device)
+    total = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return total, (shift_labels != IGNORE_INDEX).sum()

@@ -1,0 +1,119 @@
+"""Which rows each rank trains on, in an order that survives being stopped and resumed.
+
+Each epoch is a permutation of the ``num_rows`` rows drawn from ``(seed, epoch)``.
+The permutation is cut into global batches of ``world_size × micro_batch_size``
+consecutive rows; rank ``r`` takes the ``r``-th slice of ``micro_batch_size``
+rows of each. The ragged tail of an epoch (fewer rows than a global batch) is
+dropped, and the next epoch begins. The sampler never ends: the trainer stops
+on ``max_steps``.
+
+The state is ``(epoch, offset)``: the epoch and the position in its permutation,
+in rows, of the next global batch. Every rank holds the same state, so any
+rank's copy can go into a checkpoint; a run resumed from it serves exactly the
+rows not yet served, in the same order. Because the offset counts rows, not
+batches, a run may be resumed with another world size or micro-batch size: it
+continues with the rows that follow the offset.
+
+The permutation comes from NumPy's legacy ``RandomState``, whose stream NumPy
+promises never to change, so a resume after a library upgrade still matches.
+Independent of ``torch.utils.data.DistributedSampler`` (which pads by repeating
+rows and only resumes at epoch boundaries).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterator
+
+import numpy as np
+
+
+def epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    """The row order of one epoch: a function of (num_rows, seed, epoch) only."""
+    digest = hashlib.sha256(f"jobgen-sampler:{seed}:{epoch}".encode()).digest()
+    state = np.random.RandomState(int.from_bytes(digest[:4], "little"))
+    return state.permutation(num_rows)
+
+
+class ResumableSampler:
+    """Infinite, deterministic, resumable distributed sampling of row indices.
+
+    ``next_batch()`` (or iterating) returns this rank's ``micro_batch_size`` row
+    indices of the next global batch and advances the state past that batch, so
+    ``state_dict()`` taken after the batch of step *k* has been consumed resumes
+    at step *k + 1*. Do not prefetch batches beyond the step being checkpointed.
+    """
+
+    def __init__(self, num_rows: int, *, world_size: int, rank: int, micro_batch_size: int, seed: int):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not within world_size {world_size}")
+        if micro_batch_size < 1:
+            raise ValueError("micro_batch_size must be at least 1")
+        self.num_rows = int(num_rows)
+        self.world_size = world_size
+        self.rank = rank
+        self.micro_batch_size = micro_batch_size
+        self.seed = int(seed)
+        self.global_batch = world_size * micro_batch_size
+        if self.num_rows < self.global_batch:
+            raise ValueError(
+                f"{self.num_rows} rows cannot fill one global batch of {self.global_batch} rows "
+                f"({world_size} ranks x micro_batch_size {micro_batch_size}): use more data or smaller batches"
+            )
+        self.epoch = 0
+        self.offset = 0
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_rows // self.global_batch
+
+    @property
+    def rows_per_epoch(self) -> int:
+        """Rows served per epoch: the ragged tail is dropped."""
+        return self.batches_per_epoch * self.global_batch
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm_epoch != self.epoch:
+            self._perm = epoch_permutation(self.num_rows, self.seed, self.epoch)
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def _normalise(self) -> None:
+        # A state always points at a batch that exists: past the last full one, the next epoch starts.
+        if self.offset + self.global_batch > self.num_rows:
+            self.epoch += 1
+            self.offset = 0
+
+    def next_batch(self) -> list[int]:
+        self._normalise()
+        start = self.offset + self.rank * self.micro_batch_size
+        rows = self._permutation()[start : start + self.micro_batch_size]
+        self.offset += self.global_batch
+        self._normalise()
+        return [int(r) for r in rows]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Identical on every rank. ``epoch`` and ``offset`` locate the next batch; the rest are checks."""
+        return {"epoch": self.epoch, "offset": self.offset, "num_rows": self.num_rows, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``. A different dataset (row count) or seed is an error: the order would differ."""
+        num_rows, seed = int(state["num_rows"]), int(state["seed"])
+        if num_rows != self.num_rows:
+            raise ValueError(
+                f"the checkpoint's sampler had {num_rows} rows, this run has {self.num_rows}: "
+                "the data, its preprocessing or packing changed, so the remaining order cannot be reproduced"
+            )
+        if seed != self.seed:
+            raise ValueError(f"the checkpoint's sampler seed is {seed}, this run's is {self.seed}")
+        epoch, offset = int(state["epoch"]), int(state["offset"])
+        if epoch < 0 or not 0 <= offset <= self.num_rows:
+            raise ValueError(f"invalid sampler state: epoch {epoch}, offset {offset}")
+        self.epoch, self.offset = epoch, offset
+        self._normalise()

@@ -1,0 +1,176 @@
+"""When to stop: switch files, signals, the job's deadline, memory pressure.
+
+Signal handlers only set a flag. Once per optimizer step every rank reports what it
+sees, one small all-reduce (max) combines the reports, and every rank takes the
+same branch on the same step, so no rank is left waiting in a collective for a
+rank that decided to leave.
+
+Switch files live in ``<run_dir>/switches/`` and anyone who can write the run
+directory can create them (``jobgen stop RUN`` or plain ``touch``):
+
+- ``kill``  save a checkpoint and exit; also makes queued array tasks exit at once
+- ``save``  save a checkpoint, delete the file, continue
+- ``abort`` exit at once without saving
+- ``stop.<jobid>`` written by the batch shell when Slurm's lead-time signal arrives
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from jobgen.exit_codes import ExitCode
+
+
+class Action(enum.IntEnum):
+    """Ordered by precedence: the largest wins when ranks (or causes) disagree."""
+
+    CONTINUE = 0
+    SAVE = 1  # save and continue
+    MEMORY = 2
+    DEADLINE = 3
+    SIGNAL = 4
+    KILL = 5
+    ABORT = 6
+
+    @property
+    def saves(self) -> bool:
+        return self in (Action.SAVE, Action.MEMORY, Action.DEADLINE, Action.SIGNAL, Action.KILL)
+
+    @property
+    def exits(self) -> bool:
+        return self not in (Action.CONTINUE, Action.SAVE)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return {
+            Action.MEMORY: ExitCode.MEMORY_GUARD,
+            Action.DEADLINE: ExitCode.DEADLINE,
+            Action.SIGNAL: ExitCode.SIGNALLED,
+            Action.KILL: ExitCode.KILL_SWITCH,
+            Action.ABORT: ExitCode.ABORTED,
+        }.get(self, ExitCode.OK)
+
+
+@dataclass
+class StopSettings:
+    switches: Path
+    job_id: str | None
+    deadline: float | None  # epoch seconds after which we must save and leave
+    max_host_memory_percent: float
+    min_gpu_free_mib: int
+
+
+def job_end_time(job_id: str | None) -> float | None:
+    """The job's scheduled end (epoch seconds), or None when there is no limit to honour.
+
+    ``JOBGEN_JOB_END_TIME`` (epoch seconds) wins: it lets runs outside Slurm (``--local``,
+    another scheduler) have a deadline. Then ``SLURM_JOB_END_TIME`` (Slurm 23.02+), then
+    ``squeue``'s end time for the job (Slurm 22.05 sets no variable for it).
+    """
+    for variable in ("JOBGEN_JOB_END_TIME", "SLURM_JOB_END_TIME"):
+        value = os.environ.get(variable, "")
+        if value.isdigit():
+            return float(value)
+    if not job_id or not job_id.isdigit():
+        return None
+    try:
+        out = subprocess.run(["squeue", "--noheader", "--jobs", job_id, "--format=%e"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    try:
+        # squeue prints the controller's local time without a zone; the node shares it.
+        return dt.datetime.strptime(out.splitlines()[0], "%Y-%m-%dT%H:%M:%S").timestamp()
+    except (ValueError, IndexError):
+        return None
+
+
+class StopMonitor:
+    """Collects this rank's reasons to stop; ``decide`` combines them over all ranks."""
+
+    HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+
+    def __init__(self, settings: StopSettings):
+        self.settings = settings
+        self.signal_received: int | None = None
+        self._previous = {}
+
+    def install_signal_handlers(self) -> None:
+        for signum in self.HANDLED:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def restore_signal_handlers(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        # Only a flag: the loop acts on it at the next step boundary.
+        self.signal_received = signum
+
+    def local_action(self, now: float | None = None) -> Action:
+        now = time.time() if now is None else now
+        s = self.settings
+        found = Action.CONTINUE
+        if (s.switches / "abort").exists():
+            return Action.ABORT
+        if (s.switches / "kill").exists():
+            found = max(found, Action.KILL)
+        if self.signal_received is not None or (s.job_id and (s.switches / f"stop.{s.job_id}").exists()):
+            found = max(found, Action.SIGNAL)
+        if s.deadline is not None and now >= s.deadline:
+            found = max(found, Action.DEADLINE)
+        if psutil.virtual_memory().percent > s.max_host_memory_percent:
+            found = max(found, Action.MEMORY)
+        if s.min_gpu_free_mib and torch.cuda.is_available():
+            free, _ = torch.cuda.mem_get_info()
+            if free < s.min_gpu_free_mib * 1024 * 1024:
+                found = max(found, Action.MEMORY)
+        if (s.switches / "save").exists():
+            found = max(found, Action.SAVE)
+        return found
+
+    def describe(self, action: Action) -> str:
+        s = self.settings
+        if action is Action.SIGNAL:
+            name = signal.Signals(self.signal_received).name if self.signal_received else f"stop.{s.job_id} request"
+            return f"stop requested ({name}): saving and exiting"
+        return {
+            Action.ABORT: f"abort switch {s.switches / 'abort'}: exiting without saving",
+            Action.KILL: f"kill switch {s.switches / 'kill'}: saving and exiting",
+            Action.DEADLINE: "job deadline (end time minus exit_grace) reached: saving and exiting",
+            Action.MEMORY: "memory guard: saving and exiting so the next job starts with clean memory",
+            Action.SAVE: f"save switch {s.switches / 'save'}: saving and continuing",
+        }.get(action, "continuing")
+
+    def consume_save_switch(self) -> None:
+        try:
+            os.unlink(self.settings.switches / "save")
+        except FileNotFoundError:
+            pass
+
+    def consume_stop_request(self) -> None:
+        if self.settings.job_id:
+            try:
+                os.unlink(self.settings.switches / f"stop.{self.settings.job_id}")
+            except FileNotFoundError:
+                pass
+
+
+def startup_switch(switches: Path) -> Action:
+    """A kill or abort switch present before anything is loaded."""
+    if (switches / "abort").exists():
+        return Action.ABORT
+    if (switches / "kill").exists():
+        return Action.KILL
+    return Action.CONTINUE
