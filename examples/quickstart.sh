@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The demo on a fresh machine (root, Debian): install everything, start the local dev
-# cluster with every node as its own host on the network, submit the example run and
-# follow it until it ends.
+# cluster with every node as its own host on the network, build a tiny model and
+# tokenizer locally, submit the example fine-tuning run (2 nodes x 2 processes, FSDP2,
+# a 2-task job array) and follow it until it finishes.
 #   bash examples/quickstart.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/setup
 jobgen=.venv/bin/jobgen
 "$jobgen" cluster up --netns --nodes 2
-"$jobgen" validate examples/doctor.toml
-"$jobgen" submit examples/doctor.toml
-"$jobgen" status doctor --watch || true
-"$jobgen" logs doctor | grep -v '^\[default[1-9]' | tail -n 30
+[[ -d examples/tiny-model ]] || "$jobgen" make-tiny-model examples/tiny-model
+"$jobgen" validate examples/sft.toml
+"$jobgen" submit examples/sft.toml
+"$jobgen" status tiny-sft --watch
+"$jobgen" logs tiny-sft | grep -E 'trainer\[0\]|jobgen:' | sed 's/^\[default0\]://'

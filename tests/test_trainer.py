@@ -28,8 +28,9 @@ pytestmark = pytest.mark.torch
 DATA = REPO / "examples" / "data" / "instructions.jsonl"
 
 
-def make_run(tmp_path: Path, tiny_model: Path, name: str = "sft", _model: str = "", **train: object) -> Path:
-    """A run directory as `jobgen submit` writes it; ``_model`` adds lines to [model]."""
+def make_run(tmp_path: Path, tiny_model: Path, name: str = "sft", _model: str = "", _data: str = "",
+             **train: object) -> Path:
+    """A run directory as `jobgen submit` writes it; ``_model``/``_data`` add lines to [model]/[data]."""
     settings = {"max_steps": 12, "micro_batch_size": 4, "grad_accum": 2, "lr": 3e-3, "save_every_steps": 0,
                 "log_every_steps": 1, "seed": 7, "warmup_steps": 2, **train}
     lines = "\n        ".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())
@@ -46,6 +47,7 @@ def make_run(tmp_path: Path, tiny_model: Path, name: str = "sft", _model: str = 
         [data]
         path = "{DATA}"
         max_length = 256
+        {_data}
         [train]
         {lines}
     """, name=f"{name}.toml")
@@ -92,9 +94,9 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: flo
     raise AssertionError(f"no step {step} within {timeout}s")
 
 
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_two_process_run_reduces_loss(tmp_path, tiny_model, parallelism):
-    run = make_run(tmp_path, tiny_model, parallelism=parallelism, max_steps=25)
+@pytest.mark.parametrize("parallelism, packing", [("ddp", False), ("fsdp", True)])
+def test_two_process_run_reduces_loss(tmp_path, tiny_model, parallelism, packing):
+    run = make_run(tmp_path, tiny_model, parallelism=parallelism, max_steps=25, _data=f"packing = {str(packing).lower()}")
     proc = torchrun(run)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     curve = losses(run)
@@ -110,6 +112,10 @@ def test_two_process_run_reduces_loss(tmp_path, tiny_model, parallelism):
     for key in ("loss", "lr", "grad_norm", "tokens", "target_tokens", "tokens_per_s", "rss_mib", "job_id"):
         assert key in record, key
     assert "exit 0: reached step 25 of 25: finished" in proc.stdout + proc.stderr
+    assert "seed 7" in proc.stdout + proc.stderr
+    assert info["data_stats"]["packing"] is packing
+    if packing:  # several examples per row: fewer rows than examples
+        assert info["data_stats"]["rows"] < info["data_stats"]["kept"]
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
@@ -134,6 +140,9 @@ def test_resume_after_kill_switch_is_exact(tmp_path, tiny_model, parallelism):
     assert proc2.returncode == 0, proc2.stdout + proc2.stderr
     resumed = losses(run)
     assert summary(run)["start_step"] == k
+    # Same seed, same curve: before the stop too.
+    for step in range(1, k + 1):
+        assert resumed[step] == pytest.approx(expected[step], abs=1e-5), (step, resumed[step], expected[step])
     for step in range(k + 1, 15):
         assert resumed[step] == pytest.approx(expected[step], abs=1e-5), (step, resumed[step], expected[step])
 
@@ -245,13 +254,58 @@ def test_world_size_mismatch_is_refused(tmp_path, tiny_model):
     assert not (run / "metrics.json").exists()
 
 
-def test_lora_with_gradient_checkpointing_under_ddp(tmp_path, tiny_model):
+def test_lora_with_gradient_checkpointing_under_ddp_then_merged_export(tmp_path, tiny_model):
     pytest.importorskip("peft")
     run = make_run(tmp_path, tiny_model, max_steps=4, _model='gradient_checkpointing = true\n        [model.lora]\n        r = 4\n        target_modules = ["q_proj", "v_proj"]')
     proc = torchrun(run)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "mark a variable ready only once" not in proc.stdout + proc.stderr
     assert summary(run)["end_step"] == 4
+    # Only the adapters are trained, so only they are checkpointed: a small checkpoint.
+    ckpt_bytes = sum(p.stat().st_size for p in (run / "checkpoints" / "step-00000004").glob("*.distcp"))
+    model_bytes = (tiny_model / "model.safetensors").stat().st_size
+    assert ckpt_bytes < model_bytes / 4, (ckpt_bytes, model_bytes)
+    # ... and a LoRA run resumes from such a checkpoint.
+    (run / "done").unlink()
+    spec = json.loads((run / "spec.json").read_text())
+    spec["run"]["train"]["max_steps"] = 6
+    (run / "spec.json").write_text(json.dumps(spec))
+    resumed = torchrun(run)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert summary(run)["start_step"] == 4 and summary(run)["end_step"] == 6
+    out = tmp_path / "merged"
+    proc = subprocess.run([str(VENV_BIN / "jobgen"), "export", str(run), "--to", str(out), "--merge-lora",
+                           "--checkpoint", "step-00000004"],
+                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    code = f"""
+import torch
+from transformers import AutoModelForCausalLM
+merged = AutoModelForCausalLM.from_pretrained({str(out)!r})
+base = AutoModelForCausalLM.from_pretrained({str(tiny_model)!r})
+assert not any("lora" in k for k in merged.state_dict()), "adapters were not merged"
+diff = (merged.state_dict()["model.layers.0.self_attn.q_proj.weight"].float() - base.state_dict()["model.layers.0.self_attn.q_proj.weight"]).abs().max()
+same = (merged.state_dict()["model.layers.0.self_attn.k_proj.weight"].float() - base.state_dict()["model.layers.0.self_attn.k_proj.weight"]).abs().max()
+assert diff > 1e-4 and same < 1e-2, (float(diff), float(same))
+print("ok")
+"""
+    check = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert check.stdout.strip().endswith("ok"), check.stderr
+
+
+def test_async_saves_and_time_interval_with_adafactor(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model, max_steps=40, optimizer="adafactor", async_save=True, save_every="1s",
+                   keep_checkpoints=50)
+    proc = torchrun(run)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    saved = checkpoints(run)
+    assert saved[-1] == "step-00000040" and len(saved) >= 2, saved  # saves by wall time, then the final one
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    info = summary(run)
+    assert len(info["save_blocking_seconds"]) == len(info["save_seconds"]) == len(saved)
+    curve = losses(run)
+    assert curve[40] < curve[1]
 
 
 def test_export_loads_and_generates(tmp_path, tiny_model):

@@ -42,8 +42,11 @@ log = logging.getLogger("trainer.checkpoint")
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
-# LoRA: only the adapters are trained, so only they are checkpointed.
-_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+def state_dict_options(model: torch.nn.Module) -> StateDictOptions:
+    """LoRA: only the adapters are trained, so only they are checkpointed and loaded; the
+    frozen base weights come from the model path. Full fine-tuning loads strictly."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
 
 def checkpoint_name(step: int) -> str:
@@ -131,7 +134,7 @@ class Checkpointer:
         torch.save(rng_state(), tmp / f"rng-rank{self.env.rank:05d}.pt")
         if self.env.is_main:
             write_json_atomic(tmp / "trainer_state.json", trainer_state)
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(model))
         state = {"model": model_sd, "optim": optim_sd}
         if self.async_save and not blocking:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
@@ -186,12 +189,13 @@ class Checkpointer:
         """Restore the newest checkpoint that loads on every rank; None if there is none.
         Raises RuntimeError when checkpoints exist but none of them loads."""
         candidates = broadcast_object(self.env, [str(p) for p in complete_checkpoints(self.root)])
+        options = state_dict_options(model)
         assert isinstance(candidates, list)
         for path_text in candidates:
             path = Path(path_text)
             error = None
             try:
-                model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+                model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
                 state = {"model": model_sd, "optim": optim_sd}
                 dcp.load(state, checkpoint_id=str(path))
                 trainer_state = json.loads((path / "trainer_state.json").read_text())
@@ -207,7 +211,7 @@ class Checkpointer:
                     log.error("checkpoint %s is unusable; falling back to the previous one", path.name)
                 continue
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                           options=_OPTIONS)
+                           options=options)
             if rng is not None:
                 set_rng_state(rng)
             elif self.env.is_main:

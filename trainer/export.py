@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from jobgen.loader import ResolvedSpec
-from trainer.checkpoint import complete_checkpoints
+from trainer.checkpoint import complete_checkpoints, state_dict_options
 from trainer.model import DTYPES, load_model, load_tokenizer
 
 
@@ -52,7 +52,7 @@ def export(spec: ResolvedSpec, run_dir: Path, target: Path, *, checkpoint: str |
     cpu = torch.device("cpu")
     # The checkpoint holds trainable weights only; the rest comes from the base model.
     model = load_model(model_spec.model_copy(update={"gradient_checkpointing": False}), cpu)
-    options = StateDictOptions(ignore_frozen_params=True)
+    options = state_dict_options(model)
     state = {"model": get_model_state_dict(model, options=options)}
     dcp.load(state, checkpoint_id=str(source))
     set_model_state_dict(model, state["model"], options=options)

@@ -154,8 +154,9 @@ class Trainer:
         resumed = self.resume()
         start_step = self.step
         if self.env.is_main:
-            log.info("%s at step %d of %d (world size %d, %s)", f"resumed from {resumed.name}" if resumed else "starting",
-                     self.step, max_steps, self.env.world_size, self.cfg.parallelism)
+            log.info("%s at step %d of %d (world size %d, %s, seed %d)",
+                     f"resumed from {resumed.name}" if resumed else "starting", self.step, max_steps,
+                     self.env.world_size, self.cfg.parallelism, self.cfg.seed)
         if self.step >= max_steps:
             self._finish()
             return ExitCode.OK, f"already at step {self.step} of {max_steps}: finished"

@@ -1,0 +1,53 @@
+"""The main job through the whole chain on the dev cluster: sbatch → srun → torchrun → trainer.
+
+examples/sft.toml as a user runs it: 2 nodes x 2 processes (each node its own host,
+--netns), FSDP2 with packing, a 2-task array whose second task finds the run done.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, jobgen
+from jobgen import slurm
+
+pytestmark = [pytest.mark.slurm, pytest.mark.torch]
+
+
+def wait_until_gone(job_ids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while slurm.queue(job_ids):
+        assert time.monotonic() < deadline, f"jobs {job_ids} still queued after {timeout}s"
+        time.sleep(2)
+
+
+def test_example_sft_trains_to_the_end_on_two_hosts(cluster, tmp_path: Path, tiny_model: Path):
+    examples = tmp_path / "examples"
+    shutil.copytree(REPO / "examples", examples, ignore=shutil.ignore_patterns("tiny-model"))
+    (examples / "tiny-model").symlink_to(tiny_model)
+    env = {"HOME": str(tmp_path)}  # runs under ~/jobgen-runs
+    proc = jobgen("submit", str(examples / "sft.toml"), env=env, check=True)
+    job_id = int(proc.stdout.split("submitted job ")[1].split()[0])
+    wait_until_gone([job_id], timeout=420)
+
+    run = tmp_path / "jobgen-runs" / "tiny-sft"
+    summary = json.loads((run / "metrics.json").read_text())
+    assert summary["exit_code"] == 0 and summary["end_step"] == 60 and summary["world_size"] == 4
+    assert summary["parallelism"] == "fsdp" and summary["data_stats"]["packing"] is True
+    assert json.loads((run / "done").read_text())["step"] == 60
+    curve = {json.loads(line)["step"]: json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()}
+    assert curve[60] < curve[5] * 0.7, curve
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-00000040", "step-00000060"]
+
+    tasks = sorted(slurm.show_job(job_id), key=lambda r: int(r["ArrayTaskId"]))
+    assert [(t["ArrayTaskId"], t["JobState"], t["ExitCode"]) for t in tasks] == [("1", "COMPLETED", "0:0"),
+                                                                                 ("2", "COMPLETED", "0:0")]
+    second_log = (run / "logs" / f"tiny-sft-{tasks[1]['JobId']}.out").read_text()
+    assert "run already finished" in second_log and "rendezvous" not in second_log
+    status = json.loads(jobgen("status", str(run), "--json", env=env, check=True).stdout)
+    assert status["state"] == "finished" and status["step"] == 60
