@@ -38,11 +38,16 @@ def run(args: list[str], *, timeout: float = DEFAULT_TIMEOUT, check: bool = True
     except subprocess.TimeoutExpired:
         raise SlurmUnavailable(args, 124, f"no answer within {timeout:.0f}s (is slurmctld up?)") from None
     if check and proc.returncode != 0:
-        err = proc.stderr or proc.stdout
-        unreachable = ("Unable to contact slurm controller", "Could not establish a configuration source")
-        cls = SlurmUnavailable if any(u in err for u in unreachable) else SlurmError
-        raise cls(args, proc.returncode, err)
+        raise failure(args, proc)
     return proc
+
+
+def failure(args: list[str], proc: subprocess.CompletedProcess[str]) -> SlurmError:
+    """The error for a failed command: SlurmUnavailable when no controller answers."""
+    err = proc.stderr or proc.stdout
+    unreachable = ("Unable to contact slurm controller", "Could not establish a configuration source")
+    cls = SlurmUnavailable if any(u in err for u in unreachable) else SlurmError
+    return cls(args, proc.returncode, err)
 
 
 # ---------------------------------------------------------------- parsers
@@ -168,7 +173,7 @@ def queue(job_ids: list[int] | None = None) -> list[QueueEntry]:
         # squeue exits 1 for job ids it no longer knows; that means "not queued".
         if "Invalid job id" in proc.stderr:
             return []
-        raise SlurmError(args, proc.returncode, proc.stderr)
+        raise failure(args, proc)
     return parse_squeue(proc.stdout)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jobgen import slurm
+from jobgen.goodput import TaskReport, goodput, lead_time_warning, run_reports
 from jobgen.rundir import RunDir
 
 ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED"}
@@ -30,6 +31,13 @@ class TaskStatus:
     exit_code: str | None = None
     reason: str | None = None
     nodes: str | None = None
+    # From the trainer's own records (jobgen.goodput); None for tasks that did not train.
+    start_step: int | None = None
+    end_step: int | None = None
+    recomputed_steps: int | None = None
+    seconds_to_first_step: float | None = None
+    exit_reason: str | None = None
+    restart: int = 0
 
 
 @dataclass
@@ -43,6 +51,8 @@ class RunStatus:
     tasks: list[TaskStatus] = field(default_factory=list)
     switches: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    goodput: float | None = None
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,7 +79,12 @@ def _tasks(run: RunDir) -> list[TaskStatus]:
     # Keyed by (array id, task index): pending tasks have no job id of their own yet.
     tasks: dict[tuple[int, str], TaskStatus] = {}
     submissions = [j for j in run.jobs() if not j.get("local")]
+    # Job ids are only unique on one controller's lifetime: a name check keeps a recycled
+    # id (a rebuilt cluster, a wiped state dir) from passing another job off as ours.
+    name = run.load_spec().run.job.name
     for entry in slurm.queue([j["job_id"] for j in submissions]) if submissions else []:
+        if entry.name != name:
+            continue
         tasks[(entry.array_job_id, entry.array_task)] = TaskStatus(
             entry.job_id, entry.array_job_id, entry.array_task, entry.state, reason=entry.reason, nodes=entry.nodes
         )
@@ -78,6 +93,8 @@ def _tasks(run: RunDir) -> list[TaskStatus]:
             job_id = int(record.get("JobId", "0") or 0)
             array_job = record.get("ArrayJobId", "")
             key = (int(array_job) if array_job.isdigit() else job_id, record.get("ArrayTaskId", "N/A"))
+            if record.get("JobName") != name:
+                continue
             if job_id and key not in tasks and "-" not in key[1]:  # "2-3%1": the still-pending rest
                 tasks[key] = TaskStatus(
                     job_id,
@@ -95,12 +112,46 @@ def _tasks(run: RunDir) -> list[TaskStatus]:
     return sorted(tasks.values(), key=lambda t: (t.array_job_id, t.job_id, t.array_task))
 
 
+def _merge_reports(tasks: list[TaskStatus], reports: list[TaskReport]) -> None:
+    """Attach the trainer's records to Slurm's tasks. Earlier runs of a requeued job, and
+    jobs Slurm has forgotten (MinJobAge) or never knew (--local), get entries of their own."""
+    latest: dict[str, int] = {}
+    for report in reports:
+        latest[report.job_id] = max(latest.get(report.job_id, 0), report.restart)
+    from_slurm = {str(t.job_id): t for t in tasks}
+    for report in reports:
+        if not report.job_id.isdigit():
+            continue  # a run by hand outside Slurm
+        is_latest = report.restart == latest[report.job_id]
+        task = from_slurm.get(report.job_id) if is_latest else None
+        if task is None:
+            base = from_slurm.get(report.job_id)
+            job_id = int(report.job_id)
+            task = TaskStatus(job_id, base.array_job_id if base else job_id, base.array_task if base else "N/A",
+                              "ENDED" if is_latest else "REQUEUED")
+            tasks.append(task)
+        task.restart = report.restart
+        task.start_step, task.end_step = report.start_step, report.end_step
+        task.recomputed_steps = report.recomputed_steps
+        task.seconds_to_first_step = report.seconds_to_first_step
+        task.exit_reason = report.exit_reason
+    tasks.sort(key=lambda t: (t.array_job_id, t.job_id, t.restart, t.array_task))
+
+
 def run_status(run: RunDir) -> RunStatus:
     spec = run.load_spec()
     job = spec.run.job
     metrics = _last_metrics(run.path / "metrics.jsonl")
     switches = sorted(p.name for p in run.switches.iterdir()) if run.switches.is_dir() else []
-    tasks = _tasks(run)
+    notes = []
+    try:
+        tasks = _tasks(run)
+    except slurm.SlurmUnavailable as exc:
+        tasks = []
+        notes.append(f"Slurm not reachable ({exc.stderr.splitlines()[-1] if exc.stderr else exc}): "
+                     "showing what the run directory records")
+    reports = run_reports(run.path)
+    _merge_reports(tasks, reports)
     states = {t.state for t in tasks}
     status = RunStatus(
         run_dir=str(run.path),
@@ -111,7 +162,12 @@ def run_status(run: RunDir) -> RunStatus:
         max_steps=spec.run.train.max_steps if job.program == "train" else None,
         tasks=tasks,
         switches=switches,
+        goodput=goodput(reports),
+        notes=notes,
     )
+    warning = lead_time_warning(job.exit_grace, reports)
+    if warning:
+        status.warnings.append(warning)
     doctor = run.path / "doctor.json"
     if states & {"RUNNING", "COMPLETING", "CONFIGURING"}:
         status.state = "running"
@@ -140,17 +196,27 @@ def format_status(status: RunStatus) -> str:
     ]
     if status.max_steps is not None:
         lines.append(f"step     {status.step if status.step is not None else '-'} / {status.max_steps}")
+    if status.goodput is not None:
+        lines.append(f"goodput  {status.goodput:.1%} (time in steps that were kept / time the jobs held)")
     if status.switches:
         lines.append(f"switches {', '.join(status.switches)}")
     if status.tasks:
         lines.append("")
-        lines.append(f"{'job id':>8}  {'task':<10} {'state':<12} {'exit':<6} {'nodes / reason'}")
+        lines.append(f"{'job id':>8}  {'task':<6} {'state':<10} {'exit':<6} {'steps':<11} {'redone':>6} "
+                     f"{'1st step':>8}  {'nodes / reason'}")
         for t in status.tasks:
             nodes = t.nodes if t.nodes not in (None, "", "(null)") else None
             reason = t.reason if t.reason not in (None, "None") else None
             detail = (nodes or reason) if t.state != "PENDING" else (reason or "")
-            lines.append(f"{t.job_id:>8}  {t.array_task:<10} {t.state:<12} {t.exit_code or '':<6} {detail or ''}")
+            if t.exit_reason:
+                detail = f"{detail or ''}  {t.exit_reason}".strip()
+            steps = f"{t.start_step}->{t.end_step}" if t.start_step is not None else ""
+            redone = "" if t.recomputed_steps is None or t.start_step is None else str(t.recomputed_steps)
+            first = f"{t.seconds_to_first_step:.0f}s" if t.seconds_to_first_step is not None else ""
+            lines.append(f"{t.job_id:>8}  {t.array_task:<6} {t.state:<10} {t.exit_code or '':<6} {steps:<11} "
+                         f"{redone:>6} {first:>8}  {detail or ''}")
     lines.extend(f"note     {n}" for n in status.notes)
+    lines.extend(f"WARNING  {w}" for w in status.warnings)
     return "\n".join(lines)
 
 

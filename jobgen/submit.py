@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobgen import slurm
+from jobgen.goodput import lead_time_warning, run_reports
 from jobgen.loader import ResolvedSpec
 from jobgen.preflight import Finding, preflight
 from jobgen.render import render_all, script_name
@@ -81,6 +82,10 @@ def submit(
             candidate.write_text(scripts[name])
             findings = preflight(spec, candidate, options)
     run = RunDir(spec.run_dir)
+    if run.exists():
+        warning = lead_time_warning(spec.run.job.exit_grace, run_reports(run.path))
+        if warning:
+            findings.append(Finding("warning", "job.exit_grace", warning))
     if run.exists() and after is None:
         busy = active_jobs(run)
         if busy:

@@ -54,6 +54,27 @@ def jobgen(*args: str, env: dict[str, str] | None = None, cwd: Path | None = Non
     return proc
 
 
+def submitted_job_id(stdout: str) -> int:
+    """The job id `jobgen submit` / `jobgen doctor` printed."""
+    import re
+
+    match = re.search(r"submitted (?:doctor )?job (\d+)", stdout)
+    assert match, stdout
+    return int(match.group(1))
+
+
+def wait_until_gone(job_ids: list[int], timeout: float = 180) -> None:
+    """Until Slurm has none of these jobs (or their array tasks) queued or running."""
+    import time
+
+    from jobgen import slurm
+
+    deadline = time.monotonic() + timeout
+    while slurm.queue(job_ids):
+        assert time.monotonic() < deadline, f"jobs {job_ids} still queued after {timeout}s: {slurm.queue(job_ids)}"
+        time.sleep(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`jobgen make-tiny-model` once per session: random tiny Llama + local tokenizer."""

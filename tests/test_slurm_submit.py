@@ -13,23 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, jobgen, write_spec
+from conftest import REPO, jobgen, submitted_job_id as job_id_of, wait_until_gone, write_spec
 from jobgen import slurm
 
 pytestmark = pytest.mark.slurm
-
-
-def wait_until_gone(job_ids: list[int], timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while slurm.queue(job_ids):
-        assert time.monotonic() < deadline, f"jobs {job_ids} still queued after {timeout}s: {slurm.queue(job_ids)}"
-        time.sleep(1)
-
-
-def job_id_of(stdout: str) -> int:
-    match = re.search(r"submitted (?:doctor )?job (\d+)", stdout)
-    assert match, stdout
-    return int(match.group(1))
 
 
 def final_state(job_id: int) -> dict[str, str]:

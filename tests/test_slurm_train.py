@@ -8,22 +8,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, jobgen
+from conftest import REPO, jobgen, wait_until_gone
 from jobgen import slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
-
-
-def wait_until_gone(job_ids: list[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while slurm.queue(job_ids):
-        assert time.monotonic() < deadline, f"jobs {job_ids} still queued after {timeout}s"
-        time.sleep(2)
 
 
 def test_example_sft_trains_to_the_end_on_two_hosts(cluster, tmp_path: Path, tiny_model: Path):

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         end = distributed.broadcast_object(env, job_end_time(job_id) if env.is_main else None)
         deadline = end - spec.run.job.exit_grace if end else None
         monitor = StopMonitor(StopSettings(switches, job_id, deadline, spec.run.train.max_host_memory_percent,
-                                           spec.run.train.min_gpu_free_memory_mib))
+                                           spec.run.train.min_gpu_free_memory_mib, check_files=env.is_main))
         monitor.install_signal_handlers()
         from trainer.loop import Trainer
 

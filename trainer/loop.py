@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,9 @@ class Trainer:
         self.env = env
         self.monitor = monitor
         self.started = time.time()
+        # When the allocation began (the batch script exports it); falls back to this process's start.
+        self.job_start = float(os.environ.get("JOBGEN_JOB_START") or self.started)
+        self.step_seconds: list[float] = []  # wall time of each optimizer step of this job
         # Identical initialisation on every rank (FSDP2 does not broadcast parameters).
         torch.manual_seed(self.cfg.seed)
         self.tokenizer = load_tokenizer(spec.run.model.path)
@@ -165,18 +169,22 @@ class Trainer:
         action = Action.CONTINUE
         try:
             while self.step < max_steps:
+                step_started = time.time()
                 record = self.train_step()
+                self.step_seconds.append(time.time() - step_started)
                 self.step += 1
                 self.steps_this_job += 1
                 window_tokens += record["step_tokens"]
                 if first_step_seconds is None:
-                    first_step_seconds = time.time() - self.started
+                    first_step_seconds = time.time() - self.job_start
                     self.metrics.log_task({"event": "first_step", "step": self.step, "start_step": start_step,
+                                           "job_start": self.job_start,
                                            "seconds_to_first_step": round(first_step_seconds, 3),
                                            "resumed_from": resumed.name if resumed else None})
                 if self.step % self.cfg.log_every_steps == 0 or self.step == max_steps:
                     elapsed = max(time.time() - window_start, 1e-9)
-                    self.metrics.log_step({"step": self.step, **record, "tokens": self.tokens_seen,
+                    self.metrics.log_step({"step": self.step, **record, "step_seconds": round(self.step_seconds[-1], 4),
+                                           "tokens": self.tokens_seen,
                                            "target_tokens": self.target_tokens_seen,
                                            "tokens_per_s": round(window_tokens / elapsed, 2), **memory_snapshot()})
                     if self.env.is_main:
@@ -210,6 +218,9 @@ class Trainer:
                 "end_step": self.step,
                 "steps_this_job": self.steps_this_job,
                 "seconds_to_first_step": first_step_seconds,
+                "job_start": self.job_start,
+                "step_seconds_total": round(sum(self.step_seconds), 3),
+                "step_seconds_max": round(max(self.step_seconds, default=0.0), 3),
                 "save_seconds": [round(s, 3) for s in self.checkpointer.save_seconds],
                 "save_blocking_seconds": [round(s, 3) for s in self.checkpointer.blocking_seconds],
             }

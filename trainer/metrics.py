@@ -35,6 +35,8 @@ class MetricsWriter:
         self.run_dir = run_dir
         self.enabled = enabled
         self.job_id = os.environ.get("SLURM_JOB_ID")
+        # A requeued job keeps its id; the restart count tells its runs apart.
+        self.restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
     def _append(self, name: str, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -45,11 +47,13 @@ class MetricsWriter:
             os.fsync(fh.fileno())
 
     def log_step(self, record: dict[str, Any]) -> None:
-        self._append("metrics.jsonl", {"time": round(time.time(), 3), "job_id": self.job_id, **record})
+        self._append("metrics.jsonl", {"time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart,
+                                       **record})
 
     def log_task(self, record: dict[str, Any]) -> None:
-        self._append("tasks.jsonl", {"time": round(time.time(), 3), "job_id": self.job_id, **record})
+        self._append("tasks.jsonl", {"time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart,
+                                     **record})
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.enabled:
-            write_json_atomic(self.run_dir / "metrics.json", {"job_id": self.job_id, **summary})
+            write_json_atomic(self.run_dir / "metrics.json", {"job_id": self.job_id, "restart": self.restart, **summary})

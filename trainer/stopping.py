@@ -68,6 +68,9 @@ class StopSettings:
     deadline: float | None  # epoch seconds after which we must save and leave
     max_host_memory_percent: float
     min_gpu_free_mib: int
+    # Only one rank looks at the switch files: thousands of ranks stat-ing a shared
+    # filesystem every step is a metadata storm; the all-reduce spreads the answer.
+    check_files: bool = True
 
 
 def job_end_time(job_id: str | None) -> float | None:
@@ -122,11 +125,12 @@ class StopMonitor:
         now = time.time() if now is None else now
         s = self.settings
         found = Action.CONTINUE
-        if (s.switches / "abort").exists():
+        if s.check_files and (s.switches / "abort").exists():
             return Action.ABORT
-        if (s.switches / "kill").exists():
+        if s.check_files and (s.switches / "kill").exists():
             found = max(found, Action.KILL)
-        if self.signal_received is not None or (s.job_id and (s.switches / f"stop.{s.job_id}").exists()):
+        stop_file = s.check_files and s.job_id and (s.switches / f"stop.{s.job_id}").exists()
+        if self.signal_received is not None or stop_file:
             found = max(found, Action.SIGNAL)
         if s.deadline is not None and now >= s.deadline:
             found = max(found, Action.DEADLINE)
@@ -136,7 +140,7 @@ class StopMonitor:
             free, _ = torch.cuda.mem_get_info()
             if free < s.min_gpu_free_mib * 1024 * 1024:
                 found = max(found, Action.MEMORY)
-        if (s.switches / "save").exists():
+        if s.check_files and (s.switches / "save").exists():
             found = max(found, Action.SAVE)
         return found
 

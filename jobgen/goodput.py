@@ -1,0 +1,149 @@
+"""Lost work, goodput and lead time, computed after the fact from the run directory.
+
+The trainer's rank 0 appends to ``tasks.jsonl`` a ``first_step`` record when a job
+(array task) takes its first optimizer step and an ``exit`` record when it leaves;
+``metrics.jsonl`` has a line per logging step. A job killed outright (SIGKILL, node
+loss) leaves no exit record; its last metrics line stands in. From these:
+
+- recomputed steps of a task: steps an earlier task had already done beyond the
+  checkpoint this task resumed from;
+- goodput: time spent on steps that were kept, over the time the jobs held their
+  allocation (job start to trainer exit);
+- the lead time a run needs: ``exit_grace`` must cover the slowest step plus the
+  slowest save, with room to spare, or a time limit catches a save half-way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# exit_grace must be at least this many times (slowest step + slowest save) ...
+LEAD_FACTOR = 2.0
+# ... plus this much for the step boundary check, process teardown and slow filesystems.
+LEAD_SLACK_SECONDS = 10.0
+
+
+@dataclass
+class TaskReport:
+    job_id: str
+    restart: int = 0  # Slurm's restart count: a requeued job runs again under the same id
+    start_step: int | None = None
+    end_step: int | None = None
+    recomputed_steps: int = 0
+    seconds_to_first_step: float | None = None
+    exit_code: int | None = None
+    exit_reason: str | None = None
+    step_seconds_total: float | None = None
+    step_seconds_max: float | None = None
+    save_seconds_max: float | None = None
+    allocated_seconds: float | None = None
+    useful_seconds: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete line; a line cut by a crash mid-write is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def _key(record: dict[str, Any]) -> tuple[str, int]:
+    return str(record.get("job_id")), int(record.get("restart") or 0)
+
+
+def task_reports(tasks: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> list[TaskReport]:
+    """One report per run of a job that trained (a requeued job runs again), in order."""
+    reports: dict[tuple[str, int], TaskReport] = {}
+    job_start: dict[tuple[str, int], float] = {}
+    for rec in tasks:
+        job = _key(rec)
+        report = reports.setdefault(job, TaskReport(job_id=job[0], restart=job[1]))
+        if rec.get("event") == "first_step":
+            report.start_step = rec.get("start_step")
+            report.seconds_to_first_step = rec.get("seconds_to_first_step")
+            if rec.get("job_start") is not None:
+                job_start[job] = float(rec["job_start"])
+        elif rec.get("event") == "exit":
+            report.start_step = rec.get("start_step", report.start_step)
+            report.end_step = rec.get("end_step")
+            report.exit_code = rec.get("exit_code")
+            report.exit_reason = rec.get("exit_reason")
+            report.step_seconds_total = rec.get("step_seconds_total")
+            report.step_seconds_max = rec.get("step_seconds_max")
+            report.save_seconds_max = max(rec.get("save_seconds") or [0.0]) or None
+            if rec.get("job_start") is not None:
+                job_start[job] = float(rec["job_start"])
+                report.allocated_seconds = round(float(rec["time"]) - job_start[job], 3)
+    # Jobs that died without an exit record: their last metrics line is the best we know.
+    by_job: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for line in metrics:
+        by_job.setdefault(_key(line), []).append(line)
+    for job, report in reports.items():
+        lines = by_job.get(job, [])
+        if report.end_step is None and lines:
+            report.end_step = max(int(l["step"]) for l in lines)
+            report.exit_reason = report.exit_reason or "ended without an exit record (killed?)"
+            seconds = [float(l["step_seconds"]) for l in lines if "step_seconds" in l]
+            if seconds and report.start_step is not None:
+                report.step_seconds_max = max(seconds)
+                report.step_seconds_total = round(sum(seconds) / len(seconds) * (report.end_step - report.start_step), 3)
+            if job in job_start:
+                report.allocated_seconds = round(max(float(l["time"]) for l in lines) - job_start[job], 3)
+    ordered = list(reports.values())
+    reached = None
+    for i, report in enumerate(ordered):
+        if report.start_step is not None and reached is not None:
+            report.recomputed_steps = max(0, reached - report.start_step)
+        if report.end_step is not None:
+            reached = max(reached or 0, report.end_step)
+        # Steps of this task that a later task computed again were not useful.
+        nxt = next((r.start_step for r in ordered[i + 1:] if r.start_step is not None), None)
+        if report.start_step is not None and report.end_step is not None and report.step_seconds_total is not None:
+            done = report.end_step - report.start_step
+            kept = done if nxt is None else max(0, min(report.end_step, nxt) - report.start_step)
+            report.useful_seconds = round(report.step_seconds_total * (kept / done), 3) if done else 0.0
+    return ordered
+
+
+def goodput(reports: list[TaskReport]) -> float | None:
+    """Useful step time over allocated time, over every task that reported both."""
+    counted = [r for r in reports if r.useful_seconds is not None and r.allocated_seconds]
+    allocated = sum(r.allocated_seconds for r in counted if r.allocated_seconds)
+    if not allocated:
+        return None
+    return round(sum(r.useful_seconds for r in counted if r.useful_seconds is not None) / allocated, 4)
+
+
+def required_lead_seconds(reports: list[TaskReport]) -> float | None:
+    """The exit_grace the observed steps and saves call for; None before any save was timed."""
+    saves = [r.save_seconds_max for r in reports if r.save_seconds_max]
+    steps = [r.step_seconds_max for r in reports if r.step_seconds_max]
+    if not saves:
+        return None
+    return round(LEAD_FACTOR * (max(saves) + max(steps, default=0.0)) + LEAD_SLACK_SECONDS, 1)
+
+
+def lead_time_warning(exit_grace: int, reports: list[TaskReport]) -> str | None:
+    needed = required_lead_seconds(reports)
+    if needed is None or exit_grace >= needed:
+        return None
+    slowest_save = max(r.save_seconds_max or 0.0 for r in reports)
+    slowest_step = max(r.step_seconds_max or 0.0 for r in reports)
+    return (f"job.exit_grace is {exit_grace}s but the slowest save took {slowest_save:.1f}s and the slowest step "
+            f"{slowest_step:.1f}s: set exit_grace to at least {needed:.0f}s, or a time limit may cut a save short")
+
+
+def run_reports(run_dir: Path) -> list[TaskReport]:
+    return task_reports(read_jsonl(run_dir / "tasks.jsonl"), read_jsonl(run_dir / "metrics.jsonl"))
