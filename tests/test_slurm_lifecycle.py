@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, VENV_BIN, jobgen, submitted_job_id, wait_until_gone, write_spec
+from conftest import REPO, jobgen, submitted_job_id, wait_until_gone, write_spec
 from jobgen import slurm
 from jobgen.exit_codes import ExitCode
 
