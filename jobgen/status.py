@@ -12,11 +12,10 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from jobgen import slurm
-from jobgen.goodput import TaskReport, goodput, lead_time_warning, run_reports
+from jobgen.goodput import TaskReport, goodput, lead_time_warning, read_jsonl, run_reports
 from jobgen.rundir import RunDir
 
 ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED"}
@@ -58,22 +57,7 @@ class RunStatus:
         return asdict(self)
 
 
-def _last_metrics(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    last = None
-    with path.open() as fh:
-        for line in fh:
-            line = line.strip()
-            if line:
-                try:
-                    last = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line being appended right now
-    return last
-
-
-def _tasks(run: RunDir) -> list[TaskStatus]:
+def _tasks(run: RunDir, name: str) -> list[TaskStatus]:
     """Every array task Slurm still knows of, queued ones from squeue and recently
     ended ones from scontrol; submissions it forgot keep their last known state."""
     # Keyed by (array id, task index): pending tasks have no job id of their own yet.
@@ -81,7 +65,6 @@ def _tasks(run: RunDir) -> list[TaskStatus]:
     submissions = [j for j in run.jobs() if not j.get("local")]
     # Job ids are only unique on one controller's lifetime: a name check keeps a recycled
     # id (a rebuilt cluster, a wiped state dir) from passing another job off as ours.
-    name = run.load_spec().run.job.name
     for entry in slurm.queue([j["job_id"] for j in submissions]) if submissions else []:
         if entry.name != name:
             continue
@@ -141,11 +124,12 @@ def _merge_reports(tasks: list[TaskStatus], reports: list[TaskReport]) -> None:
 def run_status(run: RunDir) -> RunStatus:
     spec = run.load_spec()
     job = spec.run.job
-    metrics = _last_metrics(run.path / "metrics.jsonl")
+    lines = read_jsonl(run.path / "metrics.jsonl")
+    metrics = lines[-1] if lines else None
     switches = sorted(p.name for p in run.switches.iterdir()) if run.switches.is_dir() else []
     notes = []
     try:
-        tasks = _tasks(run)
+        tasks = _tasks(run, job.name)
     except slurm.SlurmUnavailable as exc:
         tasks = []
         notes.append(f"Slurm not reachable ({exc.stderr.splitlines()[-1] if exc.stderr else exc}): "

@@ -57,7 +57,7 @@ def sbatch_options(spec: ResolvedSpec, *, array: int | None = None, after: int |
 def active_jobs(run: RunDir) -> list[slurm.QueueEntry]:
     """Jobs of this run that Slurm still has queued or running."""
     ids = [j["job_id"] for j in run.jobs() if not j.get("local")]
-    return [e for e in slurm.queue(ids)] if ids else []
+    return slurm.queue(ids) if ids else []
 
 
 def submit(

@@ -130,6 +130,8 @@ def test_signal_trap_and_wait_loop():
     text = by_name("local-doctor")
     assert "trap 'request_stop USR1' USR1" in text and "trap 'request_stop TERM' TERM" in text
     assert '"$SWITCHES/stop.$SLURM_JOB_ID"' in text
+    # torchrun's agent must survive a USR1 sent to the whole step; the workers catch it.
+    assert text.index("trap '' USR1 USR2") < text.index("exec torchrun")
     assert text.index("trap 'request_stop") < text.index('srun --nodes="$SLURM_JOB_NUM_NODES"')
 
 

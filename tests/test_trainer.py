@@ -335,3 +335,17 @@ print("ok")
     check = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert check.stdout.strip().endswith("ok"), check.stderr
+
+
+def test_status_warns_when_exit_grace_is_shorter_than_a_save_and_a_step(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model, max_steps=3, save_every_steps=1, keep_checkpoints=5)
+    spec = json.loads((run / "spec.json").read_text())
+    spec["run"]["job"]["exit_grace"] = "5s"  # as if submitted with exit_grace = "5s"
+    (run / "spec.json").write_text(json.dumps(spec))
+    assert torchrun(run, env={"SLURM_JOB_ID": "777"}).returncode == 0
+    proc = subprocess.run([str(VENV_BIN / "jobgen"), "status", str(run), "--json"], capture_output=True, text=True)
+    view = json.loads(proc.stdout)
+    assert any("exit_grace is 5s" in w and "slowest save took" in w for w in view["warnings"]), view
+    (only,) = [t for t in view["tasks"] if t["start_step"] is not None]
+    assert only["start_step"] == 0 and only["end_step"] == 3 and only["recomputed_steps"] == 0
+    assert only["seconds_to_first_step"] > 0 and view["goodput"] is not None

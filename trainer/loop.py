@@ -65,6 +65,7 @@ class Trainer:
         self.target_tokens_seen = 0
         self.steps_this_job = 0
         self.local_tokens_this_job = 0  # this rank's own share
+        self.summary: dict[str, Any] = {}  # filled when fit() ends, however it ends
 
     # ------------------------------------------------------------------ state
 
@@ -231,7 +232,7 @@ class Trainer:
         dist.all_gather_object(per_rank, round(self.local_tokens_this_job / max(wall, 1e-9), 2))
         model_spec, data_spec = self.spec.run.model, self.spec.run.data
         summary = {
-            **getattr(self, "summary", {}),
+            **self.summary,
             "exit_code": int(code),
             "exit_reason": reason,
             "wall_seconds": round(wall, 3),
