@@ -226,9 +226,11 @@ def test_signals_and_requeue_resume_without_lost_steps(cluster, tmp_path, tiny_m
 def teammate():
     """A second user in a shared group, as on a real cluster's project directory."""
     group, user = "jgteam", "jgmate"
-    if subprocess.run(["getent", "group", group], capture_output=True).returncode != 0:
+    made_group = subprocess.run(["getent", "group", group], capture_output=True).returncode != 0
+    if made_group:
         subprocess.run(["groupadd", group], check=True)
-    if subprocess.run(["id", user], capture_output=True).returncode != 0:
+    made_user = subprocess.run(["id", user], capture_output=True).returncode != 0
+    if made_user:
         subprocess.run(["useradd", "--no-create-home", "--gid", group, "--shell", "/bin/sh", user], check=True)
     root = Path(f"/var/tmp/jobgen-team-{uuid.uuid4().hex[:8]}")
     root.mkdir()
@@ -236,6 +238,11 @@ def teammate():
     root.chmod(0o2775)
     yield user, root
     shutil.rmtree(root, ignore_errors=True)
+    # Leave the machine's accounts as they were.
+    if made_user:
+        subprocess.run(["userdel", user], capture_output=True)
+    if made_group:
+        subprocess.run(["groupdel", group], capture_output=True)
 
 
 def run_as(user: str, args: list[str]) -> int:
