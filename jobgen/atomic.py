@@ -7,9 +7,12 @@ killed mid-write or the node dies.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +56,25 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         pass
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def staged_directory(target: str | os.PathLike[str], mode: int = 0o755) -> Iterator[Path]:
+    """Fill a directory under a temporary name next to ``target``, then rename it into
+    place: ``target`` is complete or absent, never half-written. An empty ``target`` is
+    replaced; a non-empty one is an error. On any exception the staging directory goes."""
+    target = Path(target)
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target} exists and is not empty")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".staging", dir=target.parent))
+    try:
+        yield staging
+        staging.chmod(mode)  # mkdtemp's 0700 would hide the result from the team
+        if target.exists():
+            target.rmdir()
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fsync_dir(target.parent)

@@ -316,8 +316,9 @@ def _absolute_paths(run: RunSpec, base_dir: Path) -> RunSpec:
     updates: dict[str, Any] = {}
     for table in ("model", "data"):
         section = getattr(run, table)
-        if section is not None and _local_path(section.path, base_dir).exists():
-            updates[table] = section.model_copy(update={"path": str(_local_path(section.path, base_dir).resolve())})
+        local = _local_path(section.path, base_dir) if section is not None else None
+        if local is not None and local.exists():
+            updates[table] = section.model_copy(update={"path": str(local.resolve())})
     if run.job.runs_root:
         updates["job"] = run.job.model_copy(update={"runs_root": absolute_path(run.job.runs_root, base_dir)})
     return run.model_copy(update=updates) if updates else run

@@ -22,12 +22,11 @@ import datetime as dt
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobgen.atomic import write_json_atomic, write_text_atomic
+from jobgen.atomic import staged_directory, write_json_atomic, write_text_atomic
 from jobgen.loader import ResolvedSpec
 
 SUBDIRS = ("switches", "logs", "checkpoints", "repro", "history")
@@ -129,19 +128,13 @@ def _fill(path: Path, spec_json: dict[str, Any], scripts: dict[str, str], source
 
 
 def _create(run: RunDir, spec_json: dict[str, Any], scripts: dict[str, str], source_text: str | None) -> None:
-    staging = Path(tempfile.mkdtemp(prefix=f".{run.path.name}.", suffix=".staging", dir=run.path.parent))
-    try:
+    # The team shares a run: group members may flip switches (also with plain `touch`),
+    # and setgid keeps new files in the run's group whoever creates them.
+    with staged_directory(run.path, mode=0o2775) as staging:
         for sub in SUBDIRS:
             (staging / sub).mkdir()
-        # The team shares a run: group members may flip switches (also with plain `touch`),
-        # and setgid keeps new files in the run's group whoever creates them.
-        for directory in (staging, staging / "switches"):
-            os.chmod(directory, 0o2775)
+        os.chmod(staging / "switches", 0o2775)
         _fill(staging, spec_json, scripts, source_text)
-        os.rename(staging, run.path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _update(run: RunDir, spec_json: dict[str, Any], scripts: dict[str, str], source_text: str | None) -> None:

@@ -13,10 +13,9 @@ or absent. Imports torch and transformers: only this command and the trainer do.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
+from jobgen.atomic import staged_directory
 from jobgen.paths import EXAMPLES_DIR
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
@@ -89,11 +88,7 @@ def make_tiny_model(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     target = Path(target)
-    if target.exists() and any(target.iterdir()):
-        raise FileExistsError(f"{target} exists and is not empty")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".staging", dir=target.parent))
-    try:
+    with staged_directory(target) as staging:
         tokenizer = train_tokenizer(vocab_size)
         tokenizer.save_pretrained(staging)
         config = LlamaConfig(
@@ -113,11 +108,4 @@ def make_tiny_model(
         model = LlamaForCausalLM(config)
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(staging, safe_serialization=True)
-        staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from the team
-        if target.exists():
-            target.rmdir()  # empty, checked above
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target

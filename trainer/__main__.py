@@ -16,7 +16,6 @@ Reads the resolved spec from ``RUN_DIR/spec.json``; exits with one of the codes 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -55,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
 
     # Heavy imports after argument parsing, so --help stays instant.
-    from jobgen.loader import ResolvedSpec
+    from jobgen.rundir import RunDir
     from trainer import distributed
     from trainer.stopping import Action, StopMonitor, StopSettings, job_end_time, startup_switch
 
-    spec = ResolvedSpec.from_json(json.loads((run_dir / "spec.json").read_text()))
+    spec = RunDir(run_dir).load_spec()
     switches = run_dir / "switches"
     try:
         env = distributed.init_distributed(spec.run.train.collective_timeout, args.expected_world_size)

@@ -11,14 +11,13 @@ saved as a peft adapter directory, or merged into the base weights on request.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from jobgen.atomic import staged_directory
 from jobgen.loader import ResolvedSpec
 from trainer.checkpoint import complete_checkpoints, state_dict_options
 from trainer.model import DTYPES, load_model, load_tokenizer
@@ -47,7 +46,7 @@ def export(spec: ResolvedSpec, run_dir: Path, target: Path, *, checkpoint: str |
     if model_spec is None:
         raise ExportError(f"{run_dir} is not a training run (no [model])")
     if target.exists() and any(target.iterdir()):
-        raise ExportError(f"{target} exists and is not empty")
+        raise ExportError(f"{target} exists and is not empty")  # before the slow model load
     source = pick_checkpoint(run_dir, checkpoint)
     cpu = torch.device("cpu")
     # The checkpoint holds trainable weights only; the rest comes from the base model.
@@ -61,17 +60,8 @@ def export(spec: ResolvedSpec, run_dir: Path, target: Path, *, checkpoint: str |
     model = model.to(DTYPES[model_spec.dtype])
     model.config.use_cache = True
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".staging", dir=target.parent))
-    try:
+    with staged_directory(target) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         load_tokenizer(model_spec.path).save_pretrained(staging)
         (staging / "jobgen_export.txt").write_text(f"run {run_dir}\ncheckpoint {source.name}\n")
-        staging.chmod(0o755)
-        if target.exists():
-            target.rmdir()
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return source
