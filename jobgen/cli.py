@@ -5,6 +5,7 @@
     jobgen submit run.toml [--array N] [--after JOBID] [--dry-run] [--local]
     jobgen status [RUN] [--json]  |  stop / save / abort RUN  |  logs RUN [-f]
     jobgen doctor [--nodes N]     |  schema  |  cluster up|down|status
+    jobgen watchdog install|list|remove|run
 
 Every command imports what it needs inside its function: ``jobgen --help`` must
 stay fast, and nothing here ever imports torch, transformers or datasets.
@@ -38,16 +39,9 @@ def _load(spec_file: str):
 
 
 def _default_runs_root() -> Path | None:
-    if os.environ.get("JOBGEN_RUNS_ROOT"):
-        return Path(os.environ["JOBGEN_RUNS_ROOT"]).expanduser()
-    from jobgen.loader import SpecError, find_site_file, read_toml
+    from jobgen.rundir import default_runs_root
 
-    try:
-        site = read_toml(find_site_file(os.environ.get("JOBGEN_SITE", "local"), Path.cwd()))
-    except SpecError:
-        return None
-    root = site.get("paths", {}).get("runs_root")
-    return Path(os.path.expanduser(root)) if root else None
+    return default_runs_root()
 
 
 def _find_run(ref: str):
@@ -267,13 +261,15 @@ def export(run_ref: str, target: str, checkpoint: str | None, merge_lora: bool) 
     click.echo(f"exported {source.name} of {run.path} to {target}")
 
 
-def _register_cluster() -> None:
+def _register_groups() -> None:
     from jobgen.devcluster.cli import cluster
+    from watchdogs.cli import watchdog
 
     main.add_command(cluster)
+    main.add_command(watchdog)
 
 
-_register_cluster()
+_register_groups()
 
 if __name__ == "__main__":
     main()

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from jobgen.paths import SITE_CONFIGS_DIR
 from jobgen.site import SiteProfile
 from jobgen.spec import RunSpec
+from watchdogs.settings import WatchdogSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -240,6 +241,10 @@ def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> R
     issues.extend(_check_paths(raw, base_dir, run_label))
     if run is not None and site is not None:
         issues.extend(_cross_check(run, site, run_label))
+        try:
+            run = run.model_copy(update={"watchdogs": _merge_watchdogs(site, site_path, run, base_dir)})
+        except ValidationError as exc:
+            issues.extend(SpecIssue(run_label, "watchdogs." + key_path(e["loc"]), _message(e)) for e in exc.errors())
 
     if issues:
         raise SpecError(issues)
@@ -322,6 +327,27 @@ def _absolute_paths(run: RunSpec, base_dir: Path) -> RunSpec:
     if run.job.runs_root:
         updates["job"] = run.job.model_copy(update={"runs_root": absolute_path(run.job.runs_root, base_dir)})
     return run.model_copy(update=updates) if updates else run
+
+
+def _watchdog_overrides(settings: WatchdogSettings, base: Path) -> dict[str, Any]:
+    """The keys a file really set (not the defaults), its relative paths made absolute."""
+    given = settings.model_dump(exclude_unset=True)
+    if given.get("home"):
+        given["home"] = absolute_path(given["home"], base)
+    if given.get("disk", {}).get("paths"):
+        given["disk"]["paths"] = [absolute_path(p, base) for p in given["disk"]["paths"]]
+    for table, key in (("email", "password_file"), ("webhook", "url_file")):
+        if (given.get(table) or {}).get(key):
+            given[table][key] = absolute_path(given[table][key], base)
+    return given
+
+
+def _merge_watchdogs(site: SiteProfile, site_path: Path | None, run: RunSpec, base_dir: Path) -> WatchdogSettings:
+    """The run's [watchdogs] over the site's, key by key; stored whole in the run so the
+    checks read one table from spec.json."""
+    site_base = site_path.parent if site_path is not None else base_dir
+    merged = _deep_merge(_watchdog_overrides(site.watchdogs, site_base), _watchdog_overrides(run.watchdogs, base_dir))
+    return WatchdogSettings.model_validate(merged)
 
 
 def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:

@@ -158,6 +158,21 @@ def remove_new(run: RunDir) -> None:
     shutil.rmtree(run.path, ignore_errors=True)
 
 
+def default_runs_root() -> Path | None:
+    """Where run names are looked up: $JOBGEN_RUNS_ROOT, else the runs root of the site
+    profile $JOBGEN_SITE (default 'local')."""
+    if os.environ.get("JOBGEN_RUNS_ROOT"):
+        return Path(os.environ["JOBGEN_RUNS_ROOT"]).expanduser()
+    from jobgen.loader import SpecError, find_site_file, read_toml
+
+    try:
+        site = read_toml(find_site_file(os.environ.get("JOBGEN_SITE", "local"), Path.cwd()))
+    except SpecError:
+        return None
+    root = site.get("paths", {}).get("runs_root")
+    return Path(os.path.expanduser(root)) if root else None
+
+
 def find_run(ref: str, runs_root: Path | None) -> RunDir:
     """A run given as its directory, or as its name under ``runs_root``."""
     as_path = Path(ref).expanduser()

@@ -27,6 +27,7 @@ from jobgen.fields import (
     SlurmName,
     StrictModel,
 )
+from watchdogs.settings import WatchdogSettings
 
 
 class SlurmSettings(StrictModel):
@@ -206,4 +207,8 @@ class SiteProfile(StrictModel):
     )
     env: dict[EnvName, EnvValue] = Field(
         default_factory=dict, description="Variables exported in every job of this site (the run's [env] wins)."
+    )
+    watchdogs: WatchdogSettings = Field(
+        default_factory=WatchdogSettings,
+        description="Team-wide watchdog defaults (partition, mail relay, webhook); a run's [watchdogs] wins key by key.",
     )

@@ -7,6 +7,7 @@ captured output. Nothing here decides policy: preflight and submit do.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -30,11 +31,24 @@ class SlurmUnavailable(SlurmError):
     """Slurm's client commands are not installed or no controller answers."""
 
 
+def client_env() -> dict[str, str]:
+    """The environment for Slurm commands. Inside a job (a watchdog's scheduler job, a
+    training job) the job's own SLURM_* variables would leak into what we start: sbatch
+    would copy them into the new job and srun would read SLURM_NTASKS and friends as
+    options for a step of *another* job. SLURM_CONF says which cluster, so it stays."""
+    env = dict(os.environ)
+    if "SLURM_JOB_ID" in env:
+        for key in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+            del env[key]
+    return env
+
+
 def run(args: list[str], *, timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess[str]:
     if shutil.which(args[0]) is None:
         raise SlurmUnavailable(args, 127, f"{args[0]} not found on PATH: no Slurm client on this machine")
     try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                              env=client_env())
     except subprocess.TimeoutExpired:
         raise SlurmUnavailable(args, 124, f"no answer within {timeout:.0f}s (is slurmctld up?)") from None
     if check and proc.returncode != 0:
@@ -129,6 +143,33 @@ def parse_squeue(text: str) -> list[QueueEntry]:
     return entries
 
 
+@dataclass(frozen=True)
+class NamedJob:
+    """One job of ``squeue --name``: enough to recognise a watchdog scheduler chain."""
+
+    job_id: int
+    state: str
+    start_time: str  # expected start for pending jobs (their --begin), actual for running ones
+    user: str
+    comment: str
+
+
+NAMED_FORMAT = "%i|%T|%S|%u|%k"
+
+
+def parse_named_jobs(text: str) -> list[NamedJob]:
+    jobs = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        parts = line.split("|", NAMED_FORMAT.count("|"))
+        if len(parts) != NAMED_FORMAT.count("|") + 1 or not parts[0].isdigit():
+            raise ValueError(f"unexpected squeue line {line!r}")
+        job, state, start, user, comment = parts
+        jobs.append(NamedJob(int(job), state, start, user, "" if comment == "(null)" else comment))
+    return jobs
+
+
 # ---------------------------------------------------------------- commands
 
 
@@ -175,6 +216,23 @@ def queue(job_ids: list[int] | None = None) -> list[QueueEntry]:
             return []
         raise failure(args, proc)
     return parse_squeue(proc.stdout)
+
+
+def jobs_named(name: str) -> list[NamedJob]:
+    """This user's queued and running jobs called ``name``."""
+    proc = run(["squeue", "--noheader", "--me", f"--name={name}", f"--format={NAMED_FORMAT}"])
+    return parse_named_jobs(proc.stdout)
+
+
+def run_in_job(job_id: int, nodes: int, command: list[str], *, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """A short step inside another, running job: one task on each of its nodes, sharing the
+    job's CPUs (``--overlap``) and not counted against its memory (``--mem=0``), so it
+    starts even when the job holds the whole allocation. Used to look at a training job
+    from the outside (stack dumps, node memory)."""
+    args = ["srun", f"--jobid={job_id}", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1",
+            "--cpus-per-task=1", "--mem=0", "--time=2", "--quiet", "--kill-on-bad-exit=0",
+            "--job-name=jobgen-watchdog-probe", *command]
+    return run(args, timeout=timeout, check=False)
 
 
 def show_job(job_id: int) -> list[dict[str, str]]:

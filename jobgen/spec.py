@@ -24,6 +24,7 @@ from jobgen.fields import (
     SlurmName,
     StrictModel,
 )
+from watchdogs.settings import WatchdogSettings
 
 # Slurm's default MaxArraySize is 1001, so the highest index is 1000.
 MAX_ARRAY = 1000
@@ -174,6 +175,10 @@ class RunSpec(StrictModel):
     data: DataSpec | None = Field(None, description="Data; required for program = 'train'.")
     train: TrainSpec = Field(default_factory=TrainSpec, description="Training loop settings.")
     env: dict[EnvName, EnvValue] = Field(default_factory=dict, description="Variables exported in the job.")
+    watchdogs: WatchdogSettings = Field(
+        default_factory=WatchdogSettings,
+        description="Watchdog checks for this run (jobgen watchdog install); merged over the site's [watchdogs].",
+    )
 
     @model_validator(mode="after")
     def _check_program(self) -> RunSpec:

@@ -1,0 +1,184 @@
+"""``jobgen watchdog``: install, list and remove the scheduler chains; run a check by hand.
+
+    jobgen watchdog install RUN [--partition P]
+    jobgen watchdog list [RUN | --home DIR] [--json]
+    jobgen watchdog remove [RUN | --home DIR]
+    jobgen watchdog run NAME [RUN] [--path P]... [--notify] [--json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from watchdogs import CHECKS
+
+
+def _run(ref: str):
+    """A run by name, by directory, or by the run.toml it was submitted from."""
+    from jobgen.loader import SpecError, load_run
+    from jobgen.rundir import RunDir, RunDirError, default_runs_root, find_run
+
+    if ref.endswith(".toml") and Path(ref).is_file():
+        try:
+            run = RunDir(load_run(ref).run_dir)
+        except SpecError as exc:
+            raise click.ClickException(str(exc)) from None
+        if not run.exists():
+            raise click.ClickException(f"{ref}: run {run.path} does not exist yet; `jobgen submit {ref}` first")
+        return run
+    try:
+        return find_run(ref, default_runs_root())
+    except RunDirError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _home(run_ref: str | None, home: str | None):
+    from jobgen.rundir import default_runs_root
+    from watchdogs.base import watchdog_home
+    from watchdogs.scheduler import Home
+
+    if home:
+        return Home(Path(home).absolute()), None
+    if run_ref:
+        run = _run(run_ref)
+        return Home(watchdog_home(run.load_spec())), run
+    root = default_runs_root()
+    if root is None:
+        raise click.ClickException("no runs root known: give RUN or --home")
+    return Home(root / ".watchdogs"), None
+
+
+def _when(epoch: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch)) if epoch else "-"
+
+
+@click.group()
+def watchdog() -> None:
+    """Scheduled checks as self-resubmitting Slurm jobs: disk, running, hang, memory."""
+
+
+@watchdog.command()
+@click.argument("run_ref", metavar="RUN")
+@click.option("--partition", help="partition for the scheduler jobs (default [watchdogs] partition, else the run's)")
+def install(run_ref: str, partition: str | None) -> None:
+    """Write RUN's check job files and start the chains that run them. Idempotent."""
+    from watchdogs.base import watchdog_home
+    from watchdogs.scheduler import ALWAYS, Home, ensure_chain, interval_name, job_file_text, write_job_file
+
+    run = _run(run_ref)
+    spec = run.load_spec()
+    settings = spec.run.watchdogs
+    home = Home(watchdog_home(spec))
+    name = spec.run.job.name
+    intervals = set(ALWAYS)
+    for check in CHECKS:
+        table = settings.check(check)
+        file_name = f"{name}.{check}"
+        for stale in home.path.glob(f"cron.*/{file_name}"):
+            if not table.enabled or stale.parent.name != f"cron.{interval_name(table.every)}":
+                stale.unlink()  # disabled, or its interval changed
+        if table.enabled:
+            text = job_file_text(sys.executable, f"watchdogs.{check}", run.path, name, interval_name(table.every))
+            path = write_job_file(home, table.every, file_name, text)
+            intervals.add(table.every)
+            click.echo(f"job file {path}")
+    for seconds in sorted(intervals):
+        try:
+            chain, new = ensure_chain(home, seconds, partition=partition or settings.partition or spec.partition,
+                                      account=settings.account or spec.account, time_limit=settings.time,
+                                      log_retention=settings.log_retention)
+        except Exception as exc:  # noqa: BLE001 - sbatch's refusal, as submitit reports it
+            raise click.ClickException(f"could not start the {interval_name(seconds)} chain: {exc}") from None
+        verb = "started" if new else "already running"
+        click.echo(f"chain {chain.name:<7} {verb}: job {chain.job_id} ({chain.partition or 'default partition'})")
+    click.echo(f"home {home.path}")
+
+
+@watchdog.command(name="list")
+@click.argument("run_ref", metavar="[RUN]", required=False)
+@click.option("--home", type=click.Path(file_okay=False), help="watchdog home (default: RUN's, else the site's)")
+@click.option("--json", "as_json", is_flag=True)
+def list_command(run_ref: str | None, home: str | None, as_json: bool) -> None:
+    """The chains (job, state, next start) and the last result of every job file."""
+    from jobgen import slurm
+    from watchdogs.scheduler import chain_job_name
+
+    where, _ = _home(run_ref, home)
+    chains = []
+    for chain in where.chains():
+        try:
+            queued = [j for j in slurm.jobs_named(chain_job_name(chain.name)) if j.comment == str(where.path)]
+        except slurm.SlurmError as exc:
+            raise click.ClickException(str(exc)) from None
+        jobs = [{"job_id": j.job_id, "state": j.state, "start": j.start_time} for j in queued]
+        files = []
+        for path in where.job_files(chain.name):
+            result_path = where.result_file(chain.name, path.name)
+            last = json.loads(result_path.read_text()) if result_path.is_file() else None
+            files.append({"job_file": str(path), "last": last})
+        chains.append({"name": chain.name, "every_seconds": chain.seconds, "recorded_job": chain.job_id,
+                       "last_link": chain.last_link, "last_start": chain.last_start, "jobs": jobs,
+                       "alive": any(j["job_id"] == chain.job_id for j in jobs), "job_files": files})
+    if as_json:
+        click.echo(json.dumps({"home": str(where.path), "chains": chains}, indent=2))
+        return
+    click.echo(f"home {where.path}")
+    if not chains:
+        click.echo("no chains: `jobgen watchdog install RUN` starts them")
+    for chain in chains:
+        state = ", ".join(f"job {j['job_id']} {j['state']} (start {j['start']})" for j in chain["jobs"])
+        if not chain["alive"]:
+            state = f"DEAD: recorded job {chain['recorded_job']} is gone; `jobgen watchdog install RUN` restarts it"
+        click.echo(f"\ncron.{chain['name']}: {state}; last tick {_when(chain['last_start'])} (job {chain['last_link'] or '-'})")
+        for f in chain["job_files"]:
+            last = f["last"]
+            if last is None:
+                click.echo(f"  {Path(f['job_file']).name:<32} not run yet")
+                continue
+            first = (last.get("output") or "").strip().splitlines()[:1]
+            click.echo(f"  {Path(f['job_file']).name:<32} {_when(last.get('started'))}  exit {last.get('exit_code')}  "
+                       f"{first[0][:120] if first else ''}")
+
+
+@watchdog.command()
+@click.argument("run_ref", metavar="[RUN]", required=False)
+@click.option("--home", type=click.Path(file_okay=False), help="watchdog home (default: RUN's, else the site's)")
+def remove(run_ref: str | None, home: str | None) -> None:
+    """With RUN: delete its job files, and stop chains left with none. Without: stop every chain."""
+    from watchdogs.scheduler import stop_chain
+
+    where, run = _home(run_ref, home)
+    if run is not None:
+        name = run.load_spec().run.job.name
+        for check in CHECKS:
+            for path in where.path.glob(f"cron.*/{name}.{check}"):
+                path.unlink()
+                click.echo(f"removed {path}")
+    for chain in where.chains():
+        if run is not None and where.job_files(chain.name):
+            click.echo(f"chain {chain.name} kept: {len(where.job_files(chain.name))} job file(s) left")
+            continue
+        cancelled = stop_chain(where, chain.name)
+        click.echo(f"chain {chain.name} stopped" + (f" (cancelled job {', '.join(map(str, cancelled))})" if cancelled else ""))
+
+
+@watchdog.command(name="run", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("check", type=click.Choice(CHECKS))
+@click.argument("run_ref", metavar="[RUN]", required=False)
+@click.pass_context
+def run_command(ctx: click.Context, check: str, run_ref: str | None) -> None:
+    """Run one check now and print its result; exit 1 when it alerts. Takes the options
+    of `python -m watchdogs.NAME` (--path, --notify, --json, thresholds)."""
+    import importlib
+
+    if run_ref is not None and run_ref.startswith("-"):
+        ctx.args.insert(0, run_ref)
+        run_ref = None
+    argv = (["--run", str(_run(run_ref).path)] if run_ref else []) + list(ctx.args)
+    module = importlib.import_module(f"watchdogs.{check}")
+    sys.exit(module.main(argv))

@@ -1,0 +1,75 @@
+"""Memory check: host memory of every node a RUNNING job of the run is on.
+
+    python -m watchdogs.memory --run RUN [--max-percent 90]
+    jobgen watchdog run memory RUN
+
+Asks each node through a short ``srun --jobid --overlap`` step (``watchdogs.probe
+memory``). When no step can be started (a cluster that forbids overlapping steps,
+a controller that is slow to answer) it falls back on the trainer's own metrics,
+which carry rank 0's node memory, and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from jobgen import slurm
+from jobgen.goodput import read_jsonl
+from watchdogs.base import CheckResult, Target, main as check_main, running_jobs
+
+
+def node_memory(job_id: int, nodes: int) -> list[dict]:
+    proc = slurm.run_in_job(job_id, nodes, [sys.executable, "-m", "watchdogs.probe", "memory"])
+    if proc.returncode != 0:
+        raise slurm.SlurmError(["srun", f"--jobid={job_id}"], proc.returncode, proc.stderr)
+    out = []
+    for line in proc.stdout.splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def from_metrics(target: Target, job_id: int) -> list[dict]:
+    lines = [m for m in read_jsonl(target.run.path / "metrics.jsonl") if str(m.get("job_id")) == str(job_id)]
+    if not lines or "host_used_percent" not in lines[-1]:
+        return []
+    return [{"node": "rank 0's node (from metrics.jsonl)", "used_percent": lines[-1]["host_used_percent"]}]
+
+
+def check(target: Target) -> CheckResult:
+    assert target.run is not None
+    limit = target.settings.memory.max_percent
+    jobs = running_jobs(target.run)
+    if not jobs:
+        return CheckResult("memory", target.name, False, "no job running")
+    high, details, data = [], [], {"nodes": []}
+    for job in jobs:
+        try:
+            nodes = node_memory(job.job_id, len(job.nodes) or 1)
+        except (slurm.SlurmError, OSError) as exc:
+            nodes = from_metrics(target, job.job_id)
+            details.append(f"job {job.job_id}: srun step failed ({str(exc).splitlines()[-1][:200]}); "
+                           f"{'using the trainer metrics' if nodes else 'no metrics either'}")
+        for node in nodes:
+            data["nodes"].append({"job_id": job.job_id, **node})
+            line = f"{node['node']}: {node['used_percent']:.1f}% used"
+            if "available_bytes" in node:
+                line += f", {node['available_bytes'] / 2**30:.1f} GiB available of {node['total_bytes'] / 2**30:.1f} GiB"
+            (high if node["used_percent"] > limit else details).append(f"job {job.job_id} {line}")
+    if high:
+        return CheckResult("memory", target.name, True, f"{high[0]} (above max_percent {limit:g}%)",
+                           high[1:] + details, data)
+    if not data["nodes"]:
+        return CheckResult("memory", target.name, True, "could not read the memory of any node", details, data)
+    return CheckResult("memory", target.name, False, f"{len(data['nodes'])} node(s) below {limit:g}%", details, data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return check_main("memory", check, "Host memory of the run's nodes.", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

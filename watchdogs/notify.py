@@ -1,0 +1,179 @@
+"""Alerts that a person can live with: on a change of state, then at most once per
+reminder interval, and one "resolved" when the condition clears.
+
+Each (target, check) has a small state file under ``<home>/state/``; the decision is
+a pure function of the previous state, the new result and the clock
+(:func:`decide`), so it is unit-tested without a cluster. Every message is appended
+to the run's ``logs/watchdog.log`` and the home's ``watchdog.log``, then sent by
+email (SMTP) and to a Slack-compatible webhook when configured. Secrets (SMTP
+password, webhook URL) are read from their file or variable at send time, never
+stored in a job file. A message an external channel failed to take is sent again
+at the next run instead of waiting for the reminder interval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import smtplib
+import ssl
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from email.message import EmailMessage
+from pathlib import Path
+from typing import Iterator
+
+from jobgen.atomic import write_json_atomic
+from jobgen.durations import format_human
+from watchdogs.base import CheckResult, Target
+from watchdogs.settings import EmailSettings, WatchdogSettings, WebhookSettings
+
+ALERT, REMINDER, RESOLVED = "ALERT", "REMINDER", "RESOLVED"
+
+
+@dataclass
+class AlertState:
+    status: str  # "ok" or "alert"
+    since: float  # when the current status began
+    last_sent: float | None = None  # last alert or reminder
+    summary: str = ""
+    undelivered: bool = False  # an external channel failed last time: try again next run
+    runs: int = 0  # consecutive runs in this status
+
+    @classmethod
+    def from_json(cls, data: dict) -> AlertState:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def decide(prev: AlertState | None, alert: bool, summary: str, now: float, reminder: float) -> tuple[str | None, AlertState]:
+    """The message to send (if any) and the new state."""
+    if alert:
+        if prev is None or prev.status != "alert":
+            return ALERT, AlertState("alert", now, now, summary, runs=1)
+        state = AlertState("alert", prev.since, prev.last_sent, summary, prev.undelivered, prev.runs + 1)
+        if prev.undelivered or prev.last_sent is None or now - prev.last_sent >= reminder:
+            state.last_sent = now
+            return REMINDER, state
+        return None, state
+    if prev is not None and prev.status == "alert":
+        return RESOLVED, AlertState("ok", now, prev.last_sent, summary, runs=1)
+    runs = prev.runs + 1 if prev is not None else 1
+    return None, AlertState("ok", prev.since if prev else now, prev.last_sent if prev else None, summary, runs=runs)
+
+
+def state_key(result: CheckResult) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{result.target}.{result.check}")[:200]
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """One writer of a state file at a time: a check run by hand while the scheduler runs it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def message(kind: str, result: CheckResult, prev: AlertState | None, now: float) -> tuple[str, str]:
+    """(subject, body)."""
+    if kind == RESOLVED:
+        lasted = f" after {format_human(round(now - prev.since))}" if prev else ""
+        subject = f"[jobgen watchdog] RESOLVED {result.check} {result.target}{lasted}: {result.summary}"
+    else:
+        since = f" (since {time.strftime('%Y-%m-%d %H:%M', time.localtime(prev.since))})" if kind == REMINDER and prev else ""
+        subject = f"[jobgen watchdog] {kind} {result.check} {result.target}: {result.summary}{since}"
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(now))
+    body = "\n".join([subject, *result.details, f"checked on {result.host} at {stamp}"])
+    return subject, body
+
+
+def _secret(path: str | None, env: str | None, what: str) -> str | None:
+    if path:
+        return Path(path).read_text().strip()
+    if env:
+        value = os.environ.get(env)
+        if value is None:
+            raise RuntimeError(f"{what}: environment variable {env} is not set")
+        return value
+    return None
+
+
+def send_email(settings: EmailSettings, subject: str, body: str) -> None:
+    msg = EmailMessage()
+    msg["Subject"], msg["From"], msg["To"] = subject[:900], settings.sender, ", ".join(settings.to)
+    msg.set_content(body)
+    cls = smtplib.SMTP_SSL if settings.security == "ssl" else smtplib.SMTP
+    with cls(settings.host, settings.port, timeout=20) as smtp:
+        if settings.security == "starttls":
+            smtp.starttls(context=ssl.create_default_context())
+        password = _secret(settings.password_file, settings.password_env, "email password")
+        if settings.username:
+            smtp.login(settings.username, password or "")
+        smtp.send_message(msg)
+
+
+def send_webhook(settings: WebhookSettings, text: str) -> None:
+    url = settings.url or _secret(settings.url_file, settings.url_env, "webhook url")
+    request = urllib.request.Request(url, data=json.dumps({"text": text}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=20) as response:
+        if response.status >= 300:
+            raise RuntimeError(f"webhook answered HTTP {response.status}")
+
+
+def append_line(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(text.rstrip("\n") + "\n")
+
+
+def send(kind: str, result: CheckResult, target: Target, settings: WatchdogSettings, prev: AlertState | None,
+         now: float) -> list[str]:
+    """Log everywhere, then try each external channel; returns the failures."""
+    subject, body = message(kind, result, prev, now)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now))
+    logged = f"{stamp} {body}".replace("\n", "\n    ")
+    if target.home is not None:
+        append_line(target.home / "watchdog.log", logged)
+    if target.run is not None:
+        append_line(target.run.logs / "watchdog.log", logged)
+    failures = []
+    if settings.email is not None:
+        try:
+            send_email(settings.email, subject, body)
+        except Exception as exc:  # noqa: BLE001 - any failure of a channel is reported, none stops the others
+            failures.append(f"email: {type(exc).__name__}: {exc}")
+    if settings.webhook is not None:
+        try:
+            send_webhook(settings.webhook, body)
+        except Exception as exc:  # noqa: BLE001
+            failures.append(f"webhook: {type(exc).__name__}: {exc}")
+    for failure in failures:
+        note = f"{stamp} could not deliver {kind} {result.check} {result.target}: {failure}"
+        if target.home is not None:
+            append_line(target.home / "watchdog.log", note)
+    return failures
+
+
+def deliver(result: CheckResult, target: Target, now: float | None = None) -> str | None:
+    """Record the result and send what the state change calls for; returns the kind sent."""
+    home = target.home
+    if home is None:
+        raise RuntimeError("--notify needs a watchdog home: give --run or --home")
+    now = time.time() if now is None else now
+    path = home / "state" / f"{state_key(result)}.json"
+    with locked(path.with_suffix(".lock")):
+        prev = AlertState.from_json(json.loads(path.read_text())) if path.is_file() else None
+        kind, state = decide(prev, result.alert, result.summary, now, target.settings.reminder)
+        if kind is not None:
+            state.undelivered = bool(send(kind, result, target, target.settings, prev, now)) and kind != RESOLVED
+        write_json_atomic(path, {**asdict(state), "check": result.check, "target": result.target,
+                                 "last_run": now, "last_alert": result.alert})
+    return kind

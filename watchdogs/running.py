@@ -1,0 +1,75 @@
+"""Running check: the run has a job running or pending, or it has finished.
+
+    python -m watchdogs.running --run RUN
+    jobgen watchdog run running RUN
+
+An array that ran out of tasks, a cancelled job, a dependency that can never be
+met or a job held by an admin all leave a run that is neither finished nor going
+anywhere; nobody notices until morning. A run stopped on purpose (kill or abort
+switch) is not an alert: the person who stopped it knows.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jobgen.status import run_status
+from watchdogs.base import CheckResult, Target, main as check_main
+
+# Pending for one of these reasons means it will not start without a person.
+STUCK_REASONS = ("DependencyNeverSatisfied", "JobHeldAdmin", "JobHeldUser", "PartitionDown", "InvalidAccount",
+                 "InvalidQOS", "QOSNotAllowed", "AccountNotAllowed", "PartitionConfig", "BadConstraints")
+
+
+def check(target: Target) -> CheckResult:
+    assert target.run is not None
+    status = run_status(target.run)
+    step = f"step {status.step if status.step is not None else '-'}"
+    if status.max_steps:
+        step += f"/{status.max_steps}"
+    data = {"state": status.state, "step": status.step, "max_steps": status.max_steps,
+            "jobs": [f"{t.job_id}:{t.state}" for t in status.tasks]}
+    queued = [t for t in status.tasks if t.state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED",
+                                                      "SUSPENDED", "REQUEUE_HOLD")]
+    unreachable = [n for n in status.notes if n.startswith("Slurm not reachable")]
+    if unreachable:
+        return CheckResult("running", target.name, True, f"could not ask Slurm: {unreachable[0]}", [], data)
+    stuck = [t for t in queued if t.state == "PENDING" and (t.reason or "") in STUCK_REASONS]
+    if stuck and len(stuck) == len(queued):
+        t = stuck[0]
+        return CheckResult("running", target.name, True,
+                           f"job {t.job_id} is pending with reason {t.reason}: it will not start by itself ({step})",
+                           [f"inspect: scontrol show job {t.job_id}"], data)
+    if status.state in ("running", "pending"):
+        running = [t for t in queued if t.state != "PENDING"]
+        pending = [t for t in queued if t.state == "PENDING"]
+        parts = [f"{len(running)} running" if running else "", f"{len(pending)} pending" if pending else ""]
+        jobs = ", ".join(f"{t.job_id}{'_' + t.array_task if t.array_task not in ('N/A', '') else ''} {t.state}"
+                         for t in queued)
+        return CheckResult("running", target.name, False,
+                           f"{' and '.join(p for p in parts if p)} ({jobs}); {step}", [], data)
+    if status.state == "finished":
+        return CheckResult("running", target.name, False, f"finished ({step})", [], data)
+    if {"kill", "abort"} & set(status.switches):
+        return CheckResult("running", target.name, False,
+                           f"stopped on purpose (switch {', '.join(status.switches)}), {step}", [], data)
+    if not target.run.jobs():
+        return CheckResult("running", target.name, True, "never submitted: no job in jobs.json", [], data)
+    last = status.tasks[-1] if status.tasks else None
+    ended = f"last job {last.job_id} {last.state}" + (f" ({last.exit_reason})" if last and last.exit_reason else "") if last else "no job known"
+    spec_file = target.spec.spec_file if target.spec else None
+    return CheckResult(
+        "running", target.name, True,
+        f"no job running or pending and the run has not finished ({step}; {ended})",
+        [f"continue it: jobgen submit {spec_file or target.run.path / 'run.toml'}",
+         f"details: jobgen status {target.run.path}"],
+        data,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return check_main("running", check, "The run has a job running or pending, unless it finished.", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Cron on Slurm: one self-resubmitting job per interval, running the job files of its directory.
+
+    jobgen watchdog install RUN [--partition P]   # job files + chains
+    jobgen watchdog list | remove [RUN]
+
+Layout of a watchdog home (default ``<runs_root>/.watchdogs``, on a filesystem every
+node sees)::
+
+    cron.1m/ cron.10m/ cron.hourly/ cron.daily/   job files: any executable, run in name order
+    chains/<interval>.json                        the chain: its token and its queued job
+    logs/<interval>/                              submitit's logs and pickles, cleaned after log_retention
+    results/<interval>/<job file>.json            last result of each job file
+    state/                                        alert state of each check (watchdogs.notify)
+    watchdog.log                                  every alert, reminder and resolved message
+
+Each link of a chain is a submitit job (a pickled call of :func:`run_link`). It first
+submits its successor with ``--begin=now+<interval>``, so a link that dies while
+running its job files does not end the chain, then cleans old logs, then runs every
+job file with what is left of its time limit. The chain record holds a token: a
+link whose token is not the record's (the chain was removed, or replaced by a new
+install) ends without resubmitting, so there is never more than one chain per
+interval, whatever races happen. Records change under an flock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from jobgen import slurm
+from jobgen.atomic import write_json_atomic, write_text_atomic
+from jobgen.durations import format_human
+from watchdogs.notify import locked
+
+NAMED_INTERVALS = {3600: "hourly", 86400: "daily", 7 * 86400: "weekly"}
+ALWAYS = (3600, 86400)  # cron.hourly and cron.daily exist and run, like cron's
+ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "SUSPENDED")
+
+
+def interval_name(seconds: int) -> str:
+    return NAMED_INTERVALS.get(seconds) or format_human(seconds)
+
+
+def chain_job_name(name: str) -> str:
+    return f"jobgen-cron-{name}"
+
+
+@dataclass
+class Chain:
+    """One interval's chain, as recorded in ``chains/<name>.json``."""
+
+    name: str
+    seconds: int
+    token: str
+    partition: str | None
+    account: str | None
+    time_limit: int  # seconds
+    log_retention: int  # seconds
+    job_id: int | None = None  # the queued (or running) link
+    installed_at: float = field(default_factory=time.time)
+    last_link: int | None = None
+    last_start: float | None = None
+
+    @classmethod
+    def load(cls, path: Path) -> Chain | None:
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+class Home:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def cron_dir(self, name: str) -> Path:
+        return self.path / f"cron.{name}"
+
+    def chain_file(self, name: str) -> Path:
+        return self.path / "chains" / f"{name}.json"
+
+    def chain_lock(self, name: str):
+        return locked(self.path / "chains" / f"{name}.lock")
+
+    def logs(self, name: str) -> Path:
+        return self.path / "logs" / name
+
+    def result_file(self, name: str, job_file: str) -> Path:
+        return self.path / "results" / name / f"{job_file}.json"
+
+    def chains(self) -> list[Chain]:
+        found = [Chain.load(p) for p in sorted((self.path / "chains").glob("*.json"))]
+        return sorted((c for c in found if c is not None), key=lambda c: c.seconds)
+
+    def job_files(self, name: str) -> list[Path]:
+        """What run-parts would run: executable regular files, not hidden, not editor or temp leftovers."""
+        directory = self.cron_dir(name)
+        if not directory.is_dir():
+            return []
+        return sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")
+                      and not p.name.endswith(("~", ".tmp", ".swp", ".dpkg-old")) and os.access(p, os.X_OK))
+
+
+@contextlib.contextmanager
+def _outside_job_env() -> Iterator[None]:
+    """submitit calls sbatch with our environment; from inside a link, drop the link's own
+    SLURM_* variables so the successor does not inherit them (see jobgen.slurm.client_env)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(slurm.client_env())
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def submit_link(home: Home, chain: Chain, begin_seconds: int) -> int:
+    """Queue one link of the chain to start ``begin_seconds`` from now."""
+    import submitit
+
+    executor = submitit.SlurmExecutor(folder=home.logs(chain.name), max_num_timeout=0)
+    minutes = max(1, chain.time_limit // 60)
+    params: dict[str, Any] = dict(
+        job_name=chain_job_name(chain.name), time=minutes, nodes=1, ntasks_per_node=1, cpus_per_task=1,
+        comment=str(home.path), use_srun=False, stderr_to_stdout=True, wckey="",
+        signal_delay_s=min(60, minutes * 15), additional_parameters={"begin": f"now+{begin_seconds}"},
+    )
+    if chain.partition:
+        params["partition"] = chain.partition
+    if chain.account:
+        params["account"] = chain.account
+    executor.update_parameters(**params)
+    with _outside_job_env():
+        job = executor.submit(run_link, str(home.path), chain.name, chain.token)
+    return int(job.job_id)
+
+
+def chain_alive(home: Home, chain: Chain | None) -> bool:
+    if chain is None or chain.job_id is None:
+        return False
+    return any(j.job_id == chain.job_id and j.state in ACTIVE and j.comment == str(home.path)
+               for j in slurm.jobs_named(chain_job_name(chain.name)))
+
+
+def ensure_chain(home: Home, seconds: int, *, partition: str | None, account: str | None, time_limit: int,
+                 log_retention: int) -> tuple[Chain, bool]:
+    """Start the chain for this interval unless one is alive; returns it and whether it is new."""
+    name = interval_name(seconds)
+    home.cron_dir(name).mkdir(parents=True, exist_ok=True)
+    with home.chain_lock(name):
+        current = Chain.load(home.chain_file(name))
+        if chain_alive(home, current):
+            return current, False
+        chain = Chain(name, seconds, uuid.uuid4().hex, partition, account, time_limit, log_retention)
+        # Recorded before the first link exists: the link checks its token against this file.
+        write_json_atomic(home.chain_file(name), asdict(chain))
+        try:
+            chain.job_id = submit_link(home, chain, 0)
+        except BaseException:
+            home.chain_file(name).unlink(missing_ok=True)
+            raise
+        write_json_atomic(home.chain_file(name), asdict(chain))
+        return chain, True
+
+
+def stop_chain(home: Home, name: str) -> list[int]:
+    """Forget the chain, then cancel its queued links. A link running right now finds no
+    record and does not resubmit; if it already did, it cancels its successor itself."""
+    with home.chain_lock(name):
+        home.chain_file(name).unlink(missing_ok=True)
+    cancelled = []
+    for job in slurm.jobs_named(chain_job_name(name)):
+        if job.comment == str(home.path) and job.state == "PENDING":
+            slurm.cancel(job.job_id)
+            cancelled.append(job.job_id)
+    return cancelled
+
+
+def write_job_file(home: Home, seconds: int, file_name: str, text: str) -> Path:
+    directory = home.cron_dir(interval_name(seconds))
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / file_name
+    write_text_atomic(path, text, mode=0o755)
+    return path
+
+
+def clean_logs(home: Home, retention: int, now: float | None = None) -> int:
+    """Delete scheduler logs and pickles older than ``retention`` seconds; returns how many."""
+    cutoff = (now or time.time()) - retention
+    removed = 0
+    for path in (home.path / "logs").rglob("*"):
+        try:
+            if path.is_file() and path.stat().st_mtime < cutoff:
+                path.unlink()
+                removed += 1
+        except FileNotFoundError:
+            continue
+    return removed
+
+
+def run_job_files(home: Home, chain: Chain, deadline: float) -> list[dict[str, Any]]:
+    results = []
+    for path in home.job_files(chain.name):
+        started = time.time()
+        left = deadline - started
+        if left < 5:
+            results.append({"job_file": path.name, "skipped": "no time left in this link"})
+            continue
+        try:
+            proc = subprocess.run([str(path)], capture_output=True, text=True, timeout=left, stdin=subprocess.DEVNULL)
+            code, output = proc.returncode, (proc.stdout + proc.stderr)
+        except subprocess.TimeoutExpired as exc:
+            code, output = 124, f"{exc.stdout or ''}timed out after {left:.0f}s"
+        except OSError as exc:
+            code, output = 126, f"cannot run: {exc}"
+        record = {"job_file": path.name, "started": started, "seconds": round(time.time() - started, 2),
+                  "exit_code": code, "output": output[-4000:], "job_id": os.environ.get("SLURM_JOB_ID")}
+        result_path = home.result_file(chain.name, path.name)
+        result_path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(result_path, record)
+        print(f"{path.name}: exit {code} in {record['seconds']}s\n{output.rstrip()}", flush=True)
+        results.append(record)
+    return results
+
+
+def run_link(home_path: str, name: str, token: str) -> dict[str, Any]:
+    """One tick of a chain, inside its Slurm job: resubmit, clean, run the job files."""
+    started = time.time()
+    home = Home(Path(home_path))
+    my_id = int(os.environ.get("SLURM_JOB_ID", "0"))
+    with home.chain_lock(name):
+        chain = Chain.load(home.chain_file(name))
+        if chain is None or chain.token != token:
+            print(f"chain {name} was removed or replaced; link {my_id} ends it", flush=True)
+            return {"ended": True}
+        successor = submit_link(home, chain, chain.seconds)
+        chain.job_id, chain.last_link, chain.last_start = successor, my_id, started
+        write_json_atomic(home.chain_file(name), asdict(chain))
+    print(f"link {my_id} of chain {name}: next link {successor} begins in {format_human(chain.seconds)}", flush=True)
+    removed = clean_logs(home, chain.log_retention)
+    if removed:
+        print(f"removed {removed} scheduler log file(s) older than {format_human(chain.log_retention)}", flush=True)
+    # Leave a minute for submitit's bookkeeping before Slurm's time limit.
+    deadline = started + chain.time_limit - 60
+    return {"successor": successor, "results": run_job_files(home, chain, deadline)}
+
+
+def job_file_text(python: str, module: str, run_dir: Path, run_name: str, interval: str) -> str:
+    import shlex
+
+    return (
+        "#!/bin/sh\n"
+        f"# Installed by `jobgen watchdog install`: the {module.split('.')[-1]} check of run {run_name}, "
+        f"every {interval}.\n"
+        f"# Remove with: jobgen watchdog remove {shlex.quote(str(run_dir))}\n"
+        f"exec {shlex.quote(python)} -m {module} --run {shlex.quote(str(run_dir))} --notify\n"
+    )
+
+
+def default_python() -> str:
+    return sys.executable
