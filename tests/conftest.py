@@ -8,11 +8,16 @@ regenerated only with ``pytest --update-golden``.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -104,3 +109,44 @@ def cluster():
     yield info
     if started and not os.environ.get("JOBGEN_KEEP_CLUSTER"):
         devcluster.down()
+
+
+class _Hook(BaseHTTPRequestHandler):
+    received: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).received.append({"type": self.headers["Content-Type"], **json.loads(body)})
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def local_receivers(host: str):
+    """A local SMTP server (aiosmtpd) and a local webhook (HTTP) server on ``host``;
+    yields their ports and the lists of what they received."""
+    from aiosmtpd.controller import Controller
+
+    mails: list[dict] = []
+
+    class Handler:
+        async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's naming
+            mails.append({"to": envelope.rcpt_tos, "data": envelope.content.decode(errors="replace")})
+            return "250 OK"
+
+    with socket.socket() as probe:  # aiosmtpd wants a port number, not 0
+        probe.bind((host, 0))
+        smtp_port = probe.getsockname()[1]
+    smtp = Controller(Handler(), hostname=host, port=smtp_port)
+    smtp.start()
+    _Hook.received = []
+    http = ThreadingHTTPServer((host, 0), _Hook)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        yield {"smtp_port": smtp_port, "http_port": http.server_address[1], "mails": mails, "posts": _Hook.received}
+    finally:
+        smtp.stop()
+        http.shutdown()

@@ -1,0 +1,185 @@
+"""Watchdogs on the dev cluster: the cron chains, and the running, hang and memory
+checks against a real training job, with alerts delivered by email and webhook to
+servers this test starts on the controller's address (the nodes live in their own
+network namespaces, so 127.0.0.1 would be their own loopback).
+
+One training run (1 node x 2 processes) is watched by 1-minute chains through the
+whole module; the tests run in file order while the chains tick, so the minutes the
+chain needs overlap with the other scenarios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, jobgen, local_receivers, submitted_job_id, wait_until_gone, write_spec
+from jobgen import slurm
+from watchdogs.probe import rank_processes
+
+pytestmark = [pytest.mark.slurm, pytest.mark.torch]
+
+DATA = REPO / "examples" / "data" / "instructions.jsonl"
+STALE = 20  # seconds: the hang threshold of this run
+
+
+@pytest.fixture(scope="module")
+def watched(cluster, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
+    tmp = tmp_path_factory.mktemp("watchdog")
+    name = f"wd-{uuid.uuid4().hex[:6]}"
+    with local_receivers(cluster.controller_addr) as got:
+        spec = write_spec(tmp, f"""
+            site = "local"
+            [job]
+            name = "{name}"
+            nodes = 1
+            procs_per_node = 2
+            time = "10m"
+            exit_grace = "1m"
+            runs_root = "{tmp / 'runs'}"
+            [model]
+            path = "{tiny_model}"
+            [data]
+            path = "{DATA}"
+            max_length = 256
+            [train]
+            max_steps = 1000000
+            save_every_steps = 0
+            log_every_steps = 1
+            lr = 1e-3
+            [watchdogs]
+            partition = "debug"
+            time = "3m"
+            reminder = "1h"
+            [watchdogs.running]
+            every = "1m"
+            [watchdogs.hang]
+            every = "1m"
+            stale_after = "{STALE}s"
+            [watchdogs.memory]
+            every = "1m"
+            max_percent = 1
+            [watchdogs.disk]
+            every = "1m"
+            [watchdogs.email]
+            to = ["oncall@example.org"]
+            host = "{cluster.controller_addr}"
+            port = {got['smtp_port']}
+            [watchdogs.webhook]
+            url = "http://{cluster.controller_addr}:{got['http_port']}/hook"
+        """)
+        job_id = submitted_job_id(jobgen("submit", str(spec), check=True).stdout)
+        run = tmp / "runs" / name
+        try:
+            yield {"name": name, "spec": spec, "run": run, "home": tmp / "runs" / ".watchdogs", "job_id": job_id,
+                   "got": got}
+        finally:
+            jobgen("watchdog", "remove", "--home", str(tmp / "runs" / ".watchdogs"))
+            subprocess.run(["scancel", f"--name={name}"], capture_output=True)
+
+
+def chain_jobs(home: Path, interval: str) -> list[slurm.NamedJob]:
+    return [j for j in slurm.jobs_named(f"jobgen-cron-{interval}") if j.comment == str(home)]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
+        time.sleep(interval)
+
+
+def test_install_starts_one_chain_per_interval_and_a_second_install_does_not_double(watched):
+    first = jobgen("watchdog", "install", str(watched["spec"]), check=True)
+    assert "chain 1m      started" in first.stdout and "chain hourly  started" in first.stdout, first.stdout
+    for check in ("disk", "running", "hang", "memory"):
+        assert os.access(watched["home"] / "cron.1m" / f"{watched['name']}.{check}", os.X_OK)
+    second = jobgen("watchdog", "install", str(watched["run"]), check=True)
+    assert second.stdout.count("already running") == 3, second.stdout
+    for interval in ("1m", "hourly", "daily"):
+        assert len(chain_jobs(watched["home"], interval)) == 1, interval
+
+
+def _check(watched, name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return jobgen("watchdog", "run", name, str(watched["run"]), *args, timeout=180)
+
+
+def test_memory_fires_with_a_low_threshold(watched):
+    wait_for(lambda: (watched["run"] / "metrics.jsonl").is_file(), 120, "training started")
+    high = _check(watched, "memory")
+    assert high.returncode == 1 and "node1" in high.stdout and "above max_percent 1%" in high.stdout, high.stdout
+    assert _check(watched, "memory", "--max-percent", "99.9").returncode == 0
+
+
+def test_running_and_hang_stay_quiet_while_it_trains(watched):
+    running = _check(watched, "running")
+    assert running.returncode == 0 and "1 running" in running.stdout, running.stdout
+    hang = _check(watched, "hang")
+    assert hang.returncode == 0 and "last progress" in hang.stdout, hang.stdout
+
+
+def test_hang_fires_when_a_rank_stops_and_dumps_every_rank(watched):
+    ranks = rank_processes(str(watched["job_id"]), "node1")
+    assert [r for r, _, _ in ranks] == [0, 1], ranks
+    os.kill(ranks[1][2], signal.SIGSTOP)  # rank 1 stops; rank 0 waits for it in the next all-reduce
+    metrics = watched["run"] / "metrics.jsonl"
+    wait_for(lambda: time.time() - metrics.stat().st_mtime > STALE + 2, 90, "metrics stopped")
+    hang = _check(watched, "hang", "--json")
+    result = json.loads(hang.stdout)
+    assert hang.returncode == 1 and "no progress for" in result["summary"], result
+    dump = Path(result["data"]["jobs"][0]["stacks"])
+    assert str(dump) in result["summary"] and dump.parent == watched["run"] / "hangs"
+    text = dump.read_text()
+    assert "rank 0 (local 0)" in text and "rank 1 (local 1)" in text and "train_step" in text, text
+
+
+def test_running_fires_when_the_array_is_cancelled(watched):
+    slurm.cancel(watched["job_id"])
+    wait_until_gone([watched["job_id"]], timeout=120)
+    gone = _check(watched, "running")
+    assert gone.returncode == 1 and "has not finished" in gone.stdout, gone.stdout
+    assert f"jobgen submit {watched['spec']}" in gone.stdout
+
+
+def test_the_chain_runs_the_checks_every_minute_and_alerts_reach_email_and_webhook(watched):
+    logs = watched["home"] / "logs" / "1m"
+    marker = f"{watched['name']}.running: exit"
+
+    def ticks() -> list[Path]:
+        done = [p for p in logs.glob("*_0_log.out") if marker in p.read_text(errors="replace")]
+        return done if len(done) >= 2 else []
+
+    ran = wait_for(ticks, 240, "two ticks of the 1m chain", interval=3)
+    assert len({p.name.split("_")[0] for p in ran}) >= 2
+    listing = jobgen("watchdog", "list", str(watched["run"]), check=True).stdout
+    assert "cron.1m: job" in listing and f"{watched['name']}.memory" in listing, listing
+
+    posts = [p["text"] for p in watched["got"]["posts"]]
+    memory_alerts = [t for t in posts if t.startswith(f"[jobgen watchdog] ALERT memory {watched['name']}")]
+    # Two or more ticks saw memory above 1 %, or the job gone: one alert, never one per tick.
+    assert len(memory_alerts) == 1, posts
+    subjects = [m["data"] for m in watched["got"]["mails"]]
+    assert sum(f"ALERT memory {watched['name']}" in s for s in subjects) == 1, subjects
+    run_log = (watched["run"] / "logs" / "watchdog.log").read_text()
+    assert f"ALERT memory {watched['name']}" in run_log
+    assert f"ALERT memory {watched['name']}" in (watched["home"] / "watchdog.log").read_text()
+
+
+def test_remove_ends_the_chains(watched):
+    out = jobgen("watchdog", "remove", str(watched["run"]), check=True).stdout
+    assert "chain 1m stopped" in out, out
+    # A link running right now finds no chain record and does not resubmit.
+    wait_for(lambda: not any(chain_jobs(watched["home"], i) for i in ("1m", "hourly", "daily")), 90,
+             "every chain gone from the queue", interval=2)
+    assert not list((watched["home"] / "chains").glob("*.json"))
+    assert not list((watched["home"] / "cron.1m").iterdir())

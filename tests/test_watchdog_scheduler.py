@@ -1,0 +1,68 @@
+"""The scheduler's file handling without a cluster: which job files run, log cleaning,
+the job file text, and the Slurm client environment inside a job. The chains
+themselves run on the dev cluster (test_slurm_watchdog.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from jobgen import slurm
+from watchdogs.scheduler import Home, clean_logs, interval_name, job_file_text
+
+
+def test_interval_names_follow_cron():
+    assert [interval_name(s) for s in (60, 600, 5400, 3600, 86400, 604800)] == [
+        "1m", "10m", "1h30m", "hourly", "daily", "weekly"]
+
+
+def test_only_executable_visible_finished_files_run_in_name_order(tmp_path: Path):
+    home = Home(tmp_path)
+    directory = home.cron_dir("1m")
+    directory.mkdir()
+    for name, mode in [("b.check", 0o755), ("a.check", 0o755), ("notes.txt", 0o644), (".hidden", 0o755),
+                       ("edit~", 0o755), ("x.tmp", 0o755)]:
+        (directory / name).write_text("#!/bin/sh\n")
+        os.chmod(directory / name, mode)
+    assert [p.name for p in home.job_files("1m")] == ["a.check", "b.check"]
+
+
+def test_old_scheduler_logs_are_cleaned_and_new_ones_kept(tmp_path: Path):
+    home = Home(tmp_path)
+    logs = home.logs("1m")
+    logs.mkdir(parents=True)
+    old, new = logs / "1_0_log.out", logs / "2_0_log.out"
+    old.write_text("old")
+    new.write_text("new")
+    eight_days = time.time() - 8 * 86400
+    os.utime(old, (eight_days, eight_days))
+    assert clean_logs(home, 7 * 86400) == 1
+    assert not old.exists() and new.exists()
+
+
+def test_job_file_quotes_what_it_runs(tmp_path: Path):
+    run_dir = tmp_path / "it's a run"
+    text = job_file_text("/opt/py thon/bin/python", "watchdogs.disk", run_dir, "r", "1h")
+    script = tmp_path / "job"
+    script.write_text(text.replace("exec ", "printf '%s\\n' "))
+    args = subprocess.run(["sh", str(script)], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert args == ["/opt/py thon/bin/python", "-m", "watchdogs.disk", "--run", str(run_dir), "--notify"]
+
+
+def test_slurm_commands_inside_a_job_do_not_inherit_its_variables(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_CONF", "/etc/slurm/slurm.conf")
+    monkeypatch.setenv("SBATCH_ACCOUNT", "mine")
+    env = slurm.client_env()
+    assert "SLURM_JOB_ID" not in env and "SLURM_NTASKS" not in env
+    assert env["SLURM_CONF"] == "/etc/slurm/slurm.conf" and env["SBATCH_ACCOUNT"] == "mine"
+
+
+def test_named_jobs_parser_reads_squeue_lines():
+    text = "17|PENDING|2026-11-21T22:31:21|root|/runs/.watchdogs\n18|RUNNING|2026-11-21T22:30:20|ana|(null)\n"
+    jobs = slurm.parse_named_jobs(text)
+    assert jobs[0] == slurm.NamedJob(17, "PENDING", "2026-11-21T22:31:21", "root", "/runs/.watchdogs")
+    assert jobs[1].comment == ""
