@@ -33,13 +33,14 @@ def test_old_scheduler_logs_are_cleaned_and_new_ones_kept(tmp_path: Path):
     home = Home(tmp_path)
     logs = home.logs("1m")
     logs.mkdir(parents=True)
-    old, new = logs / "1_0_log.out", logs / "2_0_log.out"
-    old.write_text("old")
-    new.write_text("new")
+    old, new, queued = logs / "1_0_log.out", logs / "2_0_log.out", logs / "3_submitted.pkl"
     eight_days = time.time() - 8 * 86400
-    os.utime(old, (eight_days, eight_days))
-    assert clean_logs(home, 7 * 86400) == 1
-    assert not old.exists() and new.exists()
+    for path in (old, new, queued):
+        path.write_text(path.name)
+    for path in (old, queued):
+        os.utime(path, (eight_days, eight_days))
+    assert clean_logs(home, 7 * 86400, keep_jobs={3}) == 1
+    assert not old.exists() and new.exists() and queued.exists()
 
 
 def test_job_file_quotes_what_it_runs(tmp_path: Path):

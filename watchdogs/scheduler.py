@@ -193,11 +193,15 @@ def write_job_file(home: Home, seconds: int, file_name: str, text: str) -> Path:
     return path
 
 
-def clean_logs(home: Home, retention: int, now: float | None = None) -> int:
-    """Delete scheduler logs and pickles older than ``retention`` seconds; returns how many."""
+def clean_logs(home: Home, retention: int, now: float | None = None, keep_jobs: set[int] = frozenset()) -> int:
+    """Delete scheduler logs and pickles older than ``retention`` seconds; returns how many.
+    Files of the queued links (``keep_jobs``) stay whatever their age: a weekly link's
+    pickle waits a week for its job to start."""
     cutoff = (now or time.time()) - retention
     removed = 0
     for path in (home.path / "logs").rglob("*"):
+        if path.name.split("_", 1)[0] in {str(j) for j in keep_jobs}:
+            continue
         try:
             if path.is_file() and path.stat().st_mtime < cutoff:
                 path.unlink()
@@ -232,6 +236,23 @@ def run_job_files(home: Home, chain: Chain, deadline: float) -> list[dict[str, A
     return results
 
 
+def _submit_with_retries(home: Home, chain: Chain, attempts: int = 3) -> int:
+    """The successor must be queued or the chain ends: ride out a controller that is
+    restarting or briefly too busy to answer."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return submit_link(home, chain, chain.seconds)
+        except Exception as exc:  # noqa: BLE001 - whatever submitit or sbatch raised
+            if attempt == attempts:
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+                with (home.path / "watchdog.log").open("a") as fh:
+                    fh.write(f"{stamp} chain {chain.name} ENDED: could not queue its next link: {exc}\n"
+                             f"    `jobgen watchdog install RUN` starts it again\n")
+                raise
+            time.sleep(10 * attempt)
+    raise AssertionError("unreachable")
+
+
 def run_link(home_path: str, name: str, token: str) -> dict[str, Any]:
     """One tick of a chain, inside its Slurm job: resubmit, clean, run the job files."""
     started = time.time()
@@ -239,14 +260,18 @@ def run_link(home_path: str, name: str, token: str) -> dict[str, Any]:
     my_id = int(os.environ.get("SLURM_JOB_ID", "0"))
     with home.chain_lock(name):
         chain = Chain.load(home.chain_file(name))
-        if chain is None or chain.token != token:
-            print(f"chain {name} was removed or replaced; link {my_id} ends it", flush=True)
+        # Only the link the record names may continue the chain: not one of a removed or
+        # replaced chain, and not this link run a second time (a requeue after preemption).
+        if chain is None or chain.token != token or chain.job_id != my_id:
+            print(f"chain {name}: link {my_id} is not the recorded one "
+                  f"({'no record' if chain is None else f'record names job {chain.job_id}'}); it ends here", flush=True)
             return {"ended": True}
-        successor = submit_link(home, chain, chain.seconds)
+        successor = _submit_with_retries(home, chain)
         chain.job_id, chain.last_link, chain.last_start = successor, my_id, started
         write_json_atomic(home.chain_file(name), asdict(chain))
     print(f"link {my_id} of chain {name}: next link {successor} begins in {format_human(chain.seconds)}", flush=True)
-    removed = clean_logs(home, chain.log_retention)
+    queued = {c.job_id for c in home.chains() if c.job_id is not None}
+    removed = clean_logs(home, chain.log_retention, keep_jobs=queued)
     if removed:
         print(f"removed {removed} scheduler log file(s) older than {format_human(chain.log_retention)}", flush=True)
     # Leave a minute for submitit's bookkeeping before Slurm's time limit.
