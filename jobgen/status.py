@@ -152,6 +152,7 @@ def run_status(run: RunDir) -> RunStatus:
     warning = lead_time_warning(job.exit_grace, reports)
     if warning:
         status.warnings.append(warning)
+    status.warnings.extend(f"watchdog {alert}" for alert in _watchdog_alerts(spec))
     doctor = run.path / "doctor.json"
     if states & {"RUNNING", "COMPLETING", "CONFIGURING"}:
         status.state = "running"
@@ -170,6 +171,15 @@ def run_status(run: RunDir) -> RunStatus:
     if "kill" in switches and status.state in {"running", "pending"}:
         status.notes.append("kill switch set: the run stops at the next step and queued tasks will exit at once")
     return status
+
+
+def _watchdog_alerts(spec) -> list[str]:
+    """What the run's watchdogs are alerting about right now (their state files)."""
+    from watchdogs.base import watchdog_home
+    from watchdogs.notify import active_alerts
+
+    home = watchdog_home(spec)
+    return active_alerts(home, spec.run.job.name) if home.is_dir() else []
 
 
 def format_status(status: RunStatus) -> str:

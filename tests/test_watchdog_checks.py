@@ -129,7 +129,11 @@ def test_disk_check_fires_on_bytes_then_on_inodes(small_fs: Path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_usage_errors_exit_2():
+def test_usage_errors_exit_2_and_options_may_come_before_run(tmp_path: Path):
+    help_text = jobgen("watchdog", "run", "--help")
+    assert help_text.returncode == 0 and "NAME is one of: disk, running, hang, memory" in help_text.stdout
+    assert jobgen("watchdog", "run", "bogus").returncode == 2
+    assert jobgen("watchdog", "run", "disk", "--min-free", "100%", "--path", str(tmp_path)).returncode == 1
     assert jobgen("watchdog", "run", "disk").returncode == 2
     assert jobgen("watchdog", "run", "hang").returncode == 2
     assert jobgen("watchdog", "run", "disk", "--path", "/", "--min-free", "lots").returncode == 2

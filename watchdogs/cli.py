@@ -167,18 +167,31 @@ def remove(run_ref: str | None, home: str | None) -> None:
         click.echo(f"chain {chain.name} stopped" + (f" (cancelled job {', '.join(map(str, cancelled))})" if cancelled else ""))
 
 
-@watchdog.command(name="run", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.argument("check", type=click.Choice(CHECKS))
-@click.argument("run_ref", metavar="[RUN]", required=False)
+# Options of `python -m watchdogs.NAME` that take a value (watchdogs.base.parser).
+_VALUE_OPTIONS = {"--run", "--path", "--home", "--min-free", "--min-free-inodes", "--forecast", "--stale-after",
+                  "--max-percent"}
+
+
+@watchdog.command(name="run", context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("check", metavar="NAME", required=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def run_command(ctx: click.Context, check: str, run_ref: str | None) -> None:
-    """Run one check now and print its result; exit 1 when it alerts. Takes the options
-    of `python -m watchdogs.NAME` (--path, --notify, --json, thresholds)."""
+def run_command(ctx: click.Context, check: str | None, args: tuple[str, ...]) -> None:
+    """Run one check now and print its result; exit 1 when it alerts.
+
+    jobgen watchdog run NAME [RUN] [--path P]... [--notify] [--json] [thresholds]: the
+    options of `python -m watchdogs.NAME --help`; RUN may come anywhere."""
     import importlib
 
-    if run_ref is not None and run_ref.startswith("-"):
-        ctx.args.insert(0, run_ref)
-        run_ref = None
-    argv = (["--run", str(_run(run_ref).path)] if run_ref else []) + list(ctx.args)
+    if check not in CHECKS:
+        click.echo(ctx.get_help() + f"\n\n  NAME is one of: {', '.join(CHECKS)}")
+        sys.exit(0 if check in (None, "-h", "--help") else 2)
+    argv, expects_value = [], False
+    for arg in args:
+        if not expects_value and not arg.startswith("-"):
+            argv += ["--run", str(_run(arg).path)]
+        else:
+            argv.append(arg)
+        expects_value = not expects_value and arg in _VALUE_OPTIONS
     module = importlib.import_module(f"watchdogs.{check}")
     sys.exit(module.main(argv))

@@ -177,3 +177,17 @@ def deliver(result: CheckResult, target: Target, now: float | None = None) -> st
         write_json_atomic(path, {**asdict(state), "check": result.check, "target": result.target,
                                  "last_run": now, "last_alert": result.alert})
     return kind
+
+
+def active_alerts(home: Path, target: str) -> list[str]:
+    """The conditions currently alerting for ``target`` (a run's name), for ``jobgen status``."""
+    out = []
+    for path in sorted((home / "state").glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if data.get("target") == target and data.get("status") == "alert":
+            since = time.strftime("%Y-%m-%d %H:%M", time.localtime(data.get("since", 0)))
+            out.append(f"{data.get('check')}: {data.get('summary')} (since {since})")
+    return out
