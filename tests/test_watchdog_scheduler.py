@@ -67,3 +67,25 @@ def test_named_jobs_parser_reads_squeue_lines():
     jobs = slurm.parse_named_jobs(text)
     assert jobs[0] == slurm.NamedJob(17, "PENDING", "2026-11-21T22:31:21", "root", "/runs/.watchdogs")
     assert jobs[1].comment == ""
+
+
+def test_a_link_that_is_not_the_recorded_one_ends_without_resubmitting(tmp_path: Path, monkeypatch):
+    """A removed chain, a chain replaced by a new install, and the same link run again
+    after a requeue all end here; none reaches sbatch (there is no cluster in this test,
+    so reaching it would fail loudly)."""
+    import dataclasses
+    import json
+
+    from watchdogs import scheduler
+
+    home = Home(tmp_path)
+    (tmp_path / "chains").mkdir()
+    monkeypatch.setattr(scheduler, "submit_link", lambda *a: (_ for _ in ()).throw(AssertionError("resubmitted")))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert scheduler.run_link(str(tmp_path), "1m", "tok") == {"ended": True}  # removed: no record
+
+    chain = scheduler.Chain("1m", 60, "tok", None, None, 180, 7 * 86400, job_id=8)
+    home.chain_file("1m").write_text(json.dumps(dataclasses.asdict(chain)))
+    assert scheduler.run_link(str(tmp_path), "1m", "old-token") == {"ended": True}  # replaced
+    assert scheduler.run_link(str(tmp_path), "1m", "tok") == {"ended": True}  # job 7 was requeued; 8 is next
+    assert json.loads(home.chain_file("1m").read_text())["job_id"] == 8
