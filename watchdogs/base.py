@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 import time
@@ -155,13 +154,6 @@ def main(name: str, check: Callable[[Target], CheckResult], description: str, ar
     print(json.dumps(result.to_json(), indent=2) if args.json else result.text())
     sys.stdout.flush()
     return result.exit_code
-
-
-def file_age(path: Path, now: float | None = None) -> float | None:
-    try:
-        return (now or time.time()) - os.stat(path).st_mtime
-    except FileNotFoundError:
-        return None
 
 
 @dataclass

@@ -30,7 +30,7 @@ from typing import Iterator
 from jobgen.atomic import write_json_atomic
 from jobgen.durations import format_human
 from watchdogs.base import CheckResult, Target
-from watchdogs.settings import EmailSettings, WatchdogSettings, WebhookSettings
+from watchdogs.settings import EmailSettings, WebhookSettings
 
 ALERT, REMINDER, RESOLVED = "ALERT", "REMINDER", "RESOLVED"
 
@@ -134,9 +134,9 @@ def append_line(path: Path, text: str) -> None:
         fh.write(text.rstrip("\n") + "\n")
 
 
-def send(kind: str, result: CheckResult, target: Target, settings: WatchdogSettings, prev: AlertState | None,
-         now: float) -> list[str]:
+def send(kind: str, result: CheckResult, target: Target, prev: AlertState | None, now: float) -> list[str]:
     """Log everywhere, then try each external channel; returns the failures."""
+    settings = target.settings
     subject, body = message(kind, result, prev, now)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now))
     logged = f"{stamp} {body}".replace("\n", "\n    ")
@@ -173,7 +173,7 @@ def deliver(result: CheckResult, target: Target, now: float | None = None) -> st
         prev = AlertState.from_json(json.loads(path.read_text())) if path.is_file() else None
         kind, state = decide(prev, result.alert, result.summary, now, target.settings.reminder)
         if kind is not None:
-            state.undelivered = bool(send(kind, result, target, target.settings, prev, now)) and kind != RESOLVED
+            state.undelivered = bool(send(kind, result, target, prev, now)) and kind != RESOLVED
         write_json_atomic(path, {**asdict(state), "check": result.check, "target": result.target,
                                  "last_run": now, "last_alert": result.alert})
     return kind

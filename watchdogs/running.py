@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from jobgen.status import run_status
+from jobgen.status import ACTIVE, run_status
 from watchdogs.base import CheckResult, Target, main as check_main
 
 # Pending for one of these reasons means it will not start without a person.
@@ -29,8 +29,7 @@ def check(target: Target) -> CheckResult:
         step += f"/{status.max_steps}"
     data = {"state": status.state, "step": status.step, "max_steps": status.max_steps,
             "jobs": [f"{t.job_id}:{t.state}" for t in status.tasks]}
-    queued = [t for t in status.tasks if t.state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED",
-                                                      "SUSPENDED", "REQUEUE_HOLD")]
+    queued = [t for t in status.tasks if t.state in ACTIVE]
     unreachable = [n for n in status.notes if n.startswith("Slurm not reachable")]
     if unreachable:
         return CheckResult("running", target.name, True, f"could not ask Slurm: {unreachable[0]}", [], data)

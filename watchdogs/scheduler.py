@@ -27,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -38,11 +38,11 @@ from typing import Any, Iterator
 from jobgen import slurm
 from jobgen.atomic import write_json_atomic, write_text_atomic
 from jobgen.durations import format_human
+from jobgen.status import ACTIVE
 from watchdogs.notify import locked
 
 NAMED_INTERVALS = {3600: "hourly", 86400: "daily", 7 * 86400: "weekly"}
 ALWAYS = (3600, 86400)  # cron.hourly and cron.daily exist and run, like cron's
-ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "SUSPENDED")
 
 
 def interval_name(seconds: int) -> str:
@@ -280,8 +280,6 @@ def run_link(home_path: str, name: str, token: str) -> dict[str, Any]:
 
 
 def job_file_text(python: str, module: str, run_dir: Path, run_name: str, interval: str) -> str:
-    import shlex
-
     return (
         "#!/bin/sh\n"
         f"# Installed by `jobgen watchdog install`: the {module.split('.')[-1]} check of run {run_name}, "
@@ -289,7 +287,3 @@ def job_file_text(python: str, module: str, run_dir: Path, run_name: str, interv
         f"# Remove with: jobgen watchdog remove {shlex.quote(str(run_dir))}\n"
         f"exec {shlex.quote(python)} -m {module} --run {shlex.quote(str(run_dir))} --notify\n"
     )
-
-
-def default_python() -> str:
-    return sys.executable

@@ -18,7 +18,6 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from jobgen.fields import Duration, SafePath, SlurmName, StrictModel
-from watchdogs import CHECKS  # noqa: F401 - re-exported: the names of the check tables
 
 _THRESHOLD = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|[KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
