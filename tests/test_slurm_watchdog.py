@@ -99,6 +99,14 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
         time.sleep(interval)
 
 
+def test_an_install_slurm_refuses_leaves_nothing_behind(watched):
+    refused = jobgen("watchdog", "install", str(watched["run"]), "--partition", "nosuch")
+    assert refused.returncode != 0 and "nothing installed" in refused.stderr, refused.stderr
+    assert "partition" in refused.stderr.lower(), refused.stderr
+    assert not list(watched["home"].glob("cron.*/*")) and not list(watched["home"].glob("chains/*.json"))
+    assert not any(chain_jobs(watched["home"], i) for i in ("1m", "hourly", "daily"))
+
+
 def test_install_starts_one_chain_per_interval_and_a_second_install_does_not_double(watched):
     first = jobgen("watchdog", "install", str(watched["spec"]), check=True)
     assert "chain 1m      started" in first.stdout and "chain hourly  started" in first.stdout, first.stdout

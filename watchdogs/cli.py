@@ -68,34 +68,17 @@ def watchdog() -> None:
 def install(run_ref: str, partition: str | None) -> None:
     """Write RUN's check job files and start the chains that run them. Idempotent."""
     from watchdogs.base import watchdog_home
-    from watchdogs.scheduler import ALWAYS, Home, ensure_chain, interval_name, job_file_text, write_job_file
+    from watchdogs.scheduler import Home, install_run
 
     run = _run(run_ref)
     spec = run.load_spec()
-    settings = spec.run.watchdogs
     home = Home(watchdog_home(spec))
-    name = spec.run.job.name
-    intervals = set(ALWAYS)
-    for check in CHECKS:
-        table = settings.check(check)
-        file_name = f"{name}.{check}"
-        for stale in home.path.glob(f"cron.*/{file_name}"):
-            if not table.enabled or stale.parent.name != f"cron.{interval_name(table.every)}":
-                stale.unlink()  # disabled, or its interval changed
-        if table.enabled:
-            text = job_file_text(sys.executable, f"watchdogs.{check}", run.path, name, interval_name(table.every))
-            path = write_job_file(home, table.every, file_name, text)
-            intervals.add(table.every)
-            click.echo(f"job file {path}")
-    for seconds in sorted(intervals):
-        try:
-            chain, new = ensure_chain(home, seconds, partition=partition or settings.partition or spec.partition,
-                                      account=settings.account or spec.account, time_limit=settings.time,
-                                      log_retention=settings.log_retention)
-        except Exception as exc:  # noqa: BLE001 - sbatch's refusal, as submitit reports it
-            raise click.ClickException(f"could not start the {interval_name(seconds)} chain: {exc}") from None
-        verb = "started" if new else "already running"
-        click.echo(f"chain {chain.name:<7} {verb}: job {chain.job_id} ({chain.partition or 'default partition'})")
+    try:
+        lines = install_run(home, run.path, spec, partition)
+    except Exception as exc:  # noqa: BLE001 - sbatch's refusal, as submitit reports it
+        raise click.ClickException(f"nothing installed: {str(exc).strip()}") from None
+    for line in lines:
+        click.echo(line)
     click.echo(f"home {home.path}")
 
 

@@ -29,6 +29,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -36,9 +37,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from jobgen import slurm
-from jobgen.atomic import write_json_atomic, write_text_atomic
+from jobgen.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
+from jobgen.loader import ResolvedSpec
 from jobgen.durations import format_human
 from jobgen.status import ACTIVE
+from watchdogs import CHECKS
 from watchdogs.notify import locked
 
 NAMED_INTERVALS = {3600: "hourly", 86400: "daily", 7 * 86400: "weekly"}
@@ -277,6 +280,46 @@ def run_link(home_path: str, name: str, token: str) -> dict[str, Any]:
     # Leave a minute for submitit's bookkeeping before Slurm's time limit.
     deadline = started + chain.time_limit - 60
     return {"successor": successor, "results": run_job_files(home, chain, deadline)}
+
+
+def install_run(home: Home, run_dir: Path, spec: ResolvedSpec, partition: str | None) -> list[str]:
+    """Write the run's job files and make sure a chain runs each interval; returns what
+    was done, line by line. All or nothing: if a chain cannot be started (a partition
+    that does not exist, a time limit above its MaxTime), the chains this call started
+    are stopped and the run's job files are put back as they were."""
+    settings, name = spec.run.watchdogs, spec.run.job.name
+    wanted = {f"{name}.{check}": settings.check(check).every for check in CHECKS if settings.check(check).enabled}
+    ours = {f"{name}.{check}" for check in CHECKS}
+    before = {p: p.read_bytes() for p in home.path.glob(f"cron.*/{name}.*") if p.name in ours}
+    started: list[Chain] = []
+    lines = []
+    try:
+        for path in before:  # disabled since, or moved to another interval
+            every = wanted.get(path.name)
+            if every is None or path.parent.name != f"cron.{interval_name(every)}":
+                path.unlink()
+        for file_name, every in wanted.items():
+            module = f"watchdogs.{file_name.rsplit('.', 1)[1]}"
+            text = job_file_text(sys.executable, module, run_dir, name, interval_name(every))
+            lines.append(f"job file {write_job_file(home, every, file_name, text)}")
+        for seconds in sorted(set(ALWAYS) | set(wanted.values())):
+            chain, new = ensure_chain(home, seconds, partition=partition or settings.partition or spec.partition,
+                                      account=settings.account or spec.account, time_limit=settings.time,
+                                      log_retention=settings.log_retention)
+            if new:
+                started.append(chain)
+            lines.append(f"chain {chain.name:<7} {'started' if new else 'already running'}: job {chain.job_id} "
+                         f"({chain.partition or 'default partition'})")
+    except BaseException:
+        for chain in started:
+            stop_chain(home, chain.name)
+        for path in home.path.glob(f"cron.*/{name}.*"):
+            if path.name in ours:
+                path.unlink()
+        for path, data in before.items():
+            write_bytes_atomic(path, data, mode=0o755)
+        raise
+    return lines
 
 
 def job_file_text(python: str, module: str, run_dir: Path, run_name: str, interval: str) -> str:
