@@ -100,6 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if env.is_main:
             log.info("exit %d: %s", int(code), reason or code.reason)
+        # Every way out but a crash is decided by all ranks together, so they can leave
+        # together: a rank that closes its gloo connections while rank 0 still writes
+        # the summary can make rank 0's transport thread abort the process (SIGABRT
+        # after a finished run, seen once in CI).
+        if code != ExitCode.CRASHED:
+            try:
+                distributed.barrier()
+            except Exception as exc:  # noqa: BLE001 - a peer gone at exit must not change this rank's exit code
+                log.warning("exit barrier failed: %s", exc)
         distributed.shutdown()
 
 
