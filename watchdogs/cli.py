@@ -89,13 +89,12 @@ def install(run_ref: str, partition: str | None) -> None:
 def list_command(run_ref: str | None, home: str | None, as_json: bool) -> None:
     """The chains (job, state, next start) and the last result of every job file."""
     from jobgen import slurm
-    from watchdogs.scheduler import chain_job_name
 
     where, _ = _home(run_ref, home)
     chains = []
     for chain in where.chains():
         try:
-            queued = [j for j in slurm.jobs_named(chain_job_name(chain.name)) if j.comment == str(where.path)]
+            queued = where.queued_links(chain.name)
         except slurm.SlurmError as exc:
             raise click.ClickException(str(exc)) from None
         jobs = [{"job_id": j.job_id, "state": j.state, "start": j.start_time} for j in queued]
@@ -138,10 +137,9 @@ def remove(run_ref: str | None, home: str | None) -> None:
     where, run = _home(run_ref, home)
     if run is not None:
         name = run.load_spec().run.job.name
-        for check in CHECKS:
-            for path in where.path.glob(f"cron.*/{name}.{check}"):
-                path.unlink()
-                click.echo(f"removed {path}")
+        for path in sorted(where.run_job_files(name)):
+            path.unlink()
+            click.echo(f"removed {path}")
     for chain in where.chains():
         if run is not None and where.job_files(chain.name):
             click.echo(f"chain {chain.name} kept: {len(where.job_files(chain.name))} job file(s) left")

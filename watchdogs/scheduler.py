@@ -42,7 +42,7 @@ from jobgen.loader import ResolvedSpec
 from jobgen.durations import format_human
 from jobgen.status import ACTIVE
 from watchdogs import CHECKS
-from watchdogs.notify import locked
+from watchdogs.notify import append_line, locked
 
 NAMED_INTERVALS = {3600: "hourly", 86400: "daily", 7 * 86400: "weekly"}
 ALWAYS = (3600, 86400)  # cron.hourly and cron.daily exist and run, like cron's
@@ -103,6 +103,16 @@ class Home:
         found = [Chain.load(p) for p in sorted((self.path / "chains").glob("*.json"))]
         return sorted((c for c in found if c is not None), key=lambda c: c.seconds)
 
+    def queued_links(self, name: str) -> list[slurm.NamedJob]:
+        """This home's links of the chain ``name`` that Slurm has queued or running; the
+        job comment tells them from another home's chain of the same interval."""
+        return [j for j in slurm.jobs_named(chain_job_name(name)) if j.comment == str(self.path)]
+
+    def run_job_files(self, run_name: str) -> list[Path]:
+        """The check job files `install` wrote for one run, in whatever interval directory."""
+        ours = {f"{run_name}.{check}" for check in CHECKS}
+        return [p for p in self.path.glob(f"cron.*/{run_name}.*") if p.name in ours]
+
     def job_files(self, name: str) -> list[Path]:
         """What run-parts would run: executable regular files, not hidden, not editor or temp leftovers."""
         directory = self.cron_dir(name)
@@ -150,8 +160,7 @@ def submit_link(home: Home, chain: Chain, begin_seconds: int) -> int:
 def chain_alive(home: Home, chain: Chain | None) -> bool:
     if chain is None or chain.job_id is None:
         return False
-    return any(j.job_id == chain.job_id and j.state in ACTIVE and j.comment == str(home.path)
-               for j in slurm.jobs_named(chain_job_name(chain.name)))
+    return any(j.job_id == chain.job_id and j.state in ACTIVE for j in home.queued_links(chain.name))
 
 
 def ensure_chain(home: Home, seconds: int, *, partition: str | None, account: str | None, time_limit: int,
@@ -181,8 +190,8 @@ def stop_chain(home: Home, name: str) -> list[int]:
     with home.chain_lock(name):
         home.chain_file(name).unlink(missing_ok=True)
     cancelled = []
-    for job in slurm.jobs_named(chain_job_name(name)):
-        if job.comment == str(home.path) and job.state == "PENDING":
+    for job in home.queued_links(name):
+        if job.state == "PENDING":
             slurm.cancel(job.job_id)
             cancelled.append(job.job_id)
     return cancelled
@@ -248,9 +257,8 @@ def _submit_with_retries(home: Home, chain: Chain, attempts: int = 3) -> int:
         except Exception as exc:  # noqa: BLE001 - whatever submitit or sbatch raised
             if attempt == attempts:
                 stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-                with (home.path / "watchdog.log").open("a") as fh:
-                    fh.write(f"{stamp} chain {chain.name} ENDED: could not queue its next link: {exc}\n"
-                             f"    `jobgen watchdog install RUN` starts it again\n")
+                append_line(home.path / "watchdog.log", f"{stamp} chain {chain.name} ENDED: could not queue its next "
+                            f"link: {exc}\n    `jobgen watchdog install RUN` starts it again")
                 raise
             time.sleep(10 * attempt)
     raise AssertionError("unreachable")
@@ -289,8 +297,7 @@ def install_run(home: Home, run_dir: Path, spec: ResolvedSpec, partition: str | 
     are stopped and the run's job files are put back as they were."""
     settings, name = spec.run.watchdogs, spec.run.job.name
     wanted = {f"{name}.{check}": settings.check(check).every for check in CHECKS if settings.check(check).enabled}
-    ours = {f"{name}.{check}" for check in CHECKS}
-    before = {p: p.read_bytes() for p in home.path.glob(f"cron.*/{name}.*") if p.name in ours}
+    before = {p: p.read_bytes() for p in home.run_job_files(name)}
     started: list[Chain] = []
     lines = []
     try:
@@ -313,9 +320,8 @@ def install_run(home: Home, run_dir: Path, spec: ResolvedSpec, partition: str | 
     except BaseException:
         for chain in started:
             stop_chain(home, chain.name)
-        for path in home.path.glob(f"cron.*/{name}.*"):
-            if path.name in ours:
-                path.unlink()
+        for path in home.run_job_files(name):
+            path.unlink()
         for path, data in before.items():
             write_bytes_atomic(path, data, mode=0o755)
         raise
