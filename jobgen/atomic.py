@@ -3,6 +3,12 @@
 A reader (another array task, another user's ``jobgen status``, a watchdog) sees
 either the old file or the new one, never half of one, even if the writer is
 killed mid-write or the node dies.
+
+Permissions are the user's: ``mode`` is what is asked of the kernel when the file or
+directory is created, and the kernel takes the umask (and any default ACL) off it,
+exactly as for ``open``/``mkdir``. A user with umask 022 gets 0644 files that the
+team can read but not replace; one with umask 002 asked for group-write. (tempfile's
+0600/0700 would need a chmod afterwards, and a chmod ignores both.)
 """
 
 from __future__ import annotations
@@ -10,22 +16,36 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
+def _create_unique(directory: Path, prefix: str, suffix: str, create: Callable[[str], T]) -> tuple[T, str]:
+    """``create(name)`` for a fresh random name in ``directory``, as tempfile picks them."""
+    for _ in range(100):
+        name = str(directory / f"{prefix}{secrets.token_hex(4)}{suffix}")
+        try:
+            return create(name), name
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no unused temporary name {prefix}*{suffix} in {directory}")
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o666) -> None:
+    """Replace ``path`` with ``data``; ``mode`` before the umask (0o777 for a script)."""
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    fd, tmp = _create_unique(target.parent, f".{target.name}.", ".tmp", lambda name: os.open(name, flags, mode))
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
         os.replace(tmp, target)
     except BaseException:
         try:
@@ -36,12 +56,25 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o
     fsync_dir(target.parent)
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> None:
+def write_text_atomic(path: str | os.PathLike[str], text: str, mode: int = 0o666) -> None:
     write_bytes_atomic(path, text.encode(), mode)
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: Any, mode: int = 0o644) -> None:
+def write_json_atomic(path: str | os.PathLike[str], data: Any, mode: int = 0o666) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode)
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux /proc). ``os.umask`` reads it
+    only by setting it, which races with any thread creating a file meanwhile; the
+    fallback sets the strictest mask for that instant, never a looser one."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -59,18 +92,19 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
 
 
 @contextlib.contextmanager
-def staged_directory(target: str | os.PathLike[str], mode: int = 0o755) -> Iterator[Path]:
+def staged_directory(target: str | os.PathLike[str], mode: int = 0o777) -> Iterator[Path]:
     """Fill a directory under a temporary name next to ``target``, then rename it into
     place: ``target`` is complete or absent, never half-written. An empty ``target`` is
-    replaced; a non-empty one is an error. On any exception the staging directory goes."""
+    replaced; a non-empty one is an error. On any exception the staging directory goes.
+    ``mode`` is before the umask, as for ``mkdir``."""
     target = Path(target)
     if target.exists() and any(target.iterdir()):
         raise FileExistsError(f"{target} exists and is not empty")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".staging", dir=target.parent))
+    _, name = _create_unique(target.parent, f".{target.name}.", ".staging", lambda name: os.mkdir(name, mode))
+    staging = Path(name)
     try:
         yield staging
-        staging.chmod(mode)  # mkdtemp's 0700 would hide the result from the team
         if target.exists():
             target.rmdir()
         staging.rename(target)

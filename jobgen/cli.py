@@ -147,38 +147,56 @@ def schema(site_profile: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object (a list without RUN)")
 @click.option("--watch", is_flag=True, help="with RUN: print a line at every change until the run ends")
 def status(run_ref: str | None, as_json: bool, watch: bool) -> None:
-    """Runs and their array tasks: Slurm state, step, switches."""
-    from jobgen.status import format_status, run_status, watch_run
+    """Runs and their array tasks: Slurm state, step, switches.
 
+    Without RUN, a run whose spec.json or jobs.json cannot be read is listed with state
+    'unreadable' and the file and error, the others as usual, and the exit status is 1
+    (the listing is incomplete). With RUN, such a run is a one-line error, exit status 1.
+    """
+    from jobgen.status import format_status, run_status, unreadable, unreadable_status, watch_run
+
+    if run_ref:
+        run = _find_run(run_ref)
+        problem = unreadable(run)
+        if problem:
+            _fail(f"jobgen: {problem}")
     if watch:
         if not run_ref:
             _fail("jobgen status --watch needs RUN")
-        final = watch_run(_find_run(run_ref), click.echo)
+        final = watch_run(run, click.echo)
         click.echo(format_status(final))
         sys.exit(0 if final.state == "finished" else 1)
     if run_ref:
-        runs = [_find_run(run_ref)]
+        runs = [run]
     else:
         from jobgen.rundir import RunDir
 
         root = _default_runs_root()
         runs = sorted((RunDir(p.parent) for p in root.glob("*/spec.json")), key=lambda r: r.path) if root else []
-    statuses = [run_status(r) for r in runs]
+    problems = {r: unreadable(r) for r in runs}
+    statuses = [unreadable_status(r, problems[r]) if problems[r] else run_status(r) for r in runs]
+    code = 1 if any(problems.values()) else 0
     if as_json:
         payload = statuses[0].to_json() if run_ref else [s.to_json() for s in statuses]
         click.echo(json.dumps(payload, indent=2))
-        return
+        sys.exit(code)
     if not statuses:
         click.echo(f"no runs under {_default_runs_root()}")
     click.echo("\n\n".join(format_status(s) for s in statuses))
+    sys.exit(code)
 
 
 def _switch_command(name: str, doc: str):
     @main.command(name=name, help=doc)
     @click.argument("run_ref", metavar="RUN")
     def command(run_ref: str) -> None:
-        path = _find_run(run_ref).set_switch({"stop": "kill"}.get(name, name))
-        click.echo(f"{path} created")
+        from jobgen.rundir import RunDirError
+
+        try:
+            path, created = _find_run(run_ref).set_switch({"stop": "kill"}.get(name, name))
+        except RunDirError as exc:  # e.g. a switches/ the user may not write: a sentence, not a traceback
+            _fail(f"jobgen: {exc}")
+        click.echo(f"{path} created" if created else f"{path} already set")
 
     return command
 
@@ -255,7 +273,8 @@ def export(run_ref: str, target: str, checkpoint: str | None, merge_lora: bool) 
     from trainer.export import ExportError, export as do_export
 
     try:
-        source = do_export(run.load_spec(), run.path, Path(target), checkpoint=checkpoint, merge_lora=merge_lora)
+        source = do_export(run.load_spec(), run.path, Path(target), checkpoint=checkpoint, merge_lora=merge_lora,
+                           report=lambda line: click.echo(f"jobgen export: {line}", err=True))
     except ExportError as exc:
         _fail(f"jobgen export: {exc}", 2)
     click.echo(f"exported {source.name} of {run.path} to {target}")

@@ -27,10 +27,27 @@ class ExitCode(IntEnum):
     MEMORY_GUARD = 14  # host memory above / GPU free memory below the threshold: saved, exited
     NOT_STARTED = 15  # a kill or abort switch was present at start: nothing loaded
     RESUME_FAILED = 16  # checkpoints exist but none loads: refusing to start over silently
+    # The checkpoint was written by a run with other data or another seed: its sample
+    # order cannot be continued.
+    RESUME_MISMATCH = 17
+    DATA_ERROR = 18  # the data or the tokenizer cannot be used (file and key in the log)
+    RUN_BUSY = 19  # another process holds the run directory's writer lease: nothing touched
 
     @property
     def reason(self) -> str:
         return _REASONS[self]
+
+    @property
+    def repeats(self) -> bool:
+        """Would the next array task fail the same way? Then the run stops (the trainer
+        writes ``failed``) instead of letting every queued task allocate nodes, load and
+        fail again."""
+        return self in _FIXES
+
+    @property
+    def fix(self) -> str:
+        """What the user has to change before the run can continue."""
+        return _FIXES.get(self, "")
 
 
 _REASONS = {
@@ -46,4 +63,20 @@ _REASONS = {
     ExitCode.MEMORY_GUARD: "memory guard: saved and stopped",
     ExitCode.NOT_STARTED: "kill/abort switch present at start: did not start",
     ExitCode.RESUME_FAILED: "no checkpoint could be loaded",
+    ExitCode.RESUME_MISMATCH: "the checkpoint belongs to other data or another seed",
+    ExitCode.DATA_ERROR: "the data or the tokenizer cannot be used",
+    ExitCode.RUN_BUSY: "another process is writing this run: did nothing",
+}
+
+# The failures that every later task would repeat, with what to change. `jobgen submit`
+# of the run clears the stop once it is fixed.
+_FIXES = {
+    ExitCode.WORLD_SIZE_MISMATCH: "make job.nodes x job.procs_per_node match what the site starts per node, "
+                                  "then `jobgen submit` the run again",
+    ExitCode.RESUME_FAILED: "no checkpoint of the run loads with this spec: restore [model]/[train] as they were "
+                            "when the checkpoints were written, or move checkpoints/ away to start over, "
+                            "then `jobgen submit` the run again",
+    ExitCode.RESUME_MISMATCH: "put train.seed and the data back as they were for this run's checkpoints, or "
+                              "start a new run (another job.name), then `jobgen submit` again",
+    ExitCode.DATA_ERROR: "fix the data or the tokenizer named in the reason, then `jobgen submit` the run again",
 }

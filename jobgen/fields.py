@@ -11,7 +11,15 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, StringConstraints, WithJsonSchema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    PlainSerializer,
+    StringConstraints,
+    WithJsonSchema,
+)
 
 from jobgen.durations import format_human, parse_duration
 
@@ -45,8 +53,10 @@ SlurmName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.
 HostList = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-\[\],]{1,1024}$")]
 # Slurm feature expressions: a100&ib, [rack1|rack2], gpu*2.
 Constraint = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.&|\[\]()*:,!-]{1,256}$")]
-# Filesystem paths that appear in #SBATCH lines and unquoted Slurm filename patterns:
-# no whitespace, quotes, globs, '%' (Slurm filename pattern) or shell metacharacters.
+# Filesystem paths as typed in a spec or site file: no whitespace, quotes, globs, '%'
+# (Slurm filename pattern) or shell metacharacters. This checks the text only: the
+# directory a relative path is joined to can hold anything, so render quotes #SBATCH
+# values and escapes %-patterns regardless, and loader._check_run_dir checks the result.
 SafePath = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_./~+@:=,-]{1,4096}$")]
 # Network interface names as Linux allows them (IFNAMSIZ is 16 with the NUL).
 InterfaceName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,15}$")]
@@ -68,3 +78,21 @@ def no_control_chars(value: str) -> str:
 
 
 EnvValue = Annotated[str, BeforeValidator(lambda v: no_control_chars(v) if isinstance(v, str) else v)]
+
+# '--name' or '--name=value'; the value is free text (render quotes it for sbatch).
+_SBATCH_OPTION = re.compile(r"--[A-Za-z][A-Za-z0-9-]*(=.*)?", re.DOTALL)
+
+
+def sbatch_option(value: str) -> str:
+    """One extra #SBATCH option. Checked entry by entry so an error names its index; a space
+    in the option's name means two options in one entry ('--gres gpu:1'), which sbatch
+    would get as one unknown option."""
+    if not _SBATCH_OPTION.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not one long option, '--name' or '--name=value' (e.g. '--gpu-bind=none'); "
+            "give each option its own entry"
+        )
+    return no_control_chars(value)
+
+
+SbatchOption = Annotated[str, AfterValidator(sbatch_option)]

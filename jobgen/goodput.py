@@ -145,5 +145,40 @@ def lead_time_warning(exit_grace: int, reports: list[TaskReport]) -> str | None:
             f"{slowest_step:.1f}s: set exit_grace to at least {needed:.0f}s, or a time limit may cut a save short")
 
 
+@dataclass(frozen=True)
+class KillWindow:
+    """How long Slurm lets a job run after SIGTERM before SIGKILL: ``KillWait`` after a
+    scancel or a time limit, plus the partition's ``GraceTime`` when it preempts."""
+
+    kill_wait: int
+    grace_time: int
+    preempts: bool
+
+    @property
+    def preemption_seconds(self) -> int:
+        return self.grace_time + self.kill_wait
+
+
+def kill_window_warning(window: KillWindow | None, reports: list[TaskReport]) -> str | None:
+    """A warning when the measured step + save does not fit between SIGTERM and SIGKILL.
+    The trainer saves on SIGTERM (and torchrun waits exit_grace for it), but Slurm's own
+    SIGKILL cuts a save that is still running."""
+    needed = required_lead_seconds(reports)
+    if window is None or needed is None:
+        return None
+    slowest_save = max(r.save_seconds_max or 0.0 for r in reports)
+    slowest_step = max(r.step_seconds_max or 0.0 for r in reports)
+    measured = f"the slowest save took {slowest_save:.1f}s and the slowest step {slowest_step:.1f}s (needs ~{needed:.0f}s)"
+    if window.preempts and window.preemption_seconds < needed:
+        return (f"a preempted job gets {window.preemption_seconds}s from SIGTERM to SIGKILL (partition GraceTime "
+                f"{window.grace_time}s + KillWait {window.kill_wait}s) but {measured}: a preemption will cut the save; "
+                "use train.async_save, save more often by steps, or ask the admins for a longer GraceTime")
+    if window.kill_wait < needed:
+        return (f"Slurm's KillWait is {window.kill_wait}s but {measured}: a scancel or a node's SIGTERM will cut the "
+                "save (time limits are covered by exit_grace); use train.async_save or ask the admins for a longer "
+                "KillWait")
+    return None
+
+
 def run_reports(run_dir: Path) -> list[TaskReport]:
     return task_reports(read_jsonl(run_dir / "tasks.jsonl"), read_jsonl(run_dir / "metrics.jsonl"))

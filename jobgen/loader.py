@@ -33,6 +33,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+# Control characters but tab, as jobgen.fields.no_control_chars refuses them.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -196,7 +198,9 @@ class ResolvedSpec:
 def load_run(spec_file: str | Path) -> ResolvedSpec:
     """Load and validate a run.toml; raises SpecError listing every problem."""
     spec_path = Path(spec_file)
-    return resolve(read_toml(spec_path), spec_file=spec_path, base_dir=spec_path.parent)
+    # Absolute: a path relative to the caller's cwd means nothing to the job (its cwd is
+    # --chdir) nor to sbatch (a relative --output is taken relative to --chdir).
+    return resolve(read_toml(spec_path), spec_file=spec_path, base_dir=spec_path.absolute().parent)
 
 
 def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> ResolvedSpec:
@@ -239,8 +243,11 @@ def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> R
     except ValidationError as exc:
         issues.extend(SpecIssue(run_label, key_path(e["loc"]), _message(e)) for e in exc.errors())
     issues.extend(_check_paths(raw, base_dir, run_label))
+    if run is not None:
+        issues.extend(_check_data_contents(run, run_label))
     if run is not None and site is not None:
         issues.extend(_cross_check(run, site, run_label))
+        issues.extend(_check_run_dir(run, site, run_label, site_path, overrides))
         try:
             run = run.model_copy(update={"watchdogs": _merge_watchdogs(site, site_path, run, base_dir)})
         except ValidationError as exc:
@@ -316,6 +323,23 @@ def _check_paths(raw: dict[str, Any], base_dir: Path, run_label: str) -> list[Sp
     return issues
 
 
+def _check_data_contents(run: RunSpec, run_label: str) -> list[SpecIssue]:
+    """A local data.path that cannot give a single row (an empty file, a directory of
+    empty files or of no data files, an unsupported type) is refused here: the job would
+    fail the same way, only after its wait in the queue. Names and sizes only (and the
+    first bytes of small text files), so this stays instant and needs no ``datasets``;
+    what needs the rows or the tokenizer is checked in the trainer's first seconds."""
+    from jobgen.datafiles import data_path_problem
+
+    if run.data is None:
+        return []
+    path = Path(run.data.path)
+    if not (path.is_absolute() and path.exists()):
+        return []  # a hub id, or a missing path that _check_paths reports
+    problem = data_path_problem(path)
+    return [SpecIssue(run_label, "data.path", problem)] if problem else []
+
+
 def _absolute_paths(run: RunSpec, base_dir: Path) -> RunSpec:
     """Local paths made absolute: compute nodes do not share the submitter's cwd."""
     updates: dict[str, Any] = {}
@@ -348,6 +372,30 @@ def _merge_watchdogs(site: SiteProfile, site_path: Path | None, run: RunSpec, ba
     site_base = site_path.parent if site_path is not None else base_dir
     merged = _deep_merge(_watchdog_overrides(site.watchdogs, site_base), _watchdog_overrides(run.watchdogs, base_dir))
     return WatchdogSettings.model_validate(merged)
+
+
+def _check_run_dir(
+    run: RunSpec, site: SiteProfile, run_label: str, site_path: Path | None, overrides: dict[str, Any]
+) -> list[SpecIssue]:
+    """The run directory as resolved (a relative runs_root joins the directory of the file
+    that set it, ``~`` the user's home), checked for what no script can carry: the runs_root
+    key as typed is validated, but the directory it is joined to is anyone's. Spaces, quotes,
+    '#' and '%' are fine: render quotes #SBATCH values and escapes Slurm's %-patterns."""
+    run_dir = str(Path(run.job.runs_root or site.paths.runs_root) / run.job.name)
+    if run.job.runs_root:
+        file, key = run_label, "job.runs_root"
+    elif ("paths", "runs_root") in _leaf_paths(overrides):
+        file, key = run_label, "site.paths.runs_root"
+    else:
+        file, key = str(site_path), "paths.runs_root"
+    if _CONTROL.search(run_dir):
+        # sbatch reads the script line by line; no quoting carries a newline into --chdir.
+        return [SpecIssue(file, key, f"the run directory {run_dir!r} has a control character (newline, ...); "
+                          "#SBATCH lines cannot hold it")]
+    if "\\" in run_dir:
+        return [SpecIssue(file, key, f"the run directory {run_dir!r} has a backslash, which turns off Slurm's "
+                          "%x and %j in --output (every task would write the same log file)")]
+    return []
 
 
 def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from jobgen import slurm
 from jobgen.durations import format_human, parse_slurm_limit
+from jobgen.goodput import KillWindow
 from jobgen.loader import ResolvedSpec
 
 MIN_SLURM = (20, 11)
@@ -106,6 +107,21 @@ def check_cluster(spec: ResolvedSpec) -> list[Finding]:
         findings.append(Finding("warning", "job.nodes", f"only {len(usable)} of {len(candidates)} nodes in '{name}' are up now; "
                                 "the job will wait for more"))
     return findings
+
+
+def kill_window(spec: ResolvedSpec) -> KillWindow | None:
+    """Slurm's SIGTERM-to-SIGKILL window for this run's partition, or None if Slurm does
+    not say. Preemption counts only where the cluster preempts (PreemptType) and the
+    partition does not exempt itself (PreemptMode=OFF)."""
+    conf = slurm.config()
+    kill_wait = slurm.parse_seconds(conf.get("KillWait", ""))
+    if kill_wait is None:
+        return None
+    parts = {p.get("PartitionName", ""): p for p in slurm.partitions()}
+    part = parts.get(spec.partition or "") or next((p for p in parts.values() if p.get("Default") == "YES"), {})
+    mode = part.get("PreemptMode", conf.get("PreemptMode", "OFF")).upper()
+    preempts = conf.get("PreemptType", "preempt/none") != "preempt/none" and not mode.startswith("OFF")
+    return KillWindow(kill_wait, slurm.parse_seconds(part.get("GraceTime", "0")) or 0, preempts)
 
 
 def preflight(spec: ResolvedSpec, script: Path, sbatch_options: list[str]) -> list[Finding]:

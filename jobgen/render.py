@@ -5,7 +5,8 @@ does that. Every number in the script (nodes, processes, ports, thread counts) i
 derived here from the one spec, and every value interpolated into the script is
 shell-quoted by the Jinja environment's ``finalize`` hook unless it is a
 :class:`Trusted` literal built below. ``#SBATCH`` lines are parsed by sbatch, not
-by a shell, so they take validated tokens through the ``sbatch`` filter instead.
+by a shell, so their values go through the ``sbatch`` filter, which quotes them the
+way sbatch reads them; comment lines take text through the ``comment`` filter.
 """
 
 from __future__ import annotations
@@ -21,10 +22,16 @@ from jobgen.durations import format_slurm
 from jobgen.exit_codes import ExitCode
 from jobgen.loader import ResolvedSpec
 from jobgen.paths import PROJECT_ROOT, TEMPLATES_DIR
+from jobgen.rundir import RunDir
+from jobgen.repro import env_record_patterns
 
 # Programs the launch template can start under torchrun, by spec value.
 PROGRAMS = {"train": "trainer", "doctor": "trainer.doctor"}
-_SBATCH_TOKEN = re.compile(r"^[A-Za-z0-9_.:/@+=,\[\]&|()*!~%#-]+$")
+# What sbatch's #SBATCH parser (src/sbatch/opt.c, get_argument) reads as one argument
+# as it stands: no whitespace, quote or backslash, and no '#', which starts a comment there.
+_SBATCH_BARE = re.compile(r"^[A-Za-z0-9_.:/@+=,\[\]&|()*!~%^-]+$")
+# sbatch reads the script line by line: no quoting carries a newline into an #SBATCH value.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class Trusted(str):
@@ -41,12 +48,33 @@ def _finalize(value: Any) -> str:
     return shlex.quote(str(value))
 
 
-def _sbatch_token(value: Any) -> Trusted:
+def _sbatch_arg(value: Any) -> Trusted:
+    """One argument of an #SBATCH line: bare when sbatch would read it as is, else in double
+    quotes with backslash, double quote and '#' escaped. sbatch (22.05 and the older parsers
+    that knew only double quotes) reads ``"--comment=my run"`` as the one argument
+    ``--comment=my run``; bash sees a comment either way."""
     text = str(value)
-    if not _SBATCH_TOKEN.match(text):
-        # Models validate these already; reaching here is a jobgen bug, not user error.
+    if _SBATCH_BARE.match(text):
+        return Trusted(text)
+    if not text or _CONTROL.search(text):
+        # The loader refuses these (SbatchOption, the run dir check); reaching here is a jobgen bug.
         raise ValueError(f"refusing to put {text!r} into an #SBATCH line")
-    return Trusted(text)
+    return Trusted('"' + re.sub(r'([\\"#])', r"\\\1", text) + '"')
+
+
+def _comment(value: Any) -> Trusted:
+    """Text for a comment line that must stay one line whatever it holds (a directory name
+    may contain a newline): printable text as is, anything else as a Python literal."""
+    text = str(value)
+    return Trusted(text if text.isprintable() else repr(text))
+
+
+def slurm_filename_literal(path: str) -> str:
+    """``path`` inside a Slurm filename pattern (--output): '%%' is a literal '%'. A backslash
+    anywhere turns every replacement off (%x, %j too), so the loader refuses run dirs with one."""
+    if "\\" in path:
+        raise ValueError(f"refusing to put {path!r} into a Slurm filename pattern")
+    return path.replace("%", "%%")
 
 
 def _single_quoted(value: Any) -> Trusted:
@@ -65,7 +93,8 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
         autoescape=False,
     )
-    env.filters["sbatch"] = _sbatch_token
+    env.filters["sbatch"] = _sbatch_arg
+    env.filters["comment"] = _comment
     env.filters["trusted"] = Trusted
     env.filters["sq"] = _single_quoted
     return env
@@ -114,6 +143,11 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
         "time": format_slurm(job.time),
         "time_seconds": job.time,
         "exit_grace_seconds": job.exit_grace,
+        # On SIGTERM torchrun's agent gives its workers this long to save before SIGKILL
+        # (its default, 30 s, cuts saves short): the lead time the spec budgets for a save.
+        "shutdown_timeout_seconds": job.exit_grace,
+        "failed_marker": str(RunDir(spec.run_dir).failed_marker),
+        "done_marker": str(RunDir(spec.run_dir).done_marker),
         "signal": slurm.signal,
         "partition": spec.partition,
         "account": spec.account,
@@ -128,7 +162,8 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
         "extra_sbatch": slurm.extra_sbatch,
         "array": job.array,
         "run_dir": str(run_dir),
-        "output_pattern": f"{run_dir}/logs/%x-%j.out",
+        # --chdir takes the path literally; --output expands %-patterns in all of it.
+        "output_pattern": f"{slurm_filename_literal(str(run_dir))}/logs/%x-%j.out",
         "output_per_node": slurm.output_per_node,
         "project_root": str(PROJECT_ROOT),
         "python": py,
@@ -142,6 +177,7 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
         "net_debug": net.debug,
         "net_env": sorted(net.env.items()),
         "env": sorted(env.items()),
+        "repro_env": env_record_patterns([*env, *net.env]),
         "exit": {code.name.lower(): int(code) for code in ExitCode},
     }
 

@@ -19,18 +19,33 @@ replaces spec and scripts atomically, one file at a time.
 from __future__ import annotations
 
 import datetime as dt
+import grp
 import json
 import os
+import pwd
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobgen.atomic import staged_directory, write_json_atomic, write_text_atomic
+from jobgen.atomic import current_umask, staged_directory, write_json_atomic, write_text_atomic
 from jobgen.loader import ResolvedSpec
 
 SUBDIRS = ("switches", "logs", "checkpoints", "repro", "history")
 SWITCHES = ("kill", "save", "abort")
+# switches/ is the team's one shared surface, whatever the owner's umask: group members
+# flip switches (also with plain `touch`), setgid keeps the files in the run's group, and
+# a switch file is group-writable so a teammate may touch or remove it again. Everything
+# else follows the umask: a teammate who could replace spec.json or plant a checkpoint
+# (resume loads it) would run code as the owner.
+SWITCHES_MODE = 0o2775
+SWITCH_FILE_MODE = 0o664
+# Checkpoint directories under checkpoints/: only a rename ever gives a directory its
+# final name, so a name is a promise about the content.
+CHECKPOINT_PREFIX = "step-"  # complete: step-00000120
+CHECKPOINT_TMP_PREFIX = ".tmp-"  # a save in progress, or one cut short
+CHECKPOINT_BROKEN_PREFIX = "broken-"  # failed to load while an older one loaded: set aside for a person
 # Keys whose change would make the checkpoints in an existing run meaningless.
 IDENTITY_KEYS = ("model", "data")
 
@@ -59,6 +74,40 @@ class RunDir:
     def logs(self) -> Path:
         return self.path / "logs"
 
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def done_marker(self) -> Path:
+        """Written when the run reached max_steps: later array tasks exit at once."""
+        return self.path / "done"
+
+    @property
+    def failed_marker(self) -> Path:
+        """Written when the run failed in a way every later task would repeat (JSON: exit
+        code, reason, what to change); the batch script checks it first. ``jobgen submit``
+        moves it into history/."""
+        return self.path / "failed"
+
+    @property
+    def writer_lease(self) -> Path:
+        """flock'ed by the one process that trains this run (jobgen.lease)."""
+        return self.path / "writer.lock"
+
+    def broken_checkpoints(self) -> list[Path]:
+        return sorted(p for p in self.checkpoints.glob(f"{CHECKPOINT_BROKEN_PREFIX}*") if p.is_dir())
+
+    def stop_request(self, job_id: str, restart: int) -> Path:
+        """What the batch shell's signal trap leaves for the trainer of this attempt of a job.
+        A requeued job keeps its id, so the restart count is part of the name: a request an
+        earlier attempt never consumed can never stop a later one."""
+        return self.switches / f"stop.{job_id}.{restart}"
+
+    def exit_code_file(self, job_id: str, restart: int) -> Path:
+        """Just the trainer's exit code, for the batch script to exit with (one per attempt)."""
+        return self.logs / f"exit-code.{job_id}.{restart}"
+
     def exists(self) -> bool:
         return self.spec_file.is_file()
 
@@ -77,17 +126,45 @@ class RunDir:
         entry = {"submitted_at": _now(), **entry}
         write_json_atomic(self.jobs_file, [*self.jobs(), entry])
 
-    def set_switch(self, name: str) -> Path:
-        """Create a switch file; group-writable so teammates can remove it again."""
+    def set_switch(self, name: str) -> tuple[Path, bool]:
+        """Set a switch as `touch` would: a file already there, whoever made it, is the
+        same request, so it is left alone (a teammate may not write into the owner's file).
+        Returns the path and whether this call created it."""
         if name not in SWITCHES:
             raise ValueError(f"unknown switch {name!r}; one of {SWITCHES}")
         target = self.switches / name
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o664)
         try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, SWITCH_FILE_MODE)
+        except FileExistsError:
+            return target, False
+        except OSError as exc:
+            raise RunDirError(f"cannot set the {name} switch: {_why_not_writable(self.switches, exc)}") from None
+        try:
+            os.fchmod(fd, SWITCH_FILE_MODE)  # the umask took group-write off; the team needs it
             os.write(fd, f"{_now()} by uid {os.getuid()}\n".encode())
         finally:
             os.close(fd)
-        return target
+        return target, True
+
+
+def _why_not_writable(directory: Path, exc: OSError) -> str:
+    """A one-line reason for an error message (no traceback for a permission problem)."""
+    try:
+        st = directory.stat()
+    except OSError:
+        st = None
+    if not isinstance(exc, PermissionError) or st is None:
+        return f"{directory}: {exc.strerror}"
+    owner, group = _account(pwd.getpwuid, st.st_uid), _account(grp.getgrgid, st.st_gid)
+    return (f"{directory} is not writable by you (owner {owner}, group {group}, mode "
+            f"{stat.S_IMODE(st.st_mode):o}); ask {owner} to set it, or to add you to group {group}")
+
+
+def _account(lookup: Any, ident: int) -> str:
+    try:
+        return lookup(ident)[0]
+    except KeyError:  # an id with no name on this host (another site's NFS)
+        return str(ident)
 
 
 def _now() -> str:
@@ -124,16 +201,14 @@ def _fill(path: Path, spec_json: dict[str, Any], scripts: dict[str, str], source
     if source_text is not None:
         write_text_atomic(path / "run.toml", source_text)
     for name, text in scripts.items():
-        write_text_atomic(path / name, text, mode=0o755)
+        write_text_atomic(path / name, text, mode=0o777)  # executable, as the umask allows
 
 
 def _create(run: RunDir, spec_json: dict[str, Any], scripts: dict[str, str], source_text: str | None) -> None:
-    # The team shares a run: group members may flip switches (also with plain `touch`),
-    # and setgid keeps new files in the run's group whoever creates them.
-    with staged_directory(run.path, mode=0o2775) as staging:
+    with staged_directory(run.path) as staging:
         for sub in SUBDIRS:
             (staging / sub).mkdir()
-        os.chmod(staging / "switches", 0o2775)
+        os.chmod(staging / "switches", SWITCHES_MODE)
         _fill(staging, spec_json, scripts, source_text)
 
 
@@ -148,9 +223,25 @@ def _update(run: RunDir, spec_json: dict[str, Any], scripts: dict[str, str], sou
         )
     for sub in SUBDIRS:
         (run.path / sub).mkdir(exist_ok=True)
+    _repair_modes(run)
     stamp = dt.datetime.now().strftime("%Y%m%dT%H%M%S%f")
     write_json_atomic(run.path / "history" / f"spec-{stamp}.json", old)
     _fill(run.path, spec_json, scripts, source_text)
+
+
+def _repair_modes(run: RunDir) -> None:
+    """A continued run gets the modes a new one has: switches/ shared (a missing or
+    tightened one would lock the team out), and a root that runs made before jobgen
+    followed the umask left group-writable (2775) loses what the umask forbids. Only
+    an owner may chmod; what is someone else's waits for their next submission."""
+    me = os.geteuid()
+    st = run.switches.stat()
+    if st.st_uid == me and stat.S_IMODE(st.st_mode) != SWITCHES_MODE:
+        os.chmod(run.switches, SWITCHES_MODE)
+    st = run.path.stat()
+    allowed = stat.S_IMODE(st.st_mode) & ~current_umask()
+    if st.st_uid == me and allowed != stat.S_IMODE(st.st_mode):
+        os.chmod(run.path, allowed)
 
 
 def remove_new(run: RunDir) -> None:

@@ -23,6 +23,7 @@ from jobgen.fields import (
     InterfaceName,
     ModuleName,
     SafePath,
+    SbatchOption,
     SlurmMemory,
     SlurmName,
     StrictModel,
@@ -75,19 +76,13 @@ class SlurmSettings(StrictModel):
     requeue: bool = Field(
         True, description="Let Slurm requeue the job after preemption or node failure (--requeue)."
     )
-    extra_sbatch: list[str] = Field(
+    extra_sbatch: list[SbatchOption] = Field(
         default_factory=list,
-        description="Extra '#SBATCH' options verbatim, e.g. ['--gpu-bind=none']; each must start with '--'.",
+        description=(
+            "Extra '#SBATCH' options, one per entry as '--name' or '--name=value', e.g. "
+            "['--gpu-bind=none', '--comment=my run']; values are passed verbatim (quoted for sbatch)."
+        ),
     )
-
-    @model_validator(mode="after")
-    def _check_extra(self) -> SlurmSettings:
-        for option in self.extra_sbatch:
-            if not option.startswith("--") or any(c in option for c in "\n\r\x00"):
-                raise ValueError(
-                    f"extra_sbatch entry {option!r} must be one long option such as '--gpu-bind=none'"
-                )
-        return self
 
 
 class NetworkSettings(StrictModel):

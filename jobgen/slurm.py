@@ -84,6 +84,22 @@ def parse_records(text: str) -> list[dict[str, str]]:
     return [parse_key_values(line) for line in text.splitlines() if line.strip() and "=" in line]
 
 
+def parse_config(text: str) -> dict[str, str]:
+    """``scontrol show config``: ``Key = value`` lines (the header line has no ``=``)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and " " not in key.strip():
+            out[key.strip()] = value.strip()
+    return out
+
+
+def parse_seconds(value: str) -> int | None:
+    """``30 sec`` / ``30`` / ``0`` → seconds; None for anything else (``UNLIMITED``)."""
+    match = re.fullmatch(r"(\d+)(?:\s*sec)?", value.strip())
+    return int(match.group(1)) if match else None
+
+
 def parse_version(text: str) -> tuple[int, ...]:
     """``slurm 22.05.8`` / ``slurm-wlm 22.05.8`` → (22, 5, 8)."""
     match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
@@ -179,6 +195,10 @@ def version() -> tuple[int, ...]:
 
 def partitions() -> list[dict[str, str]]:
     return parse_records(run(["scontrol", "show", "partition", "--oneliner"]).stdout)
+
+
+def config() -> dict[str, str]:
+    return parse_config(run(["scontrol", "show", "config"]).stdout)
 
 
 def nodes() -> list[dict[str, str]]:

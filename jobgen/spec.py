@@ -135,7 +135,36 @@ class DataSpec(StrictModel):
             raise ValueError("format = 'template' needs a 'template'")
         if fmt not in (None, "template") and template:
             raise ValueError(f"'template' is only used with format = 'template' (format is '{fmt}')")
+        if template:
+            _parse_template(template)  # a syntax error is found here, not on the cluster
         return template
+
+    @field_validator("response_column")
+    @classmethod
+    def _template_uses_response(cls, column: str, info: ValidationInfo) -> str:
+        template = info.data.get("template")  # absent when the template itself was invalid
+        if info.data.get("format") == "template" and template:
+            from jinja2 import meta
+
+            if column not in meta.find_undeclared_variables(_parse_template(template)):
+                # The trainer finds the response by rendering it; with none, every row fails.
+                raise ValueError(
+                    f"the template never uses the response column '{column}'; "
+                    "name the column it renders as the response in response_column"
+                )
+        return column
+
+
+def _parse_template(template: str):
+    """The template's syntax tree, parsed as the trainer parses it (trainer.data._jinja_env: a
+    sandboxed environment with default delimiters; jobgen may not import trainer)."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        return ImmutableSandboxedEnvironment(keep_trailing_newline=True).parse(template)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"Jinja syntax error at line {exc.lineno} of the template: {exc.message}") from None
 
 
 class TrainSpec(StrictModel):

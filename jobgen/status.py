@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from jobgen import slurm
-from jobgen.goodput import TaskReport, goodput, lead_time_warning, read_jsonl, run_reports
+from jobgen.goodput import TaskReport, goodput, kill_window_warning, lead_time_warning, read_jsonl, run_reports
+from jobgen.preflight import kill_window
 from jobgen.rundir import RunDir
 
 ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED"}
@@ -44,7 +45,7 @@ class RunStatus:
     run_dir: str
     name: str
     program: str
-    state: str  # pending, running, stopped, finished, failed, unknown
+    state: str  # pending, running, stopped, finished, failed, unknown; unreadable (unreadable_status)
     step: int | None
     max_steps: int | None
     tasks: list[TaskStatus] = field(default_factory=list)
@@ -152,14 +153,30 @@ def run_status(run: RunDir) -> RunStatus:
     warning = lead_time_warning(job.exit_grace, reports)
     if warning:
         status.warnings.append(warning)
+    try:
+        window = kill_window(spec) if tasks else None  # only once Slurm has seen a job of the run
+    except slurm.SlurmError:
+        window = None
+    warning = kill_window_warning(window, reports)
+    if warning:
+        status.warnings.append(warning)
     status.warnings.extend(f"watchdog {alert}" for alert in _watchdog_alerts(spec))
+    status.warnings.extend(
+        f"checkpoint {p.name} was set aside: it failed to load while an older one loaded (why: {p / 'broken.json'}); "
+        "delete it once inspected" for p in run.broken_checkpoints())
+    failed = _failed(run)
     doctor = run.path / "doctor.json"
     if states & {"RUNNING", "COMPLETING", "CONFIGURING"}:
         status.state = "running"
-    elif states & ACTIVE:
+    elif states & ACTIVE and failed is None:
         status.state = "pending"
-    elif (run.path / "done").exists():
+    elif run.done_marker.exists():
         status.state = "finished"
+    elif failed is not None:
+        status.state = "failed"
+        status.notes.append(f"stopped after a failure that every task would repeat (exit {failed.get('exit_code')}, "
+                            f"job {failed.get('job_id')}): {failed.get('reason')}")
+        status.notes.append(f"to continue: {failed.get('fix')}")
     elif job.program == "doctor" and doctor.is_file():
         status.state = "finished" if json.loads(doctor.read_text()).get("ok") else "failed"
     elif "kill" in switches or "abort" in switches:
@@ -171,6 +188,61 @@ def run_status(run: RunDir) -> RunStatus:
     if "kill" in switches and status.state in {"running", "pending"}:
         status.notes.append("kill switch set: the run stops at the next step and queued tasks will exit at once")
     return status
+
+
+def unreadable(run: RunDir) -> str | None:
+    """Why run_status cannot read this run's records (spec.json, jobs.json), in one line that
+    names the file and the JSON or validation error; None when it can. A truncated or
+    hand-edited file must not take the status of every other run down with it."""
+    from pydantic import ValidationError
+
+    from jobgen.loader import key_path
+    from jobgen.site import SiteProfile
+    from jobgen.spec import RunSpec
+
+    def read(path):
+        try:
+            return json.loads(path.read_bytes())
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{path}: invalid JSON: {exc}") from None
+
+    try:
+        data = read(run.spec_file)
+        jobs = read(run.jobs_file) if run.jobs_file.exists() else []
+    except ValueError as exc:
+        return str(exc)
+    if not isinstance(data, dict) or not isinstance(data.get("run"), dict) or not isinstance(data.get("site"), dict):
+        return f"{run.spec_file}: not a jobgen spec (an object with the objects 'run' and 'site')"
+    for part, model in (("run", RunSpec), ("site", SiteProfile)):
+        try:
+            model.model_validate(data[part])
+        except ValidationError as exc:
+            first, more = exc.errors()[0], len(exc.errors()) - 1
+            where = ".".join(filter(None, (part, key_path(first["loc"]))))
+            message = str(first["msg"]).removeprefix("Value error, ")
+            return f"{run.spec_file}: {where}: {message}" + (f" (and {more} more)" if more else "")
+    if not isinstance(jobs, list) or not all(isinstance(j, dict) and isinstance(j.get("job_id"), int) for j in jobs):
+        return f"{run.jobs_file}: not a list of submissions (objects with an integer 'job_id')"
+    return None
+
+
+def unreadable_status(run: RunDir, problem: str) -> RunStatus:
+    """The entry of a run that ``unreadable`` refused, so a listing still shows it."""
+    return RunStatus(run_dir=str(run.path), name=run.path.name, program="unknown", state="unreadable",
+                     step=None, max_steps=None, warnings=[problem])
+
+
+def _failed(run: RunDir) -> dict[str, Any] | None:
+    """The ``failed`` marker the trainer writes when every later task would fail the same way."""
+    if not run.failed_marker.exists():
+        return None
+    try:
+        value = json.loads(run.failed_marker.read_text())
+    except (OSError, ValueError):
+        return {"reason": f"{run.failed_marker} is unreadable", "fix": "read it, then `jobgen submit` the run again"}
+    return value if isinstance(value, dict) else {}
 
 
 def _watchdog_alerts(spec) -> list[str]:

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobgen import slurm
-from jobgen.goodput import lead_time_warning, run_reports
+from jobgen import lease, slurm
+from jobgen.goodput import kill_window_warning, lead_time_warning, run_reports
 from jobgen.loader import ResolvedSpec
-from jobgen.preflight import Finding, preflight
+from jobgen.preflight import Finding, kill_window, preflight
 from jobgen.render import render_all, script_name
 from jobgen.rundir import RunDir, materialize, remove_new
 
@@ -83,10 +83,19 @@ def submit(
             findings = preflight(spec, candidate, options)
     run = RunDir(spec.run_dir)
     if run.exists():
-        warning = lead_time_warning(spec.run.job.exit_grace, run_reports(run.path))
+        reports = run_reports(run.path)
+        warning = lead_time_warning(spec.run.job.exit_grace, reports)
         if warning:
             findings.append(Finding("warning", "job.exit_grace", warning))
+        if not skip_preflight:
+            warning = kill_window_warning(kill_window(spec), reports)
+            if warning:
+                findings.append(Finding("warning", "train.async_save", warning))
     if run.exists() and after is None:
+        writer = lease.holder(run.writer_lease)
+        if writer:
+            findings.append(Finding("error", "", f"run {run.path} is being written by {writer}: wait for it to end, "
+                                    f"or stop it first (jobgen stop {spec.run.job.name})"))
         busy = active_jobs(run)
         if busy:
             listing = ", ".join(f"{e.job_id} ({e.state})" for e in busy)
@@ -100,6 +109,7 @@ def submit(
 
     run, created = materialize(spec, scripts, source_text)
     result.created = created
+    clear_failure(run)
     try:
         result.job_id = slurm.sbatch(run.script(spec.run.job.program), options)
     except BaseException:
@@ -109,6 +119,14 @@ def submit(
     tasks = (array or spec.run.job.array) if spec.run.job.program == "train" else None
     run.record_job({"job_id": result.job_id, "options": options, "array": tasks, "after": after})
     return result
+
+
+def clear_failure(run: RunDir) -> None:
+    """A resubmission is the user's word that the failure which stopped the run is fixed:
+    the ``failed`` marker moves into history/, where it stays on record."""
+    if run.failed_marker.exists():
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        os.replace(run.failed_marker, run.path / "history" / f"failed-{stamp}.json")
 
 
 def local_environment(spec: ResolvedSpec, job_id: int) -> dict[str, str]:
@@ -142,9 +160,13 @@ def run_local(spec: ResolvedSpec, *, source_text: str | None = None) -> tuple[Ru
         problems.append(Finding("error", "job.nodes", f"--local runs on this one machine; the spec asks for {spec.run.job.nodes} nodes"))
     if spec.site.python.kind == "container":
         problems.append(Finding("error", "site.python.kind", "--local cannot start pyxis containers; use a venv or modules site"))
+    writer = lease.holder(RunDir(spec.run_dir).writer_lease)
+    if writer:
+        problems.append(Finding("error", "", f"run {spec.run_dir} is being written by {writer}"))
     if problems:
         raise SubmitError(problems)
     run, _ = materialize(spec, render_all(spec), source_text)
+    clear_failure(run)
     job_id = int(time.time())
     run.record_job({"job_id": job_id, "local": True, "options": []})
     log_path = run.logs / f"{spec.run.job.name}-{job_id}.out"

@@ -109,3 +109,48 @@ def test_local_refuses_multi_node(tmp_path: Path):
     proc = jobgen("submit", str(spec_file), "--local")
     assert proc.returncode == 2 and "job.nodes" in proc.stderr
     assert not (tmp_path / "runs" / "two").exists()
+
+
+def test_status_reports_a_run_with_a_corrupt_spec_and_lists_the_others(tmp_path: Path):
+    """One broken spec.json must not hide every other run from `jobgen status`."""
+    from jobgen.loader import load_run
+    from jobgen.render import render_all
+    from jobgen.rundir import materialize
+
+    runs = {}
+    for name in ("alpha", "broken", "zulu"):
+        spec = load_run(write_spec(tmp_path, f"""
+            site = "local"
+            [job]
+            name = "{name}"
+            program = "doctor"
+            time = "5m"
+            exit_grace = "1m"
+            runs_root = "runs"
+        """))
+        runs[name], _ = materialize(spec, render_all(spec), None)
+    bad = runs["broken"].spec_file
+    bad.write_text(bad.read_text()[:100])
+    env = {"JOBGEN_RUNS_ROOT": str(tmp_path / "runs")}
+
+    proc = jobgen("status", env=env)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"dir      {runs['alpha'].path}" in proc.stdout and f"dir      {runs['zulu'].path}" in proc.stdout
+    assert f"{bad}: invalid JSON: " in proc.stdout and "state    unreadable" in proc.stdout
+    listed = json.loads(jobgen("status", "--json", env=env).stdout)
+    assert [(s["name"], s["state"] == "unreadable") for s in listed] == [
+        ("alpha", False), ("broken", True), ("zulu", False)], listed
+    assert listed[1]["run_dir"] == str(runs["broken"].path) and listed[1]["warnings"][0].startswith(f"{bad}: ")
+
+    for args in (("status", "broken"), ("status", "broken", "--json"), ("status", "broken", "--watch")):
+        proc = jobgen(*args, env=env)
+        assert proc.returncode == 1 and proc.stdout == "", (args, proc.stdout)
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"jobgen: {bad}: invalid JSON: "), proc.stderr
+
+    # Valid JSON that is not a resolved spec: the key is named.
+    bad.write_text(json.dumps({**json.loads(runs["alpha"].spec_file.read_text()),
+                               "run": {"job": {"name": "broken", "time": "5m", "nodes": 0}}}))
+    proc = jobgen("status", "broken", env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"jobgen: {bad}: run.job.nodes: ") and proc.stderr.count("\n") == 1, proc.stderr

@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 
 from jobgen.spec import DataSpec  # noqa: E402
 from trainer import data as data_mod  # noqa: E402
+from trainer import data_cache as cache_mod  # noqa: E402
 from trainer.data import DataError  # noqa: E402
 from trainer.data_cache import (  # noqa: E402
     STAGING_PREFIX,
@@ -62,7 +63,7 @@ def slow(self, batch, indices):
 data.Encoder.__call__ = slow
 tokenizer = AutoTokenizer.from_pretrained(args["model"])
 ds, stats, entry = prepare_dataset(DataSpec(**args["spec"]), tokenizer, args["model"], args["cache"],
-                                   rank=0, barrier=lambda: None)
+                                   rank=0, share=lambda value: value)
 print(json.dumps({"entry": str(entry), "rows": len(ds), "stats": stats.to_dict()}))
 """
 
@@ -82,8 +83,9 @@ def spec(tmp_path) -> DataSpec:
     return DataSpec(path=str(path), format="alpaca", max_length=256)
 
 
-def no_barrier() -> None:
-    pass
+def alone(value: object) -> object:
+    """``share`` for a world of one: rank 0 gets its own value back."""
+    return value
 
 
 def entries(cache: Path) -> list[Path]:
@@ -120,7 +122,7 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 120) -> N
 
 def test_second_call_reuses_the_cache_without_tokenizing(tokenizer, tiny_model, spec, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    ds, stats, entry = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, barrier=no_barrier)
+    ds, stats, entry = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, share=alone)
     assert entries(cache) == [entry] and is_complete(entry) and not staging_dirs(cache)
     assert len(ds) == stats.kept == 400 and ds.column_names == ["input_ids", "labels", "length"]
     assert json.loads((entry / "stats.json").read_text())["inputs"]["format"] == "alpaca"
@@ -130,7 +132,7 @@ def test_second_call_reuses_the_cache_without_tokenizing(tokenizer, tiny_model, 
 
     monkeypatch.setattr(data_mod, "tokenize_dataset", forbidden)
     monkeypatch.setattr(data_mod, "load_raw", forbidden)
-    again, stats2, entry2 = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, barrier=no_barrier)
+    again, stats2, entry2 = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, share=alone)
     assert entry2 == entry and stats2 == stats
     assert again["input_ids"] == ds["input_ids"] and again["labels"] == ds["labels"]
 
@@ -163,7 +165,7 @@ def test_save_to_disk_source_is_keyed_by_content(tokenizer, tiny_model, spec, tm
     cache = tmp_path / "cache"
     results = [
         prepare_dataset(spec.model_copy(update={"path": str(tmp_path / name)}), tokenizer, tiny_model, cache,
-                        rank=0, barrier=no_barrier)
+                        rank=0, share=alone)
         for name in ("saved_a", "saved_b")
     ]
     assert results[0][2] == results[1][2] and len(results[0][0]) == 400
@@ -174,23 +176,37 @@ def test_hub_id_offline_fails_naming_it(tokenizer, tiny_model, spec, tmp_path, m
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(DataError, match="'someorg/some-data'"):
         prepare_dataset(spec.model_copy(update={"path": "someorg/some-data"}), tokenizer, tiny_model,
-                        tmp_path / "cache", rank=0, barrier=no_barrier)
+                        tmp_path / "cache", rank=0, share=alone)
 
 
 # --------------------------------------------------------------------------- ranks
 
 
+class ThreadBroadcast:
+    """broadcast_object_list's contract for threads standing in for ranks: rank 0's value to all."""
+
+    def __init__(self, world: int):
+        self.barrier = threading.Barrier(world, timeout=120)
+        self.value: object = None
+
+    def __call__(self, value: object) -> object:
+        if threading.current_thread().name == "rank-0":
+            self.value = value
+        self.barrier.wait()
+        return self.value
+
+
 def run_ranks(spec, tokenizer, tiny_model, cache, world=2):
-    barrier = threading.Barrier(world, timeout=120)
+    share = ThreadBroadcast(world)
     results: dict[int, object] = {}
 
     def run(rank):
         try:
-            results[rank] = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=rank, barrier=barrier.wait)
+            results[rank] = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=rank, share=share)
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             results[rank] = exc
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank-{r}") for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
@@ -207,9 +223,17 @@ def test_only_rank_0_tokenizes_and_every_rank_loads_the_same_entry(tokenizer, ti
         calls.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
+    hashed = []
+    real_hash = cache_mod.hash_path
+
+    def counting_hash(*args, **kwargs):
+        hashed.append(threading.current_thread().name)
+        return real_hash(*args, **kwargs)
+
     monkeypatch.setattr(data_mod, "tokenize_dataset", counting)
+    monkeypatch.setattr(cache_mod, "hash_path", counting_hash)
     results = run_ranks(spec, tokenizer, tiny_model, tmp_path / "cache", world=3)
-    assert len(calls) == 1
+    assert calls == ["rank-0"] and hashed == ["rank-0"]
     assert all(not isinstance(r, Exception) for r in results.values()), results
     assert len({r[2] for r in results.values()}) == 1
     assert all(r[0]["input_ids"] == results[0][0]["input_ids"] for r in results.values())
@@ -219,7 +243,15 @@ def test_a_failing_rank_0_makes_the_others_fail_at_once(tokenizer, tiny_model, s
     bad = spec.model_copy(update={"format": "text", "text_column": "body"})
     results = run_ranks(bad, tokenizer, tiny_model, tmp_path / "cache")
     assert isinstance(results[0], DataError) and "'body'" in str(results[0])
-    assert isinstance(results[1], DataCacheError) and "rank 1" in str(results[1])
+    # The same class on every rank (the same exit code), naming this rank and rank 0's error.
+    assert isinstance(results[1], DataError) and "rank 1" in str(results[1]) and "'body'" in str(results[1])
+
+
+def test_a_cache_root_other_nodes_cannot_see_is_named(tokenizer, tiny_model, spec, tmp_path):
+    # Rank 1 is told of an entry that its node does not have (cache_root not shared).
+    with pytest.raises(DataCacheError, match=r"rank 1: no complete preprocessed data .*shares"):
+        prepare_dataset(spec, tokenizer, tiny_model, tmp_path / "cache", rank=1,
+                        share=lambda value: ("entry", "0123456789abcdef0123456789abcdef"))
 
 
 # --------------------------------------------------------------------------- concurrency and kills
@@ -256,7 +288,7 @@ def test_rank_0_killed_mid_preprocessing_leaves_no_broken_cache(tokenizer, tiny_
     leftovers = staging_dirs(cache)
     assert len(leftovers) == 1 and any(leftovers[0].rglob("*.arrow"))
 
-    ds, stats, entry = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, barrier=no_barrier)
+    ds, stats, entry = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, share=alone)
     assert is_complete(entry) and len(ds) == stats.kept == 400
     assert len(datasets.load_from_disk(str(entry / "dataset"))) == 400
     assert staging_dirs(cache) == leftovers, "a young staging dir may be a live build: left alone"
@@ -264,6 +296,79 @@ def test_rank_0_killed_mid_preprocessing_leaves_no_broken_cache(tokenizer, tiny_
     old = time.time() - 2 * 3600
     for path in [leftovers[0], *leftovers[0].rglob("*")]:
         os.utime(path, (old, old), follow_symlinks=False)
-    prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, barrier=no_barrier)  # rank 0 sweeps stale builds
+    prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, share=alone)  # rank 0 sweeps stale builds
     assert staging_dirs(cache) == [] and entries(cache) == [entry]
     assert remove_stale_staging(cache) == []
+
+
+# --------------------------------------------------------------------------- real ranks under torchrun
+
+# Both ranks through the trainer's own DataPipeline (gloo, 2 processes): a cold start, a warm
+# start, then a spec rank 0 must refuse. Each rank records which paths it hashed and what it raised.
+TORCHRUN_WORKER = r"""
+import dataclasses, json, sys
+from pathlib import Path
+import datasets
+datasets.disable_progress_bars()
+import torch.distributed as dist
+from jobgen.rundir import RunDir
+from trainer import data_cache
+from trainer.batches import DataPipeline
+from trainer.distributed import init_distributed
+from trainer.model import load_tokenizer
+
+run_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+env = init_distributed(120, 2)
+hashed = []
+real_hash_path = data_cache.hash_path
+
+def counting_hash_path(path, **kwargs):
+    hashed.append(str(path))
+    return real_hash_path(path, **kwargs)
+
+data_cache.hash_path = counting_hash_path
+spec = RunDir(run_dir).load_spec()
+tokenizer = load_tokenizer(spec.run.model.path)
+result = {}
+for start in ("cold", "warm"):
+    hashed.clear()
+    pipeline = DataPipeline(spec, tokenizer, env, run_dir)
+    result[start] = {"hashed": list(hashed), "entry": str(pipeline.entry), "rows": len(pipeline.rows)}
+bad_data = spec.run.data.model_copy(update={"format": "text", "text_column": "body"})
+bad = dataclasses.replace(spec, run=spec.run.model_copy(update={"data": bad_data}))
+try:
+    DataPipeline(bad, tokenizer, env, run_dir)
+    result["bad"] = None
+except Exception as exc:
+    result["bad"] = [type(exc).__name__, str(exc)]
+(out / f"rank{env.rank}.json").write_text(json.dumps(result))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_under_torchrun_only_rank_0_hashes_the_data_and_its_error_reaches_rank_1(tiny_model, tmp_path):
+    from conftest import VENV_BIN
+    from test_trainer import make_run
+
+    run_dir = make_run(tmp_path / "spec", tiny_model)
+    worker = tmp_path / "worker.py"
+    worker.write_text(TORCHRUN_WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(worker),
+                           str(run_dir), str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    data_path = str(REPO / "examples" / "data" / "instructions.jsonl")
+    for start in ("cold", "warm"):
+        # World size x dataset size read from the shared filesystem per start is the defect: rank 0 only.
+        assert ranks[0][start]["hashed"] == [data_path], ranks[0][start]
+        assert ranks[1][start]["hashed"] == [], ranks[1][start]
+        assert ranks[0][start]["entry"] == ranks[1][start]["entry"] and ranks[0][start]["rows"] > 0
+    # rank 0's own error on rank 0; the same kind of error, naming it, on rank 1, instead of a hang.
+    assert ranks[0]["bad"][0] == "DataError" and "'body'" in ranks[0]["bad"][1], ranks[0]["bad"]
+    assert ranks[1]["bad"][0] == "DataError", ranks[1]["bad"]
+    assert "rank 1" in ranks[1]["bad"][1] and "rank 0" in ranks[1]["bad"][1] and "'body'" in ranks[1]["bad"][1]

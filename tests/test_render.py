@@ -93,7 +93,8 @@ def test_venv_modules_container():
 def test_per_node_output_and_debug():
     text = by_name("consumer-nfs-train")
     assert '--output="$RUN_DIR/logs/%x-%j-%N.out"' in text
-    assert "export NCCL_DEBUG=INFO" in text and 'NCCL_DEBUG_FILE="$RUN_DIR/logs/nccl-$SLURM_JOB_ID-%h-%p.log"' in text
+    assert "export NCCL_DEBUG=INFO" in text
+    assert 'NCCL_DEBUG_FILE="${RUN_DIR//\\%/%%}/logs/nccl-$SLURM_JOB_ID-%h-%p.log"' in text
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in text and "export NCCL_P2P_DISABLE=1" in text
     assert "--gres=gpu:rtx4090:4" in directives(text) and "--nodelist=ws[01-03]" in directives(text)
     assert "%N" not in by_name("h100-ib-train")
@@ -116,7 +117,10 @@ def test_kill_switch_is_checked_before_anything_else():
     check = body.index("for switch in kill abort; do")
     assert check < body.index('[[ -e "$SWITCHES/$switch" ]]') < body.index("srun") and check < body.index("source ")
     train = by_name("h100-ib-train")
-    assert train.index("for switch in kill abort") < train.index('"$RUN_DIR/done"') < train.index("module purge")
+    # kill/abort, then a failure that would repeat, then done: all before the environment.
+    switches, failed, done = (train.index("for switch in kill abort"), train.index("/failed ]]"),
+                              train.index("/done ]]"))
+    assert switches < failed < done < train.index("module purge")
 
 
 def test_no_localhost_fallback_for_the_head_node():
@@ -129,7 +133,11 @@ def test_no_localhost_fallback_for_the_head_node():
 def test_signal_trap_and_wait_loop():
     text = by_name("local-doctor")
     assert "trap 'request_stop USR1' USR1" in text and "trap 'request_stop TERM' TERM" in text
-    assert '"$SWITCHES/stop.$SLURM_JOB_ID"' in text
+    # The request names this attempt; earlier attempts' requests are deleted before the trap exists.
+    assert 'STOP_REQUEST="$SWITCHES/stop.$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"' in text
+    train = by_name("h100-ib-train")
+    assert train.index('rm -f "$SWITCHES/stop.') < train.index("trap 'request_stop")
+    assert "--shutdown-timeout=" in train  # torchrun's default 30 s would cut a save on SIGTERM
     # torchrun's agent must survive a USR1 sent to the whole step; the workers catch it.
     assert text.index("trap '' USR1 USR2") < text.index("exec torchrun")
     assert text.index("trap 'request_stop") < text.index('srun --nodes="$SLURM_JOB_NUM_NODES"')
@@ -170,3 +178,142 @@ def test_render_cli_writes_files(tmp_path: Path):
     out = tmp_path / "out" / "doctor.sbatch"
     assert str(out) in proc.stdout and out.read_text() == rendered(GOLDEN / "specs" / "local-doctor.toml")
     assert re.match(r"#!/bin/bash\n", out.read_text())
+
+
+# --- Paths and options the user does not fully control (issue 9, defects 8 and 9) ---------------------------
+
+
+def sbatch_arguments(text: str) -> list[str]:
+    """The argv sbatch builds from the script's #SBATCH lines, parsed as Slurm 22.05 does
+    (src/sbatch/opt.c get_argument): whitespace splits, '…' and "…" group, a backslash
+    escapes the next character, an unquoted '#' starts a comment; parsing stops at the
+    first line that is neither blank nor a comment."""
+    args: list[str] = []
+    for line in text.splitlines()[1:]:
+        if not line.startswith("#"):
+            if line.strip():
+                break
+            continue
+        if not line.startswith("#SBATCH"):
+            continue
+        i, rest = 0, line[len("#SBATCH"):]
+        while i < len(rest):
+            while i < len(rest) and rest[i].isspace():
+                i += 1
+            if i == len(rest):
+                break
+            arg, quote, escaped = "", "", False
+            while i < len(rest) and (quote or not rest[i].isspace()):
+                ch = rest[i]
+                i += 1
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                    continue
+                elif quote:
+                    if ch == quote:
+                        quote = ""
+                        continue
+                elif ch in "\"'":
+                    quote = ch
+                    continue
+                elif ch == "#":
+                    i = len(rest)
+                    break
+                arg += ch
+            assert not quote, f"sbatch: unmatched quote in {line!r}"
+            if arg:
+                args.append(arg)
+    return args
+
+
+def option(args: list[str], name: str) -> str:
+    (value,) = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+    return value
+
+
+def batch_filename(pattern: str, job_name: str, job_id: int) -> str:
+    """What slurmd makes of a batch job's --output (src/slurmd/common/fname.c): a backslash
+    anywhere turns every replacement off, '%%' is a '%', %x and %j are the name and id."""
+    assert "\\" not in pattern, "a backslash would turn off %x and %j"
+    return re.sub(r"%([%xj])", lambda m: {"%": "%", "x": job_name, "j": str(job_id)}[m.group(1)], pattern)
+
+
+def doctor_spec(directory: Path, site: str = 'site = "local"', runs_root: str = "runs") -> Path:
+    from conftest import write_spec
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return write_spec(directory, f"""
+        {site}
+        [job]
+        name = "doc"
+        program = "doctor"
+        time = "5m"
+        exit_grace = "1m"
+        runs_root = "{runs_root}"
+    """)
+
+
+def check_shell(text: str, tmp_path: Path) -> None:
+    script = tmp_path / "check.sbatch"
+    script.write_text(text)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    proc = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(script)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_spec_path_cannot_break_out_of_the_header_comment(tmp_path: Path):
+    """A directory name with a newline must stay inside the comment, not become a command."""
+    marker = tmp_path / "pwned"
+    spec_file = doctor_spec(tmp_path / f"x\ntouch {marker}\n#", runs_root=str(tmp_path / "runs"))
+    text = render(load_run(spec_file))
+    check_shell(text, tmp_path)
+    lines = text.splitlines()
+    assert not any(line.startswith("touch") for line in lines)
+    header = [line for line in lines if line.startswith("# Generated by jobgen")]
+    assert len(header) == 1 and repr(str(spec_file)) in header[0]
+    # sbatch still reads every #SBATCH line: the first command comes after them.
+    assert option(sbatch_arguments(text), "job-name") == "doc"
+    subprocess.run(["bash", "-c", text.split("\nset -euo pipefail", 1)[0]], check=True)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("dirname", ["my runs", "a%jb", "odd #dir", "it's \"quoted\"", "tab\there", "50%%x"])
+def test_run_dir_reaches_sbatch_literally(tmp_path: Path, dirname: str):
+    """A relative runs_root resolves under the run.toml's directory, whatever its name:
+    --chdir gets the literal path, --output the literal path with Slurm's %-patterns escaped."""
+    spec = load_run(doctor_spec(tmp_path / dirname))
+    run_dir = str(tmp_path / dirname / "runs" / "doc")
+    assert str(spec.run_dir) == run_dir
+    text = render(spec)
+    args = sbatch_arguments(text)
+    assert option(args, "chdir") == run_dir
+    assert batch_filename(option(args, "output"), "doc", 42) == f"{run_dir}/logs/doc-42.out"
+    assert option(args, "job-name") == "doc" and "--open-mode=append" in args
+    check_shell(text, tmp_path)
+
+
+def test_extra_sbatch_option_with_a_space_is_one_argument(tmp_path: Path):
+    site = 'site = {profile = "local", slurm.extra_sbatch = ["--comment=my run #1", "--gpu-bind=none"]}'
+    text = render(load_run(doctor_spec(tmp_path, site=site)))
+    args = sbatch_arguments(text)
+    assert "--comment=my run #1" in args and "--gpu-bind=none" in args
+    assert "--gpu-bind=none" in directives(text)  # plain tokens stay as they were
+    check_shell(text, tmp_path)
+
+
+def test_nccl_debug_file_keeps_a_percent_in_the_run_dir(tmp_path: Path):
+    """NCCL expands %h, %p and %% in NCCL_DEBUG_FILE (src/debug.cc): the run dir part must be literal."""
+    spec = load_run(doctor_spec(tmp_path / "a%hb c", site='site = {profile = "local", network.debug = true}'))
+    text = render(spec)
+    lines = text.splitlines()
+    probe = [next(line for line in lines if line.startswith("RUN_DIR=")),
+             next(line for line in lines if line.startswith("export NCCL_DEBUG_FILE=")),
+             'printf "%s" "$NCCL_DEBUG_FILE"']
+    value = subprocess.run(["bash", "-c", "\n".join(probe)], capture_output=True, text=True, check=True,
+                           env={"SLURM_JOB_ID": "7", "PATH": "/usr/bin:/bin"}).stdout
+    nccl = re.sub(r"%([%hp])", lambda m: {"%": "%", "h": "node1", "p": "99"}[m.group(1)], value)
+    assert nccl == f"{spec.run_dir}/logs/nccl-7-node1-99.log"
+    check_shell(text, tmp_path)

@@ -106,8 +106,8 @@ def test_switches_and_lookup(spec_file: Path):
     assert find_run(str(run.path), None).path == run.path
     with pytest.raises(RunDirError):
         find_run("nope", spec.runs_root)
-    target = run.set_switch("kill")
-    assert target == run.switches / "kill" and "uid" in target.read_text()
+    target, created = run.set_switch("kill")
+    assert created and target == run.switches / "kill" and "uid" in target.read_text()
     with pytest.raises(ValueError):
         run.set_switch("reboot")
 

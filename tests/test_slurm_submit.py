@@ -249,3 +249,35 @@ def test_array_after_chaining_and_kill_switch_burn_through(cluster, tmp_path: Pa
     status = json.loads(jobgen("status", str(run), "--json", check=True).stdout)
     assert status["state"] == "stopped"
     assert len(status["tasks"]) == 5 and {t["state"] for t in status["tasks"]} == {"COMPLETED"}
+
+
+def test_odd_run_dir_and_extra_sbatch_value_reach_slurm_literally(cluster, tmp_path: Path):
+    """A relative runs_root under a directory with a space, '#', '%', quotes (issue 9, defect 8),
+    and an extra_sbatch value with a space and '#' (defect 9): sbatch reads the quoted
+    #SBATCH values whole, the batch log lands in the literal run dir, the job runs there."""
+    import subprocess
+
+    here = tmp_path / "my runs #1 %j 50%% 'q\""
+    here.mkdir()
+    spec = write_spec(here, """
+        site = { profile = "local", slurm.extra_sbatch = ["--comment=my run #1"] }
+        [job]
+        name = "odd"
+        program = "doctor"
+        nodes = 1
+        procs_per_node = 1
+        time = "5m"
+        exit_grace = "1m"
+        runs_root = "runs"
+    """)
+    job_id = job_id_of(jobgen("submit", str(spec), check=True).stdout)
+    shown = subprocess.run(["scontrol", "show", "job", "--oneliner", str(job_id)], capture_output=True,
+                           text=True, check=False).stdout
+    wait_until_gone([job_id])
+    run = here / "runs" / "odd"
+    logs = sorted(p.name for p in (run / "logs").iterdir() if p.is_file())
+    assert f"odd-{job_id}.out" in logs, logs
+    verdict = json.loads((run / "doctor.json").read_text())
+    assert verdict["ok"], (run / "logs" / f"odd-{job_id}.out").read_text()
+    assert "Comment=my run #1" in shown, shown
+    assert final_state(job_id)["ExitCode"] == "0:0"

@@ -205,3 +205,72 @@ def test_schema_has_descriptions_for_every_field():
         if not prop.get("description")
     ]
     assert not missing, missing
+
+
+# --- validate says ok only when render and the job can use the spec (issue 9, defects 8 and 9) -------------
+
+
+def test_jinja_syntax_error_in_data_template_is_a_validate_error(workdir):
+    body = GOOD.replace('path = "data.jsonl"', 'path = "data.jsonl"\n    format = "template"\n'
+                        '    template = "### Input: {{ input }\\n### Label: {{ output }}"')
+    found = issues_of(write_spec(workdir, body))
+    assert "Jinja syntax error" in found["run.toml:data.template"], found
+    assert "line 1" in found["run.toml:data.template"]
+
+
+def test_data_template_must_use_the_response_column(workdir):
+    body = GOOD.replace('path = "data.jsonl"', 'path = "data.jsonl"\n    format = "template"\n'
+                        '    template = "### Input: {{ input }}\\n### Label: {{ label }}"')
+    found = issues_of(write_spec(workdir, body))
+    assert "never uses the response column 'output'" in found["run.toml:data.response_column"], found
+    spec = load_run(write_spec(workdir, body.replace('format = "template"', 'format = "template"\n'
+                                                     '    response_column = "label"')))
+    assert spec.run.data.response_column == "label"
+
+
+@pytest.mark.parametrize("entry, why", [
+    ("--comment=a\\nb", "control character"),
+    ("--comment=a\\rb", "control character"),
+    ("-p debug", "not one long option"),
+    ("--", "not one long option"),
+    ("--gres gpu:1", "give each option its own entry"),
+])
+def test_extra_sbatch_entries_are_checked_one_by_one(workdir, entry, why):
+    site = f'site = {{ profile = "local", slurm.extra_sbatch = ["--gpu-bind=none", "{entry}"] }}'
+    found = issues_of(write_spec(workdir, GOOD.replace('site = "local"', site)))
+    assert why in found.get("run.toml:site.slurm.extra_sbatch[1]", ""), found
+
+
+@pytest.mark.parametrize("dirname, why", [("a\nb", "control character"), ("a\\b", "backslash")])
+def test_run_dir_sbatch_cannot_use_is_a_validate_error(workdir, dirname, why):
+    """A relative runs_root is joined to the run.toml's directory: the result is checked,
+    not just what the user typed. Spaces, quotes, '#' and '%' are fine (test_render)."""
+    here = workdir / dirname
+    (here / "model").mkdir(parents=True)
+    (here / "data.jsonl").write_text("{}\n")
+    found = issues_of(write_spec(here, GOOD.replace('time = "2h"', 'time = "2h"\n    runs_root = "runs"')))
+    assert why in found.get("run.toml:job.runs_root", ""), found
+
+
+def test_site_runs_root_under_an_odd_home_names_the_site_key(workdir, monkeypatch):
+    home = workdir / "home\\me"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    found = issues_of(write_spec(workdir, GOOD))  # local.toml: runs_root = "~/jobgen-runs"
+    assert "backslash" in found.get("local.toml:paths.runs_root", ""), found
+    site = 'site = { profile = "local", paths.runs_root = "~/runs" }'
+    found = issues_of(write_spec(workdir, GOOD.replace('site = "local"', site)))
+    assert "backslash" in found.get("run.toml:site.paths.runs_root", ""), found
+
+
+def test_relative_paths_are_absolute_when_run_toml_is_given_relative(workdir, monkeypatch):
+    """`jobgen submit run.toml` from the run's own directory: sbatch takes a relative --output
+    relative to --chdir, and the job's cwd is not the submitter's."""
+    (workdir / "mysite.toml").write_text('name = "mysite"\n[python]\nkind = "venv"\nvenv = "venv"\n')
+    body = GOOD.replace('site = "local"', 'site = "mysite.toml"')
+    body = body.replace('time = "2h"', 'time = "2h"\n    runs_root = "runs"')
+    write_spec(workdir, body)
+    monkeypatch.chdir(workdir)
+    spec = load_run("run.toml")
+    assert str(spec.run_dir) == str(workdir / "runs" / "sft") and spec.site.python.venv == str(workdir / "venv")
+    assert spec.spec_file == "run.toml"  # shown as the user gave it

@@ -250,3 +250,22 @@ def test_a_channel_that_fails_is_retried_next_run_and_never_blocks_the_log(tmp_p
     log = (tmp_path / "home" / "watchdog.log").read_text()
     assert log.count("ALERT hang r: stuck") == 1 and "could not deliver ALERT hang r: webhook: " in log
     assert "email: FileNotFoundError" in log and receivers["mails"] == []
+
+
+@pytest.mark.parametrize("hook", [
+    "hooks.slack.com/services/T0/B0/tok3nSECRET",  # urllib: "unknown url type: '<the url>'"
+    "https://hooks.slack.com:tok3nSECRET/services/T0",  # http.client: "nonnumeric port: '<part of it>'"
+    "https://hooks.slack.com/services/T0/B0/tok3nSECRET\x01",  # "URL can't contain control characters. <url>"
+])
+def test_a_broken_secret_is_never_quoted_in_an_error(tmp_path: Path, hook: str):
+    """The webhook URL (and the SMTP password) are secrets read from a file at send time;
+    when they are unusable, the failure names the file, never its content."""
+    url_file = tmp_path / "hook.url"
+    url_file.write_text(hook + "\n")
+    settings = WatchdogSettings.model_validate({"webhook": {"url_file": str(url_file)}})
+    target = Target(settings=settings, home_override=tmp_path / "home")
+    assert deliver(CheckResult("disk", "/scratch", True, "3% free"), target, now=100) == ALERT
+    log = (tmp_path / "home" / "watchdog.log").read_text()
+    assert "could not deliver ALERT disk /scratch: webhook: " in log
+    assert "tok3n" not in log and "SECRET" not in log, log
+    assert f"url in file {url_file}" in log or f"url from file {url_file}" in log, log  # where to look

@@ -16,10 +16,12 @@ Reads the resolved spec from ``RUN_DIR/spec.json``; exits with one of the codes 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from jobgen.exit_codes import ExitCode
@@ -50,57 +52,130 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     log = logging.getLogger("trainer")
-    run_dir = args.run_dir.absolute()
     started = time.time()
 
     # Heavy imports after argument parsing, so --help stays instant.
+    from jobgen.lease import WriterLease
     from jobgen.rundir import RunDir
     from trainer import distributed
-    from trainer.stopping import Action, StopMonitor, StopSettings, job_end_time, startup_switch
 
-    spec = RunDir(run_dir).load_spec()
-    switches = run_dir / "switches"
-    try:
-        env = distributed.init_distributed(spec.run.train.collective_timeout, args.expected_world_size)
-    except distributed.WorldSizeError as exc:
-        log.error("%s", exc)
-        return int(ExitCode.WORLD_SIZE_MISMATCH)
-
+    run = RunDir(args.run_dir.absolute())
+    spec = run.load_spec()
+    attempt = Attempt.from_environ()
+    env = distributed.init_distributed(spec.run.train.collective_timeout, None)
+    lease = WriterLease(run.writer_lease)
     code, reason = ExitCode.OK, ""
     try:
-        # One decision for all ranks, before anything is loaded.
-        early = distributed.broadcast_object(env, int(startup_switch(switches)) if env.is_main else None)
-        if early:
-            code, reason = ExitCode.NOT_STARTED, f"{Action(early).name.lower()} switch present at start: not starting"
+        # One decision for all ranks, taken by rank 0 before anything is loaded or written.
+        refusal = distributed.broadcast_object(
+            env, refuse_to_start(run, lease, env.world_size, args.expected_world_size) if env.is_main else None)
+        if refusal is not None:
+            code, reason = refusal
             return int(code)
-        if (run_dir / "done").exists():
-            code, reason = ExitCode.OK, "run already finished (done marker present)"
-            return int(code)
-        job_id = os.environ.get("SLURM_JOB_ID")
-        end = distributed.broadcast_object(env, job_end_time(job_id) if env.is_main else None)
-        deadline = end - spec.run.job.exit_grace if end else None
-        monitor = StopMonitor(StopSettings(switches, job_id, deadline, spec.run.train.max_host_memory_percent,
-                                           spec.run.train.min_gpu_free_memory_mib, check_files=env.is_main))
-        monitor.install_signal_handlers()
-        from trainer.loop import Trainer
-
-        trainer = Trainer(spec, run_dir, env, monitor)
-        trainer.started = started
-        try:
-            code, reason = trainer.fit()
-        except RuntimeError as exc:
-            if "could be loaded" not in str(exc):
-                raise
-            code, reason = ExitCode.RESUME_FAILED, str(exc)
-        trainer.write_summary(code, reason)
+        code, reason = train(spec, run, env, attempt, started)
         return int(code)
     except BaseException as exc:
         code, reason = ExitCode.CRASHED, f"crashed: {type(exc).__name__}: {str(exc)[:300]}"
         raise
     finally:
         if env.is_main:
+            record_exit(run, attempt, code, reason)
             log.info("exit %d: %s", int(code), reason or code.reason)
         distributed.shutdown()
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Which run of which job this process belongs to: a requeued job keeps its id and
+    only the restart count tells its attempts apart."""
+
+    job_id: str | None
+    restart: int
+
+    @classmethod
+    def from_environ(cls) -> Attempt:
+        return cls(os.environ.get("SLURM_JOB_ID"), int(os.environ.get("SLURM_RESTART_COUNT") or 0))
+
+
+def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None) -> tuple[ExitCode, str] | None:
+    """Rank 0: why this process must not train, or None. Takes the writer lease first, so a
+    second writer leaves before it reads or writes anything of the run."""
+    from jobgen.lease import RunBusy
+    from trainer.stopping import Action, startup_switch
+
+    try:
+        lease.acquire()
+    except RunBusy as exc:
+        return ExitCode.RUN_BUSY, str(exc)
+    if run.failed_marker.exists():
+        failed = _read_json(run.failed_marker)
+        return ExitCode.NOT_STARTED, (f"the run stopped after a failure that would repeat (exit {failed.get('exit_code')}: "
+                                      f"{failed.get('reason')}); {failed.get('fix')}")
+    early = startup_switch(run.switches)
+    if early is not Action.CONTINUE:
+        return ExitCode.NOT_STARTED, f"{early.name.lower()} switch present at start: not starting"
+    if run.done_marker.exists():
+        return ExitCode.OK, "run already finished (done marker present)"
+    if expected_world_size is not None and world_size != expected_world_size:
+        return ExitCode.WORLD_SIZE_MISMATCH, (f"world size is {world_size}, the spec asks for {expected_world_size} "
+                                              "(nodes x procs_per_node)")
+    return None
+
+
+def train(spec, run, env, attempt: Attempt, started: float) -> tuple[ExitCode, str]:
+    """Build the trainer and fit; failures that every later task would repeat come back as
+    their exit codes (typed exceptions, never matched on message text)."""
+    from trainer import distributed
+    from trainer.checkpoint import ResumeFailed
+    from trainer.data import DataError
+    from trainer.data_cache import DataCacheError
+    from trainer.model import ModelError
+    from trainer.sampler import ResumeMismatch
+    from trainer.stopping import StopMonitor, StopSettings, job_end_time
+
+    end = distributed.broadcast_object(env, job_end_time(attempt.job_id) if env.is_main else None)
+    deadline = end - spec.run.job.exit_grace if end else None
+    stop_request = run.stop_request(attempt.job_id, attempt.restart) if attempt.job_id else None
+    monitor = StopMonitor(StopSettings(run.switches, stop_request, deadline, spec.run.train.max_host_memory_percent,
+                                       spec.run.train.min_gpu_free_memory_mib, check_files=env.is_main))
+    monitor.install_signal_handlers()
+    from trainer.loop import Trainer
+
+    try:
+        trainer = Trainer(spec, run.path, env, monitor)
+    except (DataError, DataCacheError, ModelError) as exc:
+        return ExitCode.DATA_ERROR, f"{type(exc).__name__}: {exc}"
+    trainer.started = started
+    try:
+        code, reason = trainer.fit()
+    except ResumeFailed as exc:
+        code, reason = ExitCode.RESUME_FAILED, str(exc)
+    except ResumeMismatch as exc:
+        code, reason = ExitCode.RESUME_MISMATCH, str(exc)
+    trainer.write_summary(code, reason)
+    return code, reason
+
+
+def record_exit(run, attempt: Attempt, code: ExitCode, reason: str) -> None:
+    """Rank 0, however the process ends short of SIGKILL: the exit code for the batch script
+    (this attempt's own file), and the ``failed`` marker when every later task would fail
+    the same way."""
+    from jobgen.atomic import write_json_atomic, write_text_atomic
+
+    if attempt.job_id:
+        write_text_atomic(run.exit_code_file(attempt.job_id, attempt.restart), f"{int(code)}\n")
+    if code.repeats:
+        write_json_atomic(run.failed_marker, {"exit_code": int(code), "reason": reason, "fix": code.fix,
+                                              "job_id": attempt.job_id, "restart": attempt.restart,
+                                              "time": time.time()})
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def exit_now(code: int) -> None:

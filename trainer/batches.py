@@ -37,12 +37,20 @@ class DataPipeline:
         assert data_spec is not None and model_spec is not None
         self.packing = data_spec.packing
         self.pad_token_id = tokenizer.pad_token_id
+        # Its own gloo group: rank 0 may tokenize for hours while the others wait in the broadcast.
         group = dist.new_group(backend="gloo", timeout=PREPROCESS_TIMEOUT)
-        self.dataset, self.stats, self.entry = prepare_dataset(
-            data_spec, tokenizer, model_spec.path, cache_root(spec), rank=env.rank,
-            barrier=lambda: dist.barrier(group=group),
-        )
-        dist.destroy_process_group(group)
+
+        def share(value: object) -> object:
+            box = [value]
+            dist.broadcast_object_list(box, src=0, group=group)
+            return box[0]
+
+        try:
+            self.dataset, self.stats, self.entry = prepare_dataset(
+                data_spec, tokenizer, model_spec.path, cache_root(spec), rank=env.rank, share=share,
+            )
+        finally:
+            dist.destroy_process_group(group)
         lengths = self.dataset["length"]
         self.rows = build_rows(lengths, data_spec.max_length, self.packing)
         self.sampler = ResumableSampler(len(self.rows), world_size=env.world_size, rank=env.rank,

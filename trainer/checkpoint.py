@@ -7,12 +7,22 @@ Layout under ``<run_dir>/checkpoints/``::
         trainer_state.json        step, tokens, sampler position, scheduler, seed
         rng-rank00000.pt ...      each rank's RNG streams
     .tmp-step-00000130/       a save in progress (or cut short): never loaded
+    broken-step-00000110-<time>/  failed to load while an older one loaded: set aside
     latest                    name of the newest complete checkpoint, for humans and export
 
-A save writes everything into ``.tmp-step-N``, waits until every rank is done,
-then rank 0 renames it to ``step-N``, then updates ``latest``, then deletes the
-oldest beyond ``keep``. Loading walks complete checkpoints from the newest; one
-that fails to load on any rank is reported and the previous one is tried.
+A save writes everything into ``.tmp-step-N`` (every file fsynced), waits until
+every rank is done, then rank 0 renames it to ``step-N``, then updates ``latest``,
+then deletes the oldest beyond ``keep``. Loading walks complete checkpoints from
+the newest; one that fails to load on any rank is reported and the previous one is
+tried. When an older one loads, the newer ones that failed are renamed
+``broken-*`` (with ``broken.json`` saying why), so they are never counted, resumed,
+"already saved" or exported again; ``jobgen status`` lists them. When none loads,
+nothing is renamed: the cause is then more likely the spec or the filesystem than
+every checkpoint at once, and the run stops (exit 16) rather than start over.
+
+Every decision here that depends on a clock or on what a directory holds (a save
+being due, a step being saved already, the list of checkpoints) is taken once and
+agreed by all ranks, or ranks would enter different collectives and hang.
 """
 
 from __future__ import annotations
@@ -36,12 +46,27 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from jobgen.atomic import fsync_dir, write_json_atomic, write_text_atomic
-from trainer.distributed import DistEnv, barrier, broadcast_object, reduce_max
+from jobgen.rundir import CHECKPOINT_BROKEN_PREFIX, CHECKPOINT_PREFIX, CHECKPOINT_TMP_PREFIX
+from trainer.distributed import DistEnv, all_gather_object, barrier, broadcast_object, reduce_max
 
 log = logging.getLogger("trainer.checkpoint")
 
-PREFIX = "step-"
-TMP_PREFIX = ".tmp-"
+PREFIX = CHECKPOINT_PREFIX
+TMP_PREFIX = CHECKPOINT_TMP_PREFIX
+
+
+class ResumeFailed(RuntimeError):
+    """Checkpoints exist but none of them loads; the run must not silently start over."""
+
+
+def describe_load_error(exc: BaseException) -> str:
+    """One line for a failed load: DCP wraps the real error (with a traceback in its text)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
 def state_dict_options(model: torch.nn.Module) -> StateDictOptions:
     """LoRA: only the adapters are trained, so only they are checkpointed and loaded; the
     frozen base weights come from the model path. Full fine-tuning loads strictly."""
@@ -64,7 +89,16 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every RNG stream of this rank, as tensors and plain numbers only, so that loading it
+    needs no unpickling of arbitrary objects (``torch.load(weights_only=True)``)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    version, mt, gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -72,10 +106,25 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_rng(path: Path) -> None:
+    with open(path, "wb") as fh:
+        torch.save(rng_state(), fh)
+        fh.flush()
+        os.fsync(fh.fileno())  # like DCP's shards: a checkpoint is durable before its rename
+
+
+def load_rng(path: Path) -> dict[str, Any]:
+    # weights_only: a checkpoint directory is data, and a planted pickle must not run code.
+    return torch.load(path, weights_only=True)
 
 
 @dataclass
@@ -112,7 +161,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
 
-    def due(self, step: int) -> bool:
+    def wants_save(self, step: int) -> bool:
+        """This rank's view of whether a periodic save is due. Rank-local (its own clock):
+        the loop combines every rank's view in its step-boundary all-reduce, so all ranks
+        save on the same step or none does."""
         by_steps = self.every_steps > 0 and step % self.every_steps == 0
         by_time = self.every_seconds > 0 and time.monotonic() - self.last_save >= self.every_seconds
         return by_steps or by_time
@@ -123,7 +175,9 @@ class Checkpointer:
         returns once the state is staged; ``poll``/``wait`` complete it later."""
         final = self.root / checkpoint_name(step)
         self.wait()  # one save in flight at a time
-        if final.exists():
+        # Rank 0 looks, every rank follows: a directory listing seen differently by two
+        # ranks (NFS attribute caches) would send them into different collectives.
+        if broadcast_object(self.env, final.exists() if self.env.is_main else None):
             return final  # this step is already saved (e.g. a stop right after a periodic save)
         started = time.monotonic()
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
@@ -131,7 +185,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        torch.save(rng_state(), tmp / f"rng-rank{self.env.rank:05d}.pt")
+        save_rng(tmp / f"rng-rank{self.env.rank:05d}.pt")
         if self.env.is_main:
             write_json_atomic(tmp / "trainer_state.json", trainer_state)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(model))
@@ -187,10 +241,16 @@ class Checkpointer:
 
     def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], Path] | None:
         """Restore the newest checkpoint that loads on every rank; None if there is none.
-        Raises RuntimeError when checkpoints exist but none of them loads."""
-        candidates = broadcast_object(self.env, [str(p) for p in complete_checkpoints(self.root)])
+
+        Newer checkpoints that failed are set aside once an older one loads. Raises
+        :class:`ResumeFailed` when checkpoints exist (or were set aside earlier) but none
+        of them loads."""
+        listing = broadcast_object(self.env, ([str(p) for p in complete_checkpoints(self.root)],
+                                              [p.name for p in self._set_aside_already()]) if self.env.is_main else None)
+        assert isinstance(listing, tuple)
+        candidates, earlier_aside = listing
         options = state_dict_options(model)
-        assert isinstance(candidates, list)
+        failures: list[tuple[Path, list[str]]] = []
         for path_text in candidates:
             path = Path(path_text)
             error = None
@@ -200,15 +260,16 @@ class Checkpointer:
                 dcp.load(state, checkpoint_id=str(path))
                 trainer_state = json.loads((path / "trainer_state.json").read_text())
                 rng_file = path / f"rng-rank{self.env.rank:05d}.pt"
-                rng = torch.load(rng_file, weights_only=False) if rng_file.exists() else None
+                rng = load_rng(rng_file) if rng_file.exists() else None
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure: try the previous one
-                error = f"{type(exc).__name__}: {exc}"
-            failed = reduce_max(self.env, [1 if error else 0])[0]
-            if failed:
+                error = f"rank {self.env.rank}: {describe_load_error(exc)}"
+            errors = [e for e in all_gather_object(self.env, error) if e]
+            if errors:
                 if error:
-                    log.error("checkpoint %s failed to load on rank %d: %s", path.name, self.env.rank, error[:500])
+                    log.error("checkpoint %s failed to load on %s", path.name, error)
                 if self.env.is_main:
                     log.error("checkpoint %s is unusable; falling back to the previous one", path.name)
+                failures.append((path, errors))
                 continue
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=options)
@@ -217,7 +278,32 @@ class Checkpointer:
             elif self.env.is_main:
                 log.warning("no RNG state for rank %d in %s (world size changed?); RNG streams restart",
                             self.env.rank, path.name)
+            if self.env.is_main and failures:
+                self._set_aside(failures, loaded=path)
+            barrier()
             return trainer_state, path
         if candidates:
-            raise RuntimeError(f"none of the {len(candidates)} checkpoint(s) in {self.root} could be loaded")
+            raise ResumeFailed(f"none of the {len(candidates)} checkpoint(s) in {self.root} could be loaded "
+                               f"(newest: {Path(candidates[0]).name}: {failures[0][1][0]}); nothing was renamed")
+        if earlier_aside:
+            raise ResumeFailed(f"{self.root} holds only checkpoints set aside as broken ({', '.join(earlier_aside)}); "
+                               "rename one back to step-N to resume from it, or delete them to start over")
         return None
+
+    def _set_aside_already(self) -> list[Path]:
+        return sorted(p for p in self.root.glob(f"{CHECKPOINT_BROKEN_PREFIX}*") if p.is_dir())
+
+    def _set_aside(self, failures: list[tuple[Path, list[str]]], loaded: Path) -> None:
+        """Rank 0: rename checkpoints that failed while ``loaded`` (older) loaded."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        for path, errors in failures:
+            target = path.with_name(f"{CHECKPOINT_BROKEN_PREFIX}{path.name}-{stamp}")
+            # The reason goes in first: a rename is the last thing that happens to it.
+            write_json_atomic(path / "broken.json", {
+                "checkpoint": path.name, "errors": errors, "loaded_instead": loaded.name, "set_aside_at": time.time(),
+                "job_id": os.environ.get("SLURM_JOB_ID"), "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+            })
+            os.rename(path, target)
+            log.error("set %s aside as %s: it failed to load while %s loaded", path.name, target.name, loaded.name)
+        fsync_dir(self.root)
+        write_text_atomic(self.root / "latest", loaded.name + "\n")

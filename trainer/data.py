@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import datasets
 
+from jobgen.datafiles import DATA_FILE_TYPES, data_files, data_path_problem, is_empty_file, is_saved_dataset
 from jobgen.spec import DataSpec
 
 IGNORE_INDEX = -100
@@ -39,8 +40,6 @@ IGNORE_INDEX = -100
 # Rows per datasets.map batch: one batched tokenizer call each, so the Rust
 # tokenizer can use its threads. A module attribute so tests can shrink it.
 MAP_BATCH_SIZE = 1000
-
-DATA_FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 ALPACA_PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -112,21 +111,6 @@ def is_hub_id(path: str) -> bool:
     return not any(path.endswith(suffix) for suffix in DATA_FILE_TYPES) and path.count("/") <= 1
 
 
-def data_files(directory: Path) -> list[Path]:
-    """The data files under a directory (recursively, hidden ones skipped), sorted."""
-    return sorted(
-        f
-        for f in directory.rglob("*")
-        if f.is_file()
-        and f.suffix in DATA_FILE_TYPES
-        and not any(part.startswith(".") for part in f.relative_to(directory).parts)
-    )
-
-
-def is_saved_dataset(directory: Path) -> bool:
-    return (directory / "state.json").is_file() or (directory / "dataset_dict.json").is_file()
-
-
 def load_raw(path: str, *, cache_dir: str | Path | None = None) -> datasets.Dataset:
     """The rows of a data file, a directory of them, a ``save_to_disk`` directory or a hub dataset.
 
@@ -136,32 +120,39 @@ def load_raw(path: str, *, cache_dir: str | Path | None = None) -> datasets.Data
     cache = str(cache_dir) if cache_dir is not None else None
     if is_hub_id(path):
         try:
-            return datasets.load_dataset(path, split="train")
+            loaded = datasets.load_dataset(path, split="train")
         except Exception as exc:  # offline, unknown id, no 'train' split: all end the same way
             raise DataError(
                 f"data path '{path}' is not a local file or directory, and loading it as a hub dataset failed: {exc}"
             ) from exc
+        if len(loaded) == 0:
+            raise DataError(f"data.path: hub dataset '{path}' is empty (0 rows in its 'train' split)")
+        return loaded
     p = Path(path).expanduser()
     if not p.exists():
-        raise DataError(f"data path {p} does not exist")
+        raise DataError(f"data.path: {p} does not exist")
+    # The same judgement `jobgen validate` made; repeated because the data may have changed
+    # since, and because datasets reports an empty file with an empty or unrelated message.
+    problem = data_path_problem(p)
+    if problem:
+        raise DataError(f"data.path: {problem}")
     if p.is_dir() and is_saved_dataset(p):
-        return _load_saved(p)
-    if p.is_dir():
-        files = data_files(p)
-        if not files:
-            raise DataError(f"data directory {p} holds no {'/'.join(DATA_FILE_TYPES)} files and no save_to_disk dataset")
-        kinds = {DATA_FILE_TYPES[f.suffix] for f in files}
-        if len(kinds) > 1:
-            raise DataError(f"data directory {p} mixes file types ({', '.join(sorted(kinds))}); use one")
-        builder, names = kinds.pop(), [str(f) for f in files]
+        loaded = _load_saved(p)
     else:
-        if p.suffix not in DATA_FILE_TYPES:
-            raise DataError(f"data file {p}: unsupported type '{p.suffix}' (use {', '.join(DATA_FILE_TYPES)})")
-        builder, names = DATA_FILE_TYPES[p.suffix], [str(p)]
-    try:
-        return datasets.load_dataset(builder, data_files=names, split="train", cache_dir=cache)
-    except Exception as exc:
-        raise DataError(f"could not read {p} as {builder}: {exc}") from exc
+        if p.is_dir():
+            # Empty parts of a sharded export hold no rows, and one empty CSV fails datasets' whole load.
+            files = [f for f in data_files(p) if not is_empty_file(f)]
+            builder = DATA_FILE_TYPES[files[0].suffix]
+        else:
+            files, builder = [p], DATA_FILE_TYPES[p.suffix]
+        try:
+            loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                           cache_dir=cache)
+        except Exception as exc:
+            raise DataError(f"data.path: could not read {p} as {builder}: {exc}") from exc
+    if len(loaded) == 0:
+        raise DataError(f"data.path: {p} is empty (0 rows)")
+    return loaded
 
 
 def _load_saved(p: Path) -> datasets.Dataset:
@@ -195,7 +186,7 @@ def check_columns(raw: datasets.Dataset, spec: DataSpec, source: str) -> None:
     missing = [c for c in required_columns(spec) if c not in raw.column_names]
     if missing:
         raise DataError(
-            f"{source}: format '{spec.format}' needs column(s) {', '.join(repr(c) for c in missing)}; "
+            f"data.path: {source}: format '{spec.format}' needs column(s) {', '.join(repr(c) for c in missing)}; "
             f"the data has {', '.join(repr(c) for c in raw.column_names) or 'no columns'}"
         )
 
@@ -346,7 +337,7 @@ class Encoder:
         self.render = _chat_renderer(tokenizer) if spec.format == "chat" else None
 
     def segments(self, row: dict[str, Any], index: int) -> list[tuple[str, int]]:
-        where = f"{self.source}: row {index}"
+        where = f"data.path: {self.source}: row {index}"  # every row error names the key and file
         fmt = self.spec.format
         if fmt == "alpaca":
             return alpaca_segments(row, where)
@@ -362,7 +353,9 @@ class Encoder:
         # One tokenizer call for the whole batch: the Rust tokenizer parallelises it.
         texts = [text for segs in per_row for text, _ in segs if text]
         ids_iter = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
-        out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "length", "targets", "full_length")}
+        out: dict[str, list[Any]] = {
+            k: [] for k in ("input_ids", "labels", "length", "targets", "full_length", "full_targets")
+        }
         max_length = self.spec.max_length
         for segs in per_row:
             ids, labels = list(self.prefix), [IGNORE_INDEX] * len(self.prefix)
@@ -378,12 +371,15 @@ class Encoder:
             if labels:
                 labels[0] = IGNORE_INDEX
             full_length = len(ids)
+            # Before truncation: tells "nothing to learn in the row" from "cut off by max_length".
+            full_targets = sum(1 for label in labels if label != IGNORE_INDEX)
             ids, labels = ids[:max_length], labels[:max_length]
             out["input_ids"].append(ids)
             out["labels"].append(labels)
             out["length"].append(len(ids))
             out["targets"].append(sum(1 for label in labels if label != IGNORE_INDEX))
             out["full_length"].append(full_length)
+            out["full_targets"].append(full_targets)
         return out
 
     def _labels(self, piece: list[int], role: int) -> list[int]:
@@ -404,6 +400,7 @@ FEATURES = datasets.Features(
         "length": datasets.Value("int32"),
         "targets": datasets.Value("int32"),
         "full_length": datasets.Value("int32"),
+        "full_targets": datasets.Value("int32"),
     }
 )
 
@@ -417,9 +414,10 @@ def tokenize_dataset(
     staging directory); without it everything stays in memory. Never next to the
     source data, which may be shared or read-only.
     """
-    check_columns(raw, spec, source)
+    # Before the columns: data without rows has no columns either, and "empty" is the real problem.
     if len(raw) == 0:
-        raise DataError(f"{source}: the data has no rows")
+        raise DataError(f"data.path: {source} is empty (0 rows)")
+    check_columns(raw, spec, source)
     work = Path(work_dir) if work_dir is not None else None
     if work is not None:
         work.mkdir(parents=True, exist_ok=True)
@@ -437,6 +435,8 @@ def tokenize_dataset(
         desc=f"tokenizing ({spec.format})",
     )
     stats = _stats(encoded.data, len(encoded), spec.max_length)
+    if stats.kept == 0 and not _any_positive(encoded.data.column("full_targets")):
+        raise DataError(_nothing_to_learn(raw, spec, source, stats))
     if stats.kept == 0:
         raise DataError(
             f"{source}: no example has a target token within max_length={spec.max_length} "
@@ -450,7 +450,31 @@ def tokenize_dataset(
         cache_file_name=str(work / "kept.arrow") if work is not None else None,
         new_fingerprint="jobgen-kept",
     )
-    return kept.remove_columns(["targets", "full_length"]), stats
+    return kept.remove_columns(["targets", "full_length", "full_targets"]), stats
+
+
+def _any_positive(column) -> bool:
+    import pyarrow.compute as pc
+
+    return bool(pc.any(pc.greater(column, 0)).as_py())
+
+
+def _nothing_to_learn(raw: datasets.Dataset, spec: DataSpec, source: str, stats: DataStats) -> str:
+    """Why no row has a single target token even before truncation: never max_length's fault."""
+    if spec.format == "chat":
+        # Loss is taken on assistant turns only; ShareGPT-style roles ("gpt", "bot") are the usual cause.
+        sample = raw.select(range(min(len(raw), 1000)))["messages"]
+        roles = sorted({m["role"] for messages in sample if isinstance(messages, list) for m in messages
+                        if isinstance(m, dict) and isinstance(m.get("role"), str)})
+        return (
+            f'data.path: {source} (data.format = "chat"): no row has an assistant turn '
+            f"(roles seen: {', '.join(roles) or 'none'}); the loss is taken on assistant turns only, so there "
+            "is nothing to learn. Add the replies as role \"assistant\" (rename e.g. \"gpt\" or \"bot\")"
+        )
+    return (
+        f'data.path: {source} (data.format = "{spec.format}"): no row has a single target token, '
+        f"even before truncation to max_length={spec.max_length}: {stats.summary()}"
+    )
 
 
 def _stats(table, examples_in: int, max_length: int) -> DataStats:

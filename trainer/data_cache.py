@@ -5,7 +5,6 @@ Layout under ``cache_root``::
     <fingerprint>/dataset/     the tokenized datasets.Dataset (save_to_disk)
     <fingerprint>/stats.json   DataStats + what the fingerprint was made of
     .tmp-<fp>-<host>-<pid>-*/  a build in progress (or one a kill left behind)
-    hub/<key>.json             for hub datasets: which fingerprint rank 0 resolved
 
 The fingerprint covers the data's content (bytes of the file, or of every file of
 a directory), the tokenizer (its full serialisation and chat template), the
@@ -19,8 +18,9 @@ is renamed to ``<fingerprint>`` only when complete, so the entry either exists
 whole or not at all: a rank 0 killed mid-way leaves only a ``.tmp-*`` directory,
 which later runs ignore and remove once it is an hour old. If two jobs build the
 same entry at once, the first rename wins and the other job discards its copy
-and uses the winner's. Every rank calls ``barrier`` exactly once, after rank 0
-has finished (or failed), then loads the entry read-only (memory-mapped).
+and uses the winner's. Only rank 0 reads the data to fingerprint it; it broadcasts
+the entry's name (or its error) once, every rank receives it, then loads the entry
+read-only (memory-mapped).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Callable
 
 import datasets
 
-from jobgen.atomic import fsync_dir, write_json_atomic
+from jobgen.atomic import fsync_dir
 from jobgen.spec import DataSpec
 from trainer import data as data_mod
 from trainer.data import DataStats, is_hub_id, read_stats, write_stats
@@ -218,14 +218,8 @@ def load_entry(entry: Path) -> tuple[datasets.Dataset, DataStats]:
 # --------------------------------------------------------------------------- the collective entry point
 
 
-def _hub_pointer(cache_root: Path, spec: DataSpec, tokenizer_hash: str) -> Path:
-    # Every rank can name this without loading the dataset; rank 0 writes which entry it resolved to.
-    _, inputs = cache_key(spec, "hub:" + spec.path, tokenizer_hash)
-    name = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
-    return cache_root / "hub" / f"{name}.json"
-
-
-def _rank0_prepare(spec: DataSpec, tokenizer, cache_root: Path, tokenizer_hash: str) -> Path:
+def _rank0_prepare(spec: DataSpec, tokenizer, tokenizer_dir: str | Path | None, cache_root: Path) -> str:
+    """Find or build the entry; return its fingerprint (the entry's name under ``cache_root``)."""
     cache_root.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(cache_root)
     raw = None
@@ -235,27 +229,10 @@ def _rank0_prepare(spec: DataSpec, tokenizer, cache_root: Path, tokenizer_hash: 
         data_hash = f"hub:{spec.path}:{raw._fingerprint}"
     else:
         data_hash = hash_path(spec.path)
-    fingerprint, inputs = cache_key(spec, data_hash, tokenizer_hash)
-    entry = cache_root / fingerprint
-    if not is_complete(entry):
-        entry = build_entry(spec, tokenizer, cache_root, fingerprint, inputs, raw)
-    if raw is not None:
-        pointer = _hub_pointer(cache_root, spec, tokenizer_hash)
-        pointer.parent.mkdir(exist_ok=True)
-        write_json_atomic(pointer, {"fingerprint": fingerprint, "source": spec.path})
-    return entry
-
-
-def _entry_for_rank(spec: DataSpec, cache_root: Path, tokenizer_hash: str) -> Path:
-    if is_hub_id(spec.path):
-        pointer = _hub_pointer(cache_root, spec, tokenizer_hash)
-        try:
-            fingerprint = json.loads(pointer.read_text())["fingerprint"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise DataCacheError(f"no usable hub pointer {pointer} after rank 0 prepared the data: {exc}") from exc
-        return cache_root / fingerprint
-    fingerprint, _ = cache_key(spec, hash_path(spec.path), tokenizer_hash)
-    return cache_root / fingerprint
+    fingerprint, inputs = cache_key(spec, data_hash, tokenizer_fingerprint(tokenizer, tokenizer_dir))
+    if not is_complete(cache_root / fingerprint):
+        build_entry(spec, tokenizer, cache_root, fingerprint, inputs, raw)
+    return fingerprint
 
 
 def prepare_dataset(
@@ -265,44 +242,48 @@ def prepare_dataset(
     cache_root: str | Path,
     *,
     rank: int,
-    barrier: Callable[[], None],
+    share: Callable[[object], object],
 ) -> tuple[datasets.Dataset, DataStats, Path]:
     """The tokenized dataset, its stats and its cache entry; collective: every rank calls it once.
 
-    Rank 0 builds the entry if it is missing; the others (which may hash the
-    local data meanwhile) wait in ``barrier`` and then load it. ``barrier`` must
-    tolerate the whole preprocessing time (e.g. a gloo group created with a long
-    timeout): a default 10-minute collective timeout is shorter than tokenizing
-    a large dataset. If rank 0 fails, it still enters the barrier so that the
-    other ranks fail at once with a pointer to rank 0 instead of hanging.
+    Rank 0 alone decides: it fingerprints the data (reading all of it) and the
+    tokenizer, and builds the entry if it is missing. ``share`` broadcasts rank 0's
+    outcome (rank 0 passes it and gets it back; the others pass None and receive
+    it): the entry's name, or rank 0's error. Every rank calls ``share`` exactly
+    once, whatever rank 0 found (hit, miss, error), so the collectives always
+    match; a failed rank 0 makes every other rank fail at once with its message
+    instead of waiting. The other ranks never read the data themselves: with a
+    warm cache a start costs one read of the dataset, not one per rank.
+
+    ``share`` must tolerate the whole preprocessing time (e.g. a broadcast on a
+    gloo group created with a long timeout): a default 10-minute collective
+    timeout is shorter than tokenizing a large dataset.
     """
     cache_root = Path(cache_root)
-    tokenizer_hash = tokenizer_fingerprint(tokenizer, tokenizer_dir)
-    entry: Path | None = None
-    error: Exception | None = None
     if rank == 0:
+        error: BaseException | None = None
         try:
-            entry = _rank0_prepare(data_spec, tokenizer, cache_root, tokenizer_hash)
-        except Exception as exc:
+            outcome: tuple[str, str] = ("entry", _rank0_prepare(data_spec, tokenizer, tokenizer_dir, cache_root))
+        except BaseException as exc:  # even an interrupt: the others must not wait hours in share()
             error = exc
-        barrier()
+            # The class travels as a name and the message as text: any exception pickles that way.
+            kind = "data" if isinstance(exc, data_mod.DataError) else "cache"
+            outcome = (kind, f"{type(exc).__name__}: {exc}")
+        share(outcome)
         if error is not None:
             raise error
     else:
-        try:
-            entry = None if is_hub_id(data_spec.path) else _entry_for_rank(data_spec, cache_root, tokenizer_hash)
-        except Exception as exc:
-            error = exc
-        barrier()
-        if error is not None:
-            raise error
-        if entry is None:
-            entry = _entry_for_rank(data_spec, cache_root, tokenizer_hash)
+        outcome = share(None)  # type: ignore[assignment]
+        kind, value = outcome
+        if kind != "entry":
+            # The same class as rank 0's for bad data, so every rank ends with the same exit code.
+            cls = data_mod.DataError if kind == "data" else DataCacheError
+            raise cls(f"rank {rank}: rank 0 could not prepare the data (see its log): {value}")
+    entry = cache_root / outcome[1]
     if not is_complete(entry):
         raise DataCacheError(
-            f"rank {rank}: no complete preprocessed data at {entry} after rank 0 finished; "
-            "rank 0 failed (see its log), sees different data or tokenizer files, or cache_root is not "
-            "on a filesystem that every node shares"
+            f"rank {rank}: no complete preprocessed data at {entry} after rank 0 prepared it there; "
+            "cache_root is not on a filesystem that every node shares (site paths.data_cache)"
         )
     dataset, stats = load_entry(entry)
     return dataset, stats, entry

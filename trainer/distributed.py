@@ -69,6 +69,13 @@ def broadcast_object(env: DistEnv, value: object) -> object:
     return box[0]
 
 
+def all_gather_object(env: DistEnv, value: object) -> list[object]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    out: list[object] = [None] * env.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -147,6 +147,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
+    def step_boundary(self) -> tuple[Action, bool]:
+        """What every rank does after this step: one all-reduce (max) of each rank's stop
+        action and of its view of a periodic save being due. Both depend on rank-local
+        things (switch files, signals, clocks); combined, every rank takes the same branch."""
+        action, due = reduce_max(self.env, [int(self.monitor.local_action()),
+                                            int(self.checkpointer.wants_save(self.step))])
+        return Action(action), bool(due)
+
     def _finish(self) -> None:
         self.save(blocking=True)
         if self.env.is_main:
@@ -194,7 +202,7 @@ class Trainer:
                     window_start, window_tokens = time.time(), 0
                 if self.step >= max_steps:
                     break
-                action = Action(reduce_max(self.env, [int(self.monitor.local_action())])[0])
+                action, due = self.step_boundary()
                 if action.exits:
                     if self.env.is_main:
                         log.warning("step %d: %s", self.step, self.monitor.describe(action))
@@ -203,7 +211,7 @@ class Trainer:
                         if self.env.is_main:
                             self.monitor.consume_stop_request()
                     return action.exit_code, self.monitor.describe(action)
-                if action is Action.SAVE or self.checkpointer.due(self.step):
+                if action is Action.SAVE or due:
                     if action is Action.SAVE and self.env.is_main:
                         log.info("step %d: %s", self.step, self.monitor.describe(action))
                     self.save(blocking=action is Action.SAVE)

@@ -26,10 +26,23 @@ def param_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
     return DTYPES[spec.dtype] if device.type == "cuda" else torch.float32
 
 
+class ModelError(ValueError):
+    """The model or tokenizer at ``model.path`` cannot be trained as it is; the message says what to change."""
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None and tokenizer.eos_token is None:
+        # Refused here, in the job's first seconds and before the data and the model load:
+        # without eos no example is taught to end, and without pad the first unpacked
+        # batch fails in collate with a bare TypeError.
+        raise ModelError(
+            f"model.path: {path}: the tokenizer has neither a pad token nor an eos token; add one "
+            '(e.g. "eos_token": "</s>" in its tokenizer_config.json, naming a token of its vocabulary, '
+            "or tokenizer.add_special_tokens({'eos_token': ...}) then save_pretrained)"
+        )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -35,6 +35,10 @@ def epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
     return state.permutation(num_rows)
 
 
+
+class ResumeMismatch(ValueError):
+    """The checkpoint was written for other data or another seed: its order cannot continue."""
+
 class ResumableSampler:
     """Infinite, deterministic, resumable distributed sampling of row indices.
 
@@ -106,12 +110,13 @@ class ResumableSampler:
         """Continue from ``state``. A different dataset (row count) or seed is an error: the order would differ."""
         num_rows, seed = int(state["num_rows"]), int(state["seed"])
         if num_rows != self.num_rows:
-            raise ValueError(
+            raise ResumeMismatch(
                 f"the checkpoint's sampler had {num_rows} rows, this run has {self.num_rows}: "
                 "the data, its preprocessing or packing changed, so the remaining order cannot be reproduced"
             )
         if seed != self.seed:
-            raise ValueError(f"the checkpoint's sampler seed is {seed}, this run's is {self.seed}")
+            raise ResumeMismatch(f"the checkpoint's sampler seed is {seed}, this run's (train.seed) is {self.seed}: "
+                                 "the remaining sample order cannot be reproduced")
         epoch, offset = int(state["epoch"]), int(state["offset"])
         if epoch < 0 or not 0 <= offset <= self.num_rows:
             raise ValueError(f"invalid sampler state: epoch {epoch}, offset {offset}")

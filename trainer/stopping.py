@@ -11,7 +11,10 @@ directory can create them (``jobgen stop RUN`` or plain ``touch``):
 - ``kill``  save a checkpoint and exit; also makes queued array tasks exit at once
 - ``save``  save a checkpoint, delete the file, continue
 - ``abort`` exit at once without saving
-- ``stop.<jobid>`` written by the batch shell when Slurm's lead-time signal arrives
+- ``stop.<jobid>.<restart>`` written by the batch shell when Slurm's lead-time signal
+  (or SIGTERM) arrives. A requeued job keeps its id, so the restart count is in the
+  name: a request an earlier attempt never consumed (SIGKILL after KillWait) cannot
+  stop a later attempt, and the batch script deletes such leftovers before it starts.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class Action(enum.IntEnum):
 @dataclass
 class StopSettings:
     switches: Path
-    job_id: str | None
+    stop_request: Path | None  # this attempt's stop request (jobgen.rundir.RunDir.stop_request)
     deadline: float | None  # epoch seconds after which we must save and leave
     max_host_memory_percent: float
     min_gpu_free_mib: int
@@ -112,11 +115,6 @@ class StopMonitor:
         for signum in self.HANDLED:
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
-    def restore_signal_handlers(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
-
     def _on_signal(self, signum: int, _frame) -> None:
         # Only a flag: the loop acts on it at the next step boundary.
         self.signal_received = signum
@@ -129,7 +127,7 @@ class StopMonitor:
             return Action.ABORT
         if s.check_files and (s.switches / "kill").exists():
             found = max(found, Action.KILL)
-        stop_file = s.check_files and s.job_id and (s.switches / f"stop.{s.job_id}").exists()
+        stop_file = s.check_files and s.stop_request is not None and s.stop_request.exists()
         if self.signal_received is not None or stop_file:
             found = max(found, Action.SIGNAL)
         if s.deadline is not None and now >= s.deadline:
@@ -147,7 +145,8 @@ class StopMonitor:
     def describe(self, action: Action) -> str:
         s = self.settings
         if action is Action.SIGNAL:
-            name = signal.Signals(self.signal_received).name if self.signal_received else f"stop.{s.job_id} request"
+            name = (signal.Signals(self.signal_received).name if self.signal_received
+                    else f"{s.stop_request.name if s.stop_request else 'stop'} request")
             return f"stop requested ({name}): saving and exiting"
         return {
             Action.ABORT: f"abort switch {s.switches / 'abort'}: exiting without saving",
@@ -164,9 +163,9 @@ class StopMonitor:
             pass
 
     def consume_stop_request(self) -> None:
-        if self.settings.job_id:
+        if self.settings.stop_request is not None:
             try:
-                os.unlink(self.settings.switches / f"stop.{self.settings.job_id}")
+                os.unlink(self.settings.stop_request)
             except FileNotFoundError:
                 pass
 

@@ -7,12 +7,16 @@ a pure function of the previous state, the new result and the clock
 to the run's ``logs/watchdog.log`` and the home's ``watchdog.log``, then sent by
 email (SMTP) and to a Slack-compatible webhook when configured. Secrets (SMTP
 password, webhook URL) are read from their file or variable at send time, never
-stored in a job file. A message an external channel failed to take is sent again
-at the next run instead of waiting for the reminder interval.
+stored in a job file, and never quoted in an error: the logs a failure lands in are
+read by the team, and urllib, http.client and SMTP servers quote what they were
+given, so a failure names the file or variable instead. A message an external
+channel failed to take is sent again at the next run instead of waiting for the
+reminder interval.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import json
@@ -21,11 +25,12 @@ import re
 import smtplib
 import ssl
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from email.message import EmailMessage
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from jobgen.atomic import write_json_atomic
 from jobgen.durations import format_human
@@ -94,38 +99,103 @@ def message(kind: str, result: CheckResult, prev: AlertState | None, now: float)
     return subject, body
 
 
+class DeliveryError(RuntimeError):
+    """A channel's failure, worded so that it never quotes the channel's secret."""
+
+
+# A webhook URL urllib can take: printable ASCII, no spaces (no control characters
+# for http.client to quote back).
+_URL = re.compile(r"^https?://[!-~]+$")
+
+
 def _secret(path: str | None, env: str | None, what: str) -> str | None:
     if path:
-        return Path(path).read_text().strip()
+        try:
+            value = Path(path).read_text().strip()
+        except UnicodeDecodeError:  # its message quotes bytes of the file
+            raise DeliveryError(f"{what} file {path} is not UTF-8 text") from None
+        except OSError as exc:
+            raise DeliveryError(f"{type(exc).__name__}: {what} file {path}: {exc.strerror}") from None
+        if not value:
+            raise DeliveryError(f"{what} file {path} is empty")
+        return value
     if env:
         value = os.environ.get(env)
         if value is None:
-            raise RuntimeError(f"{what}: environment variable {env} is not set")
+            raise DeliveryError(f"{what}: environment variable {env} is not set")
         return value
     return None
 
 
+def _where(path: str | None, env: str | None) -> str:
+    return f"file {path}" if path else f"environment variable {env}" if env else "[watchdogs.webhook] url"
+
+
+def _redacted(text: str, secrets: Iterable[str]) -> str:
+    for secret in secrets:
+        for form in {secret, repr(secret)[1:-1]} if secret else ():
+            text = text.replace(form, "<secret>")
+    return text
+
+
+def _describe(exc: BaseException, secrets: Iterable[str]) -> str:
+    """A failure for the logs: what the other side or the OS said, never an exception's
+    own message that may quote what it was given (a URL, a password's characters)."""
+    if isinstance(exc, urllib.error.HTTPError):
+        detail = f"HTTP {exc.code} {exc.reason}"
+    elif isinstance(exc, urllib.error.URLError):
+        reason = exc.reason
+        detail = (reason.strerror or str(reason)) if isinstance(reason, OSError) else str(reason)
+    elif isinstance(exc, smtplib.SMTPResponseException):
+        detail = f"{exc.smtp_code} {exc.smtp_error.decode(errors='replace')}"
+    elif isinstance(exc, (OSError, smtplib.SMTPException)):
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    else:  # ValueError, http.client.InvalidURL, UnicodeError, ...: they quote their input
+        return f"{type(exc).__name__}: its message is not shown (it may quote the secret)"
+    return f"{type(exc).__name__}: {_redacted(detail, secrets)}"
+
+
 def send_email(settings: EmailSettings, subject: str, body: str) -> None:
+    password = _secret(settings.password_file, settings.password_env, "email password")
     msg = EmailMessage()
     msg["Subject"], msg["From"], msg["To"] = subject[:900], settings.sender, ", ".join(settings.to)
     msg.set_content(body)
     cls = smtplib.SMTP_SSL if settings.security == "ssl" else smtplib.SMTP
-    with cls(settings.host, settings.port, timeout=20) as smtp:
-        if settings.security == "starttls":
-            smtp.starttls(context=ssl.create_default_context())
-        password = _secret(settings.password_file, settings.password_env, "email password")
-        if settings.username:
-            smtp.login(settings.username, password or "")
-        smtp.send_message(msg)
+    # What a server may echo of a login: the password, and AUTH PLAIN / LOGIN's base64 of it.
+    secrets = [password, *(base64.b64encode(f"{prefix}{password}".encode()).decode()
+                           for prefix in ("", f"\0{settings.username}\0"))] if password else []
+    try:
+        with cls(settings.host, settings.port, timeout=20) as smtp:
+            if settings.security == "starttls":
+                smtp.starttls(context=ssl.create_default_context())
+            if settings.username:
+                smtp.login(settings.username, password or "")
+            smtp.send_message(msg)
+    except Exception as exc:  # noqa: BLE001 - reworded so that the password never reaches a log
+        raise DeliveryError(_describe(exc, secrets)) from None
 
 
 def send_webhook(settings: WebhookSettings, text: str) -> None:
     url = settings.url or _secret(settings.url_file, settings.url_env, "webhook url")
-    request = urllib.request.Request(url, data=json.dumps({"text": text}).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=20) as response:
-        if response.status >= 300:
-            raise RuntimeError(f"webhook answered HTTP {response.status}")
+    where = _where(settings.url_file, settings.url_env)
+    if not _URL.match(url):
+        raise DeliveryError(f"the webhook url in {where} is not an http(s):// URL of printable characters "
+                            "(not shown: it is a secret)")
+    try:
+        request = urllib.request.Request(url, data=json.dumps({"text": text}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=20) as response:
+            if response.status >= 300:
+                raise DeliveryError(f"webhook answered HTTP {response.status}")
+    except DeliveryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reworded so that the URL never reaches a log
+        raise DeliveryError(f"{_describe(exc, [url])}; url from {where}") from None
+
+
+def _failure(exc: Exception) -> str:
+    # A DeliveryError is worded for the logs already; anything else is a jobgen bug.
+    return str(exc) if isinstance(exc, DeliveryError) else f"{type(exc).__name__}: {exc}"
 
 
 def append_line(path: Path, text: str) -> None:
@@ -149,12 +219,12 @@ def send(kind: str, result: CheckResult, target: Target, prev: AlertState | None
         try:
             send_email(settings.email, subject, body)
         except Exception as exc:  # noqa: BLE001 - any failure of a channel is reported, none stops the others
-            failures.append(f"email: {type(exc).__name__}: {exc}")
+            failures.append(f"email: {_failure(exc)}")
     if settings.webhook is not None:
         try:
             send_webhook(settings.webhook, body)
         except Exception as exc:  # noqa: BLE001
-            failures.append(f"webhook: {type(exc).__name__}: {exc}")
+            failures.append(f"webhook: {_failure(exc)}")
     for failure in failures:
         note = f"{stamp} could not deliver {kind} {result.check} {result.target}: {failure}"
         if target.home is not None:

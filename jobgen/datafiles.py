@@ -1,0 +1,85 @@
+"""What a local ``[data] path`` holds, judged from names and sizes: no ``datasets`` import.
+
+Shared by ``jobgen validate`` (so a run that cannot have a single row is refused
+before it queues) and the trainer's ``load_raw`` (which must agree on what counts
+as a data file and as empty). Reading is limited to the first :data:`SNIFF_BYTES`
+of small text files, so validating a terabyte dataset costs a directory listing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# suffix -> the ``datasets`` builder that reads it
+DATA_FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+_TEXT_SUFFIXES = (".jsonl", ".json", ".csv")
+# Only files up to this size are read to see whether they hold nothing but blank lines:
+# a larger file made of whitespace is not a mistake anyone makes.
+SNIFF_BYTES = 64 * 1024
+_LISTED = 5  # file names shown in a message
+
+
+def data_files(directory: Path) -> list[Path]:
+    """The data files under a directory (recursively, hidden ones skipped), sorted."""
+    return sorted(
+        f
+        for f in directory.rglob("*")
+        if f.is_file()
+        and f.suffix in DATA_FILE_TYPES
+        and not any(part.startswith(".") for part in f.relative_to(directory).parts)
+    )
+
+
+def is_saved_dataset(directory: Path) -> bool:
+    return (directory / "state.json").is_file() or (directory / "dataset_dict.json").is_file()
+
+
+def is_empty_file(path: Path) -> bool:
+    """True when the file cannot hold a row: zero bytes, only blank lines, a CSV header alone,
+    or a JSON file holding an empty array.
+
+    ``datasets`` reports such files with an empty or unrelated message ("An error
+    occurred while generating the dataset"), and a CSV one fails a whole directory.
+    """
+    size = path.stat().st_size
+    if size == 0:
+        return True
+    if path.suffix not in _TEXT_SUFFIXES or size > SNIFF_BYTES:
+        return False
+    lines = [line.strip() for line in path.read_bytes().splitlines() if line.strip()]
+    if path.suffix == ".json" and b"".join(lines).replace(b" ", b"") == b"[]":
+        return True
+    return not lines or (path.suffix == ".csv" and len(lines) == 1)
+
+
+def _names(files: list[Path], root: Path) -> str:
+    names = [f.relative_to(root).as_posix() for f in files[:_LISTED]]
+    more = f" and {len(files) - _LISTED} more" if len(files) > _LISTED else ""
+    return ", ".join(names) + more
+
+
+def data_path_problem(path: str | Path) -> str | None:
+    """Why an existing local data path cannot give a single row, or None if it may.
+
+    The message starts with the path; callers prefix the key (``data.path: ``).
+    A directory's empty files are only a problem when every one is empty: a
+    sharded export often has empty parts, and the trainer skips them.
+    """
+    p = Path(path)
+    if p.is_dir():
+        if is_saved_dataset(p):
+            return None  # Arrow files; the row count is checked after loading
+        files = data_files(p)
+        if not files:
+            return f"{p} holds no {'/'.join(DATA_FILE_TYPES)} files and no save_to_disk dataset"
+        kinds = {DATA_FILE_TYPES[f.suffix] for f in files}
+        if len(kinds) > 1:
+            return f"{p} mixes file types ({', '.join(sorted(kinds))}); use one"
+        if all(is_empty_file(f) for f in files):
+            return f"{p} is empty (0 rows): every data file in it is empty ({_names(files, p)})"
+        return None
+    if p.suffix not in DATA_FILE_TYPES:
+        return f"{p}: unsupported type '{p.suffix}' (use {', '.join(DATA_FILE_TYPES)})"
+    if is_empty_file(p):
+        return f"{p} is empty (0 rows)"
+    return None

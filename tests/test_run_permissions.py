@@ -1,0 +1,192 @@
+"""Who may change a run directory: its owner, as the umask says; the team only through
+``switches/`` (setgid, group-writable), and a teammate's `jobgen stop` never tracebacks.
+
+Teammates are real throwaway accounts (this suite runs as root, as on the CI machine),
+and `jobgen` runs as them in a forked child, as in test_slurm_lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import write_spec
+from jobgen.loader import load_run
+from jobgen.render import render_all
+from jobgen.rundir import RunDir, materialize
+
+GROUP, MATE, STRANGER = "jgperm", "jgpmate", "jgpstranger"
+
+
+@contextlib.contextmanager
+def umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def make_run(spec_dir: Path, runs_root: Path, name: str = "team") -> RunDir:
+    spec = load_run(write_spec(spec_dir, f"""
+        site = "local"
+        [job]
+        name = "{name}"
+        program = "doctor"
+        time = "5m"
+        exit_grace = "1m"
+        runs_root = "{runs_root}"
+    """))
+    run, _ = materialize(spec, render_all(spec), None)
+    return run
+
+
+@pytest.mark.parametrize(("mask", "dirs", "files", "scripts"), [
+    (0o022, 0o755, 0o644, 0o755),
+    (0o002, 0o775, 0o664, 0o775),  # the user asked for a group-writable run: so be it
+    (0o077, 0o700, 0o600, 0o700),
+])
+def test_the_run_directory_follows_the_umask_but_switches_are_shared(tmp_path: Path, mask, dirs, files, scripts):
+    with umask(mask):
+        run = make_run(tmp_path, tmp_path / "runs")
+        run.record_job({"job_id": 1})
+    assert mode(run.path) == dirs, oct(mode(run.path))
+    for sub in ("logs", "checkpoints", "repro", "history"):
+        assert mode(run.path / sub) == dirs, sub
+    assert mode(run.spec_file) == files and mode(run.jobs_file) == files
+    assert mode(run.script("doctor")) == scripts
+    # The team's one shared surface, whatever the umask.
+    assert mode(run.switches) == 0o2775
+
+
+def test_continuing_a_run_repairs_its_switches_and_tightens_an_old_group_writable_root(tmp_path: Path):
+    with umask(0o022):
+        run = make_run(tmp_path, tmp_path / "runs")
+        run.switches.chmod(0o755)  # as an older jobgen or a careful user left it
+        run.path.chmod(0o2775)  # as jobgen left every run before it respected the umask
+        make_run(tmp_path, tmp_path / "runs")
+    assert mode(run.switches) == 0o2775
+    assert mode(run.path) & 0o022 == 0, oct(mode(run.path))
+
+
+def test_switch_files_are_group_writable_and_setting_twice_is_no_error(tmp_path: Path):
+    with umask(0o022):
+        run = make_run(tmp_path, tmp_path / "runs")
+        path, created = run.set_switch("kill")
+        assert created and mode(path) == 0o664  # a teammate may touch or remove it
+        assert run.set_switch("kill") == (path, False)
+
+
+# ------------------------------------------------------------ real teammates
+
+def _ensure(kind: str, name: str, *args: str) -> bool:
+    lookup = ["getent", "group", name] if kind == "group" else ["id", name]
+    if subprocess.run(lookup, capture_output=True).returncode == 0:
+        return False
+    subprocess.run([f"{kind}add", *args, name], check=True, capture_output=True)
+    return True
+
+
+@pytest.fixture()
+def team() -> Iterator[Path]:
+    """A project directory of group GROUP (setgid, 2775) with MATE in the group and
+    STRANGER outside it; the accounts go again afterwards."""
+    if os.geteuid() != 0:
+        pytest.fail("needs root to create throwaway accounts (the CI machine runs as root)")
+    made_group = _ensure("group", GROUP)
+    made_mate = _ensure("user", MATE, "--no-create-home", "--gid", GROUP, "--shell", "/bin/sh")
+    made_stranger = _ensure("user", STRANGER, "--no-create-home", "--gid", "nogroup", "--shell", "/bin/sh")
+    root = Path(f"/var/tmp/jobgen-perm-{uuid.uuid4().hex[:8]}")
+    root.mkdir()
+    shutil.chown(root, group=GROUP)
+    root.chmod(0o2775)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        for made, kind, name in ((made_stranger, "user", STRANGER), (made_mate, "user", MATE),
+                                 (made_group, "group", GROUP)):
+            if made:
+                subprocess.run([f"{kind}del", name], capture_output=True)
+
+
+def jobgen_as(user: str, args: list[str], out: Path) -> tuple[int, str]:
+    """`jobgen ARGS` as ``user``: exit code and everything it printed (a traceback too).
+    Forked, not exec'd: this machine's Python lives under /root, closed to other users."""
+    entry = pwd.getpwnam(user)
+    import jobgen.cli  # noqa: F401 - everything imported before the uid changes
+    import jobgen.loader  # noqa: F401
+    import jobgen.rundir  # noqa: F401
+
+    with out.open("w") as sink:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.dup2(sink.fileno(), 1)
+                os.dup2(sink.fileno(), 2)
+                sys.stdout = sys.stderr = os.fdopen(1, "w", buffering=1)
+                os.setgroups([entry.pw_gid])
+                os.setgid(entry.pw_gid)
+                os.setuid(entry.pw_uid)
+                os.umask(0o022)
+                from jobgen.cli import main
+
+                try:
+                    main(args, standalone_mode=False)
+                    code = 0
+                except SystemExit as exc:
+                    code = int(exc.code or 0)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()  # what the console script would show
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out.read_text()
+
+
+def test_a_teammate_stops_a_run_whose_kill_switch_the_owner_already_set(team: Path, tmp_path: Path):
+    with umask(0o022):
+        run = make_run(tmp_path, team)
+        run.set_switch("kill")  # the owner was first
+    owners = run.switches / "kill"
+    code, out = jobgen_as(MATE, ["stop", str(run.path)], tmp_path / "out")
+    assert code == 0 and "Traceback" not in out, out
+    assert "already set" in out and pwd.getpwuid(owners.stat().st_uid).pw_name == "root"
+
+    # The teammate first: their file stays in the run's group, writable by the owner's team.
+    code, out = jobgen_as(MATE, ["save", str(run.path)], tmp_path / "out")
+    saved = run.switches / "save"
+    assert code == 0 and "created" in out, out
+    assert pwd.getpwuid(saved.stat().st_uid).pw_name == MATE and grp.getgrgid(saved.stat().st_gid).gr_name == GROUP
+    assert mode(saved) == 0o664
+
+
+def test_someone_outside_the_team_gets_a_clean_error(team: Path, tmp_path: Path):
+    with umask(0o022):
+        run = make_run(tmp_path, team)
+        spec_before = run.spec_file.read_bytes()
+    code, out = jobgen_as(STRANGER, ["abort", str(run.path)], tmp_path / "out")
+    assert code == 1 and "Traceback" not in out, out
+    assert out.startswith("jobgen: ") and str(run.switches) in out and "abort" in out, out
+    assert not (run.switches / "abort").exists()
+    # Nor can the team touch what is not theirs: spec.json and checkpoints are the owner's.
+    assert run.spec_file.read_bytes() == spec_before and mode(run.path) & 0o022 == 0
