@@ -46,8 +46,9 @@ def _cancel_leftover_jobs():
     _SUBMITTED_NAMES.clear()
 
 
-def train_spec(directory: Path, tiny_model: Path, name: str, *, nodes: int = 1, time_limit: str = "10m",
-               grace: str = "1m", array: int = 1, runs_root: Path | None = None, **train: object) -> Path:
+def train_spec(directory: Path, tiny_model: Path, name: str, *, nodes: int = 1, procs_per_node: int = 2,
+               time_limit: str = "10m", grace: str = "1m", array: int = 1, runs_root: Path | None = None,
+               **train: object) -> Path:
     _SUBMITTED_NAMES.append(name)
     settings = {"micro_batch_size": 4, "grad_accum": 1, "lr": 1e-3, "max_steps": 1_000_000, "save_every_steps": 0,
                 "log_every_steps": 1, "seed": 3, **train}
@@ -58,7 +59,7 @@ def train_spec(directory: Path, tiny_model: Path, name: str, *, nodes: int = 1, 
         [job]
         name = "{name}"
         nodes = {nodes}
-        procs_per_node = 2
+        procs_per_node = {procs_per_node}
         time = "{time_limit}"
         exit_grace = "{grace}"
         array = {array}

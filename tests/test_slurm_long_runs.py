@@ -18,6 +18,7 @@ import pytest
 from conftest import jobgen, wait_until_gone
 from jobgen import slurm
 from jobgen.exit_codes import ExitCode
+from test_slurm_lifecycle import _cancel_leftover_jobs  # noqa: F401 - autouse: cancels a failed test's jobs
 from test_slurm_lifecycle import (exit_record, first_step_record, last_step, records, running_task, status, stop_run,
                                   submit, train_spec, wait_for)
 
