@@ -9,6 +9,11 @@
 
 Every command imports what it needs inside its function: ``jobgen --help`` must
 stay fast, and nothing here ever imports torch, transformers or datasets.
+
+This is the composition root: the one module of ``jobgen/`` that may use ``trainer/``
+(``export``) and ``watchdogs/`` (the ``watchdog`` group, the alerts ``status`` shows),
+wiring them into the subcommands. Every other jobgen module uses neither
+(``tests/test_layering.py``).
 """
 
 from __future__ import annotations
@@ -76,18 +81,19 @@ def validate(spec_file: str) -> None:
 def render(spec_file: str, output_dir: str | None) -> None:
     """Print (or write) the exact sbatch script that submit would use."""
     from jobgen.atomic import write_text_atomic
-    from jobgen.render import render_all
+    from jobgen.render import render as render_script
+    from jobgen.render import script_name
 
-    scripts = render_all(_load(spec_file))
+    spec = _load(spec_file)
+    text = render_script(spec)
     if output_dir is None:
-        for text in scripts.values():
-            click.echo(text, nl=False)
+        click.echo(text, nl=False)
         return
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in scripts.items():
-        write_text_atomic(out / name, text, mode=0o755)
-        click.echo(str(out / name))
+    target = out / script_name(spec)
+    write_text_atomic(target, text, mode=0o755)
+    click.echo(str(target))
 
 
 def _print_findings(findings) -> None:
@@ -105,7 +111,8 @@ def submit(spec_file: str, array: int | None, after: int | None, dry_run: bool, 
     """Preflight against the cluster, write the run directory, sbatch --array=1-N%1."""
     from jobgen.rundir import RunDirError
     from jobgen.slurm import SlurmError, SlurmUnavailable
-    from jobgen.submit import SubmitError, run_local, submit as do_submit
+    from jobgen.submit import SubmitError, run_local
+    from jobgen.submit import submit as do_submit
 
     spec = _load(spec_file)
     source = Path(spec_file).read_text()
@@ -120,8 +127,10 @@ def submit(spec_file: str, array: int | None, after: int | None, dry_run: bool, 
         _print_findings(exc.findings)
         sys.exit(2)
     except SlurmUnavailable as exc:
-        _fail(f"jobgen: not submitted: {exc}\n  no cluster here? `jobgen cluster up --netns` starts a local one; "
-              "`jobgen submit --local` runs one node on this machine without Slurm")
+        _fail(
+            f"jobgen: not submitted: {exc}\n  no cluster here? `jobgen cluster up --netns` starts a local one; "
+            "`jobgen submit --local` runs one node on this machine without Slurm"
+        )
     except (SlurmError, RunDirError) as exc:
         _fail(f"jobgen: not submitted: {exc}")
     _print_findings([f for f in result.findings if f.level == "warning"])
@@ -154,6 +163,7 @@ def status(run_ref: str | None, as_json: bool, watch: bool) -> None:
     (the listing is incomplete). With RUN, such a run is a one-line error, exit status 1.
     """
     from jobgen.status import format_status, run_status, unreadable, unreadable_status, watch_run
+    from watchdogs.notify import run_alerts  # the watchdogs' alerts, handed to status (jobgen does not import them)
 
     if run_ref:
         run = _find_run(run_ref)
@@ -163,7 +173,7 @@ def status(run_ref: str | None, as_json: bool, watch: bool) -> None:
     if watch:
         if not run_ref:
             _fail("jobgen status --watch needs RUN")
-        final = watch_run(run, click.echo)
+        final = watch_run(run, click.echo, watchdog_alerts=run_alerts)
         click.echo(format_status(final))
         sys.exit(0 if final.state == "finished" else 1)
     if run_ref:
@@ -174,7 +184,7 @@ def status(run_ref: str | None, as_json: bool, watch: bool) -> None:
         root = _default_runs_root()
         runs = sorted((RunDir(p.parent) for p in root.glob("*/spec.json")), key=lambda r: r.path) if root else []
     problems = {r: unreadable(r) for r in runs}
-    statuses = [unreadable_status(r, problems[r]) if problems[r] else run_status(r) for r in runs]
+    statuses = [unreadable_status(r, problems[r]) if problems[r] else run_status(r, run_alerts) for r in runs]
     code = 1 if any(problems.values()) else 0
     if as_json:
         payload = statuses[0].to_json() if run_ref else [s.to_json() for s in statuses]
@@ -190,10 +200,10 @@ def _switch_command(name: str, doc: str):
     @main.command(name=name, help=doc)
     @click.argument("run_ref", metavar="RUN")
     def command(run_ref: str) -> None:
-        from jobgen.rundir import RunDirError
+        from jobgen.rundir import KILL_SWITCH, RunDirError
 
         try:
-            path, created = _find_run(run_ref).set_switch({"stop": "kill"}.get(name, name))
+            path, created = _find_run(run_ref).set_switch({"stop": KILL_SWITCH}.get(name, name))
         except RunDirError as exc:  # e.g. a switches/ the user may not write: a sentence, not a traceback
             _fail(f"jobgen: {exc}")
         click.echo(f"{path} created" if created else f"{path} already set")
@@ -227,18 +237,30 @@ def logs(run_ref: str, follow: bool) -> None:
 
 @main.command()
 @click.option("--nodes", default=2, show_default=True, type=click.IntRange(1, 4096))
-@click.option("--procs-per-node", type=click.IntRange(1, 256), help="default: the site's GPUs per node, or 2 on CPU sites")
+@click.option(
+    "--procs-per-node", type=click.IntRange(1, 256), help="default: the site's GPUs per node, or 2 on CPU sites"
+)
 @click.option("--site", "site_ref", default="local", show_default=True, help="site profile name or path")
 @click.option("--partition", help="partition (default: the site's)")
 @click.option("--time", "time_limit", default="10m", show_default=True)
 @click.option("--wait/--no-wait", default=True, show_default=True, help="wait for the job and print its report")
-def doctor(nodes: int, procs_per_node: int | None, site_ref: str, partition: str | None, time_limit: str, wait: bool) -> None:
+def doctor(
+    nodes: int, procs_per_node: int | None, site_ref: str, partition: str | None, time_limit: str, wait: bool
+) -> None:
     """Node health job: every rank inits the process group, all-reduces, allocates
     memory and reports versions; names the nodes that fail."""
     from jobgen.doctor import run_doctor
 
-    sys.exit(run_doctor(nodes=nodes, procs_per_node=procs_per_node, site_ref=site_ref,
-                        partition=partition, time_limit=time_limit, wait=wait))
+    sys.exit(
+        run_doctor(
+            nodes=nodes,
+            procs_per_node=procs_per_node,
+            site_ref=site_ref,
+            partition=partition,
+            time_limit=time_limit,
+            wait=wait,
+        )
+    )
 
 
 @main.command(name="make-tiny-model")
@@ -248,15 +270,18 @@ def doctor(nodes: int, procs_per_node: int | None, site_ref: str, partition: str
 @click.option("--heads", default=4, show_default=True, type=click.IntRange(1, 64))
 @click.option("--vocab-size", default=512, show_default=True, type=click.IntRange(300, 65536))
 @click.option("--seed", default=0, show_default=True, type=int)
-def make_tiny_model_command(directory: str, hidden_size: int, layers: int, heads: int, vocab_size: int, seed: int) -> None:
+def make_tiny_model_command(
+    directory: str, hidden_size: int, layers: int, heads: int, vocab_size: int, seed: int
+) -> None:
     """A random tiny Llama-style model and a locally trained tokenizer with a chat template."""
     from jobgen.tinymodel import make_tiny_model
 
     if hidden_size % heads:
         _fail(f"--hidden-size {hidden_size} must be a multiple of --heads {heads}", 2)
     try:
-        path = make_tiny_model(Path(directory), hidden_size=hidden_size, layers=layers, heads=heads,
-                               vocab_size=vocab_size, seed=seed)
+        path = make_tiny_model(
+            Path(directory), hidden_size=hidden_size, layers=layers, heads=heads, vocab_size=vocab_size, seed=seed
+        )
     except FileExistsError as exc:
         _fail(f"jobgen: {exc}", 2)
     click.echo(f"tiny model and tokenizer written to {path}")
@@ -270,11 +295,18 @@ def make_tiny_model_command(directory: str, hidden_size: int, layers: int, heads
 def export(run_ref: str, target: str, checkpoint: str | None, merge_lora: bool) -> None:
     """A consolidated Hugging Face model (and tokenizer) from the run's checkpoint."""
     run = _find_run(run_ref)
-    from trainer.export import ExportError, export as do_export
+    from trainer.export import ExportError
+    from trainer.export import export as do_export
 
     try:
-        source = do_export(run.load_spec(), run.path, Path(target), checkpoint=checkpoint, merge_lora=merge_lora,
-                           report=lambda line: click.echo(f"jobgen export: {line}", err=True))
+        source = do_export(
+            run.load_spec(),
+            run.path,
+            Path(target),
+            checkpoint=checkpoint,
+            merge_lora=merge_lora,
+            report=lambda line: click.echo(f"jobgen export: {line}", err=True),
+        )
     except ExportError as exc:
         _fail(f"jobgen export: {exc}", 2)
     click.echo(f"exported {source.name} of {run.path} to {target}")

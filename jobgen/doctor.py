@@ -5,13 +5,17 @@
 The job is the same rendered launch path as training (srun → torchrun → program),
 so a doctor that passes means the network settings, the rendezvous and the Python
 environment of the site profile work on those nodes.
+
+This module owns submitting the doctor job, waiting for it and reporting its result.
+The result is the ``doctor.json`` the doctor program (``trainer.doctor``) writes into
+the run directory: the verdict and the table to print. The job's log is only shown,
+as it is, when that file is missing.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-import re
 import time
 from pathlib import Path
 
@@ -56,40 +60,29 @@ def wait_for(job_id: int, timeout: float) -> None:
         time.sleep(POLL_SECONDS)
 
 
-_TEE_PREFIX = re.compile(r"^\[[A-Za-z]+\d+\]:")
-
-
-def doctor_table(log_text: str) -> list[str]:
-    """Rank 0's table from the batch log, without torchrun's ``[default0]:`` prefixes."""
-    lines = [_TEE_PREFIX.sub("", line) for line in log_text.splitlines()]
-    if "jobgen doctor:" not in lines:
-        return []
-    table = lines[lines.index("jobgen doctor:"):]
-    end = next((i for i, line in enumerate(table) if line.startswith("RESULT:")), len(table) - 1)
-    return table[: end + 1]
-
-
 def report(run: RunDir, job_id: int) -> int:
-    """Print the doctor's table; the exit code says whether every rank was healthy."""
-    log = run.logs / f"{run.path.name}-{job_id}.out"
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    table = doctor_table(text)
+    """Print the doctor's table from its ``doctor.json``; the exit code says whether every
+    rank was healthy. Without that file, the last lines of the job's log say why."""
     verdict_file = run.path / "doctor.json"
-    if table:
-        click.echo("\n".join(table))
     if not verdict_file.is_file():
+        log = run.batch_log(run.path.name, job_id)
+        text = log.read_text(errors="replace") if log.is_file() else ""
         click.echo(f"jobgen doctor: job {job_id} produced no report; last lines of {log}:", err=True)
         click.echo("\n".join(text.splitlines()[-25:]), err=True)
         return int(ExitCode.DOCTOR_FAILED)
     verdict = json.loads(verdict_file.read_text())
+    if verdict.get("table"):
+        click.echo("\n".join(["jobgen doctor:", *verdict["table"]]))
     return int(ExitCode.OK if verdict.get("ok") else ExitCode.DOCTOR_FAILED)
 
 
-def run_doctor(*, nodes: int, procs_per_node: int | None, site_ref: str, partition: str | None,
-               time_limit: str, wait: bool) -> int:
+def run_doctor(
+    *, nodes: int, procs_per_node: int | None, site_ref: str, partition: str | None, time_limit: str, wait: bool
+) -> int:
     try:
-        spec = doctor_spec(nodes=nodes, procs_per_node=procs_per_node, site_ref=site_ref,
-                           partition=partition, time_limit=time_limit)
+        spec = doctor_spec(
+            nodes=nodes, procs_per_node=procs_per_node, site_ref=site_ref, partition=partition, time_limit=time_limit
+        )
         result = submit(spec)
     except SpecError as exc:
         click.echo("jobgen doctor: " + "\n  ".join(["invalid request:", *map(str, exc.issues)]), err=True)
@@ -98,7 +91,9 @@ def run_doctor(*, nodes: int, procs_per_node: int | None, site_ref: str, partiti
         click.echo("jobgen doctor: not submitted:\n  " + "\n  ".join(map(str, exc.findings)), err=True)
         return 2
     assert result.job_id is not None
-    click.echo(f"submitted doctor job {result.job_id}: {nodes} node(s) x {spec.procs_per_node}, run dir {result.run_dir}")
+    click.echo(
+        f"submitted doctor job {result.job_id}: {nodes} node(s) x {spec.procs_per_node}, run dir {result.run_dir}"
+    )
     if not wait:
         return 0
     wait_for(result.job_id, timeout=parse_duration(time_limit) + 120)

@@ -35,9 +35,7 @@ def parse_duration(value: object) -> int:
     if not text:
         raise DurationError("empty duration")
     if text.isdigit():
-        raise DurationError(
-            f"'{value}' has no unit: write '{text}m' or '{text}s' (Slurm would read it as minutes)"
-        )
+        raise DurationError(f"'{value}' has no unit: write '{text}m' or '{text}s' (Slurm would read it as minutes)")
     human = _HUMAN.match(text)
     if human and any(human.groupdict().values()):
         parts = {k: int(v or 0) for k, v in human.groupdict().items()}

@@ -72,11 +72,11 @@ _REASONS = {
 # of the run clears the stop once it is fixed.
 _FIXES = {
     ExitCode.WORLD_SIZE_MISMATCH: "make job.nodes x job.procs_per_node match what the site starts per node, "
-                                  "then `jobgen submit` the run again",
+    "then `jobgen submit` the run again",
     ExitCode.RESUME_FAILED: "no checkpoint of the run loads with this spec: restore [model]/[train] as they were "
-                            "when the checkpoints were written, or move checkpoints/ away to start over, "
-                            "then `jobgen submit` the run again",
+    "when the checkpoints were written, or move checkpoints/ away to start over, "
+    "then `jobgen submit` the run again",
     ExitCode.RESUME_MISMATCH: "put train.seed and the data back as they were for this run's checkpoints, or "
-                              "start a new run (another job.name), then `jobgen submit` again",
+    "start a new run (another job.name), then `jobgen submit` again",
     ExitCode.DATA_ERROR: "fix the data or the tokenizer named in the reason, then `jobgen submit` the run again",
 }

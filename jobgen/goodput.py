@@ -1,5 +1,9 @@
 """Lost work, goodput and lead time, computed after the fact from the run directory.
 
+Owns the per-task reports (:class:`TaskReport`, :func:`task_reports`) and what is
+derived from them: goodput, the ``exit_grace`` a run needs, and the warnings when
+``exit_grace`` or Slurm's SIGTERM-to-SIGKILL window is too short for a save.
+
 The trainer's rank 0 appends to ``tasks.jsonl`` a ``first_step`` record when a job
 (array task) takes its first optimizer step and an ``exit`` record when it leaves;
 ``metrics.jsonl`` has a line per logging step. A job killed outright (SIGKILL, node
@@ -59,62 +63,104 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _key(record: dict[str, Any]) -> tuple[str, int]:
+TaskKey = tuple[str, int]  # (job id, Slurm restart count): one run of one job
+
+
+def _task_key(record: dict[str, Any]) -> TaskKey:
     return str(record.get("job_id")), int(record.get("restart") or 0)
 
 
 def task_reports(tasks: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> list[TaskReport]:
     """One report per run of a job that trained (a requeued job runs again), in order."""
-    reports: dict[tuple[str, int], TaskReport] = {}
-    job_start: dict[tuple[str, int], float] = {}
-    for rec in tasks:
-        job = _key(rec)
-        report = reports.setdefault(job, TaskReport(job_id=job[0], restart=job[1]))
-        if rec.get("event") == "first_step":
-            report.start_step = rec.get("start_step")
-            report.seconds_to_first_step = rec.get("seconds_to_first_step")
-            if rec.get("job_start") is not None:
-                job_start[job] = float(rec["job_start"])
-        elif rec.get("event") == "exit":
-            report.start_step = rec.get("start_step", report.start_step)
-            report.end_step = rec.get("end_step")
-            report.exit_code = rec.get("exit_code")
-            report.exit_reason = rec.get("exit_reason")
-            report.step_seconds_total = rec.get("step_seconds_total")
-            report.step_seconds_max = rec.get("step_seconds_max")
-            report.save_seconds_max = max(rec.get("save_seconds") or [0.0]) or None
-            if rec.get("job_start") is not None:
-                job_start[job] = float(rec["job_start"])
-                report.allocated_seconds = round(float(rec["time"]) - job_start[job], 3)
-    # Jobs that died without an exit record: their last metrics line is the best we know.
-    by_job: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for line in metrics:
-        by_job.setdefault(_key(line), []).append(line)
-    for job, report in reports.items():
-        lines = by_job.get(job, [])
-        if report.end_step is None and lines:
-            report.end_step = max(int(l["step"]) for l in lines)
-            report.exit_reason = report.exit_reason or "ended without an exit record (killed?)"
-            seconds = [float(l["step_seconds"]) for l in lines if "step_seconds" in l]
-            if seconds and report.start_step is not None:
-                report.step_seconds_max = max(seconds)
-                report.step_seconds_total = round(sum(seconds) / len(seconds) * (report.end_step - report.start_step), 3)
-            if job in job_start:
-                report.allocated_seconds = round(max(float(l["time"]) for l in lines) - job_start[job], 3)
+    reports, job_starts = _reports_from_task_records(tasks)
+    _fill_in_killed_jobs(reports, job_starts, _metrics_by_task(metrics))
     ordered = list(reports.values())
-    reached = None
-    for i, report in enumerate(ordered):
+    _count_recomputed_steps(ordered)
+    _count_useful_seconds(ordered)
+    return ordered
+
+
+def _reports_from_task_records(tasks: list[dict[str, Any]]) -> tuple[dict[TaskKey, TaskReport], dict[TaskKey, float]]:
+    """A report per task from its ``first_step`` and ``exit`` records of ``tasks.jsonl``, and
+    when each task's job started."""
+    reports: dict[TaskKey, TaskReport] = {}
+    job_starts: dict[TaskKey, float] = {}
+    for record in tasks:
+        key = _task_key(record)
+        report = reports.setdefault(key, TaskReport(job_id=key[0], restart=key[1]))
+        event = record.get("event")
+        if event == "first_step":
+            _apply_first_step(report, record)
+        elif event == "exit":
+            _apply_exit(report, record)
+        if event in ("first_step", "exit") and record.get("job_start") is not None:
+            job_starts[key] = float(record["job_start"])
+    return reports, job_starts
+
+
+def _apply_first_step(report: TaskReport, record: dict[str, Any]) -> None:
+    report.start_step = record.get("start_step")
+    report.seconds_to_first_step = record.get("seconds_to_first_step")
+
+
+def _apply_exit(report: TaskReport, record: dict[str, Any]) -> None:
+    report.start_step = record.get("start_step", report.start_step)
+    report.end_step = record.get("end_step")
+    report.exit_code = record.get("exit_code")
+    report.exit_reason = record.get("exit_reason")
+    report.step_seconds_total = record.get("step_seconds_total")
+    report.step_seconds_max = record.get("step_seconds_max")
+    report.save_seconds_max = max(record.get("save_seconds") or [0.0]) or None
+    if record.get("job_start") is not None:
+        report.allocated_seconds = round(float(record["time"]) - float(record["job_start"]), 3)
+
+
+def _metrics_by_task(metrics: list[dict[str, Any]]) -> dict[TaskKey, list[dict[str, Any]]]:
+    by_task: dict[TaskKey, list[dict[str, Any]]] = {}
+    for line in metrics:
+        by_task.setdefault(_task_key(line), []).append(line)
+    return by_task
+
+
+def _fill_in_killed_jobs(
+    reports: dict[TaskKey, TaskReport],
+    job_starts: dict[TaskKey, float],
+    metrics_by_task: dict[TaskKey, list[dict[str, Any]]],
+) -> None:
+    """Jobs that died without an exit record: their last metrics line is the best we know."""
+    for key, report in reports.items():
+        lines = metrics_by_task.get(key, [])
+        if report.end_step is not None or not lines:
+            continue
+        report.end_step = max(int(line["step"]) for line in lines)
+        report.exit_reason = report.exit_reason or "ended without an exit record (killed?)"
+        seconds = [float(line["step_seconds"]) for line in lines if "step_seconds" in line]
+        if seconds and report.start_step is not None:
+            report.step_seconds_max = max(seconds)
+            report.step_seconds_total = round(sum(seconds) / len(seconds) * (report.end_step - report.start_step), 3)
+        if key in job_starts:
+            report.allocated_seconds = round(max(float(line["time"]) for line in lines) - job_starts[key], 3)
+
+
+def _count_recomputed_steps(reports: list[TaskReport]) -> None:
+    """Steps an earlier task had already done beyond the checkpoint each task resumed from."""
+    reached = None  # the furthest step an earlier task ended at
+    for report in reports:
         if report.start_step is not None and reached is not None:
             report.recomputed_steps = max(0, reached - report.start_step)
         if report.end_step is not None:
             reached = max(reached or 0, report.end_step)
-        # Steps of this task that a later task computed again were not useful.
-        nxt = next((r.start_step for r in ordered[i + 1:] if r.start_step is not None), None)
-        if report.start_step is not None and report.end_step is not None and report.step_seconds_total is not None:
-            done = report.end_step - report.start_step
-            kept = done if nxt is None else max(0, min(report.end_step, nxt) - report.start_step)
-            report.useful_seconds = round(report.step_seconds_total * (kept / done), 3) if done else 0.0
-    return ordered
+
+
+def _count_useful_seconds(reports: list[TaskReport]) -> None:
+    """Each task's step time, less the share of steps that a later task computed again."""
+    for i, report in enumerate(reports):
+        if report.start_step is None or report.end_step is None or report.step_seconds_total is None:
+            continue
+        next_start = next((r.start_step for r in reports[i + 1 :] if r.start_step is not None), None)
+        done = report.end_step - report.start_step
+        kept = done if next_start is None else max(0, min(report.end_step, next_start) - report.start_step)
+        report.useful_seconds = round(report.step_seconds_total * (kept / done), 3) if done else 0.0
 
 
 def goodput(reports: list[TaskReport]) -> float | None:
@@ -141,8 +187,10 @@ def lead_time_warning(exit_grace: int, reports: list[TaskReport]) -> str | None:
         return None
     slowest_save = max(r.save_seconds_max or 0.0 for r in reports)
     slowest_step = max(r.step_seconds_max or 0.0 for r in reports)
-    return (f"job.exit_grace is {exit_grace}s but the slowest save took {slowest_save:.1f}s and the slowest step "
-            f"{slowest_step:.1f}s: set exit_grace to at least {needed:.0f}s, or a time limit may cut a save short")
+    return (
+        f"job.exit_grace is {exit_grace}s but the slowest save took {slowest_save:.1f}s and the slowest step "
+        f"{slowest_step:.1f}s: set exit_grace to at least {needed:.0f}s, or a time limit may cut a save short"
+    )
 
 
 @dataclass(frozen=True)
@@ -168,15 +216,21 @@ def kill_window_warning(window: KillWindow | None, reports: list[TaskReport]) ->
         return None
     slowest_save = max(r.save_seconds_max or 0.0 for r in reports)
     slowest_step = max(r.step_seconds_max or 0.0 for r in reports)
-    measured = f"the slowest save took {slowest_save:.1f}s and the slowest step {slowest_step:.1f}s (needs ~{needed:.0f}s)"
+    measured = (
+        f"the slowest save took {slowest_save:.1f}s and the slowest step {slowest_step:.1f}s (needs ~{needed:.0f}s)"
+    )
     if window.preempts and window.preemption_seconds < needed:
-        return (f"a preempted job gets {window.preemption_seconds}s from SIGTERM to SIGKILL (partition GraceTime "
-                f"{window.grace_time}s + KillWait {window.kill_wait}s) but {measured}: a preemption will cut the save; "
-                "use train.async_save, save more often by steps, or ask the admins for a longer GraceTime")
+        return (
+            f"a preempted job gets {window.preemption_seconds}s from SIGTERM to SIGKILL (partition GraceTime "
+            f"{window.grace_time}s + KillWait {window.kill_wait}s) but {measured}: a preemption will cut the save; "
+            "use train.async_save, save more often by steps, or ask the admins for a longer GraceTime"
+        )
     if window.kill_wait < needed:
-        return (f"Slurm's KillWait is {window.kill_wait}s but {measured}: a scancel or a node's SIGTERM will cut the "
-                "save (time limits are covered by exit_grace); use train.async_save or ask the admins for a longer "
-                "KillWait")
+        return (
+            f"Slurm's KillWait is {window.kill_wait}s but {measured}: a scancel or a node's SIGTERM will cut the "
+            "save (time limits are covered by exit_grace); use train.async_save or ask the admins for a longer "
+            "KillWait"
+        )
     return None
 
 

@@ -28,8 +28,10 @@ class RunBusy(RuntimeError):
     def __init__(self, path: Path, holder: str):
         self.path = path
         self.holder = holder
-        super().__init__(f"{path.parent} is being written by {holder or 'another process'} "
-                         f"(it holds {path.name}); wait for it to end or stop it first")
+        super().__init__(
+            f"{path.parent} is being written by {holder or 'another process'} "
+            f"(it holds {path.name}); wait for it to end or stop it first"
+        )
 
 
 def describe_self() -> str:

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from jobgen.paths import SITE_CONFIGS_DIR
 from jobgen.site import SiteProfile
 from jobgen.spec import RunSpec
-from watchdogs.settings import WatchdogSettings
+from jobgen.watchdog_settings import WatchdogSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -125,7 +125,7 @@ def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any
 def _leaf_paths(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
     paths: set[tuple[str, ...]] = set()
     for key, value in tree.items():
-        here = prefix + (key,)
+        here = (*prefix, key)
         if isinstance(value, dict) and value:
             paths |= _leaf_paths(value, here)
         else:
@@ -215,7 +215,9 @@ def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> R
         overrides = dict(site_ref)
         site_ref = overrides.pop("profile", None)
         if not isinstance(site_ref, str):
-            issues.append(SpecIssue(run_label, "site.profile", "a [site] table needs 'profile' (a profile name or path)"))
+            issues.append(
+                SpecIssue(run_label, "site.profile", "a [site] table needs 'profile' (a profile name or path)")
+            )
     elif not isinstance(site_ref, str):
         issues.append(SpecIssue(run_label, "site", "must be a profile name, a path, or a [site] table"))
 
@@ -225,8 +227,12 @@ def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> R
         site_path = find_site_file(site_ref, base_dir)
         if not site_path.is_file():
             issues.append(
-                SpecIssue(run_label, "site", f"no site profile '{site_ref}' (looked for {site_path}; "
-                          f"bundled profiles: {', '.join(available_sites())})")
+                SpecIssue(
+                    run_label,
+                    "site",
+                    f"no site profile '{site_ref}' (looked for {site_path}; "
+                    f"bundled profiles: {', '.join(available_sites())})",
+                )
             )
         else:
             try:
@@ -390,11 +396,22 @@ def _check_run_dir(
         file, key = str(site_path), "paths.runs_root"
     if _CONTROL.search(run_dir):
         # sbatch reads the script line by line; no quoting carries a newline into --chdir.
-        return [SpecIssue(file, key, f"the run directory {run_dir!r} has a control character (newline, ...); "
-                          "#SBATCH lines cannot hold it")]
+        return [
+            SpecIssue(
+                file,
+                key,
+                f"the run directory {run_dir!r} has a control character (newline, ...); #SBATCH lines cannot hold it",
+            )
+        ]
     if "\\" in run_dir:
-        return [SpecIssue(file, key, f"the run directory {run_dir!r} has a backslash, which turns off Slurm's "
-                          "%x and %j in --output (every task would write the same log file)")]
+        return [
+            SpecIssue(
+                file,
+                key,
+                f"the run directory {run_dir!r} has a backslash, which turns off Slurm's "
+                "%x and %j in --output (every task would write the same log file)",
+            )
+        ]
     return []
 
 
@@ -404,12 +421,17 @@ def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIs
     ppn = run.job.procs_per_node
     if gpus and ppn is not None and ppn > gpus:
         issues.append(
-            SpecIssue(run_label, "job.procs_per_node", f"{ppn} processes per node but the site has {gpus} GPUs per node")
+            SpecIssue(
+                run_label, "job.procs_per_node", f"{ppn} processes per node but the site has {gpus} GPUs per node"
+            )
         )
     cpus = site.slurm.cpus_per_node
     if ppn is not None and ppn > cpus:
         issues.append(
-            SpecIssue(run_label, "job.procs_per_node", f"{ppn} processes per node but only {cpus} CPUs per node "
-                      "(site slurm.cpus_per_node)")
+            SpecIssue(
+                run_label,
+                "job.procs_per_node",
+                f"{ppn} processes per node but only {cpus} CPUs per node (site slurm.cpus_per_node)",
+            )
         )
     return issues

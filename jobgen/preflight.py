@@ -4,6 +4,9 @@ Every problem is collected and reported together, each naming the spec key it
 comes from, so a user fixes them all in one edit instead of one per submission.
 The last check is ``sbatch --test-only`` on the exact script and options that
 submit will use: if Slurm itself would refuse, we refuse first.
+
+This module owns those checks and the kill window (``kill_window``); what a node state
+means comes from the Slurm client's table (``jobgen.slurm.NODE_UNUSABLE``).
 """
 
 from __future__ import annotations
@@ -17,8 +20,6 @@ from jobgen.goodput import KillWindow
 from jobgen.loader import ResolvedSpec
 
 MIN_SLURM = (20, 11)
-# Node states in which a node cannot take a job now (it may come back later).
-UNUSABLE_STATES = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING", "FUTURE", "POWERED_DOWN", "INVALID_REG"}
 
 
 @dataclass(frozen=True)
@@ -56,27 +57,41 @@ def check_cluster(spec: ResolvedSpec) -> list[Finding]:
     job, slurm_site = spec.run.job, spec.site.slurm
     ver = slurm.version()
     if ver[:2] < MIN_SLURM:
-        findings.append(Finding("error", "", f"Slurm {'.'.join(map(str, ver))} is older than 20.11, which jobgen needs"))
+        findings.append(
+            Finding("error", "", f"Slurm {'.'.join(map(str, ver))} is older than 20.11, which jobgen needs")
+        )
 
     parts = {p.get("PartitionName", ""): p for p in slurm.partitions()}
     name = spec.partition or next((n for n, p in parts.items() if p.get("Default") == "YES"), None)
     key = "job.partition" if spec.run.job.partition else "site.slurm.partition"
     if name is None:
-        findings.append(Finding("error", key, f"no partition given and the cluster has no default (it has: {', '.join(parts)})"))
+        findings.append(
+            Finding("error", key, f"no partition given and the cluster has no default (it has: {', '.join(parts)})")
+        )
         return findings
     part = parts.get(name)
     if part is None:
-        findings.append(Finding("error", key, f"partition '{name}' does not exist (the cluster has: {', '.join(parts)})"))
+        findings.append(
+            Finding("error", key, f"partition '{name}' does not exist (the cluster has: {', '.join(parts)})")
+        )
         return findings
     if part.get("State", "UP") != "UP":
         findings.append(Finding("warning", key, f"partition '{name}' is {part.get('State')}: jobs will wait"))
 
     max_time = parse_slurm_limit(part.get("MaxTime", "UNLIMITED"))
     if max_time is not None and job.time > max_time:
-        findings.append(Finding("error", "job.time", f"{format_human(job.time)} exceeds partition '{name}' MaxTime {format_human(max_time)}"))
+        findings.append(
+            Finding(
+                "error",
+                "job.time",
+                f"{format_human(job.time)} exceeds partition '{name}' MaxTime {format_human(max_time)}",
+            )
+        )
     max_nodes = part.get("MaxNodes", "UNLIMITED")
     if max_nodes.isdigit() and job.nodes > int(max_nodes):
-        findings.append(Finding("error", "job.nodes", f"{job.nodes} nodes exceeds partition '{name}' MaxNodes {max_nodes}"))
+        findings.append(
+            Finding("error", "job.nodes", f"{job.nodes} nodes exceeds partition '{name}' MaxNodes {max_nodes}")
+        )
 
     in_partition = set(slurm.hostnames(part.get("Nodes", "")))
     excluded = set(slurm.hostnames(",".join(job.exclude))) if job.exclude else set()
@@ -87,25 +102,48 @@ def check_cluster(spec: ResolvedSpec) -> list[Finding]:
     candidates = [all_nodes[n] for n in sorted(in_partition - excluded) if n in all_nodes]
     if len(candidates) < job.nodes:
         findings.append(
-            Finding("error", "job.nodes", f"{job.nodes} nodes requested but partition '{name}' has {len(candidates)}"
-                    + (f" after excluding {', '.join(sorted(excluded & in_partition))}" if excluded & in_partition else ""))
+            Finding(
+                "error",
+                "job.nodes",
+                f"{job.nodes} nodes requested but partition '{name}' has {len(candidates)}"
+                + (f" after excluding {', '.join(sorted(excluded & in_partition))}" if excluded & in_partition else ""),
+            )
         )
         return findings
 
     fitting = [n for n in candidates if int(n.get("CPUTot", "0") or 0) >= slurm_site.cpus_per_node]
     if len(fitting) < job.nodes:
         most = max(int(n.get("CPUTot", "0") or 0) for n in candidates)
-        findings.append(Finding("error", "site.slurm.cpus_per_node", f"{slurm_site.cpus_per_node} CPUs per node requested; "
-                                f"only {len(fitting)} node(s) of partition '{name}' have that many (largest: {most})"))
+        findings.append(
+            Finding(
+                "error",
+                "site.slurm.cpus_per_node",
+                f"{slurm_site.cpus_per_node} CPUs per node requested; "
+                f"only {len(fitting)} node(s) of partition '{name}' have that many (largest: {most})",
+            )
+        )
     if slurm_site.gpus_per_node:
-        with_gpus = [n for n in candidates if _gres_count(n.get("Gres", ""), slurm_site.gres_name) >= slurm_site.gpus_per_node]
+        with_gpus = [
+            n for n in candidates if _gres_count(n.get("Gres", ""), slurm_site.gres_name) >= slurm_site.gpus_per_node
+        ]
         if len(with_gpus) < job.nodes:
-            findings.append(Finding("error", "site.slurm.gpus_per_node", f"{slurm_site.gpus_per_node} x gres '{slurm_site.gres_name}' per node "
-                                    f"requested; {len(with_gpus)} node(s) of partition '{name}' have that"))
-    usable = [n for n in candidates if not (set(n.get("State", "").split("+")) & UNUSABLE_STATES)]
+            findings.append(
+                Finding(
+                    "error",
+                    "site.slurm.gpus_per_node",
+                    f"{slurm_site.gpus_per_node} x gres '{slurm_site.gres_name}' per node "
+                    f"requested; {len(with_gpus)} node(s) of partition '{name}' have that",
+                )
+            )
+    usable = [n for n in candidates if not (set(n.get("State", "").split("+")) & slurm.NODE_UNUSABLE)]
     if len(usable) < job.nodes:
-        findings.append(Finding("warning", "job.nodes", f"only {len(usable)} of {len(candidates)} nodes in '{name}' are up now; "
-                                "the job will wait for more"))
+        findings.append(
+            Finding(
+                "warning",
+                "job.nodes",
+                f"only {len(usable)} of {len(candidates)} nodes in '{name}' are up now; the job will wait for more",
+            )
+        )
     return findings
 
 

@@ -1,18 +1,25 @@
 """Render the sbatch script for a resolved spec: a pure function of (spec, site) → text.
 
+This module owns what goes into the script: the ``#SBATCH`` directives
+(:func:`sbatch_directives`) and every value the templates print (:func:`build_context`);
+``sbatch_templates/`` holds the shell logic only. Names in the run directory come
+from :class:`jobgen.rundir.RunDir`; the ones that hold the job id or the restart
+count reach the script as shell expressions built from RunDir's own names.
+
 Nothing here runs a subprocess or looks at the cluster; :mod:`jobgen.preflight`
 does that. Every number in the script (nodes, processes, ports, thread counts) is
 derived here from the one spec, and every value interpolated into the script is
 shell-quoted by the Jinja environment's ``finalize`` hook unless it is a
 :class:`Trusted` literal built below. ``#SBATCH`` lines are parsed by sbatch, not
-by a shell, so their values go through the ``sbatch`` filter, which quotes them the
-way sbatch reads them; comment lines take text through the ``comment`` filter.
+by a shell, so their values are quoted the way sbatch reads them (:func:`_sbatch_arg`);
+comment lines take text through the ``comment`` filter.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -22,8 +29,8 @@ from jobgen.durations import format_slurm
 from jobgen.exit_codes import ExitCode
 from jobgen.loader import ResolvedSpec
 from jobgen.paths import PROJECT_ROOT, TEMPLATES_DIR
-from jobgen.rundir import RunDir
 from jobgen.repro import env_record_patterns
+from jobgen.rundir import STARTUP_SWITCHES, RunDir
 
 # Programs the launch template can start under torchrun, by spec value.
 PROGRAMS = {"train": "trainer", "doctor": "trainer.doctor"}
@@ -93,7 +100,6 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
         autoescape=False,
     )
-    env.filters["sbatch"] = _sbatch_arg
     env.filters["comment"] = _comment
     env.filters["trusted"] = Trusted
     env.filters["sq"] = _single_quoted
@@ -101,7 +107,74 @@ def _environment() -> jinja2.Environment:
 
 
 def script_name(spec: ResolvedSpec) -> str:
-    return f"{spec.run.job.program}.sbatch"
+    """The script's file name in the run directory (and in ``jobgen render -o DIR``)."""
+    return RunDir(spec.run_dir).script(spec.run.job.program).name
+
+
+def sbatch_directives(spec: ResolvedSpec) -> list[Trusted]:
+    """The script's ``#SBATCH`` options, in order, one argument each, quoted as sbatch reads
+    them (:func:`_sbatch_arg`); ``_header.j2`` prints one ``#SBATCH`` line per entry."""
+    job, slurm = spec.run.job, spec.site.slurm
+    run = RunDir(spec.run_dir)
+
+    def option(name: str, value: Any = None) -> Trusted:
+        return Trusted(f"--{name}" if value is None else f"--{name}={_sbatch_arg(value)}")
+
+    directives = [
+        option("job-name", job.name),
+        option("nodes", job.nodes),
+        option("ntasks-per-node", 1),
+        option("cpus-per-task", slurm.cpus_per_node),
+    ]
+    gpus = slurm.gpus_per_node
+    if gpus:
+        gpu_request = f"--gres={slurm.gres_name}:{gpus}" if slurm.gpu_request == "gres" else f"--gpus-per-node={gpus}"
+        directives.append(_sbatch_arg(gpu_request))
+    if slurm.mem:
+        directives.append(option("mem", slurm.mem))
+    directives.append(option("time", format_slurm(job.time)))
+    for name, value in (
+        ("partition", spec.partition),
+        ("account", spec.account),
+        ("qos", spec.qos),
+        ("constraint", spec.constraint),
+        ("reservation", slurm.reservation),
+        ("exclude", ",".join(job.exclude)),
+        ("nodelist", ",".join(job.nodelist)),
+    ):
+        if value:
+            directives.append(option(name, value))
+    if slurm.exclusive:
+        directives.append(option("exclusive"))
+    if slurm.hint_nomultithread:
+        directives.append(option("hint", "nomultithread"))
+    # --chdir takes the path literally; --output expands %-patterns in all of it (%x: the
+    # job name, which is the run directory's name; %j: the job id).
+    batch_log = run.batch_log("%x", "%j").relative_to(run.path)
+    directives += [
+        option("chdir", run.path),
+        option("output", f"{slurm_filename_literal(str(run.path))}/{batch_log}"),
+        option("open-mode", "append"),
+        option("signal", f"B:{slurm.signal}@{job.exit_grace}"),
+        option("requeue" if slurm.requeue else "no-requeue"),
+    ]
+    directives += [_sbatch_arg(extra) for extra in slurm.extra_sbatch]
+    return directives
+
+
+# The batch shell's spelling of what RunDir's names take as arguments: this job, this
+# attempt of it (a requeued job keeps its id), and, in the script srun runs on every node,
+# the node.
+SHELL_JOB_ID = "$SLURM_JOB_ID"
+SHELL_RESTART = "${SLURM_RESTART_COUNT:-0}"
+SHELL_NODE = "${SLURMD_NODENAME:-local}"
+
+
+def _shell_path(base_expr: str, base: Path, path: Path) -> Trusted:
+    """``path``, a RunDir name under ``base``, as one double-quoted word of the script:
+    ``base_expr`` (the script's variable for ``base``, "$RUN_DIR") and the relative name,
+    whose own shell expressions ($SLURM_JOB_ID...) expand when the script runs."""
+    return Trusted(f'"{base_expr}/{path.relative_to(base)}"')
 
 
 def build_context(spec: ResolvedSpec) -> dict[str, Any]:
@@ -109,13 +182,11 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
     job, site = spec.run.job, spec.site
     slurm, net, py = site.slurm, site.network, site.python
     procs = spec.procs_per_node
-    gpus = slurm.gpus_per_node
-    gpu_directive = None
-    if gpus:
-        gpu_directive = (
-            f"--gres={slurm.gres_name}:{gpus}" if slurm.gpu_request == "gres" else f"--gpus-per-node={gpus}"
-        )
     run_dir = spec.run_dir
+    run = RunDir(run_dir)
+    # Every stop request an earlier attempt of this job can have left: the stem and the
+    # stem with any restart count (RunDir.stop_request_stem).
+    stale_stop = _shell_path("$SWITCHES", run.switches, run.stop_request_stem("${SLURM_JOB_ID:-none}"))
     mounts = [f"{spec.runs_root}:{spec.runs_root}", f"{PROJECT_ROOT}:{PROJECT_ROOT}", *py.container_mounts]
 
     env = dict(site.env)
@@ -130,40 +201,40 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
         "site_file": spec.site_file,
         "program": job.program,
         "entry_module": PROGRAMS[job.program],
-        "job_name": job.name,
+        "script_name": script_name(spec),
+        "sbatch_directives": sbatch_directives(spec),
         "nodes": job.nodes,
         "procs_per_node": procs,
         "world_size": spec.world_size,
         "cpus_per_task": slurm.cpus_per_node,
         # One OpenMP thread pool per process, splitting the node's CPUs between them.
         "omp_threads": max(1, slurm.cpus_per_node // procs),
-        "gpus_per_node": gpus,
-        "gpu_directive": gpu_directive,
-        "mem": slurm.mem,
-        "time": format_slurm(job.time),
+        "gpus_per_node": slurm.gpus_per_node,
         "time_seconds": job.time,
         "exit_grace_seconds": job.exit_grace,
         # On SIGTERM torchrun's agent gives its workers this long to save before SIGKILL
         # (its default, 30 s, cuts saves short): the lead time the spec budgets for a save.
         "shutdown_timeout_seconds": job.exit_grace,
-        "failed_marker": str(RunDir(spec.run_dir).failed_marker),
-        "done_marker": str(RunDir(spec.run_dir).done_marker),
         "signal": slurm.signal,
-        "partition": spec.partition,
-        "account": spec.account,
-        "qos": spec.qos,
-        "constraint": spec.constraint,
-        "reservation": slurm.reservation,
-        "exclude": ",".join(job.exclude) or None,
-        "nodelist": ",".join(job.nodelist) or None,
-        "exclusive": slurm.exclusive,
-        "hint_nomultithread": slurm.hint_nomultithread,
-        "requeue": slurm.requeue,
-        "extra_sbatch": slurm.extra_sbatch,
         "array": job.array,
         "run_dir": str(run_dir),
-        # --chdir takes the path literally; --output expands %-patterns in all of it.
-        "output_pattern": f"{slurm_filename_literal(str(run_dir))}/logs/%x-%j.out",
+        # The run directory's names (jobgen.rundir). Absolute where nothing in them varies;
+        # else under the script's $RUN_DIR / $SWITCHES / $JOBGEN_RUN_DIR, with the job id,
+        # the restart count and the node as the shell spells them at run time.
+        "failed_marker": str(run.failed_marker),
+        "done_marker": str(run.done_marker),
+        "switches_dir": _shell_path("$RUN_DIR", run.path, run.switches),
+        "startup_switches": Trusted(" ".join(shlex.quote(name) for name in STARTUP_SWITCHES)),
+        "stale_stop_requests": Trusted(f"{stale_stop} {stale_stop}.*"),
+        "stop_request": _shell_path("$SWITCHES", run.switches, run.stop_request(SHELL_JOB_ID, SHELL_RESTART)),
+        "exit_code_file": _shell_path("$RUN_DIR", run.path, run.exit_code_file(SHELL_JOB_ID, SHELL_RESTART)),
+        "repro_dir": _shell_path("$RUN_DIR", run.path, run.repro(SHELL_JOB_ID)),
+        # srun expands %x, %j and %N (job name, id, node) in --output.
+        "node_log": _shell_path("$RUN_DIR", run.path, run.node_log("%x", "%j", "%N")),
+        # In the node script srun runs on each node (only the environment reaches it).
+        "rank_logs": _shell_path("$JOBGEN_RUN_DIR", run.path, run.rank_logs(SHELL_JOB_ID, SHELL_NODE)),
+        # NCCL expands %h (host) and %p (pid), and reads '%%' as '%': a '%' in the run dir is doubled.
+        "nccl_debug_log": _shell_path("${RUN_DIR//\\%/%%}", run.path, run.nccl_debug_log(SHELL_JOB_ID, "%h", "%p")),
         "output_per_node": slurm.output_per_node,
         "project_root": str(PROJECT_ROOT),
         "python": py,
@@ -185,8 +256,3 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
 def render(spec: ResolvedSpec) -> str:
     """The batch script for ``spec`` (train or doctor), as text."""
     return _environment().get_template("torchrun.sbatch.j2").render(**build_context(spec))
-
-
-def render_all(spec: ResolvedSpec) -> dict[str, str]:
-    """File name → text for every script a run directory holds."""
-    return {script_name(spec): render(spec)}

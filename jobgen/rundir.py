@@ -1,14 +1,22 @@
 """The run directory: ``<runs_root>/<job name>/``, everything a later array task or
 another user needs, nothing only in memory.
 
+This module owns the layout: every name in a run directory is spelled here, once, and
+everything else asks :class:`RunDir` for it (the trainer, the watchdogs, ``jobgen``'s
+commands, and the batch script, whose names :mod:`jobgen.render` gets from here).
+
 Layout::
 
-    spec.json        resolved spec (run + site), what the scripts were rendered from
+    spec.json        resolved spec (run + site), what the script was rendered from
     run.toml         the file the user submitted, verbatim
-    <program>.sbatch the rendered script(s)
+    <program>.sbatch the rendered script
     jobs.json        every submission: job id, array, dependency, time
-    switches/        kill, save, abort (touch works as well as `jobgen stop`)
-    logs/ checkpoints/ repro/<jobid>/ history/
+    switches/        kill, save, abort (touch works as well as `jobgen stop`);
+                     stop.<job>.<restart>: a stop request from the batch shell's trap
+    logs/            <job name>-<job>.out (the batch log), <job name>-<job>-<node>.out,
+                     exit-code.<job>.<restart>, ranks/<job>/<node>/ (torchrun's), nccl-*.log
+    checkpoints/     step-<step>/, .tmp-*, broken-* (see trainer.checkpoint)
+    repro/<job>/ history/ failed done writer.lock
 
 A new run directory is assembled under a temporary name in the runs root and
 renamed into place, so an error at any point leaves either no directory or a
@@ -33,7 +41,12 @@ from jobgen.atomic import current_umask, staged_directory, write_json_atomic, wr
 from jobgen.loader import ResolvedSpec
 
 SUBDIRS = ("switches", "logs", "checkpoints", "repro", "history")
-SWITCHES = ("kill", "save", "abort")
+# Switch files under switches/: kill saves and exits, save saves and goes on, abort exits
+# without saving. kill and abort also keep a task from starting at all (STARTUP_SWITCHES,
+# checked by the batch script and again by the trainer before it loads anything).
+KILL_SWITCH, SAVE_SWITCH, ABORT_SWITCH = "kill", "save", "abort"
+SWITCHES = (KILL_SWITCH, SAVE_SWITCH, ABORT_SWITCH)
+STARTUP_SWITCHES = (KILL_SWITCH, ABORT_SWITCH)
 # switches/ is the team's one shared surface, whatever the owner's umask: group members
 # flip switches (also with plain `touch`), setgid keeps the files in the run's group, and
 # a switch file is group-writable so a teammate may touch or remove it again. Everything
@@ -48,6 +61,18 @@ CHECKPOINT_TMP_PREFIX = ".tmp-"  # a save in progress, or one cut short
 CHECKPOINT_BROKEN_PREFIX = "broken-"  # failed to load while an older one loaded: set aside for a person
 # Keys whose change would make the checkpoints in an existing run meaningless.
 IDENTITY_KEYS = ("model", "data")
+
+
+def checkpoint_name(step: int) -> str:
+    """The directory name of the complete checkpoint of ``step``."""
+    return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a complete checkpoint's directory name (``step-00000120`` → 120); None
+    for any other name (a save in progress, one set aside, ``latest``)."""
+    suffix = name[len(CHECKPOINT_PREFIX) :]
+    return int(suffix) if name.startswith(CHECKPOINT_PREFIX) and suffix.isdecimal() else None
 
 
 class RunDirError(RuntimeError):
@@ -98,15 +123,57 @@ class RunDir:
     def broken_checkpoints(self) -> list[Path]:
         return sorted(p for p in self.checkpoints.glob(f"{CHECKPOINT_BROKEN_PREFIX}*") if p.is_dir())
 
-    def stop_request(self, job_id: str, restart: int) -> Path:
+    def complete_checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, directory) of every complete checkpoint, oldest first."""
+        found = ((checkpoint_step(p.name), p) for p in self.checkpoints.glob(f"{CHECKPOINT_PREFIX}*"))
+        return sorted((step, p) for step, p in found if step is not None and p.is_dir())
+
+    # Names that hold a job id, a restart count or a node take them as text, so that the
+    # batch script can be given the same names with shell expressions ("$SLURM_JOB_ID")
+    # or Slurm filename patterns ("%j") in their place (jobgen.render).
+
+    def switch(self, name: str) -> Path:
+        if name not in SWITCHES:
+            raise ValueError(f"unknown switch {name!r}; one of {SWITCHES}")
+        return self.switches / name
+
+    def stop_request_stem(self, job_id: str | int) -> Path:
+        """``stop.<job>``: each attempt's stop request adds ``.<restart>`` to it (and jobgen
+        before restart counts wrote the stem itself), so ``<stem>`` and ``<stem>.*`` are
+        every request any attempt of the job can have left."""
+        return self.switches / f"stop.{job_id}"
+
+    def stop_request(self, job_id: str | int, restart: str | int) -> Path:
         """What the batch shell's signal trap leaves for the trainer of this attempt of a job.
         A requeued job keeps its id, so the restart count is part of the name: a request an
         earlier attempt never consumed can never stop a later one."""
-        return self.switches / f"stop.{job_id}.{restart}"
+        stem = self.stop_request_stem(job_id)
+        return stem.with_name(f"{stem.name}.{restart}")
 
-    def exit_code_file(self, job_id: str, restart: int) -> Path:
+    def exit_code_file(self, job_id: str | int, restart: str | int) -> Path:
         """Just the trainer's exit code, for the batch script to exit with (one per attempt)."""
         return self.logs / f"exit-code.{job_id}.{restart}"
+
+    def batch_log(self, job_name: str, job_id: str | int) -> Path:
+        """The batch script's output (sbatch --output; ``jobgen submit --local`` writes the
+        same file). Slurm's job name is the run directory's name."""
+        return self.logs / f"{job_name}-{job_id}.out"
+
+    def node_log(self, job_name: str, job_id: str | int, node: str) -> Path:
+        """One node's output of the launch step, for sites that ask for it (srun --output)."""
+        return self.logs / f"{job_name}-{job_id}-{node}.out"
+
+    def rank_logs(self, job_id: str | int, node: str) -> Path:
+        """torchrun's --log-dir on one node: its per-rank stdout and stderr below."""
+        return self.logs / "ranks" / str(job_id) / node
+
+    def nccl_debug_log(self, job_id: str | int, host: str, pid: str) -> Path:
+        """NCCL_DEBUG_FILE of one process, when the site's network.debug is on."""
+        return self.logs / f"nccl-{job_id}-{host}-{pid}.log"
+
+    def repro(self, job_id: str | int) -> Path:
+        """What the batch script records of one job's environment (jobgen.repro)."""
+        return self.path / "repro" / str(job_id)
 
     def exists(self) -> bool:
         return self.spec_file.is_file()
@@ -130,9 +197,7 @@ class RunDir:
         """Set a switch as `touch` would: a file already there, whoever made it, is the
         same request, so it is left alone (a teammate may not write into the owner's file).
         Returns the path and whether this call created it."""
-        if name not in SWITCHES:
-            raise ValueError(f"unknown switch {name!r}; one of {SWITCHES}")
-        target = self.switches / name
+        target = self.switch(name)
         try:
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, SWITCH_FILE_MODE)
         except FileExistsError:
@@ -156,8 +221,10 @@ def _why_not_writable(directory: Path, exc: OSError) -> str:
     if not isinstance(exc, PermissionError) or st is None:
         return f"{directory}: {exc.strerror}"
     owner, group = _account(pwd.getpwuid, st.st_uid), _account(grp.getgrgid, st.st_gid)
-    return (f"{directory} is not writable by you (owner {owner}, group {group}, mode "
-            f"{stat.S_IMODE(st.st_mode):o}); ask {owner} to set it, or to add you to group {group}")
+    return (
+        f"{directory} is not writable by you (owner {owner}, group {group}, mode "
+        f"{stat.S_IMODE(st.st_mode):o}); ask {owner} to set it, or to add you to group {group}"
+    )
 
 
 def _account(lookup: Any, ident: int) -> str:
@@ -175,21 +242,25 @@ def _identity(spec_json: dict[str, Any]) -> dict[str, Any]:
     return {key: spec_json["run"].get(key) for key in IDENTITY_KEYS}
 
 
-def materialize(spec: ResolvedSpec, scripts: dict[str, str], source_text: str | None) -> tuple[RunDir, bool]:
-    """Create the run directory, or update an existing one for a continued run.
+def materialize(spec: ResolvedSpec, script: str, source_text: str | None) -> tuple[RunDir, bool]:
+    """Create the run directory, or update an existing one for a continued run, with
+    ``script`` (the rendered batch script, jobgen.render.render) as ``<program>.sbatch``.
 
     Returns the run dir and whether it was newly created.
     """
     run = RunDir(spec.run_dir)
     spec_json = spec.to_json()
+    scripts = {run.script(spec.run.job.program).name: script}
     try:
         spec.runs_root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise RunDirError(f"cannot create runs root {spec.runs_root}: {exc.strerror}") from None
     if run.path.exists():
         if not run.exists():
-            raise RunDirError(f"{run.path} exists but is not a jobgen run directory (no spec.json); "
-                              "choose another job.name or move it away")
+            raise RunDirError(
+                f"{run.path} exists but is not a jobgen run directory (no spec.json); "
+                "choose another job.name or move it away"
+            )
         _update(run, spec_json, scripts, source_text)
         return run, False
     _create(run, spec_json, scripts, source_text)

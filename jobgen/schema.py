@@ -30,7 +30,9 @@ def run_schema() -> dict[str, Any]:
     }
     schema["properties"] = {
         "site": {
-            "description": "Site profile: a name such as 'local', a path to a TOML file, or a table with 'profile' and overrides.",
+            "description": (
+                "Site profile: a name such as 'local', a path to a TOML file, or a table with 'profile' and overrides."
+            ),
             "anyOf": [{"type": "string"}, override],
             "default": "local",
         },

@@ -28,7 +28,7 @@ from jobgen.fields import (
     SlurmName,
     StrictModel,
 )
-from watchdogs.settings import WatchdogSettings
+from jobgen.watchdog_settings import WatchdogSettings
 
 
 class SlurmSettings(StrictModel):
@@ -39,13 +39,9 @@ class SlurmSettings(StrictModel):
     )
     account: SlurmName | None = Field(None, description="Account (--account) to charge; empty for none.")
     qos: SlurmName | None = Field(None, description="Quality of service (--qos); empty for none.")
-    constraint: Constraint | None = Field(
-        None, description="Node feature expression (--constraint), e.g. 'h100&ib'."
-    )
+    constraint: Constraint | None = Field(None, description="Node feature expression (--constraint), e.g. 'h100&ib'.")
     reservation: SlurmName | None = Field(None, description="Reservation (--reservation) to run in.")
-    gpus_per_node: int = Field(
-        0, ge=0, le=64, description="GPUs per node; 0 for a CPU-only site (gloo backend)."
-    )
+    gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs per node; 0 for a CPU-only site (gloo backend).")
     gpu_request: Literal["gres", "gpus-per-node"] = Field(
         "gres",
         description="How GPUs are requested: '--gres=<gres_name>:<n>' or '--gpus-per-node=<n>'.",
@@ -55,16 +51,12 @@ class SlurmSettings(StrictModel):
         pattern=r"^[A-Za-z0-9_]+(:[A-Za-z0-9_.-]+)?$",
         description="Gres name, optionally typed, e.g. 'gpu' or 'gpu:h100'.",
     )
-    cpus_per_node: int = Field(
-        2, ge=1, le=1024, description="CPUs for the one task per node (--cpus-per-task)."
-    )
+    cpus_per_node: int = Field(2, ge=1, le=1024, description="CPUs for the one task per node (--cpus-per-task).")
     mem: SlurmMemory | None = Field(
         None, description="Memory per node (--mem): '0' for all of it, or e.g. '480G'. Empty to omit."
     )
     exclusive: bool = Field(False, description="Ask for whole nodes (--exclusive).")
-    hint_nomultithread: bool = Field(
-        False, description="Add --hint=nomultithread (one thread per core for the task)."
-    )
+    hint_nomultithread: bool = Field(False, description="Add --hint=nomultithread (one thread per core for the task).")
     output_per_node: bool = Field(
         False,
         description="Also write each node's training output to its own file (srun --output with %N).",
@@ -73,9 +65,7 @@ class SlurmSettings(StrictModel):
         "USR1",
         description="Signal Slurm sends the batch shell exit_grace before the time limit (--signal=B:SIG@T).",
     )
-    requeue: bool = Field(
-        True, description="Let Slurm requeue the job after preemption or node failure (--requeue)."
-    )
+    requeue: bool = Field(True, description="Let Slurm requeue the job after preemption or node failure (--requeue).")
     extra_sbatch: list[SbatchOption] = Field(
         default_factory=list,
         description=(
@@ -162,9 +152,7 @@ class PythonSettings(StrictModel):
     modules: list[ModuleName] = Field(
         default_factory=list, description="Modules to load in order, when kind = 'modules' (after 'module purge')."
     )
-    module_venv: SafePath | None = Field(
-        None, description="Optional virtualenv to activate after loading the modules."
-    )
+    module_venv: SafePath | None = Field(None, description="Optional virtualenv to activate after loading the modules.")
     container_image: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9_./:@+#-]{1,512}$",
@@ -205,5 +193,7 @@ class SiteProfile(StrictModel):
     )
     watchdogs: WatchdogSettings = Field(
         default_factory=WatchdogSettings,
-        description="Team-wide watchdog defaults (partition, mail relay, webhook); a run's [watchdogs] wins key by key.",
+        description=(
+            "Team-wide watchdog defaults (partition, mail relay, webhook); a run's [watchdogs] wins key by key."
+        ),
     )

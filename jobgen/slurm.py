@@ -3,6 +3,12 @@
 Commands run as argument lists (never through a shell) with parsable output
 formats; the parsers are plain functions of text so unit tests can feed them
 captured output. Nothing here decides policy: preflight and submit do.
+
+It also owns what Slurm's words mean: the one table of job states, node states and
+pending reasons (``JOB_ACTIVE``, ``JOB_RUNNING``, ``NODE_UNUSABLE``,
+``REASONS_NEVER_CLEAR``, ...) that status, preflight, the scheduler and the watchdogs
+decide by, and the classification of a failed command (``SlurmUnavailable`` when no
+controller answers), so that no code elsewhere reads Slurm's or an error's text.
 """
 
 from __future__ import annotations
@@ -31,6 +37,68 @@ class SlurmUnavailable(SlurmError):
     """Slurm's client commands are not installed or no controller answers."""
 
 
+# ---------------------------------------------------------------- states and reasons
+# Job states are squeue's %T and scontrol's JobState; node states are scontrol's State,
+# flags joined by "+" ("IDLE+DRAIN"). Decide by these sets, never by spelling a state.
+
+# Slurm still holds the job: queued, starting, running, finishing, suspended or being requeued.
+# A run with such a job is going somewhere by itself; a watchdog chain with one is alive.
+JOB_ACTIVE = frozenset(
+    {
+        "PENDING",
+        "RUNNING",
+        "CONFIGURING",
+        "COMPLETING",
+        "REQUEUED",
+        "RESIZING",
+        "SUSPENDED",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+    }
+)
+# Waiting in the queue; the pending reason says what for.
+JOB_PENDING = frozenset({"PENDING"})
+# Has its nodes and has started: booting them, running, or finishing. The run counts as running.
+JOB_STARTED = frozenset({"CONFIGURING", "RUNNING", "COMPLETING"})
+# Its processes run now: a step can join it (srun --jobid --overlap) and look at them.
+JOB_RUNNING = frozenset({"RUNNING"})
+# Ended by a failure of the program or of its nodes (not a time limit, a cancel or a preemption).
+JOB_FAILED = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
+
+# A node with any of these state flags takes no new job (preflight counts the others).
+NODE_UNUSABLE = frozenset(
+    {
+        "DOWN",
+        "DRAIN",
+        "DRAINED",
+        "DRAINING",
+        "FAIL",
+        "FAILING",
+        "NOT_RESPONDING",
+        "FUTURE",
+        "POWERED_DOWN",
+        "INVALID_REG",
+    }
+)
+
+# Pending reasons that never clear by themselves: the job will not start without a person
+# (a failed dependency, a hold, a down partition, an account, QOS or constraint it may not use).
+REASONS_NEVER_CLEAR = frozenset(
+    {
+        "DependencyNeverSatisfied",
+        "JobHeldAdmin",
+        "JobHeldUser",
+        "PartitionDown",
+        "InvalidAccount",
+        "InvalidQOS",
+        "QOSNotAllowed",
+        "AccountNotAllowed",
+        "PartitionConfig",
+        "BadConstraints",
+    }
+)
+
+
 def client_env() -> dict[str, str]:
     """The environment for Slurm commands. Inside a job (a watchdog's scheduler job, a
     training job) the job's own SLURM_* variables would leak into what we start: sbatch
@@ -47,8 +115,9 @@ def run(args: list[str], *, timeout: float = DEFAULT_TIMEOUT, check: bool = True
     if shutil.which(args[0]) is None:
         raise SlurmUnavailable(args, 127, f"{args[0]} not found on PATH: no Slurm client on this machine")
     try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                              env=client_env())
+        proc = subprocess.run(
+            args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=client_env()
+        )
     except subprocess.TimeoutExpired:
         raise SlurmUnavailable(args, 124, f"no answer within {timeout:.0f}s (is slurmctld up?)") from None
     if check and proc.returncode != 0:
@@ -76,7 +145,7 @@ def parse_key_values(line: str) -> dict[str, str]:
     matches = list(_KEY.finditer(line))
     for i, match in enumerate(matches):
         end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
-        out[match.group(1)] = line[match.end():end].strip()
+        out[match.group(1)] = line[match.end() : end].strip()
     return out
 
 
@@ -244,14 +313,27 @@ def jobs_named(name: str) -> list[NamedJob]:
     return parse_named_jobs(proc.stdout)
 
 
-def run_in_job(job_id: int, nodes: int, command: list[str], *, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+def run_in_job(
+    job_id: int, nodes: int, command: list[str], *, timeout: float = 120.0
+) -> subprocess.CompletedProcess[str]:
     """A short step inside another, running job: one task on each of its nodes, sharing the
     job's CPUs (``--overlap``) and not counted against its memory (``--mem=0``), so it
     starts even when the job holds the whole allocation. Used to look at a training job
     from the outside (stack dumps, node memory)."""
-    args = ["srun", f"--jobid={job_id}", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1",
-            "--cpus-per-task=1", "--mem=0", "--time=2", "--quiet", "--kill-on-bad-exit=0",
-            "--job-name=jobgen-watchdog-probe", *command]
+    args = [
+        "srun",
+        f"--jobid={job_id}",
+        "--overlap",
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=1",
+        "--mem=0",
+        "--time=2",
+        "--quiet",
+        "--kill-on-bad-exit=0",
+        "--job-name=jobgen-watchdog-probe",
+        *command,
+    ]
     return run(args, timeout=timeout, check=False)
 
 

@@ -12,7 +12,6 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from jobgen.durations import format_human
-
 from jobgen.fields import (
     Constraint,
     Duration,
@@ -24,7 +23,7 @@ from jobgen.fields import (
     SlurmName,
     StrictModel,
 )
-from watchdogs.settings import WatchdogSettings
+from jobgen.watchdog_settings import WatchdogSettings
 
 # Slurm's default MaxArraySize is 1001, so the highest index is 1000.
 MAX_ARRAY = 1000
@@ -124,7 +123,9 @@ class DataSpec(StrictModel):
         "output", description="Column holding the response (format 'template'); loss is computed on it only."
     )
     text_column: str = Field("text", description="Column holding the text (format 'text'); loss on all of it.")
-    max_length: int = Field(1024, ge=8, le=1_048_576, description="Tokens per sequence; longer examples are truncated and counted.")
+    max_length: int = Field(
+        1024, ge=8, le=1_048_576, description="Tokens per sequence; longer examples are truncated and counted."
+    )
     packing: bool = Field(False, description="Pack examples into max_length rows without cross-example attention.")
 
     @field_validator("template")

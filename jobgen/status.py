@@ -4,6 +4,17 @@ Slurm forgets a job ``MinJobAge`` after it ends (and this project does not assum
 slurmdbd/sacct), so the run directory is the durable record: ``jobs.json`` for
 submissions, ``metrics.jsonl`` for progress, ``done`` for completion, the switch
 files for stops, ``doctor.json`` for node checks.
+
+This module owns ``jobgen status``: reading those records and Slurm's view into a
+:class:`RunStatus`, the run's state (:func:`decide_state`, a pure function of what was
+read, by the state sets of :mod:`jobgen.slurm`), and its text form.
+
+The watchdogs' active alerts are shown as warnings, but their state files and where
+they live are the watchdogs' business and jobgen does not import ``watchdogs``
+(dependencies point one way; ``tests/test_layering.py``). So :func:`run_status` takes
+them as a parameter, ``watchdog_alerts``, which the composition root ``jobgen/cli.py``
+supplies (``watchdogs.notify.run_alerts``); other callers, the watchdogs themselves,
+have no use for them and leave it out.
 """
 
 from __future__ import annotations
@@ -16,10 +27,12 @@ from typing import Any
 
 from jobgen import slurm
 from jobgen.goodput import TaskReport, goodput, kill_window_warning, lead_time_warning, read_jsonl, run_reports
+from jobgen.loader import ResolvedSpec
 from jobgen.preflight import kill_window
 from jobgen.rundir import RunDir
 
-ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED"}
+# What the run's watchdogs alert about right now, one line each (supplied by jobgen/cli.py).
+WatchdogAlerts = Callable[[ResolvedSpec], list[str]]
 
 
 @dataclass
@@ -53,9 +66,14 @@ class RunStatus:
     notes: list[str] = field(default_factory=list)
     goodput: float | None = None
     warnings: list[str] = field(default_factory=list)
+    # Slurm could not be asked (SlurmUnavailable): the note that says so, for callers that act
+    # on it (the running watchdog) without reading notes. Not in the JSON, where the note is.
+    slurm_unreachable: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        del data["slurm_unreachable"]
+        return data
 
 
 def _tasks(run: RunDir, name: str) -> list[TaskStatus]:
@@ -111,8 +129,12 @@ def _merge_reports(tasks: list[TaskStatus], reports: list[TaskReport]) -> None:
         if task is None:
             base = from_slurm.get(report.job_id)
             job_id = int(report.job_id)
-            task = TaskStatus(job_id, base.array_job_id if base else job_id, base.array_task if base else "N/A",
-                              "ENDED" if is_latest else "REQUEUED")
+            task = TaskStatus(
+                job_id,
+                base.array_job_id if base else job_id,
+                base.array_task if base else "N/A",
+                "ENDED" if is_latest else "REQUEUED",
+            )
             tasks.append(task)
         task.restart = report.restart
         task.start_step, task.end_step = report.start_step, report.end_step
@@ -122,19 +144,62 @@ def _merge_reports(tasks: list[TaskStatus], reports: list[TaskReport]) -> None:
     tasks.sort(key=lambda t: (t.array_job_id, t.job_id, t.restart, t.array_task))
 
 
-def run_status(run: RunDir) -> RunStatus:
+def decide_state(states: set[str], *, done: bool, failed: bool, doctor_ok: bool | None, switches: set[str]) -> str:
+    """The run's state from what run_status read: ``states``, the Slurm states of its tasks (empty
+    when no job is known); ``done`` and ``failed``, whether those markers exist; ``doctor_ok``,
+    the verdict of a doctor run's ``doctor.json`` (None: not a doctor run, or no verdict yet);
+    ``switches``, the switch files set. First match wins:
+
+    ======================================================  ===========
+    a task has started (``slurm.JOB_STARTED``)              running
+    a task is queued (``slurm.JOB_ACTIVE``), no ``failed``  pending
+    ``done``                                                finished
+    ``failed`` (a failure every task would repeat)          failed
+    a doctor verdict                                        finished if ok, else failed
+    ``kill`` or ``abort`` switch                            stopped
+    a task failed (``slurm.JOB_FAILED``)                    failed
+    any task known                                          stopped
+    nothing known                                           unknown
+    ======================================================  ===========
+    """
+    if states & slurm.JOB_STARTED:
+        return "running"
+    if states & slurm.JOB_ACTIVE and not failed:
+        return "pending"
+    if done:
+        return "finished"
+    if failed:
+        return "failed"
+    if doctor_ok is not None:
+        return "finished" if doctor_ok else "failed"
+    if {"kill", "abort"} & switches:
+        return "stopped"
+    if states & slurm.JOB_FAILED:
+        return "failed"
+    if states:
+        return "stopped"
+    return "unknown"
+
+
+def run_status(run: RunDir, watchdog_alerts: WatchdogAlerts | None = None) -> RunStatus:
+    """Slurm's view of the run's jobs and what its directory records. ``watchdog_alerts``
+    (see the module docstring) adds the watchdogs' active alerts to the warnings."""
     spec = run.load_spec()
     job = spec.run.job
     lines = read_jsonl(run.path / "metrics.jsonl")
     metrics = lines[-1] if lines else None
     switches = sorted(p.name for p in run.switches.iterdir()) if run.switches.is_dir() else []
     notes = []
+    unreachable = None
     try:
         tasks = _tasks(run, job.name)
     except slurm.SlurmUnavailable as exc:
         tasks = []
-        notes.append(f"Slurm not reachable ({exc.stderr.splitlines()[-1] if exc.stderr else exc}): "
-                     "showing what the run directory records")
+        unreachable = (
+            f"Slurm not reachable ({exc.stderr.splitlines()[-1] if exc.stderr else exc}): "
+            "showing what the run directory records"
+        )
+        notes.append(unreachable)
     reports = run_reports(run.path)
     _merge_reports(tasks, reports)
     states = {t.state for t in tasks}
@@ -149,6 +214,7 @@ def run_status(run: RunDir) -> RunStatus:
         switches=switches,
         goodput=goodput(reports),
         notes=notes,
+        slurm_unreachable=unreachable,
     )
     warning = lead_time_warning(job.exit_grace, reports)
     if warning:
@@ -160,31 +226,25 @@ def run_status(run: RunDir) -> RunStatus:
     warning = kill_window_warning(window, reports)
     if warning:
         status.warnings.append(warning)
-    status.warnings.extend(f"watchdog {alert}" for alert in _watchdog_alerts(spec))
+    if watchdog_alerts is not None:
+        status.warnings.extend(f"watchdog {alert}" for alert in watchdog_alerts(spec))
     status.warnings.extend(
         f"checkpoint {p.name} was set aside: it failed to load while an older one loaded (why: {p / 'broken.json'}); "
-        "delete it once inspected" for p in run.broken_checkpoints())
+        "delete it once inspected"
+        for p in run.broken_checkpoints()
+    )
     failed = _failed(run)
     doctor = run.path / "doctor.json"
-    if states & {"RUNNING", "COMPLETING", "CONFIGURING"}:
-        status.state = "running"
-    elif states & ACTIVE and failed is None:
-        status.state = "pending"
-    elif run.done_marker.exists():
-        status.state = "finished"
-    elif failed is not None:
-        status.state = "failed"
-        status.notes.append(f"stopped after a failure that every task would repeat (exit {failed.get('exit_code')}, "
-                            f"job {failed.get('job_id')}): {failed.get('reason')}")
+    doctor_ok = bool(json.loads(doctor.read_text()).get("ok")) if job.program == "doctor" and doctor.is_file() else None
+    status.state = decide_state(
+        states, done=run.done_marker.exists(), failed=failed is not None, doctor_ok=doctor_ok, switches=set(switches)
+    )
+    if status.state == "failed" and failed is not None:  # decided by the failed marker
+        status.notes.append(
+            f"stopped after a failure that every task would repeat (exit {failed.get('exit_code')}, "
+            f"job {failed.get('job_id')}): {failed.get('reason')}"
+        )
         status.notes.append(f"to continue: {failed.get('fix')}")
-    elif job.program == "doctor" and doctor.is_file():
-        status.state = "finished" if json.loads(doctor.read_text()).get("ok") else "failed"
-    elif "kill" in switches or "abort" in switches:
-        status.state = "stopped"
-    elif states & {"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}:
-        status.state = "failed"
-    elif tasks:
-        status.state = "stopped"
     if "kill" in switches and status.state in {"running", "pending"}:
         status.notes.append("kill switch set: the run stops at the next step and queued tasks will exit at once")
     return status
@@ -230,8 +290,15 @@ def unreadable(run: RunDir) -> str | None:
 
 def unreadable_status(run: RunDir, problem: str) -> RunStatus:
     """The entry of a run that ``unreadable`` refused, so a listing still shows it."""
-    return RunStatus(run_dir=str(run.path), name=run.path.name, program="unknown", state="unreadable",
-                     step=None, max_steps=None, warnings=[problem])
+    return RunStatus(
+        run_dir=str(run.path),
+        name=run.path.name,
+        program="unknown",
+        state="unreadable",
+        step=None,
+        max_steps=None,
+        warnings=[problem],
+    )
 
 
 def _failed(run: RunDir) -> dict[str, Any] | None:
@@ -243,15 +310,6 @@ def _failed(run: RunDir) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return {"reason": f"{run.failed_marker} is unreadable", "fix": "read it, then `jobgen submit` the run again"}
     return value if isinstance(value, dict) else {}
-
-
-def _watchdog_alerts(spec) -> list[str]:
-    """What the run's watchdogs are alerting about right now (their state files)."""
-    from watchdogs.base import watchdog_home
-    from watchdogs.notify import active_alerts
-
-    home = watchdog_home(spec)
-    return active_alerts(home, spec.run.job.name) if home.is_dir() else []
 
 
 def format_status(status: RunStatus) -> str:
@@ -268,32 +326,41 @@ def format_status(status: RunStatus) -> str:
         lines.append(f"switches {', '.join(status.switches)}")
     if status.tasks:
         lines.append("")
-        lines.append(f"{'job id':>8}  {'task':<6} {'state':<10} {'exit':<6} {'steps':<11} {'redone':>6} "
-                     f"{'1st step':>8}  {'nodes / reason'}")
+        lines.append(
+            f"{'job id':>8}  {'task':<6} {'state':<10} {'exit':<6} {'steps':<11} {'redone':>6} "
+            f"{'1st step':>8}  {'nodes / reason'}"
+        )
         for t in status.tasks:
             nodes = t.nodes if t.nodes not in (None, "", "(null)") else None
             reason = t.reason if t.reason not in (None, "None") else None
-            detail = (nodes or reason) if t.state != "PENDING" else (reason or "")
+            detail = (nodes or reason) if t.state not in slurm.JOB_PENDING else (reason or "")
             if t.exit_reason:
                 detail = f"{detail or ''}  {t.exit_reason}".strip()
             steps = f"{t.start_step}->{t.end_step}" if t.start_step is not None else ""
             redone = "" if t.recomputed_steps is None or t.start_step is None else str(t.recomputed_steps)
             first = f"{t.seconds_to_first_step:.0f}s" if t.seconds_to_first_step is not None else ""
-            lines.append(f"{t.job_id:>8}  {t.array_task:<6} {t.state:<10} {t.exit_code or '':<6} {steps:<11} "
-                         f"{redone:>6} {first:>8}  {detail or ''}")
+            lines.append(
+                f"{t.job_id:>8}  {t.array_task:<6} {t.state:<10} {t.exit_code or '':<6} {steps:<11} "
+                f"{redone:>6} {first:>8}  {detail or ''}"
+            )
     lines.extend(f"note     {n}" for n in status.notes)
     lines.extend(f"WARNING  {w}" for w in status.warnings)
     return "\n".join(lines)
 
 
-def watch_run(run: RunDir, echo: Callable[[str], None], interval: float = 3.0) -> RunStatus:
+def watch_run(
+    run: RunDir, echo: Callable[[str], None], interval: float = 3.0, watchdog_alerts: WatchdogAlerts | None = None
+) -> RunStatus:
     """Print one line whenever the run's state, step or tasks change; return the final status."""
     last = None
     while True:
-        current = run_status(run)
-        line = f"{time.strftime('%H:%M:%S')} {current.state}" + (
-            f" step {current.step}/{current.max_steps}" if current.max_steps else "") + "  " + ", ".join(
-            f"{t.job_id}:{t.state}" for t in current.tasks)
+        current = run_status(run, watchdog_alerts)
+        line = (
+            f"{time.strftime('%H:%M:%S')} {current.state}"
+            + (f" step {current.step}/{current.max_steps}" if current.max_steps else "")
+            + "  "
+            + ", ".join(f"{t.job_id}:{t.state}" for t in current.tasks)
+        )
         if line.split(" ", 1)[1] != (last or " ").split(" ", 1)[1]:
             echo(line)
             last = line

@@ -4,6 +4,9 @@ Nothing is created before the preflight passes, and a run directory created by a
 submission that then fails is removed again. Resubmitting a run continues it in
 the same directory (same checkpoints), but never while another job of that run is
 still queued or running, unless it is chained behind it with ``--after``.
+
+This module owns that order and ``--local``; the script comes from jobgen.render, and
+every name in the run directory (the script's, the batch log's) from jobgen.rundir.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from jobgen import lease, slurm
 from jobgen.goodput import kill_window_warning, lead_time_warning, run_reports
 from jobgen.loader import ResolvedSpec
 from jobgen.preflight import Finding, kill_window, preflight
-from jobgen.render import render_all, script_name
+from jobgen.render import render, script_name
 from jobgen.rundir import RunDir, materialize, remove_new
 
 
@@ -69,17 +72,19 @@ def submit(
     dry_run: bool = False,
     skip_preflight: bool = False,
 ) -> SubmitResult:
-    scripts = render_all(spec)
+    script = render(spec)
     name = script_name(spec)
     options = sbatch_options(spec, array=array, after=after)
     script_path = spec.run_dir / name
-    result = SubmitResult(run_dir=spec.run_dir, script=script_path, command=["sbatch", "--parsable", *options, str(script_path)])
+    result = SubmitResult(
+        run_dir=spec.run_dir, script=script_path, command=["sbatch", "--parsable", *options, str(script_path)]
+    )
 
     findings: list[Finding] = []
     if not skip_preflight:
         with tempfile.TemporaryDirectory(prefix="jobgen-preflight-") as tmp:
             candidate = Path(tmp) / name
-            candidate.write_text(scripts[name])
+            candidate.write_text(script)
             findings = preflight(spec, candidate, options)
     run = RunDir(spec.run_dir)
     if run.exists():
@@ -94,20 +99,32 @@ def submit(
     if run.exists() and after is None:
         writer = lease.holder(run.writer_lease)
         if writer:
-            findings.append(Finding("error", "", f"run {run.path} is being written by {writer}: wait for it to end, "
-                                    f"or stop it first (jobgen stop {spec.run.job.name})"))
+            findings.append(
+                Finding(
+                    "error",
+                    "",
+                    f"run {run.path} is being written by {writer}: wait for it to end, "
+                    f"or stop it first (jobgen stop {spec.run.job.name})",
+                )
+            )
         busy = active_jobs(run)
         if busy:
             listing = ", ".join(f"{e.job_id} ({e.state})" for e in busy)
-            findings.append(Finding("error", "", f"run {run.path} still has job(s) {listing}: chain with "
-                                    f"--after {busy[0].array_job_id}, or stop it first (jobgen stop {spec.run.job.name})"))
+            findings.append(
+                Finding(
+                    "error",
+                    "",
+                    f"run {run.path} still has job(s) {listing}: chain with "
+                    f"--after {busy[0].array_job_id}, or stop it first (jobgen stop {spec.run.job.name})",
+                )
+            )
     result.findings = findings
     if any(f.level == "error" for f in findings):
         raise SubmitError(findings)
     if dry_run:
         return result
 
-    run, created = materialize(spec, scripts, source_text)
+    run, created = materialize(spec, script, source_text)
     result.created = created
     clear_failure(run)
     try:
@@ -157,19 +174,25 @@ def run_local(spec: ResolvedSpec, *, source_text: str | None = None) -> tuple[Ru
     """Run the rendered script on this machine as a one-node job, without Slurm."""
     problems = []
     if spec.run.job.nodes != 1:
-        problems.append(Finding("error", "job.nodes", f"--local runs on this one machine; the spec asks for {spec.run.job.nodes} nodes"))
+        problems.append(
+            Finding(
+                "error", "job.nodes", f"--local runs on this one machine; the spec asks for {spec.run.job.nodes} nodes"
+            )
+        )
     if spec.site.python.kind == "container":
-        problems.append(Finding("error", "site.python.kind", "--local cannot start pyxis containers; use a venv or modules site"))
+        problems.append(
+            Finding("error", "site.python.kind", "--local cannot start pyxis containers; use a venv or modules site")
+        )
     writer = lease.holder(RunDir(spec.run_dir).writer_lease)
     if writer:
         problems.append(Finding("error", "", f"run {spec.run_dir} is being written by {writer}"))
     if problems:
         raise SubmitError(problems)
-    run, _ = materialize(spec, render_all(spec), source_text)
+    run, _ = materialize(spec, render(spec), source_text)
     clear_failure(run)
     job_id = int(time.time())
     run.record_job({"job_id": job_id, "local": True, "options": []})
-    log_path = run.logs / f"{spec.run.job.name}-{job_id}.out"
+    log_path = run.batch_log(spec.run.job.name, job_id)
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             ["bash", str(run.script(spec.run.job.program))],

@@ -29,9 +29,15 @@ CHAT_TEMPLATE = (
 )
 
 _FIXED_CORPUS = [
-    "### Instruction:\n", "### Input:\n", "### Response:\n", "### Label:", "Below is an instruction.",
-    "The quick brown fox jumps over the lazy dog.", "0 1 2 3 4 5 6 7 8 9 10 100 1000",
-    "system user assistant", "You are a helpful assistant.",
+    "### Instruction:\n",
+    "### Input:\n",
+    "### Response:\n",
+    "### Label:",
+    "Below is an instruction.",
+    "The quick brown fox jumps over the lazy dog.",
+    "0 1 2 3 4 5 6 7 8 9 10 100 1000",
+    "system user assistant",
+    "You are a helpful assistant.",
 ]
 
 

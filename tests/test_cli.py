@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, jobgen, write_spec
+from helpers import REPO, doctor_spec, jobgen, status
 
 HEAVY = ("torch", "transformers", "datasets", "numpy")
 
@@ -31,34 +31,33 @@ def test_cli_imports_no_ml_libraries():
 
 
 def test_help_does_not_import_pydantic_or_jinja():
-    code = "import sys; import jobgen.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'pydantic', 'jinja2', 'torch'}))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    """`jobgen --help` as a user runs it lists the commands; Python's import profile
+    (PYTHONPROFILEIMPORTTIME, on stderr) shows every module it imported."""
+    proc = jobgen("--help", env={"PYTHONPROFILEIMPORTTIME": "1"}, check=True)
+    assert "submit" in proc.stdout and "validate" in proc.stdout, proc.stdout
+    imported = {
+        line.rsplit("|", 1)[-1].strip().split(".")[0]
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert {"click", "jobgen"} <= imported, sorted(imported)  # the profile saw the CLI's own imports
+    assert not imported & {"pydantic", "jinja2", "torch"}, sorted(imported & {"pydantic", "jinja2", "torch"})
 
 
 def test_switch_commands_create_the_files(tmp_path: Path):
     from jobgen.loader import load_run
-    from jobgen.render import render_all
+    from jobgen.render import render
     from jobgen.rundir import materialize
 
-    spec_file = write_spec(tmp_path, """
-        site = "local"
-        [job]
-        name = "switchy"
-        program = "doctor"
-        time = "5m"
-        exit_grace = "1m"
-        runs_root = "runs"
-    """)
-    spec = load_run(spec_file)
-    run, _ = materialize(spec, render_all(spec), None)
+    spec = load_run(doctor_spec(tmp_path, "switchy"))
+    run, _ = materialize(spec, render(spec), None)
     env = {"JOBGEN_RUNS_ROOT": str(tmp_path / "runs")}
     for command, switch in (("stop", "kill"), ("save", "save"), ("abort", "abort")):
         proc = jobgen(command, "switchy", env=env, check=True)
         assert (run.switches / switch).exists(), proc.stdout
     assert jobgen("stop", "no-such-run", env=env).returncode == 1
-    status = json.loads(jobgen("status", str(run.path), "--json", check=True).stdout)
-    assert status["state"] == "stopped" and status["switches"] == ["abort", "kill", "save"]
+    view = status(run.path)
+    assert view["state"] == "stopped" and view["switches"] == ["abort", "kill", "save"]
 
 
 @pytest.mark.torch
@@ -67,19 +66,16 @@ def test_local_run_of_the_doctor_keeps_user_values_inert(tmp_path: Path):
     shell syntax arrives verbatim and runs nothing."""
     pytest.importorskip("torch")
     marker = tmp_path / "pwned"
-    spec_file = write_spec(tmp_path, f"""
-        site = "local"
-        [job]
-        name = "doc-local"
-        program = "doctor"
-        nodes = 1
-        procs_per_node = 2
-        time = "5m"
-        exit_grace = "1m"
-        runs_root = "runs"
+    spec_file = doctor_spec(
+        tmp_path,
+        "doc-local",
+        nodes=1,
+        procs_per_node=2,
+        extra=f"""
         [env]
         NASTY = "it's $(touch {marker}) `touch {marker}`; touch {marker}"
-    """)
+    """,
+    )
     proc = jobgen("submit", str(spec_file), "--local", timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "RESULT: all 2 ranks OK on 1 node(s)" in proc.stdout
@@ -96,16 +92,7 @@ def test_local_run_of_the_doctor_keeps_user_values_inert(tmp_path: Path):
 
 
 def test_local_refuses_multi_node(tmp_path: Path):
-    spec_file = write_spec(tmp_path, """
-        site = "local"
-        [job]
-        name = "two"
-        program = "doctor"
-        nodes = 2
-        time = "5m"
-        exit_grace = "1m"
-        runs_root = "runs"
-    """)
+    spec_file = doctor_spec(tmp_path, "two", nodes=2)
     proc = jobgen("submit", str(spec_file), "--local")
     assert proc.returncode == 2 and "job.nodes" in proc.stderr
     assert not (tmp_path / "runs" / "two").exists()
@@ -114,21 +101,13 @@ def test_local_refuses_multi_node(tmp_path: Path):
 def test_status_reports_a_run_with_a_corrupt_spec_and_lists_the_others(tmp_path: Path):
     """One broken spec.json must not hide every other run from `jobgen status`."""
     from jobgen.loader import load_run
-    from jobgen.render import render_all
+    from jobgen.render import render
     from jobgen.rundir import materialize
 
     runs = {}
     for name in ("alpha", "broken", "zulu"):
-        spec = load_run(write_spec(tmp_path, f"""
-            site = "local"
-            [job]
-            name = "{name}"
-            program = "doctor"
-            time = "5m"
-            exit_grace = "1m"
-            runs_root = "runs"
-        """))
-        runs[name], _ = materialize(spec, render_all(spec), None)
+        spec = load_run(doctor_spec(tmp_path, name))
+        runs[name], _ = materialize(spec, render(spec), None)
     bad = runs["broken"].spec_file
     bad.write_text(bad.read_text()[:100])
     env = {"JOBGEN_RUNS_ROOT": str(tmp_path / "runs")}
@@ -140,7 +119,10 @@ def test_status_reports_a_run_with_a_corrupt_spec_and_lists_the_others(tmp_path:
     assert f"{bad}: invalid JSON: " in proc.stdout and "state    unreadable" in proc.stdout
     listed = json.loads(jobgen("status", "--json", env=env).stdout)
     assert [(s["name"], s["state"] == "unreadable") for s in listed] == [
-        ("alpha", False), ("broken", True), ("zulu", False)], listed
+        ("alpha", False),
+        ("broken", True),
+        ("zulu", False),
+    ], listed
     assert listed[1]["run_dir"] == str(runs["broken"].path) and listed[1]["warnings"][0].startswith(f"{bad}: ")
 
     for args in (("status", "broken"), ("status", "broken", "--json"), ("status", "broken", "--watch")):
@@ -149,8 +131,14 @@ def test_status_reports_a_run_with_a_corrupt_spec_and_lists_the_others(tmp_path:
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"jobgen: {bad}: invalid JSON: "), proc.stderr
 
     # Valid JSON that is not a resolved spec: the key is named.
-    bad.write_text(json.dumps({**json.loads(runs["alpha"].spec_file.read_text()),
-                               "run": {"job": {"name": "broken", "time": "5m", "nodes": 0}}}))
+    bad.write_text(
+        json.dumps(
+            {
+                **json.loads(runs["alpha"].spec_file.read_text()),
+                "run": {"job": {"name": "broken", "time": "5m", "nodes": 0}},
+            }
+        )
+    )
     proc = jobgen("status", "broken", env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith(f"jobgen: {bad}: run.job.nodes: ") and proc.stderr.count("\n") == 1, proc.stderr

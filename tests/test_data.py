@@ -83,7 +83,10 @@ def test_alpaca_prompt_and_response_mask(tokenizer, tmp_path):
     assert target_spans(tokenizer, ds[0]) == ["eueuq</s>"]
     assert target_spans(tokenizer, ds[1]) == ["2 + 3 = 5.</s>"]
     assert stats == DataStats(
-        examples_in=2, kept=2, truncated=0, dropped=0,
+        examples_in=2,
+        kept=2,
+        truncated=0,
+        dropped=0,
         total_tokens=sum(ds["length"]),
         target_tokens=sum(sum(1 for x in ex["labels"] if x != IGNORE_INDEX) for ex in ds),
         longest=max(ds["length"]),
@@ -156,7 +159,11 @@ def test_chat_bad_messages_name_the_row(tokenizer, tmp_path):
 
 def test_template_format_masks_everything_but_the_response(tokenizer, tmp_path):
     ds, _ = encode(
-        tokenizer, ALPACA_ROWS, tmp_path, format="template", max_length=512,
+        tokenizer,
+        ALPACA_ROWS,
+        tmp_path,
+        format="template",
+        max_length=512,
         template="### Input: {{input}}\n\n### Label: {{output}}",
     )
     assert full_text(tokenizer, ds[0]) == "<s>### Input: queue\n\n### Label: eueuq</s>"
@@ -166,8 +173,13 @@ def test_template_format_masks_everything_but_the_response(tokenizer, tmp_path):
 
 def test_template_text_after_the_response_is_not_a_target(tokenizer, tmp_path):
     ds, _ = encode(
-        tokenizer, ALPACA_ROWS[:1], tmp_path, format="template", max_length=512,
-        template="Q: {{instruction}} {{input}}\nA: {{output}}\n-- end", response_column="output",
+        tokenizer,
+        ALPACA_ROWS[:1],
+        tmp_path,
+        format="template",
+        max_length=512,
+        template="Q: {{instruction}} {{input}}\nA: {{output}}\n-- end",
+        response_column="output",
     )
     assert full_text(tokenizer, ds[0]) == "<s>Q: Reverse the word. queue\nA: eueuq\n-- end</s>"
     assert target_spans(tokenizer, ds[0]) == ["eueuq", "</s>"]
@@ -175,19 +187,32 @@ def test_template_text_after_the_response_is_not_a_target(tokenizer, tmp_path):
 
 def test_template_must_render_the_response_column(tokenizer, tmp_path):
     with pytest.raises(DataError, match="exactly once"):
-        encode(tokenizer, ALPACA_ROWS, tmp_path, format="template", max_length=512,
-               template="{{instruction}} {{output}} {{output}}")
+        encode(
+            tokenizer,
+            ALPACA_ROWS,
+            tmp_path,
+            format="template",
+            max_length=512,
+            template="{{instruction}} {{output}} {{output}}",
+        )
 
 
 def test_template_missing_column_is_named(tokenizer, tmp_path):
     with pytest.raises(DataError, match=r"'question'.*'instruction', 'input', 'output'"):
-        encode(tokenizer, ALPACA_ROWS, tmp_path, format="template", max_length=512,
-               template="Q: {{question}} A: {{output}}")
+        encode(
+            tokenizer,
+            ALPACA_ROWS,
+            tmp_path,
+            format="template",
+            max_length=512,
+            template="Q: {{question}} A: {{output}}",
+        )
 
 
 def test_text_format_loss_on_everything_but_the_first_token(tokenizer, tmp_path):
-    ds, stats = encode(tokenizer, [{"body": "The quick brown fox."}], tmp_path, format="text",
-                       text_column="body", max_length=512)
+    ds, stats = encode(
+        tokenizer, [{"body": "The quick brown fox."}], tmp_path, format="text", text_column="body", max_length=512
+    )
     ex = ds[0]
     assert full_text(tokenizer, ex) == "<s>The quick brown fox.</s>"
     assert ex["labels"][0] == IGNORE_INDEX
@@ -265,7 +290,7 @@ def test_every_file_type_gives_the_same_examples(tokenizer, tmp_path, kind):
 def test_example_data_loads_in_both_formats(tokenizer):
     for name, fmt in (("instructions.jsonl", "alpaca"), ("chat.jsonl", "chat")):
         path = REPO / "examples" / "data" / name
-        ds, stats = encode(tokenizer, path, Path("/nonexistent"), format=fmt, max_length=512)
+        _, stats = encode(tokenizer, path, Path("/nonexistent"), format=fmt, max_length=512)
         assert stats.kept == stats.examples_in > 50 and stats.dropped == 0
 
 
@@ -304,14 +329,18 @@ def test_missing_column_names_column_and_path(tokenizer, tmp_path):
 
 
 def test_bad_row_is_named_by_index(tokenizer, tmp_path):
-    rows = ALPACA_ROWS + [{"instruction": "x", "input": "", "output": None}]
+    rows = [*ALPACA_ROWS, {"instruction": "x", "input": "", "output": None}]
     with pytest.raises(DataError, match=r"row 2: column 'output' is missing \(null\)"):
         encode(tokenizer, rows, tmp_path, format="alpaca", max_length=64)
 
 
 def test_no_rows_or_no_targets_at_all_is_an_error(tokenizer, tmp_path):
     with pytest.raises(DataError, match=r"^data\.path: empty is empty \(0 rows\)$"):
-        tokenize_dataset(datasets.Dataset.from_dict({"instruction": [], "output": []}),
-                         DataSpec(path="empty", max_length=64), tokenizer, source="empty")
+        tokenize_dataset(
+            datasets.Dataset.from_dict({"instruction": [], "output": []}),
+            DataSpec(path="empty", max_length=64),
+            tokenizer,
+            source="empty",
+        )
     with pytest.raises(DataError, match=r"no example has a target token within max_length=16.*0/2 examples kept"):
         encode(tokenizer, ALPACA_ROWS, tmp_path, format="alpaca", max_length=16)

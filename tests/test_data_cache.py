@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import DATA, REPO, VENV_BIN, make_run, wait_for
+
 pytestmark = pytest.mark.torch
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")
@@ -32,8 +34,6 @@ from trainer.data_cache import (  # noqa: E402
     remove_stale_staging,
     tokenizer_fingerprint,
 )
-
-REPO = Path(__file__).resolve().parent.parent
 
 # rank 0 of a job, in its own process; the encoder is slowed (and optionally gated on
 # other builders being mid-way too) through trainer.data's module attributes.
@@ -79,7 +79,7 @@ def tokenizer(tiny_model):
 def spec(tmp_path) -> DataSpec:
     path = tmp_path / "data" / "instructions.jsonl"
     path.parent.mkdir()
-    shutil.copy(REPO / "examples" / "data" / "instructions.jsonl", path)
+    shutil.copy(DATA, path)
     return DataSpec(path=str(path), format="alpaca", max_length=256)
 
 
@@ -98,23 +98,23 @@ def staging_dirs(cache: Path) -> list[Path]:
 
 def start_worker(tiny_model, spec, cache, marker, *, delay, batch_size=20, wait_for=()):
     args = {
-        "model": str(tiny_model), "cache": str(cache), "spec": spec.model_dump(), "marker": str(marker),
-        "delay": delay, "batch_size": batch_size, "wait_for": [str(w) for w in wait_for],
+        "model": str(tiny_model),
+        "cache": str(cache),
+        "spec": spec.model_dump(),
+        "marker": str(marker),
+        "delay": delay,
+        "batch_size": batch_size,
+        "wait_for": [str(w) for w in wait_for],
     }
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(args)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"worker exited {proc.returncode} early:\n{proc.stderr.read()}")
-        if time.time() > deadline:
-            proc.kill()
-            raise AssertionError(f"{path} never appeared")
-        time.sleep(0.05)
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER, json.dumps(args)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 # --------------------------------------------------------------------------- reuse and keys
@@ -164,8 +164,9 @@ def test_save_to_disk_source_is_keyed_by_content(tokenizer, tiny_model, spec, tm
     shutil.copytree(tmp_path / "saved_a", tmp_path / "saved_b")
     cache = tmp_path / "cache"
     results = [
-        prepare_dataset(spec.model_copy(update={"path": str(tmp_path / name)}), tokenizer, tiny_model, cache,
-                        rank=0, share=alone)
+        prepare_dataset(
+            spec.model_copy(update={"path": str(tmp_path / name)}), tokenizer, tiny_model, cache, rank=0, share=alone
+        )
         for name in ("saved_a", "saved_b")
     ]
     assert results[0][2] == results[1][2] and len(results[0][0]) == 400
@@ -175,8 +176,14 @@ def test_save_to_disk_source_is_keyed_by_content(tokenizer, tiny_model, spec, tm
 def test_hub_id_offline_fails_naming_it(tokenizer, tiny_model, spec, tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(DataError, match="'someorg/some-data'"):
-        prepare_dataset(spec.model_copy(update={"path": "someorg/some-data"}), tokenizer, tiny_model,
-                        tmp_path / "cache", rank=0, share=alone)
+        prepare_dataset(
+            spec.model_copy(update={"path": "someorg/some-data"}),
+            tokenizer,
+            tiny_model,
+            tmp_path / "cache",
+            rank=0,
+            share=alone,
+        )
 
 
 # --------------------------------------------------------------------------- ranks
@@ -214,8 +221,7 @@ def run_ranks(spec, tokenizer, tiny_model, cache, world=2):
     return results
 
 
-def test_only_rank_0_tokenizes_and_every_rank_loads_the_same_entry(tokenizer, tiny_model, spec, tmp_path,
-                                                                   monkeypatch):
+def test_only_rank_0_tokenizes_and_every_rank_loads_the_same_entry(tokenizer, tiny_model, spec, tmp_path, monkeypatch):
     calls = []
     real = data_mod.tokenize_dataset
 
@@ -250,8 +256,14 @@ def test_a_failing_rank_0_makes_the_others_fail_at_once(tokenizer, tiny_model, s
 def test_a_cache_root_other_nodes_cannot_see_is_named(tokenizer, tiny_model, spec, tmp_path):
     # Rank 1 is told of an entry that its node does not have (cache_root not shared).
     with pytest.raises(DataCacheError, match=r"rank 1: no complete preprocessed data .*shares"):
-        prepare_dataset(spec, tokenizer, tiny_model, tmp_path / "cache", rank=1,
-                        share=lambda value: ("entry", "0123456789abcdef0123456789abcdef"))
+        prepare_dataset(
+            spec,
+            tokenizer,
+            tiny_model,
+            tmp_path / "cache",
+            rank=1,
+            share=lambda value: ("entry", "0123456789abcdef0123456789abcdef"),
+        )
 
 
 # --------------------------------------------------------------------------- concurrency and kills
@@ -279,9 +291,11 @@ def test_rank_0_killed_mid_preprocessing_leaves_no_broken_cache(tokenizer, tiny_
     cache = tmp_path / "cache"
     marker = tmp_path / "tokenizing"
     proc = start_worker(tiny_model, spec, cache, marker, delay=0.5, batch_size=10)
-    wait_for_file(marker, proc)
-    time.sleep(1.2)  # a few batches into datasets.map, Arrow file half written
-    proc.send_signal(signal.SIGKILL)
+    try:
+        wait_for(marker.exists, 120, "the worker to start tokenizing", interval=0.05, process=proc)
+        time.sleep(1.2)  # a few batches into datasets.map, Arrow file half written
+    finally:
+        proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     assert proc.returncode == -signal.SIGKILL
     assert entries(cache) == [], "a killed build must not publish an entry"
@@ -348,21 +362,30 @@ dist.destroy_process_group()
 
 
 def test_under_torchrun_only_rank_0_hashes_the_data_and_its_error_reaches_rank_1(tiny_model, tmp_path):
-    from conftest import VENV_BIN
-    from test_trainer import make_run
-
     run_dir = make_run(tmp_path / "spec", tiny_model)
     worker = tmp_path / "worker.py"
     worker.write_text(TORCHRUN_WORKER)
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(worker),
-                           str(run_dir), str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(REPO),
+    }
+    proc = subprocess.run(
+        [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(worker), str(run_dir), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    data_path = str(REPO / "examples" / "data" / "instructions.jsonl")
+    data_path = str(DATA)
     for start in ("cold", "warm"):
         # World size x dataset size read from the shared filesystem per start is the defect: rank 0 only.
         assert ranks[0][start]["hashed"] == [data_path], ranks[0][start]

@@ -12,24 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import jobgen, write_spec
+from helpers import DATA, jobgen, make_run, run_spec, torchrun
 from jobgen.loader import SpecError, load_run
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def spec_with_data(tmp_path: Path, data: Path) -> Path:
-    return write_spec(tmp_path, f"""
-        site = "local"
-        [job]
-        name = "t"
-        time = "1h"
-        runs_root = "runs"
-        [model]
-        path = "{tmp_path}"
-        [data]
-        path = "{data}"
-    """)
+    return run_spec(
+        tmp_path, "t", job={"time": "1h", "runs_root": "runs"}, model={"path": tmp_path}, data={"path": data}
+    )
 
 
 # --------------------------------------------------------------------------- at validate (no torch)
@@ -75,7 +65,7 @@ def test_jobgen_validate_exits_non_zero_on_an_empty_data_file(tmp_path):
 
 
 def test_validate_accepts_the_example_data(tmp_path):
-    load_run(spec_with_data(tmp_path, REPO / "examples" / "data" / "instructions.jsonl"))
+    load_run(spec_with_data(tmp_path, DATA))
 
 
 # --------------------------------------------------------------------------- in the trainer
@@ -93,8 +83,11 @@ def tokenizer_without_pad_or_eos(tiny_model, tmp_path) -> Path:
     config_file.write_text(json.dumps(config))
     special = model / "special_tokens_map.json"
     if special.exists():
-        special.write_text(json.dumps({k: v for k, v in json.loads(special.read_text()).items()
-                                       if k not in ("eos_token", "pad_token")}))
+        special.write_text(
+            json.dumps(
+                {k: v for k, v in json.loads(special.read_text()).items() if k not in ("eos_token", "pad_token")}
+            )
+        )
     return model
 
 
@@ -114,8 +107,6 @@ def test_tokenizer_without_pad_or_eos_is_refused_naming_model_path(tokenizer_wit
 @pytest.mark.torch
 def test_trainer_stops_on_such_a_tokenizer_before_data_and_model(tmp_path, tokenizer_without_pad_or_eos):
     pytest.importorskip("transformers")
-    from test_trainer import make_run, torchrun
-
     run = make_run(tmp_path / "r", tokenizer_without_pad_or_eos, max_steps=2)
     proc = torchrun(run, nproc=1, timeout=240)
     out = proc.stdout + proc.stderr
@@ -167,8 +158,11 @@ def test_data_directory_of_empty_files_is_named_as_empty(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.jsonl").write_text("")
     (tmp_path / "d" / "b.jsonl").write_text("\n\n")
-    with pytest.raises(DataError, match=rf"^data\.path: {re.escape(str(tmp_path / 'd'))} is empty \(0 rows\): "
-                                        r"every data file in it is empty \(a\.jsonl, b\.jsonl\)$"):
+    with pytest.raises(
+        DataError,
+        match=rf"^data\.path: {re.escape(str(tmp_path / 'd'))} is empty \(0 rows\): "
+        r"every data file in it is empty \(a\.jsonl, b\.jsonl\)$",
+    ):
         load_raw(str(tmp_path / "d"), cache_dir=tmp_path / "hf")
 
 
@@ -180,8 +174,12 @@ def test_zero_row_dataset_is_named_as_empty_before_its_columns(tokenizer, tmp_pa
 
     # No rows and so no columns: "empty" is the problem, not a missing 'instruction' column.
     with pytest.raises(DataError, match=r"^data\.path: /x/train\.jsonl is empty \(0 rows\)$"):
-        tokenize_dataset(datasets.Dataset.from_dict({}), DataSpec(path="/x/train.jsonl", max_length=64), tokenizer,
-                         source="/x/train.jsonl")
+        tokenize_dataset(
+            datasets.Dataset.from_dict({}),
+            DataSpec(path="/x/train.jsonl", max_length=64),
+            tokenizer,
+            source="/x/train.jsonl",
+        )
 
 
 @pytest.mark.torch

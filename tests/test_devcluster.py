@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import jobgen.devcluster as devcluster
+from helpers import wait_for
 from jobgen.devcluster import procs
 
 pytestmark = pytest.mark.slurm
@@ -90,24 +91,21 @@ def _cluster(tmp_path_factory: pytest.TempPathFactory, netns: bool):
 
 def _wait_job(job_id: str, timeout: float = 90) -> dict[str, str]:
     """Poll `scontrol show job` (there is no sacct) until the job is finished."""
-    deadline = time.monotonic() + timeout
-    fields: dict[str, str] = {}
-    while time.monotonic() < deadline:
+
+    def finished() -> dict[str, str] | None:
         out = _run("scontrol", "show", "job", "-o", job_id).stdout
         fields = dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
-        if fields.get("JobState") in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}:
-            return fields
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} not finished after {timeout}s: {fields.get('JobState')}")
+        ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+        return fields if fields.get("JobState") in ended else None
+
+    return wait_for(finished, timeout, f"job {job_id} to finish")
 
 
 def _kill_and_wait(pids: list[int]) -> None:
     """SIGKILL and wait until they are gone: a signal is delivered asynchronously."""
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while any(procs.is_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: not any(procs.is_alive(p) for p in pids), 10, f"{pids} to be gone", interval=0.05)
 
 
 def _sleepers() -> list[int]:
@@ -124,10 +122,22 @@ def _idle_states() -> dict[str, str]:
 def _sbatch_two_nodes(tmp_path: Path) -> list[str]:
     """Nodes a 2-node batch job's `srun` ran on (sorted; two distinct ones expected)."""
     out = tmp_path / "job.out"
-    job_id = _run(
-        "sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "-t", "2", "-o", str(out),
-        "--wrap", 'srun bash -c "echo NODE=\\$SLURMD_NODENAME"',
-    ).stdout.strip().split(";")[0]
+    job_id = (
+        _run(
+            "sbatch",
+            "--parsable",
+            "-N2",
+            "--ntasks-per-node=1",
+            "-t",
+            "2",
+            "-o",
+            str(out),
+            "--wrap",
+            'srun bash -c "echo NODE=\\$SLURMD_NODENAME"',
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
     fields = _wait_job(job_id)
     assert fields["JobState"] == "COMPLETED", fields
     return sorted(line.split("=", 1)[1] for line in out.read_text().splitlines() if line.startswith("NODE="))
@@ -180,12 +190,12 @@ class TestLoopback:
         assert bad.returncode != 0
         assert "time limit" in (bad.stdout + bad.stderr).lower()
 
-    def test_second_up_is_a_noop(self, lo_cluster: Cluster) -> None:
+    def test_second_up_is_a_noop(self, lo_cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
         lo_cluster.require_owned()
         before = devcluster.status(lo_cluster.state_dir)
-        started = time.monotonic()
+        capsys.readouterr()
         again = devcluster.up(nodes=2, cpus_per_node=2, netns=False, state_dir=lo_cluster.state_dir)
-        assert time.monotonic() - started < 5
+        assert "nothing to do" in capsys.readouterr().err  # found every daemon alive: started, waited for nothing
         assert before is not None and again.daemons == before.daemons
         with pytest.raises(devcluster.ClusterError, match="down"):
             devcluster.up(nodes=3, cpus_per_node=2, netns=False, state_dir=lo_cluster.state_dir)
@@ -225,8 +235,16 @@ class TestNetns:
     def test_each_node_has_its_own_eth0(self, netns_cluster: Cluster) -> None:
         info = netns_cluster.info
         assert info.nic == "eth0" and info.netns
-        out = _run("srun", "-N2", "--ntasks-per-node=1", "-t", "1", "bash", "-c",
-                   'echo $SLURMD_NODENAME $(ip -4 -o addr show eth0 | awk \'{print $4}\')').stdout
+        out = _run(
+            "srun",
+            "-N2",
+            "--ntasks-per-node=1",
+            "-t",
+            "1",
+            "bash",
+            "-c",
+            "echo $SLURMD_NODENAME $(ip -4 -o addr show eth0 | awk '{print $4}')",
+        ).stdout
         seen = dict(line.split() for line in out.splitlines())
         assert len(seen) == 2
         assert seen == {n: f"{info.node_addrs[n]}/24" for n in seen}
@@ -240,19 +258,37 @@ class TestNetns:
     def test_tcp_from_node2_to_node1(self, netns_cluster: Cluster) -> None:
         addr1 = netns_cluster.info.node_addrs["node1"]
         listener = subprocess.Popen(
-            ["srun", "-N1", "-w", "node1", "-t", "1", sys.executable, "-c",
-             "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
-             f"s.bind(({addr1!r}, 29517)); s.listen(); c, a = s.accept();"
-             "print('FROM', a[0], c.recv(16).decode(), flush=True)"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                "srun",
+                "-N1",
+                "-w",
+                "node1",
+                "-t",
+                "1",
+                sys.executable,
+                "-c",
+                "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
+                f"s.bind(({addr1!r}, 29517)); s.listen(); c, a = s.accept();"
+                "print('FROM', a[0], c.recv(16).decode(), flush=True)",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         try:
             client = _run(
-                "srun", "-N1", "-w", "node2", "-t", "1", sys.executable, "-c",
+                "srun",
+                "-N1",
+                "-w",
+                "node2",
+                "-t",
+                "1",
+                sys.executable,
+                "-c",
                 "import socket, time\n"
                 "for _ in range(100):\n"
                 "    try:\n"
-                f"        s = socket.create_connection(('node1', 29517), timeout=2); break\n"
+                "        s = socket.create_connection(('node1', 29517), timeout=2); break\n"
                 "    except OSError: time.sleep(0.2)\n"
                 "s.sendall(b'hello'); print('SRC', s.getsockname()[0])\n",
             )
@@ -273,9 +309,7 @@ class TestNetns:
         info = netns_cluster.info
         # A job left running (and ignoring SIGTERM) must not survive `down`.
         _run("sbatch", "-N2", "-o", "/dev/null", "--wrap", "srun bash -c 'trap \"\" TERM; sleep 613'")
-        deadline = time.monotonic() + 30
-        while len(_sleepers()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: len(_sleepers()) >= 2, 30, "the job's steps to start", interval=0.2)
         assert len(_sleepers()) == 2, "the job's steps did not start"
         started = time.monotonic()
         assert devcluster.down(state_dir=info.state_dir) is True

@@ -35,7 +35,9 @@ def test_bare_number_error_suggests_units():
         parse_duration("30")
 
 
-@pytest.mark.parametrize("seconds, slurm", [(0, "00:00:00"), (59, "00:00:59"), (3600, "01:00:00"), (93784, "1-02:03:04")])
+@pytest.mark.parametrize(
+    "seconds, slurm", [(0, "00:00:00"), (59, "00:00:59"), (3600, "01:00:00"), (93784, "1-02:03:04")]
+)
 def test_format_slurm_round_trips(seconds, slurm):
     assert format_slurm(seconds) == slurm
     assert parse_duration(slurm) == seconds

@@ -10,31 +10,66 @@ T0 = 1_800_000_000.0
 
 
 def metrics_lines(job: str, steps: range, start_time: float, step_seconds: float = 1.0) -> list[dict]:
-    return [{"job_id": job, "step": s, "loss": 1.0, "step_seconds": step_seconds,
-             "time": start_time + (s - steps.start + 1) * step_seconds} for s in steps]
+    return [
+        {
+            "job_id": job,
+            "step": s,
+            "loss": 1.0,
+            "step_seconds": step_seconds,
+            "time": start_time + (s - steps.start + 1) * step_seconds,
+        }
+        for s in steps
+    ]
 
 
 TASKS = [
     # A: steps 1-30, stopped by the kill switch with a checkpoint at 30.
     {"event": "first_step", "job_id": "11", "start_step": 0, "seconds_to_first_step": 8.0, "job_start": T0},
-    {"event": "exit", "job_id": "11", "start_step": 0, "end_step": 30, "exit_code": 10, "exit_reason": "kill switch",
-     "step_seconds_total": 30.0, "step_seconds_max": 1.2, "save_seconds": [0.5, 2.0], "job_start": T0, "time": T0 + 40},
+    {
+        "event": "exit",
+        "job_id": "11",
+        "start_step": 0,
+        "end_step": 30,
+        "exit_code": 10,
+        "exit_reason": "kill switch",
+        "step_seconds_total": 30.0,
+        "step_seconds_max": 1.2,
+        "save_seconds": [0.5, 2.0],
+        "job_start": T0,
+        "time": T0 + 40,
+    },
     # B: resumed at 30, SIGKILLed at 47 (last checkpoint 40): no exit record.
     {"event": "first_step", "job_id": "12", "start_step": 30, "seconds_to_first_step": 9.0, "job_start": T0 + 100},
     # C: resumed at 40, finished at 60.
     {"event": "first_step", "job_id": "13", "start_step": 40, "seconds_to_first_step": 7.5, "job_start": T0 + 200},
-    {"event": "exit", "job_id": "13", "start_step": 40, "end_step": 60, "exit_code": 0, "exit_reason": "finished",
-     "step_seconds_total": 20.0, "step_seconds_max": 1.0, "save_seconds": [0.4], "job_start": T0 + 200,
-     "time": T0 + 230},
+    {
+        "event": "exit",
+        "job_id": "13",
+        "start_step": 40,
+        "end_step": 60,
+        "exit_code": 0,
+        "exit_reason": "finished",
+        "step_seconds_total": 20.0,
+        "step_seconds_max": 1.0,
+        "save_seconds": [0.4],
+        "job_start": T0 + 200,
+        "time": T0 + 230,
+    },
 ]
-METRICS = metrics_lines("11", range(1, 31), T0 + 8) + metrics_lines("12", range(31, 48), T0 + 109) + \
-    metrics_lines("13", range(41, 61), T0 + 207.5)
+METRICS = (
+    metrics_lines("11", range(1, 31), T0 + 8)
+    + metrics_lines("12", range(31, 48), T0 + 109)
+    + metrics_lines("13", range(41, 61), T0 + 207.5)
+)
 
 
 def test_recomputed_steps_and_end_steps():
     reports = task_reports(TASKS, METRICS)
     assert [(r.job_id, r.start_step, r.end_step, r.recomputed_steps) for r in reports] == [
-        ("11", 0, 30, 0), ("12", 30, 47, 0), ("13", 40, 60, 7)]
+        ("11", 0, 30, 0),
+        ("12", 30, 47, 0),
+        ("13", 40, 60, 7),
+    ]
     assert reports[1].exit_reason.startswith("ended without an exit record")
     assert reports[0].seconds_to_first_step == 8.0 and reports[0].allocated_seconds == 40.0
 

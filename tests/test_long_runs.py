@@ -23,9 +23,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import VENV_BIN, jobgen
+from helpers import (
+    REPO,
+    VENV_BIN,
+    checkpoints,
+    jobgen,
+    losses,
+    make_run,
+    read_jsonl,
+    status,
+    summary,
+    torchrun,
+    wait_for_step,
+)
 from jobgen.exit_codes import ExitCode
-from test_trainer import checkpoints, losses, make_run, summary, torchrun, wait_for_step
 
 pytestmark = pytest.mark.torch
 
@@ -40,14 +51,16 @@ def fault_dir(tmp_path: Path, code: str) -> Path:
 
 
 def with_fault(directory: Path) -> dict[str, str]:
-    from conftest import REPO
-
     return {"PYTHONPATH": f"{directory}{os.pathsep}{REPO}"}
 
 
 def export(run: Path, target: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(VENV_BIN / "jobgen"), "export", str(run), "--to", str(target), *args],
-                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [str(VENV_BIN / "jobgen"), "export", str(run), "--to", str(target), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def edit_spec(run: Path, **train: object) -> None:
@@ -63,15 +76,25 @@ def test_time_based_saves_are_agreed_when_a_rank_clock_runs_fast(tmp_path, tiny_
     """Each rank used to decide ``save_every`` from its own clock: the rank whose clock
     says "due" entered the save's collectives while the other trained on, and the job
     died at the collective timeout. Rank 1's clock here runs 1.7x fast."""
-    skew = fault_dir(tmp_path, """
+    skew = fault_dir(
+        tmp_path,
+        """
         import os, time
         if os.environ.get("RANK") == "1":
             _real = time.monotonic
             _start = _real()
             time.monotonic = lambda: _start + (_real() - _start) * 1.7
-    """)
-    run = make_run(tmp_path / "r", tiny_model, max_steps=40, save_every="1s", save_every_steps=0,
-                   keep_checkpoints=100, collective_timeout="20s")
+    """,
+    )
+    run = make_run(
+        tmp_path / "r",
+        tiny_model,
+        max_steps=40,
+        save_every="1s",
+        save_every_steps=0,
+        keep_checkpoints=100,
+        collective_timeout="20s",
+    )
     proc = torchrun(run, env=with_fault(skew), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saved = checkpoints(run)
@@ -107,7 +130,7 @@ def test_a_checkpoint_that_fails_to_load_is_set_aside_and_never_trusted_again(tm
     done = export(run, target)
     assert done.returncode == 0, done.stderr
     assert "step-00000006" in (target / "jobgen_export.txt").read_text()
-    view = json.loads(jobgen("status", str(run), "--json", check=True).stdout)
+    view = status(run)
     assert any(aside.name in w for w in view["warnings"]), view
 
 
@@ -168,10 +191,15 @@ def run_script_locally(run: Path, job_id: int, restart: int, timeout: float = 30
     from jobgen.submit import local_environment
 
     rd = RunDir(run)
-    env = {**local_environment(rd.load_spec(), job_id), "SLURM_RESTART_COUNT": str(restart), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(["bash", str(rd.script("train"))], env=env, cwd=run, capture_output=True, text=True,
-                          timeout=timeout)
+    env = {
+        **local_environment(rd.load_spec(), job_id),
+        "SLURM_RESTART_COUNT": str(restart),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    return subprocess.run(
+        ["bash", str(rd.script("train"))], env=env, cwd=run, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_a_crashed_requeued_attempt_reports_its_own_exit_code(tmp_path, tiny_model):
@@ -192,7 +220,9 @@ def test_a_save_slower_than_torchruns_default_grace_survives_sigterm(tmp_path, t
     """Preemption and scancel send SIGTERM to every process of the step. torchrun's agent
     then killed its workers after 30 s whatever they were doing: a 40 s save was cut.
     The rendered script gives them exit_grace instead."""
-    slow = fault_dir(tmp_path, """
+    slow = fault_dir(
+        tmp_path,
+        """
         import os
         if os.environ.get("RANK"):
             import time
@@ -202,16 +232,23 @@ def test_a_save_slower_than_torchruns_default_grace_survives_sigterm(tmp_path, t
                 time.sleep(40)
                 return _save(*args, **kwargs)
             dcp.save = slow_save
-    """)
+    """,
+    )
     run = make_run(tmp_path / "r", tiny_model, max_steps=100_000)
     from jobgen.rundir import RunDir
     from jobgen.submit import local_environment
 
     rd = RunDir(run)
-    env = {**local_environment(rd.load_spec(), 4343), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           **with_fault(slow)}
-    proc = subprocess.Popen(["bash", str(rd.script("train"))], env=env, cwd=run, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = {**local_environment(rd.load_spec(), 4343), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **with_fault(slow)}
+    proc = subprocess.Popen(
+        ["bash", str(rd.script("train"))],
+        env=env,
+        cwd=run,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for_step(run, proc, 3, timeout=240)
         os.killpg(proc.pid, signal.SIGTERM)  # what Slurm does to every process of the step
@@ -231,8 +268,11 @@ def test_a_save_slower_than_torchruns_default_grace_survives_sigterm(tmp_path, t
 @pytest.mark.parametrize("cause", ["world-size", "seed", "no-loadable-checkpoint"])
 def test_a_failure_that_would_repeat_stops_the_run(tmp_path, tiny_model, cause):
     run = make_run(tmp_path, tiny_model, max_steps=2, save_every_steps=1, keep_checkpoints=2)
-    expected = {"world-size": ExitCode.WORLD_SIZE_MISMATCH, "seed": ExitCode.RESUME_MISMATCH,
-                "no-loadable-checkpoint": ExitCode.RESUME_FAILED}[cause]
+    expected = {
+        "world-size": ExitCode.WORLD_SIZE_MISMATCH,
+        "seed": ExitCode.RESUME_MISMATCH,
+        "no-loadable-checkpoint": ExitCode.RESUME_FAILED,
+    }[cause]
     if cause == "world-size":
         proc = torchrun(run, expected=4)
     else:
@@ -254,7 +294,7 @@ def test_a_failure_that_would_repeat_stops_the_run(tmp_path, tiny_model, cause):
     assert script.returncode == 0, script.stdout + script.stderr
     assert "failed" in script.stdout and "torchrun" not in script.stdout + script.stderr
     assert not (run / "logs" / "ranks" / "5151").exists()
-    view = json.loads(jobgen("status", str(run), "--json", check=True).stdout)
+    view = status(run)
     assert view["state"] == "failed" and any(failed["fix"] in n for n in view["notes"]), view
 
 
@@ -273,8 +313,7 @@ def test_a_second_writer_is_refused_and_touches_nothing(tmp_path, tiny_model):
         assert "job 1111" in out and "pid" in out, out[-3000:]  # names the holder
         after = sorted(p.name for p in (run / "checkpoints").iterdir())
         assert set(before) <= set(after)  # nothing of the holder's was deleted
-        assert not any(json.loads(line).get("job_id") == "2222"
-                       for line in (run / "tasks.jsonl").read_text().splitlines())
+        assert not any(r.get("job_id") == "2222" for r in read_jsonl(run / "tasks.jsonl"))
         local = jobgen("submit", "--local", str(tmp_path / "sft.toml"), cwd=tmp_path)
         assert local.returncode != 0 and "job 1111" in local.stderr, local.stdout + local.stderr
     finally:

@@ -66,8 +66,9 @@ def test_rows_without_packing_are_single_examples():
 
 
 def test_unpacked_collate_pads_to_the_longest_in_the_batch():
-    batch = collate([[ex([10, 11, 12])], [ex([20, 21, 22, 23, 24], [-100, -100, 22, 23, 24])]],
-                    pad_token_id=PAD, packing=False)
+    batch = collate(
+        [[ex([10, 11, 12])], [ex([20, 21, 22, 23, 24], [-100, -100, 22, 23, 24])]], pad_token_id=PAD, packing=False
+    )
     assert set(batch) == {"input_ids", "attention_mask", "labels"}
     assert batch["input_ids"].tolist() == [[10, 11, 12, PAD, PAD], [20, 21, 22, 23, 24]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
@@ -100,7 +101,9 @@ def test_token_loss_sum_is_shifted_cross_entropy_over_targets():
     total, count = token_loss_sum(logits, labels)
     expected = [
         torch.nn.functional.cross_entropy(logits[b, t - 1 : t], labels[b, t : t + 1])
-        for b in range(2) for t in range(1, 4) if labels[b, t] != -100
+        for b in range(2)
+        for t in range(1, 4)
+        if labels[b, t] != -100
     ]
     assert count.item() == 4
     assert torch.allclose(total, torch.stack(expected).sum())

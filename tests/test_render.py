@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import doctor_spec, jobgen, run_spec
 from jobgen.loader import load_run
 from jobgen.paths import PROJECT_ROOT
-from jobgen.render import build_context, render
+from jobgen.render import build_context, render, sbatch_directives
+from jobgen.rundir import STARTUP_SWITCHES, RunDir
 
 GOLDEN = Path(__file__).parent / "golden"
 SPECS = sorted(p for p in (GOLDEN / "specs").glob("*.toml") if not p.name.endswith("-site.toml"))
@@ -47,7 +49,9 @@ def test_bash_syntax_and_shellcheck(spec_path: Path, tmp_path: Path):
     subprocess.run(["bash", "-n", str(script)], check=True)
     if shutil.which("shellcheck") is None:
         pytest.fail("shellcheck is not installed (apt-get install shellcheck); .ci/run installs it")
-    proc = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(script)], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["shellcheck", "--shell=bash", "--severity=style", str(script)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout
 
 
@@ -87,7 +91,7 @@ def test_venv_modules_container():
     assert "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3'" in container
     assert f"'--container-mounts=/shared/runs:/shared/runs,{PROJECT_ROOT}:{PROJECT_ROOT},/fsx:/fsx'" in container
     assert '"${SRUN_CONTAINER[@]}" bash -c "$NODE_LAUNCH"' in container
-    assert "py_on_head() { run_on_head \"${SRUN_CONTAINER[@]}\" \"$@\"; }" in container
+    assert 'py_on_head() { run_on_head "${SRUN_CONTAINER[@]}" "$@"; }' in container
 
 
 def test_per_node_output_and_debug():
@@ -118,8 +122,11 @@ def test_kill_switch_is_checked_before_anything_else():
     assert check < body.index('[[ -e "$SWITCHES/$switch" ]]') < body.index("srun") and check < body.index("source ")
     train = by_name("h100-ib-train")
     # kill/abort, then a failure that would repeat, then done: all before the environment.
-    switches, failed, done = (train.index("for switch in kill abort"), train.index("/failed ]]"),
-                              train.index("/done ]]"))
+    switches, failed, done = (
+        train.index("for switch in kill abort"),
+        train.index("/failed ]]"),
+        train.index("/done ]]"),
+    )
     assert switches < failed < done < train.index("module purge")
 
 
@@ -127,7 +134,7 @@ def test_no_localhost_fallback_for_the_head_node():
     text = by_name("h100-ib-train")
     assert "localhost" not in text.replace("fall back to localhost", "")
     assert "127.0.0.1" not in text
-    assert 'die "no head node' in text and "die \"head node $HEAD_NODE has no IPv4 address" in text
+    assert 'die "no head node' in text and 'die "head node $HEAD_NODE has no IPv4 address' in text
 
 
 def test_signal_trap_and_wait_loop():
@@ -147,11 +154,17 @@ def test_env_values_reach_bash_verbatim(tmp_path: Path):
     """Run the rendered export lines in bash and read the values back: nothing executes."""
     spec = load_run(GOLDEN / "specs" / "bare-train.toml")
     text = render(spec)
-    exports = "\n".join(line for line in text.splitlines() if line.startswith("export ") and "=" in line
-                        and line.split("=")[0].split()[-1] in spec.run.env)
+    exports = "\n".join(
+        line
+        for line in text.splitlines()
+        if line.startswith("export ") and "=" in line and line.split("=")[0].split()[-1] in spec.run.env
+    )
     marker = tmp_path / "pwned"
-    probe = exports.replace("/tmp/pwned", str(marker)) + "\n" + "\n".join(
-        f'printf "%s\\0" "${name}"' for name in sorted(spec.run.env))
+    probe = (
+        exports.replace("/tmp/pwned", str(marker))
+        + "\n"
+        + "\n".join(f'printf "%s\\0" "${name}"' for name in sorted(spec.run.env))
+    )
     out = subprocess.run(["bash", "-c", probe], capture_output=True, check=True).stdout.decode()
     expected = [v.replace("/tmp/pwned", str(marker)) for _, v in sorted(spec.run.env.items())]
     assert out.split("\0")[:-1] == expected
@@ -172,8 +185,6 @@ def test_context_is_pure_and_complete():
 
 
 def test_render_cli_writes_files(tmp_path: Path):
-    from conftest import jobgen
-
     proc = jobgen("render", str(GOLDEN / "specs" / "local-doctor.toml"), "-o", str(tmp_path / "out"), check=True)
     out = tmp_path / "out" / "doctor.sbatch"
     assert str(out) in proc.stdout and out.read_text() == rendered(GOLDEN / "specs" / "local-doctor.toml")
@@ -196,7 +207,7 @@ def sbatch_arguments(text: str) -> list[str]:
             continue
         if not line.startswith("#SBATCH"):
             continue
-        i, rest = 0, line[len("#SBATCH"):]
+        i, rest = 0, line[len("#SBATCH") :]
         while i < len(rest):
             while i < len(rest) and rest[i].isspace():
                 i += 1
@@ -240,27 +251,13 @@ def batch_filename(pattern: str, job_name: str, job_id: int) -> str:
     return re.sub(r"%([%xj])", lambda m: {"%": "%", "x": job_name, "j": str(job_id)}[m.group(1)], pattern)
 
 
-def doctor_spec(directory: Path, site: str = 'site = "local"', runs_root: str = "runs") -> Path:
-    from conftest import write_spec
-
-    directory.mkdir(parents=True, exist_ok=True)
-    return write_spec(directory, f"""
-        {site}
-        [job]
-        name = "doc"
-        program = "doctor"
-        time = "5m"
-        exit_grace = "1m"
-        runs_root = "{runs_root}"
-    """)
-
-
 def check_shell(text: str, tmp_path: Path) -> None:
     script = tmp_path / "check.sbatch"
     script.write_text(text)
     subprocess.run(["bash", "-n", str(script)], check=True)
-    proc = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(script)],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        ["shellcheck", "--shell=bash", "--severity=style", str(script)], capture_output=True, text=True, check=False
+    )
     assert proc.returncode == 0, proc.stdout
 
 
@@ -280,7 +277,7 @@ def test_spec_path_cannot_break_out_of_the_header_comment(tmp_path: Path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("dirname", ["my runs", "a%jb", "odd #dir", "it's \"quoted\"", "tab\there", "50%%x"])
+@pytest.mark.parametrize("dirname", ["my runs", "a%jb", "odd #dir", 'it\'s "quoted"', "tab\there", "50%%x"])
 def test_run_dir_reaches_sbatch_literally(tmp_path: Path, dirname: str):
     """A relative runs_root resolves under the run.toml's directory, whatever its name:
     --chdir gets the literal path, --output the literal path with Slurm's %-patterns escaped."""
@@ -296,7 +293,7 @@ def test_run_dir_reaches_sbatch_literally(tmp_path: Path, dirname: str):
 
 
 def test_extra_sbatch_option_with_a_space_is_one_argument(tmp_path: Path):
-    site = 'site = {profile = "local", slurm.extra_sbatch = ["--comment=my run #1", "--gpu-bind=none"]}'
+    site = {"profile": "local", "slurm": {"extra_sbatch": ["--comment=my run #1", "--gpu-bind=none"]}}
     text = render(load_run(doctor_spec(tmp_path, site=site)))
     args = sbatch_arguments(text)
     assert "--comment=my run #1" in args and "--gpu-bind=none" in args
@@ -306,14 +303,95 @@ def test_extra_sbatch_option_with_a_space_is_one_argument(tmp_path: Path):
 
 def test_nccl_debug_file_keeps_a_percent_in_the_run_dir(tmp_path: Path):
     """NCCL expands %h, %p and %% in NCCL_DEBUG_FILE (src/debug.cc): the run dir part must be literal."""
-    spec = load_run(doctor_spec(tmp_path / "a%hb c", site='site = {profile = "local", network.debug = true}'))
+    spec = load_run(doctor_spec(tmp_path / "a%hb c", site={"profile": "local", "network": {"debug": True}}))
     text = render(spec)
     lines = text.splitlines()
-    probe = [next(line for line in lines if line.startswith("RUN_DIR=")),
-             next(line for line in lines if line.startswith("export NCCL_DEBUG_FILE=")),
-             'printf "%s" "$NCCL_DEBUG_FILE"']
-    value = subprocess.run(["bash", "-c", "\n".join(probe)], capture_output=True, text=True, check=True,
-                           env={"SLURM_JOB_ID": "7", "PATH": "/usr/bin:/bin"}).stdout
+    probe = [
+        next(line for line in lines if line.startswith("RUN_DIR=")),
+        next(line for line in lines if line.startswith("export NCCL_DEBUG_FILE=")),
+        'printf "%s" "$NCCL_DEBUG_FILE"',
+    ]
+    value = subprocess.run(
+        ["bash", "-c", "\n".join(probe)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"SLURM_JOB_ID": "7", "PATH": "/usr/bin:/bin"},
+    ).stdout
     nccl = re.sub(r"%([%hp])", lambda m: {"%": "%", "h": "node1", "p": "99"}[m.group(1)], value)
     assert nccl == f"{spec.run_dir}/logs/nccl-7-node1-99.log"
     check_shell(text, tmp_path)
+
+
+# --- One layout (issue 10): the script's names are RunDir's, its #SBATCH lines are data -------------------
+
+
+@pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.stem)
+def test_sbatch_lines_are_the_directives_list(spec_path: Path):
+    spec = load_run(spec_path)
+    assert directives(render(spec)) == sbatch_directives(spec)
+
+
+def test_names_the_script_builds_are_the_run_directorys(tmp_path: Path):
+    """Run the script's own lines in bash, as attempt 2 of job 7 on node1: every name it builds
+    is the one RunDir gives Python, whatever the run directory is called."""
+    # A relative runs_root lands under it. (No '%': srun's --output of the per-node logs would
+    # read one as a pattern; NCCL's file name is checked with one above.)
+    home = tmp_path / "my 'odd' dir"
+    (home / "model").mkdir(parents=True)
+    (home / "data.jsonl").write_text("{}\n")
+    spec = load_run(
+        run_spec(
+            home,
+            "doc",
+            site={"profile": "local", "network": {"debug": True}, "slurm": {"output_per_node": True}},
+            job={"time": "1h", "runs_root": "runs"},
+            model={"path": "model"},
+            data={"path": "data.jsonl"},
+        )
+    )
+    run = RunDir(spec.run_dir)
+    text = render(spec)
+    lines = text.splitlines()
+
+    def line(prefix: str) -> str:
+        (found,) = [x.strip() for x in lines if x.strip().startswith(prefix)]
+        return found
+
+    run.switches.mkdir(parents=True)
+    for name in ("stop.7", "stop.7.0", "stop.7.1", "stop.70.0", "stop.8.0", "kill"):
+        (run.switches / name).touch()
+    probe = [
+        line("RUN_DIR="),
+        line("SWITCHES="),
+        'JOBGEN_RUN_DIR="$RUN_DIR"',
+        line("STOP_REQUEST="),
+        line("EXIT_CODE_FILE="),
+        line("REPRO_DIR="),
+        line("export NCCL_DEBUG_FILE="),
+        "LOG_DIR=" + line("--log-dir=").removeprefix("--log-dir=").removesuffix(" \\"),
+        "NODE_LOG=" + line('--output="$RUN_DIR').removeprefix("--output=").removesuffix(" \\"),
+        line("rm -f "),
+        'printf "%s\\n" "$STOP_REQUEST" "$EXIT_CODE_FILE" "$REPRO_DIR" "$LOG_DIR" "$NODE_LOG" "$NCCL_DEBUG_FILE"',
+    ]
+    out = subprocess.run(
+        ["bash", "-c", "\n".join(probe)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2", "SLURMD_NODENAME": "node1", "PATH": "/usr/bin:/bin"},
+    ).stdout.splitlines()
+    slurm_names = {"x": "doc", "j": "7", "N": "node1", "h": "node1", "p": "99", "%": "%"}
+    node_log = re.sub(r"%([%xjN])", lambda m: slurm_names[m.group(1)], out[4])
+    nccl = re.sub(r"%([%hp])", lambda m: slurm_names[m.group(1)], out[5])
+    assert out[:4] == [
+        str(run.stop_request(7, 2)),
+        str(run.exit_code_file(7, 2)),
+        str(run.repro(7)),
+        str(run.rank_logs(7, "node1")),
+    ]
+    assert node_log == str(run.node_log("doc", 7, "node1")) and nccl == str(run.nccl_debug_log(7, "node1", "99"))
+    assert batch_filename(option(sbatch_arguments(text), "output"), "doc", 7) == str(run.batch_log("doc", 7))
+    # Every request an attempt of job 7 can have left is gone; other jobs' and the switches stay.
+    assert sorted(p.name for p in run.switches.iterdir()) == ["kill", "stop.70.0", "stop.8.0"]
+    assert f"for switch in {' '.join(STARTUP_SWITCHES)}; do" in lines

@@ -41,17 +41,20 @@ def repro_section(text: str) -> str:
     """The rendered reproducibility block, from its heading to the end of its brace group."""
     start = text.index("# --- Reproducibility record")
     end = text.index('} 2>"$REPRO_DIR/errors.txt"', start)
-    return text[start:text.index("\n", end) + 1]
+    return text[start : text.index("\n", end) + 1]
 
 
 def record(script_text: str, env: dict[str, str], run_dir: Path) -> str:
     """Run the block in bash with exactly ``env``; the env.txt it wrote."""
     # The other records (git, pip, scontrol) need a job; only env.txt is under test.
-    stubs = "\n".join(f"{name}() {{ cat >/dev/null; }}" for name in
-                      ("log", "node_names", "git", "py_on_head", "scontrol", "run_on_head"))
+    stubs = "\n".join(
+        f"{name}() {{ cat >/dev/null; }}"
+        for name in ("log", "node_names", "git", "py_on_head", "scontrol", "run_on_head")
+    )
     script = f"set -euo pipefail\n{stubs}\non_slurm() {{ false; }}\n{repro_section(script_text)}"
-    subprocess.run(["bash", "-c", script], env={**env, "RUN_DIR": str(run_dir)}, check=True,
-                   stdin=subprocess.DEVNULL, timeout=60)
+    subprocess.run(
+        ["bash", "-c", script], env={**env, "RUN_DIR": str(run_dir)}, check=True, stdin=subprocess.DEVNULL, timeout=60
+    )
     return (run_dir / "repro" / env["SLURM_JOB_ID"] / "env.txt").read_text()
 
 
@@ -73,8 +76,12 @@ def test_env_record_keeps_secrets_out_of_the_run_directory(stem: str, tmp_path: 
 
 
 def test_allowed_values_with_newlines_stay_on_one_line(tmp_path: Path):
-    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "7", "TORCH_LOGS": "+dynamo\nNCCL_DEBUG=forged",
-           "NCCL_DEBUG": "WARN"}
+    env = {
+        "PATH": os.environ["PATH"],
+        "SLURM_JOB_ID": "7",
+        "TORCH_LOGS": "+dynamo\nNCCL_DEBUG=forged",
+        "NCCL_DEBUG": "WARN",
+    }
     lines = record(render(load_run(GOLDEN / "specs" / "bare-train.toml")), env, tmp_path).splitlines()
     assert "TORCH_LOGS=$'+dynamo\\nNCCL_DEBUG=forged'" in lines
     assert [line for line in lines if line.startswith("NCCL_DEBUG=")] == ["NCCL_DEBUG=WARN"]

@@ -2,7 +2,7 @@
 ``switches/`` (setgid, group-writable), and a teammate's `jobgen stop` never tracebacks.
 
 Teammates are real throwaway accounts (this suite runs as root, as on the CI machine),
-and `jobgen` runs as them in a forked child, as in test_slurm_lifecycle.py.
+and `jobgen` runs as them in a forked child (helpers.jobgen_as).
 """
 
 from __future__ import annotations
@@ -14,16 +14,15 @@ import pwd
 import shutil
 import stat
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import write_spec
+from helpers import doctor_spec, jobgen_as
 from jobgen.loader import load_run
-from jobgen.render import render_all
+from jobgen.render import render
 from jobgen.rundir import RunDir, materialize
 
 GROUP, MATE, STRANGER = "jgperm", "jgpmate", "jgpstranger"
@@ -43,24 +42,19 @@ def mode(path: Path) -> int:
 
 
 def make_run(spec_dir: Path, runs_root: Path, name: str = "team") -> RunDir:
-    spec = load_run(write_spec(spec_dir, f"""
-        site = "local"
-        [job]
-        name = "{name}"
-        program = "doctor"
-        time = "5m"
-        exit_grace = "1m"
-        runs_root = "{runs_root}"
-    """))
-    run, _ = materialize(spec, render_all(spec), None)
+    spec = load_run(doctor_spec(spec_dir, name, runs_root=runs_root))
+    run, _ = materialize(spec, render(spec), None)
     return run
 
 
-@pytest.mark.parametrize(("mask", "dirs", "files", "scripts"), [
-    (0o022, 0o755, 0o644, 0o755),
-    (0o002, 0o775, 0o664, 0o775),  # the user asked for a group-writable run: so be it
-    (0o077, 0o700, 0o600, 0o700),
-])
+@pytest.mark.parametrize(
+    ("mask", "dirs", "files", "scripts"),
+    [
+        (0o022, 0o755, 0o644, 0o755),
+        (0o002, 0o775, 0o664, 0o775),  # the user asked for a group-writable run: so be it
+        (0o077, 0o700, 0o600, 0o700),
+    ],
+)
 def test_the_run_directory_follows_the_umask_but_switches_are_shared(tmp_path: Path, mask, dirs, files, scripts):
     with umask(mask):
         run = make_run(tmp_path, tmp_path / "runs")
@@ -94,6 +88,7 @@ def test_switch_files_are_group_writable_and_setting_twice_is_no_error(tmp_path:
 
 # ------------------------------------------------------------ real teammates
 
+
 def _ensure(kind: str, name: str, *args: str) -> bool:
     lookup = ["getent", "group", name] if kind == "group" else ["id", name]
     if subprocess.run(lookup, capture_output=True).returncode == 0:
@@ -119,48 +114,13 @@ def team() -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        for made, kind, name in ((made_stranger, "user", STRANGER), (made_mate, "user", MATE),
-                                 (made_group, "group", GROUP)):
+        for made, kind, name in (
+            (made_stranger, "user", STRANGER),
+            (made_mate, "user", MATE),
+            (made_group, "group", GROUP),
+        ):
             if made:
                 subprocess.run([f"{kind}del", name], capture_output=True)
-
-
-def jobgen_as(user: str, args: list[str], out: Path) -> tuple[int, str]:
-    """`jobgen ARGS` as ``user``: exit code and everything it printed (a traceback too).
-    Forked, not exec'd: this machine's Python lives under /root, closed to other users."""
-    entry = pwd.getpwnam(user)
-    import jobgen.cli  # noqa: F401 - everything imported before the uid changes
-    import jobgen.loader  # noqa: F401
-    import jobgen.rundir  # noqa: F401
-
-    with out.open("w") as sink:
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.dup2(sink.fileno(), 1)
-                os.dup2(sink.fileno(), 2)
-                sys.stdout = sys.stderr = os.fdopen(1, "w", buffering=1)
-                os.setgroups([entry.pw_gid])
-                os.setgid(entry.pw_gid)
-                os.setuid(entry.pw_uid)
-                os.umask(0o022)
-                from jobgen.cli import main
-
-                try:
-                    main(args, standalone_mode=False)
-                    code = 0
-                except SystemExit as exc:
-                    code = int(exc.code or 0)
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()  # what the console script would show
-            finally:
-                sys.stdout.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), out.read_text()
 
 
 def test_a_teammate_stops_a_run_whose_kill_switch_the_owner_already_set(team: Path, tmp_path: Path):

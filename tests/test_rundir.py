@@ -10,32 +10,33 @@ from pathlib import Path
 import pytest
 
 import jobgen.rundir as rundir_mod
-from conftest import write_spec
+from helpers import run_spec
 from jobgen.loader import load_run
-from jobgen.render import render_all
-from jobgen.rundir import RunDir, RunDirError, find_run, materialize
+from jobgen.render import render
+from jobgen.rundir import (
+    STARTUP_SWITCHES,
+    SWITCHES,
+    RunDir,
+    RunDirError,
+    checkpoint_name,
+    checkpoint_step,
+    find_run,
+    materialize,
+)
 
 
 @pytest.fixture()
 def spec_file(tmp_path: Path) -> Path:
     (tmp_path / "model").mkdir()
     (tmp_path / "data.jsonl").write_text("{}\n")
-    return write_spec(tmp_path, """
-        site = "local"
-        [job]
-        name = "sft"
-        time = "1h"
-        runs_root = "runs"
-        [model]
-        path = "model"
-        [data]
-        path = "data.jsonl"
-    """)
+    return run_spec(
+        tmp_path, "sft", job={"time": "1h", "runs_root": "runs"}, model={"path": "model"}, data={"path": "data.jsonl"}
+    )
 
 
 def test_new_run_directory_layout(spec_file: Path):
     spec = load_run(spec_file)
-    run, created = materialize(spec, render_all(spec), spec_file.read_text())
+    run, created = materialize(spec, render(spec), spec_file.read_text())
     assert created and run.path == spec_file.parent / "runs" / "sft"
     for sub in ("switches", "logs", "checkpoints", "repro", "history"):
         assert (run.path / sub).is_dir()
@@ -58,19 +59,19 @@ def test_failure_mid_creation_leaves_nothing(spec_file: Path, monkeypatch: pytes
 
     monkeypatch.setattr(rundir_mod, "write_text_atomic", failing)
     with pytest.raises(OSError):
-        materialize(spec, render_all(spec), "x")
+        materialize(spec, render(spec), "x")
     assert list((spec_file.parent / "runs").iterdir()) == []
 
 
 def test_resubmit_continues_and_keeps_checkpoints(spec_file: Path):
     spec = load_run(spec_file)
-    run, _ = materialize(spec, render_all(spec), spec_file.read_text())
+    run, _ = materialize(spec, render(spec), spec_file.read_text())
     (run.path / "checkpoints" / "step-10").mkdir()
     (run.path / "logs" / "old.out").write_text("old")
     longer = spec_file.read_text().replace('time = "1h"', 'time = "2h"')
     spec_file.write_text(longer)
     spec2 = load_run(spec_file)
-    run2, created = materialize(spec2, render_all(spec2), longer)
+    run2, created = materialize(spec2, render(spec2), longer)
     assert not created and run2.path == run.path
     assert (run.path / "checkpoints" / "step-10").is_dir() and (run.path / "logs" / "old.out").exists()
     assert "--time=02:00:00" in (run.path / "train.sbatch").read_text()
@@ -80,13 +81,13 @@ def test_resubmit_continues_and_keeps_checkpoints(spec_file: Path):
 
 def test_resubmit_with_another_model_is_refused(spec_file: Path, tmp_path: Path):
     spec = load_run(spec_file)
-    run, _ = materialize(spec, render_all(spec), None)
+    run, _ = materialize(spec, render(spec), None)
     before = run.spec_file.read_text()
     (tmp_path / "model2").mkdir()
     spec_file.write_text(spec_file.read_text().replace('path = "model"', 'path = "model2"'))
     spec2 = load_run(spec_file)
     with pytest.raises(RunDirError, match=r"different \[model\]"):
-        materialize(spec2, render_all(spec2), None)
+        materialize(spec2, render(spec2), None)
     assert run.spec_file.read_text() == before
 
 
@@ -95,13 +96,13 @@ def test_existing_foreign_directory_is_not_touched(spec_file: Path):
     spec.run_dir.mkdir(parents=True)
     (spec.run_dir / "precious.txt").write_text("mine")
     with pytest.raises(RunDirError, match="not a jobgen run directory"):
-        materialize(spec, render_all(spec), None)
+        materialize(spec, render(spec), None)
     assert [p.name for p in spec.run_dir.iterdir()] == ["precious.txt"]
 
 
 def test_switches_and_lookup(spec_file: Path):
     spec = load_run(spec_file)
-    run, _ = materialize(spec, render_all(spec), None)
+    run, _ = materialize(spec, render(spec), None)
     assert find_run("sft", spec.runs_root).path == run.path
     assert find_run(str(run.path), None).path == run.path
     with pytest.raises(RunDirError):
@@ -114,7 +115,41 @@ def test_switches_and_lookup(spec_file: Path):
 
 def test_jobs_record_is_appended(spec_file: Path):
     spec = load_run(spec_file)
-    run, _ = materialize(spec, render_all(spec), None)
+    run, _ = materialize(spec, render(spec), None)
     run.record_job({"job_id": 1})
     run.record_job({"job_id": 2, "after": 1})
     assert [j["job_id"] for j in RunDir(run.path).jobs()] == [1, 2]
+
+
+def test_checkpoint_names_are_parsed_in_one_place(tmp_path: Path):
+    run = RunDir(tmp_path)
+    for name in (
+        checkpoint_name(120),
+        checkpoint_name(7),
+        "step-5x",
+        ".tmp-step-00000130",
+        "broken-step-00000110-20260101T000000",
+        "step-²",
+    ):
+        (run.checkpoints / name).mkdir(parents=True)
+    (run.checkpoints / "step-00000200").write_text("a file, not a checkpoint")
+    (run.checkpoints / "latest").write_text("step-00000120\n")
+    assert checkpoint_name(120) == "step-00000120" and checkpoint_step("step-00000120") == 120
+    assert [checkpoint_step(n) for n in ("latest", "step-", "step-5x", "step-²", ".tmp-step-1")] == [None] * 5
+    assert run.complete_checkpoints() == [
+        (7, run.checkpoints / "step-00000007"),
+        (120, run.checkpoints / "step-00000120"),
+    ]
+    assert [p.name for p in run.broken_checkpoints()] == ["broken-step-00000110-20260101T000000"]
+
+
+def test_names_with_a_job_id_and_restart(tmp_path: Path):
+    run = RunDir(tmp_path)
+    assert run.stop_request(7, 2) == tmp_path / "switches" / "stop.7.2"
+    assert run.stop_request(7, 2).name.startswith(run.stop_request_stem(7).name + ".")
+    assert run.exit_code_file("7", 0) == tmp_path / "logs" / "exit-code.7.0"
+    assert run.batch_log("sft", 7) == tmp_path / "logs" / "sft-7.out"
+    assert run.node_log("sft", 7, "node1") == tmp_path / "logs" / "sft-7-node1.out"
+    assert run.switch("abort") == tmp_path / "switches" / "abort" and set(STARTUP_SWITCHES) <= set(SWITCHES)
+    with pytest.raises(ValueError):
+        run.switch("stop.7.2")

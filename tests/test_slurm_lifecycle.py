@@ -12,10 +12,9 @@ the ones not marked ``full`` (see the README).
 
 from __future__ import annotations
 
-import json
+import grp
 import os
 import pwd
-import grp
 import shutil
 import signal
 import subprocess
@@ -25,113 +24,30 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, jobgen, submitted_job_id, wait_until_gone, write_spec
+from helpers import (
+    exit_record,
+    first_step_record,
+    jobgen,
+    jobgen_as,
+    last_step,
+    read_jsonl,
+    running_task,
+    status,
+    stop_run,
+    submit,
+    train_spec,
+    wait_for,
+    wait_until_gone,
+    worker_pids,
+)
 from jobgen import slurm
 from jobgen.exit_codes import ExitCode
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.lifecycle]
 
-DATA = REPO / "examples" / "data" / "instructions.jsonl"
-
-
-_SUBMITTED_NAMES: list[str] = []
-
-
-@pytest.fixture(autouse=True)
-def _cancel_leftover_jobs():
-    """A failed scenario must not leave its job training: the next one needs the nodes."""
-    yield
-    for name in _SUBMITTED_NAMES:
-        subprocess.run(["scancel", f"--name={name}"], capture_output=True)
-    _SUBMITTED_NAMES.clear()
-
-
-def train_spec(directory: Path, tiny_model: Path, name: str, *, nodes: int = 1, procs_per_node: int = 2,
-               time_limit: str = "10m", grace: str = "1m", array: int = 1, runs_root: Path | None = None,
-               **train: object) -> Path:
-    _SUBMITTED_NAMES.append(name)
-    settings = {"micro_batch_size": 4, "grad_accum": 1, "lr": 1e-3, "max_steps": 1_000_000, "save_every_steps": 0,
-                "log_every_steps": 1, "seed": 3, **train}
-    lines = "\n        ".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())
-    directory.mkdir(parents=True, exist_ok=True)
-    return write_spec(directory, f"""
-        site = "local"
-        [job]
-        name = "{name}"
-        nodes = {nodes}
-        procs_per_node = {procs_per_node}
-        time = "{time_limit}"
-        exit_grace = "{grace}"
-        array = {array}
-        runs_root = "{runs_root or directory / 'runs'}"
-        [model]
-        path = "{tiny_model}"
-        [data]
-        path = "{DATA}"
-        max_length = 256
-        [train]
-        {lines}
-    """, name=f"{name}.toml")
-
-
-def submit(spec: Path, *args: str) -> int:
-    return submitted_job_id(jobgen("submit", str(spec), *args, check=True).stdout)
-
-
-def records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def last_step(run: Path, job_id: int | None = None, restart: int | None = None) -> int:
-    steps = [r["step"] for r in records(run / "metrics.jsonl")
-             if (job_id is None or r["job_id"] == str(job_id)) and (restart is None or r.get("restart", 0) == restart)]
-    return max(steps, default=0)
-
-
-def first_step_record(run: Path, job_id: int, restart: int = 0) -> dict | None:
-    for r in records(run / "tasks.jsonl"):
-        if r["event"] == "first_step" and r["job_id"] == str(job_id) and r.get("restart", 0) == restart:
-            return r
-    return None
-
-
-def exit_record(run: Path, job_id: int, restart: int = 0) -> dict | None:
-    for r in records(run / "tasks.jsonl"):
-        if r["event"] == "exit" and r["job_id"] == str(job_id) and r.get("restart", 0) == restart:
-            return r
-    return None
-
 
 def array_tasks(array_job_id: int) -> list[dict]:
     return sorted(slurm.show_job(array_job_id), key=lambda r: int(r.get("ArrayTaskId", "0").split("-")[0] or 0))
-
-
-def running_task(array_job_id: int, index: int, timeout: float = 120) -> int:
-    """The job id of array task ``index`` once it runs."""
-    def find():
-        for entry in slurm.queue([array_job_id]):
-            if entry.array_task == str(index) and entry.state == "RUNNING":
-                return entry.job_id
-        return None
-    return wait_for(find, timeout, f"array task {array_job_id}_{index} to run")
 
 
 def complete_checkpoints(run: Path) -> list[Path]:
@@ -140,15 +56,6 @@ def complete_checkpoints(run: Path) -> list[Path]:
         assert (path / ".metadata").is_file() and (path / "trainer_state.json").is_file(), path
         assert len(list(path.glob("rng-rank*.pt"))) >= 2, path
     return found
-
-
-def status(run: Path) -> dict:
-    return json.loads(jobgen("status", str(run), "--json", check=True).stdout)
-
-
-def stop_run(run: Path, job_ids: list[int], timeout: float = 240) -> None:
-    (run / "switches" / "kill").touch()
-    wait_until_gone(job_ids, timeout=timeout)
 
 
 def test_time_limit_saves_before_slurm_and_an_array_chained_after_resumes(cluster, tmp_path, tiny_model):
@@ -182,9 +89,11 @@ def test_time_limit_saves_before_slurm_and_an_array_chained_after_resumes(cluste
     assert by_job[task]["recomputed_steps"] == 0
     assert view["goodput"] is not None and 0 < view["goodput"] < 1
     limit_end = first_step_record(run, first)["job_start"] + 120
-    print(f"time limit: exit {done['exit_code']} at step {k}, {limit_end - done['time']:.0f}s before the 2m limit; "
-          f"chained job resumed at step {resumed['start_step']}, first step {resumed['seconds_to_first_step']:.1f}s "
-          f"after its start, recomputed 0; goodput {view['goodput']:.2f}")
+    print(
+        f"time limit: exit {done['exit_code']} at step {k}, {limit_end - done['time']:.0f}s before the 2m limit; "
+        f"chained job resumed at step {resumed['start_step']}, first step {resumed['seconds_to_first_step']:.1f}s "
+        f"after its start, recomputed 0; goodput {view['goodput']:.2f}"
+    )
 
 
 @pytest.mark.full
@@ -197,14 +106,14 @@ def test_signals_and_requeue_resume_without_lost_steps(cluster, tmp_path, tiny_m
     array = submit(spec)
     task1 = running_task(array, 1)
     wait_for(lambda: last_step(run, task1) >= 3, 150, "task 1 to train")
-    signalled = time.time()
     # Array tasks by ARRAY_TASK: the last task's own job id is the array's id, and a bare
     # array id would signal (or requeue) every task of the array.
     slurm.cancel(f"{array}_1", signal="USR1")
     wait_for(lambda: exit_record(run, task1), 120, "task 1 to exit")
-    signal_to_exit = exit_record(run, task1)["time"] - signalled
     end1 = exit_record(run, task1)["end_step"]
     assert exit_record(run, task1)["exit_code"] == ExitCode.SIGNALLED
+    # It saved where it stopped (no step- or time-based save is due in this run).
+    assert [p.name for p in complete_checkpoints(run)] == [f"step-{end1:08d}"]
 
     task2 = running_task(array, 2)
     assert wait_for(lambda: first_step_record(run, task2), 150, "task 2 to train")["start_step"] == end1
@@ -219,8 +128,6 @@ def test_signals_and_requeue_resume_without_lost_steps(cluster, tmp_path, tiny_m
     tasks = {(t["job_id"], t["restart"]): t for t in status(run)["tasks"]}
     assert tasks[(task2, 0)]["recomputed_steps"] == 0 and tasks[(task2, 1)]["recomputed_steps"] == 0
     assert tasks[(task2, 1)]["start_step"] == end2
-    print(f"USR1 to exit: {signal_to_exit:.1f}s")
-    assert signal_to_exit < 30
 
 
 @pytest.fixture()
@@ -246,38 +153,6 @@ def teammate():
         subprocess.run(["groupdel", group], capture_output=True)
 
 
-def run_as(user: str, args: list[str]) -> int:
-    """`jobgen ARGS` as another user. Forked rather than exec'd: this machine's Python
-    lives under /root, which other users cannot enter; the code that runs is the same."""
-    entry = pwd.getpwnam(user)
-    import jobgen.cli  # noqa: F401 - everything imported before the uid changes
-    import jobgen.loader  # noqa: F401
-    import jobgen.rundir  # noqa: F401
-
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.setgroups([entry.pw_gid])
-            os.setgid(entry.pw_gid)
-            os.setuid(entry.pw_uid)
-            from jobgen.cli import main
-
-            try:
-                main(args, standalone_mode=False)
-                code = 0
-            except SystemExit as exc:
-                code = int(exc.code or 0)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
-
 def test_kill_switch_by_a_teammate_stops_a_two_node_job_and_the_queue(cluster, tmp_path, tiny_model, teammate):
     user, root = teammate
     spec = train_spec(tmp_path, tiny_model, "team", nodes=2, array=3, runs_root=root)
@@ -285,25 +160,27 @@ def test_kill_switch_by_a_teammate_stops_a_two_node_job_and_the_queue(cluster, t
     array = submit(spec)
     task1 = running_task(array, 1)
     wait_for(lambda: last_step(run, task1) >= 3, 180, "task 1 to train")
-    assert run_as(user, ["stop", str(run)]) == 0
+    code, out = jobgen_as(user, ["stop", str(run)], tmp_path / "stop.out")
+    assert code == 0, out
     appeared = (run / "switches" / "kill").stat().st_mtime
     assert pwd.getpwuid((run / "switches" / "kill").stat().st_uid).pw_name == user
     assert grp.getgrgid((run / "switches" / "kill").stat().st_gid).gr_name == "jgteam"
     wait_until_gone([array], timeout=240)
     done = exit_record(run, task1)
     # Within one optimizer step: steps logged before the file appeared, plus the one in flight.
-    before = max(r["step"] for r in records(run / "metrics.jsonl") if r["time"] <= appeared)
+    before = max(r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["time"] <= appeared)
     assert done["exit_code"] == ExitCode.KILL_SWITCH and done["end_step"] - before <= 1, (before, done)
-    print(f"kill switch: file at step {before}, checkpoint and exit at step {done['end_step']}, "
-          f"{done['time'] - appeared:.1f}s after the file appeared")
+    print(
+        f"kill switch: file at step {before}, checkpoint and exit at step {done['end_step']}, "
+        f"{done['time'] - appeared:.1f}s after the file appeared"
+    )
     assert [p.name for p in complete_checkpoints(run)] == [f"step-{done['end_step']:08d}"]
     tasks = array_tasks(array)
     assert [t["ArrayTaskId"] for t in tasks] == ["1", "2", "3"]
-    for later in tasks[1:]:
-        minutes, seconds = later["RunTime"].split(":")[-2:]
-        assert int(minutes) == 0 and int(seconds) <= 10, later["RunTime"]
+    for later in tasks[1:]:  # burnt through: left before the rendezvous, launched nothing
         log = (run / "logs" / f"team-{later['JobId']}.out").read_text()
         assert "kill switch" in log and "not starting" in log and "rendezvous" not in log
+        assert not (run / "logs" / "ranks" / later["JobId"]).exists()
 
 
 def test_save_then_abort_switches(cluster, tmp_path, tiny_model):
@@ -326,13 +203,6 @@ def test_save_then_abort_switches(cluster, tmp_path, tiny_model):
     assert record["ExitCode"] == f"{int(ExitCode.ABORTED)}:0"
 
 
-def worker_pids(run: Path) -> list[int]:
-    # Workers run as `python -u -m trainer ...`; torchrun's own command line has no "-u".
-    out = subprocess.run(["pgrep", "-f", "--", f"-u -m trainer --run-dir {run} "], capture_output=True,
-                         text=True).stdout
-    return [int(p) for p in out.split()]
-
-
 @pytest.mark.full
 def test_sigkilled_worker_loses_at_most_the_checkpoint_interval(cluster, tmp_path, tiny_model):
     spec = train_spec(tmp_path, tiny_model, "crash", array=2, save_every_steps=5, keep_checkpoints=3)
@@ -350,8 +220,10 @@ def test_sigkilled_worker_loses_at_most_the_checkpoint_interval(cluster, tmp_pat
     stop_run(run, [array])
     tasks = {t["job_id"]: t for t in status(run)["tasks"]}
     assert tasks[task2]["recomputed_steps"] == reached - resumed["start_step"]
-    print(f"SIGKILL: task 1 reached step {reached}, task 2 resumed at {resumed['start_step']}, "
-          f"recomputed {reached - resumed['start_step']} (checkpoint every 5)")
+    print(
+        f"SIGKILL: task 1 reached step {reached}, task 2 resumed at {resumed['start_step']}, "
+        f"recomputed {reached - resumed['start_step']} (checkpoint every 5)"
+    )
 
 
 @pytest.mark.full
@@ -363,16 +235,15 @@ def test_hung_rank_is_ended_by_the_collective_timeout(cluster, tmp_path, tiny_mo
     wait_for(lambda: last_step(run, task1) >= 7, 180, "task 1 to train")
     hung = worker_pids(run)[-1]
     os.kill(hung, signal.SIGSTOP)  # a rank stuck inside a step
-    stopped_at = time.monotonic()
     task2 = running_task(array, 2, timeout=240)
-    ended_after = time.monotonic() - stopped_at
-    assert ended_after < 150, ended_after
+    # Task 1 ended on its own, by the collective timeout, not at its 10-minute limit.
+    (ended,) = slurm.show_job(task1)
+    assert ended["JobState"] not in ("TIMEOUT", "CANCELLED"), ended
     log = (run / "logs" / f"hang-{task1}.out").read_text()
     assert "timed out" in log.lower() or "timeout" in log.lower(), log[-3000:]
     resumed = wait_for(lambda: first_step_record(run, task2), 180, "task 2 to train")
     assert resumed["start_step"] % 5 == 0 and resumed["start_step"] >= 5
     stop_run(run, [array])
-    print(f"hung rank ended the job after {ended_after:.0f}s (collective timeout 30s)")
 
 
 @pytest.mark.full
@@ -388,8 +259,9 @@ def test_lost_node_job_resumes_on_healthy_nodes(cluster, tmp_path, tiny_model):
     victim = nodes[-1]
     try:
         # The node dies: its slurmd and every process in its network namespace.
-        pids = subprocess.run(["ip", "netns", "pids", f"jgnode{victim.removeprefix('node')}"],
-                              capture_output=True, text=True, check=True).stdout.split()
+        pids = subprocess.run(
+            ["ip", "netns", "pids", f"jgnode{victim.removeprefix('node')}"], capture_output=True, text=True, check=True
+        ).stdout.split()
         for pid in pids:
             try:
                 os.kill(int(pid), signal.SIGKILL)
@@ -402,9 +274,11 @@ def test_lost_node_job_resumes_on_healthy_nodes(cluster, tmp_path, tiny_model):
         assert victim not in slurm.hostnames(requeued["NodeList"])
         assert reached - again["start_step"] <= 5
         stop_run(run, [job])
-        print(f"node loss: {victim} died at step {reached}; requeued job trained again on {requeued['NodeList']} "
-              f"{again['time'] - lost_at:.0f}s later, resumed at {again['start_step']}, "
-              f"recomputed {reached - again['start_step']}")
+        print(
+            f"node loss: {victim} died at step {reached}; requeued job trained again on {requeued['NodeList']} "
+            f"{again['time'] - lost_at:.0f}s later, resumed at {again['start_step']}, "
+            f"recomputed {reached - again['start_step']}"
+        )
     finally:
         devcluster.up(nodes=3, cpus_per_node=4, netns=True)  # bring the node back
         subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)

@@ -15,12 +15,22 @@ import subprocess
 
 import pytest
 
-from conftest import jobgen, wait_until_gone
+from helpers import (
+    exit_record,
+    first_step_record,
+    jobgen,
+    last_step,
+    read_jsonl,
+    running_task,
+    status,
+    stop_run,
+    submit,
+    train_spec,
+    wait_for,
+    wait_until_gone,
+)
 from jobgen import slurm
 from jobgen.exit_codes import ExitCode
-from test_slurm_lifecycle import _cancel_leftover_jobs  # noqa: F401 - autouse: cancels a failed test's jobs
-from test_slurm_lifecycle import (exit_record, first_step_record, last_step, records, running_task, status, stop_run,
-                                  submit, train_spec, wait_for)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.lifecycle]
 
@@ -29,8 +39,12 @@ def test_a_stop_request_left_before_the_attempt_started_is_ignored(cluster, tmp_
     spec = train_spec(tmp_path, tiny_model, "stale-stop")
     run = tmp_path / "runs" / "stale-stop"
     # A job the run is chained behind: the run's own job id is known while it waits.
-    filler = subprocess.run(["sbatch", "--parsable", "--job-name=stale-stop-filler", "--nodes=1", "--time=2",
-                             "--wrap=sleep 15"], capture_output=True, text=True, check=True)
+    filler = subprocess.run(
+        ["sbatch", "--parsable", "--job-name=stale-stop-filler", "--nodes=1", "--time=2", "--wrap=sleep 15"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     filler_id = int(filler.stdout.strip().split(";")[0])
     array = submit(spec, "--after", str(filler_id))
     (pending,) = slurm.queue([array])
@@ -88,12 +102,12 @@ def test_submit_and_status_warn_when_a_save_does_not_fit_in_killwait(cluster, tm
     run = tmp_path / "runs" / "killwait"
     job = submit(spec)
     wait_until_gone([job], timeout=240)
-    (done,) = [r for r in records(run / "tasks.jsonl") if r["event"] == "exit"]
+    (done,) = [r for r in read_jsonl(run / "tasks.jsonl") if r["event"] == "exit"]
     assert done["exit_code"] == 0
     quick = status(run)
     assert not any("KillWait" in w for w in quick["warnings"]), quick
     # The same run, as if its saves had taken 45 s: more than the dev cluster's KillWait (30 s).
-    lines = records(run / "tasks.jsonl")
+    lines = read_jsonl(run / "tasks.jsonl")
     for line in lines:
         if line["event"] == "exit":
             line["save_seconds"] = [45.0]
@@ -102,4 +116,3 @@ def test_submit_and_status_warn_when_a_save_does_not_fit_in_killwait(cluster, tm
     assert any("KillWait is 30s" in w and "45.0s" in w for w in slow["warnings"]), slow
     dry = jobgen("submit", str(spec), "--dry-run")
     assert dry.returncode == 0 and "KillWait is 30s" in dry.stderr, dry.stdout + dry.stderr
-

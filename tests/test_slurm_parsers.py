@@ -8,7 +8,7 @@ from jobgen.slurm import parse_job_id, parse_key_values, parse_records, parse_sq
 PARTITIONS = """\
 PartitionName=debug AllowGroups=ALL AllowAccounts=ALL AllowQos=ALL AllocNodes=ALL Default=YES QoS=N/A DefaultTime=NONE DisableRootJobs=NO ExclusiveUser=NO GraceTime=0 Hidden=NO MaxNodes=UNLIMITED MaxTime=1-00:00:00 MinNodes=0 LLN=NO MaxCPUsPerNode=UNLIMITED Nodes=node[1-3] PriorityJobFactor=1 PriorityTier=1 RootOnly=NO ReqResv=NO OverSubscribe=NO OverTimeLimit=NONE PreemptMode=OFF State=UP TotalCPUs=12 TotalNodes=3 SelectTypeParameters=NONE JobDefaults=(null) DefMemPerNode=UNLIMITED MaxMemPerNode=UNLIMITED
 PartitionName=short AllowGroups=ALL AllowAccounts=ALL AllowQos=ALL AllocNodes=ALL Default=NO QoS=N/A DefaultTime=NONE DisableRootJobs=NO ExclusiveUser=NO GraceTime=0 Hidden=NO MaxNodes=UNLIMITED MaxTime=00:05:00 MinNodes=0 LLN=NO MaxCPUsPerNode=UNLIMITED Nodes=node[1-3] PriorityJobFactor=1 PriorityTier=1 RootOnly=NO ReqResv=NO OverSubscribe=NO OverTimeLimit=NONE PreemptMode=OFF State=UP TotalCPUs=12 TotalNodes=3 SelectTypeParameters=NONE JobDefaults=(null) DefMemPerNode=UNLIMITED MaxMemPerNode=UNLIMITED
-"""
+"""  # noqa: E501 - lines as Slurm prints them
 
 # `scontrol show node node3 --oneliner` after
 # `scontrol update nodename=node3 state=drain reason="disk full on /scratch"`.
@@ -47,14 +47,17 @@ def test_values_with_spaces_run_until_the_next_key():
     assert node["CfgTRES"] == "cpu=4,mem=4G,billing=4" and node["AllocTRES"] == ""
 
 
-@pytest.mark.parametrize("gres, name, count", [
-    ("gpu:h100:8(S:0-1),shard:8", "gpu", 8),
-    ("gpu:h100:8(S:0-1),shard:8", "gpu:h100", 8),
-    ("gpu:h100:8(S:0-1)", "gpu:a100", 0),
-    ("gpu:4,gpu:rtx4090:2", "gpu", 6),
-    ("(null)", "gpu", 0),
-    ("", "gpu", 0),
-])
+@pytest.mark.parametrize(
+    "gres, name, count",
+    [
+        ("gpu:h100:8(S:0-1),shard:8", "gpu", 8),
+        ("gpu:h100:8(S:0-1),shard:8", "gpu:h100", 8),
+        ("gpu:h100:8(S:0-1)", "gpu:a100", 0),
+        ("gpu:4,gpu:rtx4090:2", "gpu", 6),
+        ("(null)", "gpu", 0),
+        ("", "gpu", 0),
+    ],
+)
 def test_gres_count(gres, name, count):
     assert _gres_count(gres, name) == count
 
@@ -76,7 +79,11 @@ def test_job_ids():
 def test_squeue_array_lines():
     rows = parse_squeue(SQUEUE)
     assert [(r.job_id, r.array_job_id, r.array_task, r.state) for r in rows] == [
-        (1, 1, "2", "PENDING"), (1, 1, "3", "PENDING"), (2, 2, "N/A", "PENDING"), (3, 1, "1", "RUNNING")]
+        (1, 1, "2", "PENDING"),
+        (1, 1, "3", "PENDING"),
+        (2, 2, "N/A", "PENDING"),
+        (3, 1, "1", "RUNNING"),
+    ]
     assert rows[0].reason == "JobArrayTaskLimit" and rows[2].reason == "Dependency"
     assert rows[3].nodes == "node1" and rows[3].time_limit == "1-00:00:00"
 

@@ -6,14 +6,15 @@ cluster (the session fixture) and each uses its own runs root under tmp_path.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, jobgen, submitted_job_id as job_id_of, wait_until_gone, write_spec
+from helpers import REPO, jobgen, status, wait_for, wait_until_gone, write_spec
+from helpers import submitted_job_id as job_id_of
 from jobgen import slurm
 
 pytestmark = pytest.mark.slurm
@@ -36,7 +37,11 @@ def test_doctor_example_runs_world_size_four_on_two_hosts(cluster, tmp_path: Pat
     assert verdict["world_size"] == verdict["expected_world_size"] == 4
     assert verdict["nodes"] == ["node1", "node2"]
     assert sorted((r["node"], r["local_rank"]) for r in verdict["ranks"]) == [
-        ("node1", 0), ("node1", 1), ("node2", 0), ("node2", 1)]
+        ("node1", 0),
+        ("node1", 1),
+        ("node2", 0),
+        ("node2", 1),
+    ]
     # The rendezvous used the head's own eth0 address, not a hostname or localhost.
     head_addr = cluster.node_addrs["node1"]
     assert f"rendezvous at {head_addr}:" in log
@@ -56,7 +61,9 @@ def test_doctor_command_reports_every_rank(cluster, tmp_path: Path):
 
 
 def test_wrong_nic_fails_fast_with_a_clear_message(cluster, tmp_path: Path):
-    spec = write_spec(tmp_path, """
+    spec = write_spec(
+        tmp_path,
+        """
         [site]
         profile = "local"
         network.ifname = "eth9"
@@ -68,22 +75,29 @@ def test_wrong_nic_fails_fast_with_a_clear_message(cluster, tmp_path: Path):
         time = "5m"
         exit_grace = "1m"
         runs_root = "runs"
-    """)
-    started = time.monotonic()
+    """,
+    )
     job_id = job_id_of(jobgen("submit", str(spec), check=True).stdout)
     wait_until_gone([job_id], timeout=90)
-    elapsed = time.monotonic() - started
-    log = (tmp_path / "runs" / "bad-nic" / "logs" / f"bad-nic-{job_id}.out").read_text()
+    run = tmp_path / "runs" / "bad-nic"
+    log = (run / "logs" / f"bad-nic-{job_id}.out").read_text()
     assert "has no IPv4 address on interface 'eth9' (site network.ifname)" in log
     assert final_state(job_id)["ExitCode"] == "3:0"
-    assert elapsed < 60, f"took {elapsed:.0f}s to fail"
+    # Fast: it failed before the rendezvous, so no rank ever started (and waited for the others).
+    assert "rendezvous at" not in log and not (run / "logs" / "ranks" / str(job_id)).exists(), log
 
 
 PREFLIGHT_CASES = {
-    "too-many-nodes": ('nodes = 5', "job.nodes: 5 nodes requested but partition 'debug' has 3"),
-    "over-max-time": ('partition = "short"\n        time = "10m"', "job.time: 10m exceeds partition 'short' MaxTime 5m"),
+    "too-many-nodes": ("nodes = 5", "job.nodes: 5 nodes requested but partition 'debug' has 3"),
+    "over-max-time": (
+        'partition = "short"\n        time = "10m"',
+        "job.time: 10m exceeds partition 'short' MaxTime 5m",
+    ),
     "no-partition": ('partition = "gpu-nope"', "partition 'gpu-nope' does not exist"),
-    "excluded-away": ('nodes = 2\n        exclude = ["node[1-2]"]', "2 nodes requested but partition 'debug' has 1 after excluding node1, node2"),
+    "excluded-away": (
+        'nodes = 2\n        exclude = ["node[1-2]"]',
+        "2 nodes requested but partition 'debug' has 1 after excluding node1, node2",
+    ),
 }
 
 
@@ -108,7 +122,9 @@ def test_preflight_refuses_before_queueing(cluster, tmp_path: Path, case: str):
 
 
 def test_preflight_refuses_gres_the_cluster_lacks(cluster, tmp_path: Path):
-    spec = write_spec(tmp_path, """
+    spec = write_spec(
+        tmp_path,
+        """
         [site]
         profile = "local"
         slurm.gpus_per_node = 2
@@ -119,17 +135,23 @@ def test_preflight_refuses_gres_the_cluster_lacks(cluster, tmp_path: Path):
         time = "5m"
         exit_grace = "1m"
         runs_root = "runs"
-    """)
+    """,
+    )
     proc = jobgen("submit", str(spec))
     assert proc.returncode == 2 and "site.slurm.gpus_per_node: 2 x gres 'gpu' per node" in proc.stderr
 
 
-@pytest.mark.parametrize("variant", [
-    'exclude = ["node3"]',
-    'nodelist = ["node[1-2]"]',
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        'exclude = ["node3"]',
+        'nodelist = ["node[1-2]"]',
+    ],
+)
 def test_sbatch_test_only_accepts_rendered_variants(cluster, tmp_path: Path, variant: str):
-    spec = write_spec(tmp_path, f"""
+    spec = write_spec(
+        tmp_path,
+        f"""
         [site]
         profile = "local"
         slurm.hint_nomultithread = true
@@ -145,12 +167,14 @@ def test_sbatch_test_only_accepts_rendered_variants(cluster, tmp_path: Path, var
         exit_grace = "1m"
         runs_root = "runs"
         {variant}
-    """)
+    """,
+    )
     proc = jobgen("submit", str(spec), "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "would create/continue" in proc.stdout and "sbatch --parsable" in proc.stdout
     # Slurm itself accepted the exact script: its estimate names the nodes it would use.
-    assert re.search(r"info: sbatch --test-only: Job \d+ to start at \S+ using \d+ processors on nodes node", proc.stdout), proc.stdout
+    estimate = r"info: sbatch --test-only: Job \d+ to start at \S+ using \d+ processors on nodes node"
+    assert re.search(estimate, proc.stdout), proc.stdout
     assert not (tmp_path / "runs").exists()
 
 
@@ -158,7 +182,10 @@ def test_failed_sbatch_leaves_no_run_directory(cluster, tmp_path: Path):
     from jobgen.loader import load_run
     from jobgen.submit import submit
 
-    spec = load_run(write_spec(tmp_path, """
+    spec = load_run(
+        write_spec(
+            tmp_path,
+            """
         site = "local"
         [job]
         name = "ghost"
@@ -167,7 +194,9 @@ def test_failed_sbatch_leaves_no_run_directory(cluster, tmp_path: Path):
         time = "5m"
         exit_grace = "1m"
         runs_root = "runs"
-    """))
+    """,
+        )
+    )
     with pytest.raises(slurm.SlurmError, match="partition"):
         submit(spec, skip_preflight=True)
     assert list((tmp_path / "runs").iterdir()) == []
@@ -178,7 +207,9 @@ def test_array_after_chaining_and_kill_switch_burn_through(cluster, tmp_path: Pa
     every task exits within seconds, one task at a time (%1), before srun."""
     (tmp_path / "model").mkdir()
     (tmp_path / "data.jsonl").write_text("{}\n")
-    blocker = write_spec(tmp_path, """
+    blocker = write_spec(
+        tmp_path,
+        """
         site = "local"
         [job]
         name = "blocker"
@@ -188,8 +219,12 @@ def test_array_after_chaining_and_kill_switch_burn_through(cluster, tmp_path: Pa
         time = "5m"
         exit_grace = "1m"
         runs_root = "runs"
-    """, name="blocker.toml")
-    train = write_spec(tmp_path, """
+    """,
+        name="blocker.toml",
+    )
+    train = write_spec(
+        tmp_path,
+        """
         site = "local"
         [job]
         name = "chained"
@@ -201,7 +236,9 @@ def test_array_after_chaining_and_kill_switch_burn_through(cluster, tmp_path: Pa
         path = "model"
         [data]
         path = "data.jsonl"
-    """, name="train.toml")
+    """,
+        name="train.toml",
+    )
     first = job_id_of(jobgen("submit", str(blocker), check=True).stdout)
     second = job_id_of(jobgen("submit", str(train), "--after", str(first), check=True).stdout)
     run = tmp_path / "runs" / "chained"
@@ -209,14 +246,12 @@ def test_array_after_chaining_and_kill_switch_burn_through(cluster, tmp_path: Pa
     assert (run / "switches" / "kill").exists()
 
     # The scheduler gives the reason on its next pass; until then it reads "None".
-    deadline = time.monotonic() + 20
-    while True:
+    def waiting_on_the_blocker() -> list[slurm.QueueEntry]:
         pending = slurm.queue([second])
         assert pending and all(e.state == "PENDING" for e in pending), pending
-        if any(e.reason == "Dependency" for e in pending) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert any(e.reason == "Dependency" for e in pending), pending
+        return pending if any(e.reason == "Dependency" for e in pending) else []
+
+    wait_for(waiting_on_the_blocker, 20, lambda: f"reason Dependency: {slurm.queue([second])}")
 
     # Resubmitting while the array is queued would start a second writer of the same run.
     refused = jobgen("submit", str(train))
@@ -240,15 +275,14 @@ def test_array_after_chaining_and_kill_switch_burn_through(cluster, tmp_path: Pa
     assert [r["ArrayTaskId"] for r in tasks] == ["1", "2", "3"]
     assert all(r["JobState"] == "COMPLETED" and r["ExitCode"] == "0:0" for r in tasks)
     assert tasks[0]["StartTime"] >= blocker_record["EndTime"]
-    for before, after in zip(tasks, tasks[1:]):
+    for before, after in itertools.pairwise(tasks):
         assert after["StartTime"] >= before["EndTime"]
-    # Burning through: each task exits within seconds.
+    # Burning through: no task launched anything.
     for record in tasks:
-        minutes, seconds = record["RunTime"].split(":")[-2:]
-        assert int(minutes) == 0 and int(seconds) <= 10, record["RunTime"]
-    status = json.loads(jobgen("status", str(run), "--json", check=True).stdout)
-    assert status["state"] == "stopped"
-    assert len(status["tasks"]) == 5 and {t["state"] for t in status["tasks"]} == {"COMPLETED"}
+        assert not (run / "logs" / "ranks" / record["JobId"]).exists(), record
+    view = status(run)
+    assert view["state"] == "stopped"
+    assert len(view["tasks"]) == 5 and {t["state"] for t in view["tasks"]} == {"COMPLETED"}
 
 
 def test_odd_run_dir_and_extra_sbatch_value_reach_slurm_literally(cluster, tmp_path: Path):
@@ -259,7 +293,9 @@ def test_odd_run_dir_and_extra_sbatch_value_reach_slurm_literally(cluster, tmp_p
 
     here = tmp_path / "my runs #1 %j 50%% 'q\""
     here.mkdir()
-    spec = write_spec(here, """
+    spec = write_spec(
+        here,
+        """
         site = { profile = "local", slurm.extra_sbatch = ["--comment=my run #1"] }
         [job]
         name = "odd"
@@ -269,10 +305,12 @@ def test_odd_run_dir_and_extra_sbatch_value_reach_slurm_literally(cluster, tmp_p
         time = "5m"
         exit_grace = "1m"
         runs_root = "runs"
-    """)
+    """,
+    )
     job_id = job_id_of(jobgen("submit", str(spec), check=True).stdout)
-    shown = subprocess.run(["scontrol", "show", "job", "--oneliner", str(job_id)], capture_output=True,
-                           text=True, check=False).stdout
+    shown = subprocess.run(
+        ["scontrol", "show", "job", "--oneliner", str(job_id)], capture_output=True, text=True, check=False
+    ).stdout
     wait_until_gone([job_id])
     run = here / "runs" / "odd"
     logs = sorted(p.name for p in (run / "logs").iterdir() if p.is_file())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, jobgen, wait_until_gone
+from helpers import REPO, checkpoints, jobgen, losses, submitted_job_id, summary, wait_until_gone
 from jobgen import slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
@@ -24,21 +24,23 @@ def test_example_sft_trains_to_the_end_on_two_hosts(cluster, tmp_path: Path, tin
     (examples / "tiny-model").symlink_to(tiny_model)
     env = {"HOME": str(tmp_path)}  # runs under ~/jobgen-runs
     proc = jobgen("submit", str(examples / "sft.toml"), env=env, check=True)
-    job_id = int(proc.stdout.split("submitted job ")[1].split()[0])
+    job_id = submitted_job_id(proc.stdout)
     wait_until_gone([job_id], timeout=420)
 
     run = tmp_path / "jobgen-runs" / "tiny-sft"
-    summary = json.loads((run / "metrics.json").read_text())
-    assert summary["exit_code"] == 0 and summary["end_step"] == 60 and summary["world_size"] == 4
-    assert summary["parallelism"] == "fsdp" and summary["data_stats"]["packing"] is True
+    info = summary(run)
+    assert info["exit_code"] == 0 and info["end_step"] == 60 and info["world_size"] == 4
+    assert info["parallelism"] == "fsdp" and info["data_stats"]["packing"] is True
     assert json.loads((run / "done").read_text())["step"] == 60
-    curve = {json.loads(line)["step"]: json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()}
+    curve = losses(run)
     assert curve[60] < curve[5] * 0.7, curve
-    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-00000040", "step-00000060"]
+    assert checkpoints(run) == ["step-00000040", "step-00000060"]
 
     tasks = sorted(slurm.show_job(job_id), key=lambda r: int(r["ArrayTaskId"]))
-    assert [(t["ArrayTaskId"], t["JobState"], t["ExitCode"]) for t in tasks] == [("1", "COMPLETED", "0:0"),
-                                                                                 ("2", "COMPLETED", "0:0")]
+    assert [(t["ArrayTaskId"], t["JobState"], t["ExitCode"]) for t in tasks] == [
+        ("1", "COMPLETED", "0:0"),
+        ("2", "COMPLETED", "0:0"),
+    ]
     second_log = (run / "logs" / f"tiny-sft-{tasks[1]['JobId']}.out").read_text()
     assert "run already finished" in second_log and "rendezvous" not in second_log
     status = json.loads(jobgen("status", str(run), "--json", env=env, check=True).stdout)

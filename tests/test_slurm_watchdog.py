@@ -20,13 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, jobgen, local_receivers, submitted_job_id, wait_until_gone, write_spec
+from helpers import DATA, jobgen, local_receivers, run_spec, submitted_job_id, wait_for, wait_until_gone
 from jobgen import slurm
 from watchdogs.probe import rank_processes
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
-DATA = REPO / "examples" / "data" / "instructions.jsonl"
 STALE = 20  # seconds: the hang threshold of this run
 
 
@@ -35,25 +34,16 @@ def watched(cluster, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path)
     tmp = tmp_path_factory.mktemp("watchdog")
     name = f"wd-{uuid.uuid4().hex[:6]}"
     with local_receivers(cluster.controller_addr) as got:
-        spec = write_spec(tmp, f"""
-            site = "local"
-            [job]
-            name = "{name}"
-            nodes = 1
-            procs_per_node = 2
-            time = "10m"
-            exit_grace = "1m"
-            runs_root = "{tmp / 'runs'}"
-            [model]
-            path = "{tiny_model}"
-            [data]
-            path = "{DATA}"
-            max_length = 256
-            [train]
-            max_steps = 1000000
-            save_every_steps = 0
-            log_every_steps = 1
-            lr = 1e-3
+        # Not helpers.train_spec: this job runs through the whole module, and the jobs of
+        # train_spec's runs are cancelled after each test.
+        spec = run_spec(
+            tmp,
+            name,
+            job={"nodes": 1, "procs_per_node": 2, "time": "10m", "exit_grace": "1m", "runs_root": tmp / "runs"},
+            model={"path": tiny_model},
+            data={"path": DATA, "max_length": 256},
+            train={"max_steps": 1000000, "save_every_steps": 0, "log_every_steps": 1, "lr": 1e-3},
+            extra=f"""
             [watchdogs]
             partition = "debug"
             time = "3m"
@@ -71,15 +61,22 @@ def watched(cluster, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path)
             [watchdogs.email]
             to = ["oncall@example.org"]
             host = "{cluster.controller_addr}"
-            port = {got['smtp_port']}
+            port = {got["smtp_port"]}
             [watchdogs.webhook]
-            url = "http://{cluster.controller_addr}:{got['http_port']}/hook"
-        """)
+            url = "http://{cluster.controller_addr}:{got["http_port"]}/hook"
+        """,
+        )
         job_id = submitted_job_id(jobgen("submit", str(spec), check=True).stdout)
         run = tmp / "runs" / name
         try:
-            yield {"name": name, "spec": spec, "run": run, "home": tmp / "runs" / ".watchdogs", "job_id": job_id,
-                   "got": got}
+            yield {
+                "name": name,
+                "spec": spec,
+                "run": run,
+                "home": tmp / "runs" / ".watchdogs",
+                "job_id": job_id,
+                "got": got,
+            }
         finally:
             jobgen("watchdog", "remove", "--home", str(tmp / "runs" / ".watchdogs"))
             subprocess.run(["scancel", f"--name={name}"], capture_output=True)
@@ -87,16 +84,6 @@ def watched(cluster, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path)
 
 def chain_jobs(home: Path, interval: str) -> list[slurm.NamedJob]:
     return [j for j in slurm.jobs_named(f"jobgen-cron-{interval}") if j.comment == str(home)]
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
-        time.sleep(interval)
 
 
 def test_an_install_slurm_refuses_leaves_nothing_behind(watched):
@@ -201,7 +188,11 @@ def test_remove_ends_the_chains(watched):
     out = jobgen("watchdog", "remove", str(watched["run"]), check=True).stdout
     assert "chain 1m stopped" in out, out
     # A link running right now finds no chain record and does not resubmit.
-    wait_for(lambda: not any(chain_jobs(watched["home"], i) for i in ("1m", "hourly", "daily")), 90,
-             "every chain gone from the queue", interval=2)
+    wait_for(
+        lambda: not any(chain_jobs(watched["home"], i) for i in ("1m", "hourly", "daily")),
+        90,
+        "every chain gone from the queue",
+        interval=2,
+    )
     assert not list((watched["home"] / "chains").glob("*.json"))
     assert not list((watched["home"] / "cron.1m").iterdir())

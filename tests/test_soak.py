@@ -9,7 +9,9 @@ rank. At the end:
 - every logged step's loss equals that of an uninterrupted run with the same seed
   (CPU runs are deterministic), the steps that were computed twice included;
 - no task that followed a graceful stop recomputed a step;
-- no task that followed a crash recomputed more than one save interval's worth;
+- a task that followed a crash resumed from the newest checkpoint there was when the
+  crash hit, so it lost at most one save interval (the seconds it recomputed are in
+  the report);
 - every checkpoint on disk loads, none was set aside, the run is not marked failed.
 
 ``pytest -m soak tests/test_soak.py -s`` runs the 30-minute soak
@@ -19,6 +21,7 @@ the default test command (and CI) runs a 5-minute variant. Both print their figu
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -32,17 +35,35 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, VENV_BIN, jobgen, wait_until_gone
+from helpers import (
+    REPO,
+    VENV_BIN,
+    jobgen,
+    losses,
+    read_jsonl,
+    status,
+    submit,
+    train_spec,
+    wait_for,
+    wait_until_gone,
+    worker_pids,
+)
 from jobgen import slurm
 from jobgen.exit_codes import ExitCode
-from test_slurm_lifecycle import _cancel_leftover_jobs, records, submit, train_spec, worker_pids  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.lifecycle]
 
 GRACEFUL = {ExitCode.OK, ExitCode.KILL_SWITCH, ExitCode.SIGNALLED, ExitCode.DEADLINE, ExitCode.MEMORY_GUARD}
 SAVE_EVERY_S = 4
-SETTINGS = {"save_every": f"{SAVE_EVERY_S}s", "save_every_steps": 0, "keep_checkpoints": 2, "seed": 11,
-            "collective_timeout": "20s", "max_steps": 1_000_000, "grad_accum": 2}
+SETTINGS = {
+    "save_every": f"{SAVE_EVERY_S}s",
+    "save_every_steps": 0,
+    "keep_checkpoints": 2,
+    "seed": 11,
+    "collective_timeout": "20s",
+    "max_steps": 1_000_000,
+    "grad_accum": 2,
+}
 
 
 @dataclass
@@ -54,6 +75,8 @@ class Soak:
     array: int
     array_size: int
     faults: list[tuple[float, str, int]] = field(default_factory=list)  # (time, kind, job id)
+    # job id -> the newest checkpoint's step when a crash (SIGKILL, hang) was injected into it
+    newest_at_crash: dict[str, int] = field(default_factory=dict)
 
     def running(self) -> int | None:
         """The job id of the array task that is running now, if any."""
@@ -62,21 +85,27 @@ class Soak:
                 return entry.job_id
         return None
 
-    def steps_of(self, job_id: int) -> int:
-        return sum(1 for r in records(self.run / "metrics.jsonl") if r.get("job_id") == str(job_id))
+    def training_job(self, timeout: float = 420) -> int:
+        """A running task that has taken a few steps and is still taking them (not hung),
+        resubmitting if the array ran out."""
 
-    def training_job(self, timeout: float = 420) -> int | None:
-        """A running task that has taken a few steps, resubmitting if the array ran out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def trained() -> int | None:
             job = self.running()
-            if job is not None and self.steps_of(job) >= 3:
+            mine = [r for r in read_jsonl(self.run / "metrics.jsonl") if r.get("job_id") == str(job)] if job else []
+            last_fault = self.faults[-1][0] if self.faults else 0.0
+            # A step logged after the last fault: this task trains (a hung one does not).
+            if len(mine) >= 3 and mine[-1]["time"] > last_fault:
                 return job
             if not slurm.queue([self.array]):
                 self.resubmit()
-            time.sleep(1)
-        raise AssertionError(f"no task of {self.array} trained within {timeout:.0f}s: "
-                             f"{(self.run / 'logs').iterdir() and sorted(p.name for p in (self.run / 'logs').iterdir())}")
+            return None
+
+        return wait_for(
+            trained,
+            timeout,
+            lambda: f"a task of {self.array} to train; logs: {sorted(p.name for p in (self.run / 'logs').iterdir())}",
+            interval=1,
+        )
 
     def resubmit(self) -> None:
         assert not (self.run / "failed").exists(), (self.run / "failed").read_text()
@@ -103,13 +132,15 @@ def inject(soak: Soak, kind: str, job: int) -> None:
     elif kind in ("sigkill", "hang"):
         pids = worker_pids(soak.run)
         if pids:
+            saved = [int(p.name.split("-")[1]) for p in (soak.run / "checkpoints").glob("step-*")]
+            soak.newest_at_crash[str(job)] = max(saved, default=0)
             os.kill(random.choice(pids), signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
 
 
 def attempts(run: Path) -> list[dict]:
     """Every attempt that trained, in order: start and end step, exit code (None: killed)."""
     out: dict[tuple[str, int], dict] = {}
-    for r in records(run / "tasks.jsonl"):
+    for r in read_jsonl(run / "tasks.jsonl"):
         key = (r["job_id"], r.get("restart", 0))
         entry = out.setdefault(key, {"job_id": r["job_id"], "restart": key[1], "exit_code": None})
         if r["event"] == "first_step":
@@ -117,7 +148,7 @@ def attempts(run: Path) -> list[dict]:
         elif r["event"] == "exit":
             entry.update(exit_code=r["exit_code"], end_step=r["end_step"])
             entry.setdefault("start_step", r.get("start_step"))
-    lines = records(run / "metrics.jsonl")
+    lines = read_jsonl(run / "metrics.jsonl")
     for (job, restart), entry in out.items():
         mine = [m for m in lines if m["job_id"] == job and m.get("restart", 0) == restart]
         entry["lines"] = mine
@@ -137,23 +168,33 @@ def reference_losses(spec_dir: Path, tiny_model: Path, until: int, omp_threads: 
     from jobgen.rundir import materialize
 
     spec = load_run(ref_spec)
-    run, _ = materialize(spec, {"train.sbatch": render(spec)}, ref_spec.read_text())
-    cmd = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "trainer",
-           "--run-dir", str(run.path), "--expected-world-size", "2"]
+    run, _ = materialize(spec, render(spec), ref_spec.read_text())
+    cmd = [
+        str(VENV_BIN / "torchrun"),
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "trainer",
+        "--run-dir",
+        str(run.path),
+        "--expected-world-size",
+        "2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": omp_threads, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     worker = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while worker.poll() is None:
-            done = records(run.path / "metrics.jsonl")
-            if done and done[-1]["step"] >= until:
-                (run.switches / "kill").touch()
-                break
-            time.sleep(0.5)
+        wait_for(
+            lambda: max(losses(run.path), default=0) >= until,
+            24 * 3600,
+            f"the reference run's step {until}",
+            process=worker,
+        )
+        (run.switches / "kill").touch()
         worker.wait(timeout=300)
     finally:
         if worker.poll() is None:
             worker.kill()
-    return {r["step"]: r["loss"] for r in records(run.path / "metrics.jsonl")}
+    return losses(run.path)
 
 
 def check_checkpoints_load(run: Path) -> list[str]:
@@ -164,7 +205,7 @@ def check_checkpoints_load(run: Path) -> list[str]:
 import json, sys, tempfile, os
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-root = {str(run / 'checkpoints')!r}
+root = {str(run / "checkpoints")!r}
 for name in {names!r}:
     path = os.path.join(root, name)
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,10 +220,17 @@ print("ok")
     return names
 
 
-@pytest.mark.parametrize("minutes", [
-    pytest.param(5, id="5m"),
-    pytest.param(float(os.environ.get("JOBGEN_SOAK_MINUTES", "30")), id="long", marks=pytest.mark.soak),
-])
+LONG_MINUTES = float(os.environ.get("JOBGEN_SOAK_MINUTES", "30"))
+
+
+# The time limits: the faults' minutes plus the last task, the reference run and the checks.
+@pytest.mark.parametrize(
+    "minutes",
+    [
+        pytest.param(5, id="5m", marks=pytest.mark.timeout(5 * 60 + 900)),
+        pytest.param(LONG_MINUTES, id="long", marks=[pytest.mark.soak, pytest.mark.timeout(LONG_MINUTES * 60 + 1800)]),
+    ],
+)
 def test_soak(cluster, tmp_path, tiny_model, minutes):
     seed = int(os.environ.get("JOBGEN_SOAK_SEED", time.time_ns() % 100_000))
     rng = random.Random(seed)
@@ -191,8 +239,17 @@ def test_soak(cluster, tmp_path, tiny_model, minutes):
     # collective timeout plus KillWait: the 5-minute variant keeps to the quick faults.
     kinds = ["usr1", "save-switch", "sigkill", "kill-switch"] + (["requeue", "hang"] if long_run else [])
     array_size = max(6, int(minutes))
-    spec = train_spec(tmp_path, tiny_model, "soak", nodes=2, procs_per_node=1, time_limit="2m", grace="45s",
-                      array=array_size, **SETTINGS)
+    spec = train_spec(
+        tmp_path,
+        tiny_model,
+        "soak",
+        nodes=2,
+        procs_per_node=1,
+        time_limit="2m",
+        grace="45s",
+        array=array_size,
+        **SETTINGS,
+    )
     run = tmp_path / "runs" / "soak"
     print(f"soak: {minutes} min, seed {seed} (JOBGEN_SOAK_SEED={seed} replays it), faults {kinds}", flush=True)
     soak = Soak(spec, run, submit(spec), array_size)
@@ -219,29 +276,31 @@ def test_soak(cluster, tmp_path, tiny_model, minutes):
     final = max(a["end_step"] for a in tried)
     (threads,) = re.findall(r"^export OMP_NUM_THREADS=(\d+)$", (run / "train.sbatch").read_text(), re.M)
     reference = reference_losses(tmp_path / "reference", tiny_model, final, threads)
-    mismatched = [(a["job_id"], m["step"], m["loss"], reference.get(m["step"]))
-                  for a in tried for m in a["lines"]
-                  if reference.get(m["step"]) is None or abs(m["loss"] - reference[m["step"]]) > 1e-5]
+    mismatched = [
+        (a["job_id"], m["step"], m["loss"], reference.get(m["step"]))
+        for a in tried
+        for m in a["lines"]
+        if reference.get(m["step"]) is None or abs(m["loss"] - reference[m["step"]]) > 1e-5
+    ]
     assert not mismatched, mismatched[:10]
 
-    crash_redone, crashes = [], 0
-    step_s = max((m.get("step_seconds", 0) for a in tried for m in a["lines"]), default=0)
-    for prev, nxt in zip(tried, tried[1:]):
+    crash_redone, crash_seconds_lost, crashes = [], [], 0
+    for prev, nxt in itertools.pairwise(tried):
         redone = prev["end_step"] - nxt["start_step"]
         if prev["exit_code"] in GRACEFUL:
             assert redone == 0, (prev, nxt)
             continue
         crashes += 1
         crash_redone.append(redone)
-        # Lost work is bounded by the save interval: the steps after the checkpoint the
-        # next task resumed from span at most one interval (plus a save and a step).
+        # Lost work is bounded by the save interval: the next task resumed from the newest
+        # checkpoint there was when the crash hit (or a newer one the crash did not cut).
+        if prev["job_id"] in soak.newest_at_crash:
+            assert nxt["start_step"] >= soak.newest_at_crash[prev["job_id"]], (prev, nxt, soak.newest_at_crash)
         after = [m for m in prev["lines"] if m["step"] >= nxt["start_step"]]
-        if after:
-            span = after[-1]["time"] - after[0]["time"]
-            assert span <= SAVE_EVERY_S + 2 * step_s + 5, (prev["job_id"], redone, span)
+        crash_seconds_lost.append(round(after[-1]["time"] - after[0]["time"], 1) if after else 0.0)
     names = check_checkpoints_load(run)
     assert not list((run / "checkpoints").glob("broken-*")) and not (run / "failed").exists()
-    view = json.loads(jobgen("status", str(run), "--json", check=True).stdout)
+    view = status(run)
     kinds_done: dict[str, int] = {}
     for _, kind, _ in soak.faults:
         kinds_done[kind] = kinds_done.get(kind, 0) + 1
@@ -250,9 +309,19 @@ def test_soak(cluster, tmp_path, tiny_model, minutes):
         label = "killed" if a["exit_code"] is None else ExitCode(a["exit_code"]).name.lower()
         exits[label] = exits.get(label, 0) + 1
     report = {
-        "minutes": minutes, "seed": seed, "final_step": final, "attempts": len(tried), "faults": kinds_done,
-        "exits": exits, "crashes": crashes, "steps_recomputed_after_crashes": crash_redone,
-        "steps_recomputed_after_graceful_stops": 0, "goodput": view["goodput"], "checkpoints_verified": names,
+        "minutes": minutes,
+        "seed": seed,
+        "final_step": final,
+        "attempts": len(tried),
+        "faults": kinds_done,
+        "exits": exits,
+        "crashes": crashes,
+        "steps_recomputed_after_crashes": crash_redone,
+        "seconds_recomputed_after_crashes": crash_seconds_lost,
+        "save_every_seconds": SAVE_EVERY_S,
+        "steps_recomputed_after_graceful_stops": 0,
+        "goodput": view["goodput"],
+        "checkpoints_verified": names,
         "losses_compared": sum(len(a["lines"]) for a in tried),
     }
     print("soak report: " + json.dumps(report), flush=True)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, jobgen, write_spec
+from helpers import REPO, jobgen, write_spec
 from jobgen.loader import SpecError, load_run
 
 GOOD = """
@@ -87,7 +87,11 @@ def test_hub_ids_are_not_local_paths(workdir):
     ],
 )
 def test_unsafe_strings_are_rejected(workdir, key, line):
-    body = GOOD.replace('name = "sft"', line) if key == "job.name" else GOOD.replace('name = "sft"', 'name = "sft"\n    ' + line)
+    body = (
+        GOOD.replace('name = "sft"', line)
+        if key == "job.name"
+        else GOOD.replace('name = "sft"', 'name = "sft"\n    ' + line)
+    )
     found = issues_of(write_spec(workdir, body))
     assert f"run.toml:{key}" in found
 
@@ -108,8 +112,14 @@ def test_all_errors_reported_at_once(workdir):
         "1BAD" = "x"
     """
     found = issues_of(write_spec(workdir, body))
-    for key in ("run.toml:site.network.ifname", "run.toml:job.name", "run.toml:job.nodes", "run.toml:job.time",
-                "run.toml:model.path", "run.toml:data.template"):
+    for key in (
+        "run.toml:site.network.ifname",
+        "run.toml:job.name",
+        "run.toml:job.nodes",
+        "run.toml:job.time",
+        "run.toml:model.path",
+        "run.toml:data.template",
+    ):
         assert key in found, (key, found)
     assert any(k.startswith("run.toml:env.") for k in found)
 
@@ -122,7 +132,9 @@ def test_error_in_site_profile_names_the_profile_file(workdir):
 
 
 def test_site_override_wins_and_errors_name_the_run_file(workdir):
-    body = GOOD.replace('site = "local"', '[site]\n    profile = "local"\n    slurm.cpus_per_node = 8\n    network.debug = true')
+    body = GOOD.replace(
+        'site = "local"', '[site]\n    profile = "local"\n    slurm.cpus_per_node = 8\n    network.debug = true'
+    )
     spec = load_run(write_spec(workdir, body))
     assert spec.site.slurm.cpus_per_node == 8 and spec.site.network.debug
     assert spec.site.network.ifname == "eth0"  # untouched profile keys stay
@@ -132,7 +144,8 @@ def test_site_override_wins_and_errors_name_the_run_file(workdir):
 
 
 def test_job_keys_override_site_keys(workdir):
-    spec = load_run(write_spec(workdir, GOOD.replace('nodes = 2', 'nodes = 2\n    partition = "short"\n    runs_root = "runs"')))
+    body = GOOD.replace("nodes = 2", 'nodes = 2\n    partition = "short"\n    runs_root = "runs"')
+    spec = load_run(write_spec(workdir, body))
     assert spec.partition == "short"
     assert spec.run_dir == workdir / "runs" / "sft"
 
@@ -211,30 +224,40 @@ def test_schema_has_descriptions_for_every_field():
 
 
 def test_jinja_syntax_error_in_data_template_is_a_validate_error(workdir):
-    body = GOOD.replace('path = "data.jsonl"', 'path = "data.jsonl"\n    format = "template"\n'
-                        '    template = "### Input: {{ input }\\n### Label: {{ output }}"')
+    body = GOOD.replace(
+        'path = "data.jsonl"',
+        'path = "data.jsonl"\n    format = "template"\n'
+        '    template = "### Input: {{ input }\\n### Label: {{ output }}"',
+    )
     found = issues_of(write_spec(workdir, body))
     assert "Jinja syntax error" in found["run.toml:data.template"], found
     assert "line 1" in found["run.toml:data.template"]
 
 
 def test_data_template_must_use_the_response_column(workdir):
-    body = GOOD.replace('path = "data.jsonl"', 'path = "data.jsonl"\n    format = "template"\n'
-                        '    template = "### Input: {{ input }}\\n### Label: {{ label }}"')
+    body = GOOD.replace(
+        'path = "data.jsonl"',
+        'path = "data.jsonl"\n    format = "template"\n'
+        '    template = "### Input: {{ input }}\\n### Label: {{ label }}"',
+    )
     found = issues_of(write_spec(workdir, body))
     assert "never uses the response column 'output'" in found["run.toml:data.response_column"], found
-    spec = load_run(write_spec(workdir, body.replace('format = "template"', 'format = "template"\n'
-                                                     '    response_column = "label"')))
+    spec = load_run(
+        write_spec(workdir, body.replace('format = "template"', 'format = "template"\n    response_column = "label"'))
+    )
     assert spec.run.data.response_column == "label"
 
 
-@pytest.mark.parametrize("entry, why", [
-    ("--comment=a\\nb", "control character"),
-    ("--comment=a\\rb", "control character"),
-    ("-p debug", "not one long option"),
-    ("--", "not one long option"),
-    ("--gres gpu:1", "give each option its own entry"),
-])
+@pytest.mark.parametrize(
+    "entry, why",
+    [
+        ("--comment=a\\nb", "control character"),
+        ("--comment=a\\rb", "control character"),
+        ("-p debug", "not one long option"),
+        ("--", "not one long option"),
+        ("--gres gpu:1", "give each option its own entry"),
+    ],
+)
 def test_extra_sbatch_entries_are_checked_one_by_one(workdir, entry, why):
     site = f'site = {{ profile = "local", slurm.extra_sbatch = ["--gpu-bind=none", "{entry}"] }}'
     found = issues_of(write_spec(workdir, GOOD.replace('site = "local"', site)))

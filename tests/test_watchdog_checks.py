@@ -17,14 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, jobgen, local_receivers, write_spec
+from helpers import DATA, REPO, doctor_spec, jobgen, local_receivers, run_spec
 from jobgen.loader import SpecError, load_run
+from jobgen.watchdog_settings import WatchdogSettings, parse_threshold
 from watchdogs.base import CheckResult, Target
 from watchdogs.notify import ALERT, REMINDER, RESOLVED, AlertState, decide, deliver
-from watchdogs.settings import WatchdogSettings, parse_threshold
-
-DATA = REPO / "examples" / "data" / "instructions.jsonl"
-
 
 # ---------------------------------------------------------------- settings
 
@@ -40,39 +37,38 @@ def test_thresholds_are_percentages_sizes_or_counts():
             parse_threshold(bad)
 
 
-def _doctor_spec(tmp_path: Path, watchdogs: str, site: str = '"local"') -> Path:
-    return write_spec(tmp_path, f"""
-        site = {site}
-        [job]
-        name = "wd-spec"
-        program = "doctor"
-        time = "5m"
-        exit_grace = "1m"
-        runs_root = "runs"
-        {watchdogs}
-    """)
-
-
 def test_run_table_overrides_site_key_by_key_and_errors_name_file_and_key(tmp_path: Path):
     site = (REPO / "site_configs" / "local.toml").read_text().replace('venv = "../.venv"', f'venv = "{REPO}/.venv"')
     site_file = tmp_path / "team.toml"
-    site_file.write_text(site + '\n[watchdogs]\npartition = "cpu"\nreminder = "2h"\n[watchdogs.webhook]\nurl_file = "hook.url"\n'
-                         '[watchdogs.hang]\nstale_after = "45m"\n')
-    spec = load_run(_doctor_spec(tmp_path, '[watchdogs.hang]\nevery = "5m"\n[watchdogs.disk]\npaths = ["data"]',
-                                 site='"team.toml"'))
+    site_file.write_text(
+        site + '\n[watchdogs]\npartition = "cpu"\nreminder = "2h"\n'
+        '[watchdogs.webhook]\nurl_file = "hook.url"\n[watchdogs.hang]\nstale_after = "45m"\n'
+    )
+    spec = load_run(
+        doctor_spec(
+            tmp_path,
+            "wd-spec",
+            site="team.toml",
+            extra='[watchdogs.hang]\nevery = "5m"\n[watchdogs.disk]\npaths = ["data"]',
+        )
+    )
     w = spec.run.watchdogs
     assert (w.partition, w.reminder, w.hang.stale_after, w.hang.every) == ("cpu", 7200, 45 * 60, 300)
     assert w.webhook.url_file == str(tmp_path / "hook.url")  # relative to the site file
     assert w.disk.paths == [str(tmp_path / "data")]  # relative to run.toml
 
     with pytest.raises(SpecError) as err:
-        load_run(_doctor_spec(tmp_path, '[watchdogs.hang]\nevery = "30s"\n[watchdogs.disk]\nmin_free = "lots"'))
+        load_run(
+            doctor_spec(
+                tmp_path, "wd-spec", extra='[watchdogs.hang]\nevery = "30s"\n[watchdogs.disk]\nmin_free = "lots"'
+            )
+        )
     text = str(err.value)
     assert "run.toml: watchdogs.hang.every: " in text and "at least 1m" in text
     assert "run.toml: watchdogs.disk.min_free: " in text
     site_file.write_text(site + '\n[watchdogs.email]\nto = ["a@b"]\npassword_env = "PW"\n')
     with pytest.raises(SpecError) as err:
-        load_run(_doctor_spec(tmp_path, "", site='"team.toml"'))
+        load_run(doctor_spec(tmp_path, "wd-spec", site="team.toml"))
     assert f"{site_file}: watchdogs.email: " in str(err.value) and "needs a username" in str(err.value)
 
 
@@ -124,8 +120,11 @@ def test_disk_check_fires_on_bytes_then_on_inodes(small_fs: Path):
     assert inodes.returncode == 1 and "inodes free" in result["summary"] and "min_free_inodes 10%" in result["summary"]
     assert result["data"]["filesystems"][0]["total_inodes"] == 64
     # The same through python -m, as a job file runs it.
-    proc = subprocess.run([str(REPO / ".venv/bin/python"), "-m", "watchdogs.disk", "--path", str(small_fs),
-                           "--min-free-inodes", "2"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(REPO / ".venv/bin/python"), "-m", "watchdogs.disk", "--path", str(small_fs), "--min-free-inodes", "2"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -142,24 +141,20 @@ def test_usage_errors_exit_2_and_options_may_come_before_run(tmp_path: Path):
 
 def _run_with_checkpoints(tmp_path: Path, sizes_and_ages: list[tuple[int, float]], keep: int) -> Target:
     """A run directory (via the real submit path's materialize) with fake complete checkpoints."""
+    from jobgen.render import render
     from jobgen.rundir import RunDir, materialize
 
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    spec = load_run(write_spec(tmp_path, f"""
-        site = "local"
-        [job]
-        name = "fc"
-        time = "1h"
-        runs_root = "{tmp_path / 'runs'}"
-        [model]
-        path = "{REPO / 'examples'}"
-        [data]
-        path = "{DATA}"
-        [train]
-        keep_checkpoints = {keep}
-        save_every = "1h"
-    """))
-    run, _ = materialize(spec, {}, None)
+    spec = load_run(
+        run_spec(
+            tmp_path,
+            "fc",
+            job={"time": "1h", "runs_root": tmp_path / "runs"},
+            model={"path": REPO / "examples"},
+            data={"path": DATA},
+            train={"keep_checkpoints": keep, "save_every": "1h"},
+        )
+    )
+    run, _ = materialize(spec, render(spec), None)
     now = time.time()
     for i, (size, age) in enumerate(sizes_and_ages):
         d = run.path / "checkpoints" / f"step-{(i + 1) * 100:08d}"
@@ -207,11 +202,13 @@ def receivers():
 
 def test_email_and_webhook_get_one_alert_reminders_and_one_resolved(tmp_path: Path, receivers, monkeypatch):
     monkeypatch.setenv("JG_HOOK", f"http://127.0.0.1:{receivers['http_port']}/hook")
-    settings = WatchdogSettings.model_validate({
-        "reminder": "1h",
-        "email": {"to": ["oncall@example.org"], "host": "127.0.0.1", "port": receivers["smtp_port"]},
-        "webhook": {"url_env": "JG_HOOK"},
-    })
+    settings = WatchdogSettings.model_validate(
+        {
+            "reminder": "1h",
+            "email": {"to": ["oncall@example.org"], "host": "127.0.0.1", "port": receivers["smtp_port"]},
+            "webhook": {"url_env": "JG_HOOK"},
+        }
+    )
     target = Target(settings=settings, home_override=tmp_path / "home")
     clock = 1_000_000.0
     kinds = []
@@ -225,8 +222,9 @@ def test_email_and_webhook_get_one_alert_reminders_and_one_resolved(tmp_path: Pa
         clock += 600
     assert kinds == [ALERT] + [None] * 5 + [REMINDER] + [None] * 5 + [REMINDER] + [None] * 3 + [RESOLVED, None]
 
-    subjects = [str(email.message_from_string(m["data"], policy=email.policy.default)["Subject"])
-                for m in receivers["mails"]]
+    subjects = [
+        str(email.message_from_string(m["data"], policy=email.policy.default)["Subject"]) for m in receivers["mails"]
+    ]
     assert len(subjects) == 4 and all(m["to"] == ["oncall@example.org"] for m in receivers["mails"])
     assert subjects[0].startswith("[jobgen watchdog] ALERT disk /scratch: /scratch: 3% free (run 0)")
     assert [s.split()[2] for s in subjects] == ["ALERT", "REMINDER", "REMINDER", "RESOLVED"]
@@ -239,11 +237,18 @@ def test_email_and_webhook_get_one_alert_reminders_and_one_resolved(tmp_path: Pa
 
 
 def test_a_channel_that_fails_is_retried_next_run_and_never_blocks_the_log(tmp_path: Path, receivers):
-    settings = WatchdogSettings.model_validate({
-        "webhook": {"url": "http://127.0.0.1:9/nothing-listens-here"},
-        "email": {"to": ["a@b"], "host": "127.0.0.1", "port": receivers["smtp_port"], "username": "u",
-                  "password_file": str(tmp_path / "missing-password")},
-    })
+    settings = WatchdogSettings.model_validate(
+        {
+            "webhook": {"url": "http://127.0.0.1:9/nothing-listens-here"},
+            "email": {
+                "to": ["a@b"],
+                "host": "127.0.0.1",
+                "port": receivers["smtp_port"],
+                "username": "u",
+                "password_file": str(tmp_path / "missing-password"),
+            },
+        }
+    )
     target = Target(settings=settings, home_override=tmp_path / "home")
     assert deliver(CheckResult("hang", "r", True, "stuck"), target, now=100) == ALERT
     assert deliver(CheckResult("hang", "r", True, "stuck"), target, now=160) == REMINDER  # retried at once
@@ -252,11 +257,14 @@ def test_a_channel_that_fails_is_retried_next_run_and_never_blocks_the_log(tmp_p
     assert "email: FileNotFoundError" in log and receivers["mails"] == []
 
 
-@pytest.mark.parametrize("hook", [
-    "hooks.slack.com/services/T0/B0/tok3nSECRET",  # urllib: "unknown url type: '<the url>'"
-    "https://hooks.slack.com:tok3nSECRET/services/T0",  # http.client: "nonnumeric port: '<part of it>'"
-    "https://hooks.slack.com/services/T0/B0/tok3nSECRET\x01",  # "URL can't contain control characters. <url>"
-])
+@pytest.mark.parametrize(
+    "hook",
+    [
+        "hooks.slack.com/services/T0/B0/tok3nSECRET",  # urllib: "unknown url type: '<the url>'"
+        "https://hooks.slack.com:tok3nSECRET/services/T0",  # http.client: "nonnumeric port: '<part of it>'"
+        "https://hooks.slack.com/services/T0/B0/tok3nSECRET\x01",  # "URL can't contain control characters. <url>"
+    ],
+)
 def test_a_broken_secret_is_never_quoted_in_an_error(tmp_path: Path, hook: str):
     """The webhook URL (and the SMTP password) are secrets read from a file at send time;
     when they are unusable, the failure names the file, never its content."""

@@ -10,28 +10,40 @@ import time
 from pathlib import Path
 
 from jobgen import slurm
-from watchdogs.scheduler import Home, clean_logs, interval_name, job_file_text
+from watchdogs.scheduler import WatchdogHome, clean_logs, interval_name, job_file_text
 
 
 def test_interval_names_follow_cron():
     assert [interval_name(s) for s in (60, 600, 5400, 3600, 86400, 604800)] == [
-        "1m", "10m", "1h30m", "hourly", "daily", "weekly"]
+        "1m",
+        "10m",
+        "1h30m",
+        "hourly",
+        "daily",
+        "weekly",
+    ]
 
 
 def test_only_executable_visible_finished_files_run_in_name_order(tmp_path: Path):
-    home = Home(tmp_path)
+    home = WatchdogHome(tmp_path)
     directory = home.cron_dir("1m")
     directory.mkdir()
-    for name, mode in [("b.check", 0o755), ("a.check", 0o755), ("notes.txt", 0o644), (".hidden", 0o755),
-                       ("edit~", 0o755), ("x.tmp", 0o755)]:
+    for name, mode in [
+        ("b.check", 0o755),
+        ("a.check", 0o755),
+        ("notes.txt", 0o644),
+        (".hidden", 0o755),
+        ("edit~", 0o755),
+        ("x.tmp", 0o755),
+    ]:
         (directory / name).write_text("#!/bin/sh\n")
         os.chmod(directory / name, mode)
     assert [p.name for p in home.job_files("1m")] == ["a.check", "b.check"]
 
 
 def test_old_scheduler_logs_are_cleaned_and_new_ones_kept(tmp_path: Path):
-    home = Home(tmp_path)
-    logs = home.logs("1m")
+    home = WatchdogHome(tmp_path)
+    logs = home.log_dir("1m")
     logs.mkdir(parents=True)
     old, new, queued = logs / "1_0_log.out", logs / "2_0_log.out", logs / "3_submitted.pkl"
     eight_days = time.time() - 8 * 86400
@@ -78,7 +90,7 @@ def test_a_link_that_is_not_the_recorded_one_ends_without_resubmitting(tmp_path:
 
     from watchdogs import scheduler
 
-    home = Home(tmp_path)
+    home = WatchdogHome(tmp_path)
     (tmp_path / "chains").mkdir()
     monkeypatch.setattr(scheduler, "submit_link", lambda *a: (_ for _ in ()).throw(AssertionError("resubmitted")))
     monkeypatch.setenv("SLURM_JOB_ID", "7")

@@ -11,6 +11,10 @@ or by hand on one machine, for a run directory that ``jobgen submit`` wrote::
 
 Reads the resolved spec from ``RUN_DIR/spec.json``; exits with one of the codes in
 ``jobgen.exit_codes`` and logs a one-line reason.
+
+Owns one trainer process from start to exit: whether it may start at all
+(:func:`refuse_to_start`), building and running the Trainer (:func:`train`), and
+what it leaves for the batch script and later tasks (:func:`record_exit`).
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # One decision for all ranks, taken by rank 0 before anything is loaded or written.
         refusal = distributed.broadcast_object(
-            env, refuse_to_start(run, lease, env.world_size, args.expected_world_size) if env.is_main else None)
+            env, refuse_to_start(run, lease, env.world_size, args.expected_world_size) if env.is_main else None
+        )
         if refusal is not None:
             code, reason = refusal
             return int(code)
@@ -109,16 +114,19 @@ def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None
         return ExitCode.RUN_BUSY, str(exc)
     if run.failed_marker.exists():
         failed = _read_json(run.failed_marker)
-        return ExitCode.NOT_STARTED, (f"the run stopped after a failure that would repeat (exit {failed.get('exit_code')}: "
-                                      f"{failed.get('reason')}); {failed.get('fix')}")
-    early = startup_switch(run.switches)
-    if early is not Action.CONTINUE:
-        return ExitCode.NOT_STARTED, f"{early.name.lower()} switch present at start: not starting"
+        return ExitCode.NOT_STARTED, (
+            f"the run stopped after a failure that would repeat (exit {failed.get('exit_code')}: "
+            f"{failed.get('reason')}); {failed.get('fix')}"
+        )
+    switch = startup_switch(run.switches)
+    if switch is not Action.CONTINUE:
+        return ExitCode.NOT_STARTED, f"{switch.name.lower()} switch present at start: not starting"
     if run.done_marker.exists():
         return ExitCode.OK, "run already finished (done marker present)"
     if expected_world_size is not None and world_size != expected_world_size:
-        return ExitCode.WORLD_SIZE_MISMATCH, (f"world size is {world_size}, the spec asks for {expected_world_size} "
-                                              "(nodes x procs_per_node)")
+        return ExitCode.WORLD_SIZE_MISMATCH, (
+            f"world size is {world_size}, the spec asks for {expected_world_size} (nodes x procs_per_node)"
+        )
     return None
 
 
@@ -136,8 +144,16 @@ def train(spec, run, env, attempt: Attempt, started: float) -> tuple[ExitCode, s
     end = distributed.broadcast_object(env, job_end_time(attempt.job_id) if env.is_main else None)
     deadline = end - spec.run.job.exit_grace if end else None
     stop_request = run.stop_request(attempt.job_id, attempt.restart) if attempt.job_id else None
-    monitor = StopMonitor(StopSettings(run.switches, stop_request, deadline, spec.run.train.max_host_memory_percent,
-                                       spec.run.train.min_gpu_free_memory_mib, check_files=env.is_main))
+    monitor = StopMonitor(
+        StopSettings(
+            run.switches,
+            stop_request,
+            deadline,
+            spec.run.train.max_host_memory_percent,
+            spec.run.train.min_gpu_free_memory_mib,
+            check_files=env.is_main,
+        )
+    )
     monitor.install_signal_handlers()
     from trainer.loop import Trainer
 
@@ -165,9 +181,17 @@ def record_exit(run, attempt: Attempt, code: ExitCode, reason: str) -> None:
     if attempt.job_id:
         write_text_atomic(run.exit_code_file(attempt.job_id, attempt.restart), f"{int(code)}\n")
     if code.repeats:
-        write_json_atomic(run.failed_marker, {"exit_code": int(code), "reason": reason, "fix": code.fix,
-                                              "job_id": attempt.job_id, "restart": attempt.restart,
-                                              "time": time.time()})
+        write_json_atomic(
+            run.failed_marker,
+            {
+                "exit_code": int(code),
+                "reason": reason,
+                "fix": code.fix,
+                "job_id": attempt.job_id,
+                "restart": attempt.restart,
+                "time": time.time(),
+            },
+        )
 
 
 def _read_json(path: Path) -> dict:

@@ -47,22 +47,40 @@ class DataPipeline:
 
         try:
             self.dataset, self.stats, self.entry = prepare_dataset(
-                data_spec, tokenizer, model_spec.path, cache_root(spec), rank=env.rank, share=share,
+                data_spec,
+                tokenizer,
+                model_spec.path,
+                cache_root(spec),
+                rank=env.rank,
+                share=share,
             )
         finally:
             dist.destroy_process_group(group)
         lengths = self.dataset["length"]
         self.rows = build_rows(lengths, data_spec.max_length, self.packing)
-        self.sampler = ResumableSampler(len(self.rows), world_size=env.world_size, rank=env.rank,
-                                        micro_batch_size=train.micro_batch_size, seed=train.seed)
+        self.sampler = ResumableSampler(
+            len(self.rows),
+            world_size=env.world_size,
+            rank=env.rank,
+            micro_batch_size=train.micro_batch_size,
+            seed=train.seed,
+        )
         if env.is_main:
             log.info("data: %s (cache %s)", self.stats.summary(), self.entry)
             if self.stats.truncated:
-                log.warning("data: %d of %d examples were longer than max_length=%d and were truncated",
-                            self.stats.truncated, self.stats.examples_in, data_spec.max_length)
+                log.warning(
+                    "data: %d of %d examples were longer than max_length=%d and were truncated",
+                    self.stats.truncated,
+                    self.stats.examples_in,
+                    data_spec.max_length,
+                )
             if self.packing:
-                log.info("data: %d examples packed into %d rows (%.0f%% full)", len(lengths), len(self.rows),
-                         100 * fill_ratio(self.rows, lengths, data_spec.max_length))
+                log.info(
+                    "data: %d examples packed into %d rows (%.0f%% full)",
+                    len(lengths),
+                    len(self.rows),
+                    100 * fill_ratio(self.rows, lengths, data_spec.max_length),
+                )
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """This rank's next micro-batch; ``num_tokens`` counts its non-padding tokens."""

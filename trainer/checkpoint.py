@@ -23,6 +23,10 @@ every checkpoint at once, and the run stops (exit 16) rather than start over.
 Every decision here that depends on a clock or on what a directory holds (a save
 being due, a step being saved already, the list of checkpoints) is taken once and
 agreed by all ranks, or ranks would enter different collectives and hang.
+
+This module owns the save and load protocol and what a checkpoint holds; the
+directory names above are the run directory's layout, spelled in jobgen.rundir
+(``checkpoint_name``, ``checkpoint_step``, the ``CHECKPOINT_*`` prefixes).
 """
 
 from __future__ import annotations
@@ -46,7 +50,13 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from jobgen.atomic import fsync_dir, write_json_atomic, write_text_atomic
-from jobgen.rundir import CHECKPOINT_BROKEN_PREFIX, CHECKPOINT_PREFIX, CHECKPOINT_TMP_PREFIX
+from jobgen.rundir import (
+    CHECKPOINT_BROKEN_PREFIX,
+    CHECKPOINT_PREFIX,
+    CHECKPOINT_TMP_PREFIX,
+    checkpoint_name,
+    checkpoint_step,
+)
 from trainer.distributed import DistEnv, all_gather_object, barrier, broadcast_object, reduce_max
 
 log = logging.getLogger("trainer.checkpoint")
@@ -74,17 +84,9 @@ def state_dict_options(model: torch.nn.Module) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
 
-def checkpoint_name(step: int) -> str:
-    return f"{PREFIX}{step:08d}"
-
-
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints, newest first. A directory is complete iff it has its final name."""
-    found = []
-    for path in root.glob(f"{PREFIX}*"):
-        suffix = path.name[len(PREFIX):]
-        if path.is_dir() and suffix.isdigit():
-            found.append((int(suffix), path))
+    found = [(step, p) for p in root.glob(f"{PREFIX}*") if (step := checkpoint_step(p.name)) is not None and p.is_dir()]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -96,8 +98,13 @@ def rng_state() -> dict[str, Any]:
     state = {
         "torch": torch.get_rng_state(),
         "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -109,8 +116,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
     npy = state["numpy"]
-    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["cached_gaussian"]))
+    np.random.set_state(
+        (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -138,8 +146,9 @@ class _Pending:
 class Checkpointer:
     """Decides when to save, saves, finishes async saves, loads with fallback."""
 
-    def __init__(self, root: Path, env: DistEnv, *, keep: int, every_steps: int, every_seconds: int,
-                 async_save: bool = False):
+    def __init__(
+        self, root: Path, env: DistEnv, *, keep: int, every_steps: int, every_seconds: int, async_save: bool = False
+    ):
         self.root = root
         self.env = env
         self.keep = keep
@@ -169,8 +178,15 @@ class Checkpointer:
         by_time = self.every_seconds > 0 and time.monotonic() - self.last_save >= self.every_seconds
         return by_steps or by_time
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict[str, Any], *, blocking: bool = False) -> Path:
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict[str, Any],
+        *,
+        blocking: bool = False,
+    ) -> Path:
         """Save step ``step``; returns the final path. With async_save and not ``blocking``,
         returns once the state is staged; ``poll``/``wait`` complete it later."""
         final = self.root / checkpoint_name(step)
@@ -231,7 +247,7 @@ class Checkpointer:
         log.info("checkpoint %s complete in %.2fs", final.name, self.save_seconds[-1])
 
     def _prune(self) -> None:
-        for old in complete_checkpoints(self.root)[self.keep:]:
+        for old in complete_checkpoints(self.root)[self.keep :]:
             # Renamed first, so a deletion cut short can never look like a complete checkpoint.
             doomed = old.with_name(f"{TMP_PREFIX}deleting-{old.name}")
             os.rename(old, doomed)
@@ -239,14 +255,20 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
 
-    def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], Path] | None:
+    def load_latest(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], Path] | None:
         """Restore the newest checkpoint that loads on every rank; None if there is none.
 
         Newer checkpoints that failed are set aside once an older one loads. Raises
         :class:`ResumeFailed` when checkpoints exist (or were set aside earlier) but none
         of them loads."""
-        listing = broadcast_object(self.env, ([str(p) for p in complete_checkpoints(self.root)],
-                                              [p.name for p in self._set_aside_already()]) if self.env.is_main else None)
+        listing = broadcast_object(
+            self.env,
+            ([str(p) for p in complete_checkpoints(self.root)], [p.name for p in self._set_aside_already()])
+            if self.env.is_main
+            else None,
+        )
         assert isinstance(listing, tuple)
         candidates, earlier_aside = listing
         options = state_dict_options(model)
@@ -271,23 +293,31 @@ class Checkpointer:
                     log.error("checkpoint %s is unusable; falling back to the previous one", path.name)
                 failures.append((path, errors))
                 continue
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                           options=options)
+            set_state_dict(
+                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+            )
             if rng is not None:
                 set_rng_state(rng)
             elif self.env.is_main:
-                log.warning("no RNG state for rank %d in %s (world size changed?); RNG streams restart",
-                            self.env.rank, path.name)
+                log.warning(
+                    "no RNG state for rank %d in %s (world size changed?); RNG streams restart",
+                    self.env.rank,
+                    path.name,
+                )
             if self.env.is_main and failures:
                 self._set_aside(failures, loaded=path)
             barrier()
             return trainer_state, path
         if candidates:
-            raise ResumeFailed(f"none of the {len(candidates)} checkpoint(s) in {self.root} could be loaded "
-                               f"(newest: {Path(candidates[0]).name}: {failures[0][1][0]}); nothing was renamed")
+            raise ResumeFailed(
+                f"none of the {len(candidates)} checkpoint(s) in {self.root} could be loaded "
+                f"(newest: {Path(candidates[0]).name}: {failures[0][1][0]}); nothing was renamed"
+            )
         if earlier_aside:
-            raise ResumeFailed(f"{self.root} holds only checkpoints set aside as broken ({', '.join(earlier_aside)}); "
-                               "rename one back to step-N to resume from it, or delete them to start over")
+            raise ResumeFailed(
+                f"{self.root} holds only checkpoints set aside as broken ({', '.join(earlier_aside)}); "
+                "rename one back to step-N to resume from it, or delete them to start over"
+            )
         return None
 
     def _set_aside_already(self) -> list[Path]:
@@ -299,10 +329,17 @@ class Checkpointer:
         for path, errors in failures:
             target = path.with_name(f"{CHECKPOINT_BROKEN_PREFIX}{path.name}-{stamp}")
             # The reason goes in first: a rename is the last thing that happens to it.
-            write_json_atomic(path / "broken.json", {
-                "checkpoint": path.name, "errors": errors, "loaded_instead": loaded.name, "set_aside_at": time.time(),
-                "job_id": os.environ.get("SLURM_JOB_ID"), "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
-            })
+            write_json_atomic(
+                path / "broken.json",
+                {
+                    "checkpoint": path.name,
+                    "errors": errors,
+                    "loaded_instead": loaded.name,
+                    "set_aside_at": time.time(),
+                    "job_id": os.environ.get("SLURM_JOB_ID"),
+                    "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+                },
+            )
             os.rename(path, target)
             log.error("set %s aside as %s: it failed to load while %s loaded", path.name, target.name, loaded.name)
         fsync_dir(self.root)

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import datasets
 
@@ -146,8 +147,7 @@ def load_raw(path: str, *, cache_dir: str | Path | None = None) -> datasets.Data
         else:
             files, builder = [p], DATA_FILE_TYPES[p.suffix]
         try:
-            loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                           cache_dir=cache)
+            loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=cache)
         except Exception as exc:
             raise DataError(f"data.path: could not read {p} as {builder}: {exc}") from exc
     if len(loaded) == 0:
@@ -464,12 +464,19 @@ def _nothing_to_learn(raw: datasets.Dataset, spec: DataSpec, source: str, stats:
     if spec.format == "chat":
         # Loss is taken on assistant turns only; ShareGPT-style roles ("gpt", "bot") are the usual cause.
         sample = raw.select(range(min(len(raw), 1000)))["messages"]
-        roles = sorted({m["role"] for messages in sample if isinstance(messages, list) for m in messages
-                        if isinstance(m, dict) and isinstance(m.get("role"), str)})
+        roles = sorted(
+            {
+                m["role"]
+                for messages in sample
+                if isinstance(messages, list)
+                for m in messages
+                if isinstance(m, dict) and isinstance(m.get("role"), str)
+            }
+        )
         return (
             f'data.path: {source} (data.format = "chat"): no row has an assistant turn '
             f"(roles seen: {', '.join(roles) or 'none'}); the loss is taken on assistant turns only, so there "
-            "is nothing to learn. Add the replies as role \"assistant\" (rename e.g. \"gpt\" or \"bot\")"
+            'is nothing to learn. Add the replies as role "assistant" (rename e.g. "gpt" or "bot")'
         )
     return (
         f'data.path: {source} (data.format = "{spec.format}"): no row has a single target token, '

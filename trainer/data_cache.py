@@ -33,8 +33,8 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import datasets
 
@@ -60,7 +60,7 @@ class DataCacheError(RuntimeError):
 # --------------------------------------------------------------------------- fingerprints
 
 
-def _hash_file(h: "hashlib._Hash", path: Path) -> None:
+def _hash_file(h: hashlib._Hash, path: Path) -> None:
     with open(path, "rb") as fh:
         while chunk := fh.read(_HASH_CHUNK):
             h.update(chunk)
@@ -169,7 +169,11 @@ def _fsync_tree(path: Path) -> None:
 
 
 def build_entry(
-    spec: DataSpec, tokenizer, cache_root: Path, fingerprint: str, inputs: dict,
+    spec: DataSpec,
+    tokenizer,
+    cache_root: Path,
+    fingerprint: str,
+    inputs: dict,
     raw: datasets.Dataset | None = None,
 ) -> Path:
     """Tokenize into a staging directory and rename it to ``<fingerprint>``; return the entry.
@@ -183,8 +187,9 @@ def build_entry(
         os.rename(final, aside)
         shutil.rmtree(aside, ignore_errors=True)
     staging = Path(
-        tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{fingerprint[:16]}-{socket.gethostname()}-{os.getpid()}-",
-                         dir=cache_root)
+        tempfile.mkdtemp(
+            prefix=f"{STAGING_PREFIX}{fingerprint[:16]}-{socket.gethostname()}-{os.getpid()}-", dir=cache_root
+        )
     )
     try:
         if raw is None:
@@ -264,7 +269,7 @@ def prepare_dataset(
         error: BaseException | None = None
         try:
             outcome: tuple[str, str] = ("entry", _rank0_prepare(data_spec, tokenizer, tokenizer_dir, cache_root))
-        except BaseException as exc:  # even an interrupt: the others must not wait hours in share()
+        except BaseException as exc:  # noqa: BLE001 - even an interrupt: the others must not wait hours in share()
             error = exc
             # The class travels as a name and the message as text: any exception pickles that way.
             kind = "data" if isinstance(exc, data_mod.DataError) else "cache"

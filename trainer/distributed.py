@@ -45,8 +45,9 @@ def init_distributed(timeout_seconds: int, expected_world_size: int | None) -> D
         dist.init_process_group(backend=backend, timeout=dt.timedelta(seconds=timeout_seconds))
     env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
     if expected_world_size is not None and env.world_size != expected_world_size:
-        raise WorldSizeError(f"world size is {env.world_size}, the spec asks for {expected_world_size} "
-                             "(nodes x procs_per_node)")
+        raise WorldSizeError(
+            f"world size is {env.world_size}, the spec asks for {expected_world_size} (nodes x procs_per_node)"
+        )
     return env
 
 

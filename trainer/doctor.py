@@ -14,6 +14,10 @@ passes a barrier, allocates and verifies memory and times a bandwidth all-reduce
 A failing check is recorded, not raised, so that rank 0 can still collect every
 rank's report, print one table per node, name the nodes that failed or whose
 versions differ, and write ``doctor.json`` into the run directory.
+
+``doctor.json`` is the structured result: the verdict (``ok``, failed nodes, version
+differences, every rank's report) and the printed table (``table``, one line each).
+``jobgen doctor`` and ``jobgen status`` read it, never the job's log.
 """
 
 from __future__ import annotations
@@ -122,8 +126,10 @@ def summarise(reports: list[dict[str, Any]], expected_world: int) -> tuple[list[
     by_node: dict[str, list[dict[str, Any]]] = {}
     for rep in sorted(reports, key=lambda r: r["rank"]):
         by_node.setdefault(rep["node"], []).append(rep)
-    reference = {key: max((r[key] for r in reports), key=lambda v: sum(r[key] == v for r in reports))
-                 for key in ("torch", "nccl", "python")}
+    reference = {
+        key: max((r[key] for r in reports), key=lambda v: sum(r[key] == v for r in reports))
+        for key in ("torch", "nccl", "python")
+    }
     failed_nodes: dict[str, list[str]] = {}
     mismatched: dict[str, list[str]] = {}
     header = f"{'node':<12} {'ranks':<10} {'device':<22} {'torch':<16} {'nccl':<8} {'busbw GB/s':>10}  status"
@@ -139,7 +145,7 @@ def summarise(reports: list[dict[str, Any]], expected_world: int) -> tuple[list[
         status = "FAILED" if problems else ("VERSIONS DIFFER" if diffs else "OK")
         lines.append(
             f"{node:<12} {','.join(str(r['rank']) for r in reps):<10} {reps[0]['device'][:22]:<22} "
-            f"{reps[0]['torch']:<16} {str(reps[0]['nccl'] or '-'):<8} "
+            f"{reps[0]['torch']:<16} {reps[0]['nccl'] or '-'!s:<8} "
             f"{(min(bw) if bw else float('nan')):>10.3f}  {status}"
         )
     ok = not failed_nodes and not mismatched and len(reports) == expected_world
@@ -151,7 +157,9 @@ def summarise(reports: list[dict[str, Any]], expected_world: int) -> tuple[list[
         lines.append(f"RESULT: all {len(reports)} ranks OK on {len(by_node)} node(s)")
     else:
         bad = sorted(set(failed_nodes) | set(mismatched))
-        lines.append(f"RESULT: FAILED ({len(reports)}/{expected_world} ranks reported; bad nodes: {', '.join(bad) or 'none'})")
+        lines.append(
+            f"RESULT: FAILED ({len(reports)}/{expected_world} ranks reported; bad nodes: {', '.join(bad) or 'none'})"
+        )
     verdict = {
         "ok": ok,
         "world_size": len(reports),
@@ -160,6 +168,7 @@ def summarise(reports: list[dict[str, Any]], expected_world: int) -> tuple[list[
         "failed_nodes": failed_nodes,
         "version_mismatch": mismatched,
         "ranks": reports,
+        "table": lines,  # what ``jobgen doctor`` prints, so it never reads the log
     }
     return lines, verdict
 

@@ -10,6 +10,9 @@ every shard, whatever world size or parallelism (DDP or FSDP2) wrote them. The
 result is written next to DIR under a temporary name and renamed into place, and
 ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it. With LoRA, the adapters are
 saved as a peft adapter directory, or merged into the base weights on request.
+
+This module owns the consolidation; where checkpoints are and which are complete
+comes from the run directory's layout (jobgen.rundir via trainer.checkpoint).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from jobgen.atomic import staged_directory
 from jobgen.loader import ResolvedSpec
+from jobgen.rundir import RunDir
 from trainer.checkpoint import complete_checkpoints, describe_load_error, state_dict_options
 from trainer.model import DTYPES, load_model, load_tokenizer
 
@@ -34,7 +38,7 @@ class ExportError(RuntimeError):
 
 def candidates(run_dir: Path, name: str | None) -> list[Path]:
     """The checkpoint asked for, or every complete one, newest first."""
-    root = run_dir / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     if name:
         path = root / name
         if not path.is_dir():
@@ -46,8 +50,15 @@ def candidates(run_dir: Path, name: str | None) -> list[Path]:
     return found
 
 
-def export(spec: ResolvedSpec, run_dir: Path, target: Path, *, checkpoint: str | None = None,
-           merge_lora: bool = False, report: Callable[[str], None] = print) -> Path:
+def export(
+    spec: ResolvedSpec,
+    run_dir: Path,
+    target: Path,
+    *,
+    checkpoint: str | None = None,
+    merge_lora: bool = False,
+    report: Callable[[str], None] = print,
+) -> Path:
     """Export the newest checkpoint that loads (or the one named); ``report`` is told about
     every checkpoint skipped and why. Returns the checkpoint exported."""
     model_spec = spec.run.model
@@ -75,9 +86,11 @@ def export(spec: ResolvedSpec, run_dir: Path, target: Path, *, checkpoint: str |
         break
     if source is None:
         detail = "; ".join(errors)
-        raise ExportError(f"checkpoint {paths[0].name} could not be loaded ({detail})" if checkpoint
-                          else f"none of the {len(paths)} checkpoint(s) in {run_dir / 'checkpoints'} could be loaded "
-                               f"({detail})")
+        raise ExportError(
+            f"checkpoint {paths[0].name} could not be loaded ({detail})"
+            if checkpoint
+            else f"none of the {len(paths)} checkpoint(s) in {run_dir / 'checkpoints'} could be loaded ({detail})"
+        )
     set_model_state_dict(model, state["model"], options=options)
     if model_spec.lora is not None and merge_lora:
         model = model.merge_and_unload()

@@ -1,5 +1,11 @@
 """The training loop: a Trainer whose whole state is ``state_dict()``-able.
 
+Owns one job's training: the Trainer's state, one optimizer step, the loop, the
+step-boundary decision, and what the loop records (a ``metrics.jsonl`` line per
+logging step, the ``first_step`` and ``exit`` lines of ``tasks.jsonl``,
+``metrics.json``). Model, data, checkpoints and stop reasons live in their own
+modules.
+
 One optimizer step = ``grad_accum`` micro-batches per rank. The loss is the mean
 over every target token of the step on every rank (token-weighted, so packing,
 padding and uneven batches do not skew it), gradients are synchronised only on the
@@ -35,7 +41,25 @@ from trainer.stopping import Action, StopMonitor
 log = logging.getLogger("trainer")
 
 
+class ThroughputWindow:
+    """Tokens and wall time since the last logged step: the tokens/s of a metrics line."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.started, self.tokens = time.time(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def tokens_per_s(self) -> float:
+        return round(self.tokens / max(time.time() - self.started, 1e-9), 2)
+
+
 class Trainer:
+    """One job's part of a run: resume, train to max_steps or a stop, and record what it did."""
+
     def __init__(self, spec: ResolvedSpec, run_dir: Path, env: DistEnv, monitor: StopMonitor):
         assert spec.run.model is not None and spec.run.data is not None
         self.spec = spec
@@ -54,9 +78,14 @@ class Trainer:
         self.model = wrap(load_model(spec.run.model, env.device), self.cfg.parallelism, env)
         self.optimizer = build_optimizer(trainable_parameters(self.model), self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
-        self.checkpointer = Checkpointer(run_dir / "checkpoints", env, keep=self.cfg.keep_checkpoints,
-                                         every_steps=self.cfg.save_every_steps, every_seconds=self.cfg.save_every,
-                                         async_save=self.cfg.async_save)
+        self.checkpointer = Checkpointer(
+            run_dir / "checkpoints",
+            env,
+            keep=self.cfg.keep_checkpoints,
+            every_steps=self.cfg.save_every_steps,
+            every_seconds=self.cfg.save_every,
+            async_save=self.cfg.async_save,
+        )
         self.metrics = MetricsWriter(run_dir, enabled=env.is_main)
         # Per-rank streams for dropout and friends; restored from checkpoints on resume.
         torch.manual_seed(self.cfg.seed * 1000 + env.rank)
@@ -65,6 +94,9 @@ class Trainer:
         self.target_tokens_seen = 0
         self.steps_this_job = 0
         self.local_tokens_this_job = 0  # this rank's own share
+        self.start_step = 0  # the step this job resumed at (set by fit)
+        self.resumed_from: str | None = None  # the checkpoint's name, when this job resumed from one
+        self.seconds_to_first_step: float | None = None  # job start to the end of this job's first step
         self.summary: dict[str, Any] = {}  # filled when fit() ends, however it ends
 
     # ------------------------------------------------------------------ state
@@ -119,8 +151,9 @@ class Trainer:
         # average into the sum, so the gradient is that of the global token mean.
         scale = self.env.world_size / max(global_targets, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64)
-        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.env.device.type == "cuda"
-                    else contextlib.nullcontext())
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if self.env.device.type == "cuda" else contextlib.nullcontext()
+        )
         for i, batch in enumerate(micro_batches):
             labels = batch["labels"].to(self.env.device)
             inputs = self.data.model_inputs(batch, self.env.device)
@@ -142,8 +175,13 @@ class Trainer:
         self.tokens_seen += int(global_tokens)
         self.local_tokens_this_job += local_tokens
         self.target_tokens_seen += int(global_targets)
-        return {"loss": total_loss / max(global_targets, 1.0), "grad_norm": float(grad_norm), "lr": lr,
-                "step_tokens": int(global_tokens), "step_target_tokens": int(global_targets)}
+        return {
+            "loss": total_loss / max(global_targets, 1.0),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "step_tokens": int(global_tokens),
+            "step_target_tokens": int(global_targets),
+        }
 
     # ------------------------------------------------------------------ the loop
 
@@ -151,90 +189,153 @@ class Trainer:
         """What every rank does after this step: one all-reduce (max) of each rank's stop
         action and of its view of a periodic save being due. Both depend on rank-local
         things (switch files, signals, clocks); combined, every rank takes the same branch."""
-        action, due = reduce_max(self.env, [int(self.monitor.local_action()),
-                                            int(self.checkpointer.wants_save(self.step))])
-        return Action(action), bool(due)
+        action, save_due = reduce_max(
+            self.env, [int(self.monitor.local_action()), int(self.checkpointer.wants_save(self.step))]
+        )
+        return Action(action), bool(save_due)
 
     def _finish(self) -> None:
+        """max_steps reached: the final checkpoint, then the run's ``done`` marker."""
         self.save(blocking=True)
         if self.env.is_main:
-            write_json_atomic(self.run_dir / "done", {"step": self.step, "finished_at": time.time(),
-                                                     "tokens_seen": self.tokens_seen})
+            write_json_atomic(
+                self.run_dir / "done", {"step": self.step, "finished_at": time.time(), "tokens_seen": self.tokens_seen}
+            )
 
     def fit(self) -> tuple[ExitCode, str]:
         """Train until max_steps or a stop; returns the exit code and a one-line reason."""
-        max_steps = self.cfg.max_steps
         resumed = self.resume()
-        start_step = self.step
+        self.start_step = self.step
+        self.resumed_from = resumed.name if resumed else None
         if self.env.is_main:
-            log.info("%s at step %d of %d (world size %d, %s, seed %d)",
-                     f"resumed from {resumed.name}" if resumed else "starting", self.step, max_steps,
-                     self.env.world_size, self.cfg.parallelism, self.cfg.seed)
-        if self.step >= max_steps:
+            log.info(
+                "%s at step %d of %d (world size %d, %s, seed %d)",
+                f"resumed from {self.resumed_from}" if self.resumed_from else "starting",
+                self.step,
+                self.cfg.max_steps,
+                self.env.world_size,
+                self.cfg.parallelism,
+                self.cfg.seed,
+            )
+        if self.step >= self.cfg.max_steps:
             self._finish()
-            return ExitCode.OK, f"already at step {self.step} of {max_steps}: finished"
+            return ExitCode.OK, f"already at step {self.step} of {self.cfg.max_steps}: finished"
         self.model.train()
-        window_start, window_tokens, first_step_seconds = time.time(), 0, None
-        action = Action.CONTINUE
         try:
-            while self.step < max_steps:
-                step_started = time.time()
-                record = self.train_step()
-                self.step_seconds.append(time.time() - step_started)
-                self.step += 1
-                self.steps_this_job += 1
-                window_tokens += record["step_tokens"]
-                if first_step_seconds is None:
-                    first_step_seconds = time.time() - self.job_start
-                    self.metrics.log_task({"event": "first_step", "step": self.step, "start_step": start_step,
-                                           "job_start": self.job_start,
-                                           "seconds_to_first_step": round(first_step_seconds, 3),
-                                           "resumed_from": resumed.name if resumed else None})
-                if self.step % self.cfg.log_every_steps == 0 or self.step == max_steps:
-                    elapsed = max(time.time() - window_start, 1e-9)
-                    self.metrics.log_step({"step": self.step, **record, "step_seconds": round(self.step_seconds[-1], 4),
-                                           "tokens": self.tokens_seen,
-                                           "target_tokens": self.target_tokens_seen,
-                                           "tokens_per_s": round(window_tokens / elapsed, 2), **memory_snapshot()})
-                    if self.env.is_main:
-                        log.info("step %d loss %.4f lr %.3g grad_norm %.3f", self.step, record["loss"], record["lr"],
-                                 record["grad_norm"])
-                    window_start, window_tokens = time.time(), 0
-                if self.step >= max_steps:
-                    break
-                action, due = self.step_boundary()
-                if action.exits:
-                    if self.env.is_main:
-                        log.warning("step %d: %s", self.step, self.monitor.describe(action))
-                    if action.saves:
-                        self.save(blocking=True)
-                        if self.env.is_main:
-                            self.monitor.consume_stop_request()
-                    return action.exit_code, self.monitor.describe(action)
-                if action is Action.SAVE or due:
-                    if action is Action.SAVE and self.env.is_main:
-                        log.info("step %d: %s", self.step, self.monitor.describe(action))
-                    self.save(blocking=action is Action.SAVE)
-                    if action is Action.SAVE and self.env.is_main:
-                        self.monitor.consume_save_switch()
-                self.checkpointer.poll()
-            self._finish()
-            return ExitCode.OK, f"reached step {self.step} of {max_steps}: finished"
+            return self._train_until_stop()
         finally:
             self.checkpointer.wait()
-            self.summary = {
-                "start_step": start_step,
-                "end_step": self.step,
-                "steps_this_job": self.steps_this_job,
-                "seconds_to_first_step": first_step_seconds,
+            self.summary = self._exit_summary()
+
+    def _train_until_stop(self) -> tuple[ExitCode, str]:
+        """Step, record, and act on the ranks' step-boundary decision, until max_steps or a stop."""
+        max_steps = self.cfg.max_steps
+        window = ThroughputWindow()
+        while self.step < max_steps:
+            step_metrics = self._timed_step()
+            window.add(step_metrics["step_tokens"])
+            if self.seconds_to_first_step is None:
+                self._record_first_step()
+            if self.step % self.cfg.log_every_steps == 0 or self.step == max_steps:
+                self._log_step(step_metrics, window)
+            if self.step >= max_steps:
+                break
+            action, save_due = self.step_boundary()
+            if action.exits:
+                return self._stop(action)
+            self._save_if_asked(action, save_due)
+            self.checkpointer.poll()
+        self._finish()
+        return ExitCode.OK, f"reached step {self.step} of {max_steps}: finished"
+
+    def _timed_step(self) -> dict[str, float]:
+        """One optimizer step, with its wall time recorded and the step counters advanced."""
+        step_started = time.time()
+        step_metrics = self.train_step()
+        self.step_seconds.append(time.time() - step_started)
+        self.step += 1
+        self.steps_this_job += 1
+        return step_metrics
+
+    def _record_first_step(self) -> None:
+        """The ``first_step`` line of ``tasks.jsonl``: when this job's first step ended and where it
+        began (goodput and lead time are computed from it)."""
+        self.seconds_to_first_step = time.time() - self.job_start
+        self.metrics.log_task(
+            {
+                "event": "first_step",
+                "step": self.step,
+                "start_step": self.start_step,
                 "job_start": self.job_start,
-                "step_seconds_total": round(sum(self.step_seconds), 3),
-                "step_seconds_max": round(max(self.step_seconds, default=0.0), 3),
-                "save_seconds": [round(s, 3) for s in self.checkpointer.save_seconds],
-                "save_blocking_seconds": [round(s, 3) for s in self.checkpointer.blocking_seconds],
+                "seconds_to_first_step": round(self.seconds_to_first_step, 3),
+                "resumed_from": self.resumed_from,
             }
+        )
+
+    def _log_step(self, step_metrics: dict[str, float], window: ThroughputWindow) -> None:
+        """A ``metrics.jsonl`` line for this step (and a log line on rank 0); tokens/s are over
+        the steps since the previous one."""
+        tokens_per_s = window.tokens_per_s()
+        self.metrics.log_step(
+            {
+                "step": self.step,
+                **step_metrics,
+                "step_seconds": round(self.step_seconds[-1], 4),
+                "tokens": self.tokens_seen,
+                "target_tokens": self.target_tokens_seen,
+                "tokens_per_s": tokens_per_s,
+                **memory_snapshot(),
+            }
+        )
+        if self.env.is_main:
+            log.info(
+                "step %d loss %.4f lr %.3g grad_norm %.3f",
+                self.step,
+                step_metrics["loss"],
+                step_metrics["lr"],
+                step_metrics["grad_norm"],
+            )
+        window.reset()
+
+    def _stop(self, action: Action) -> tuple[ExitCode, str]:
+        """Leave at this step boundary: save first unless aborting, then consume the stop request."""
+        if self.env.is_main:
+            log.warning("step %d: %s", self.step, self.monitor.describe(action))
+        if action.saves:
+            self.save(blocking=True)
+            if self.env.is_main:
+                self.monitor.consume_stop_request()
+        return action.exit_code, self.monitor.describe(action)
+
+    def _save_if_asked(self, action: Action, save_due: bool) -> None:
+        """The save switch saves now and waits for the save; a periodic save that is due may
+        finish in the background."""
+        if action is Action.SAVE:
+            if self.env.is_main:
+                log.info("step %d: %s", self.step, self.monitor.describe(action))
+            self.save(blocking=True)
+            if self.env.is_main:
+                self.monitor.consume_save_switch()
+        elif save_due:
+            self.save(blocking=False)
+
+    def _exit_summary(self) -> dict[str, Any]:
+        """What this job did, for ``metrics.json`` and the ``exit`` line of ``tasks.jsonl``."""
+        return {
+            "start_step": self.start_step,
+            "end_step": self.step,
+            "steps_this_job": self.steps_this_job,
+            "seconds_to_first_step": self.seconds_to_first_step,
+            "job_start": self.job_start,
+            "step_seconds_total": round(sum(self.step_seconds), 3),
+            "step_seconds_max": round(max(self.step_seconds, default=0.0), 3),
+            "save_seconds": [round(s, 3) for s in self.checkpointer.save_seconds],
+            "save_blocking_seconds": [round(s, 3) for s in self.checkpointer.blocking_seconds],
+        }
 
     def write_summary(self, code: ExitCode, reason: str) -> None:
+        """``metrics.json`` and the ``exit`` line of ``tasks.jsonl``: the exit summary with the
+        exit code, wall time, every rank's tokens/s and what was trained on what."""
         wall = time.time() - self.started
         per_rank = [None] * self.env.world_size
         dist.all_gather_object(per_rank, round(self.local_tokens_this_job / max(wall, 1e-9), 2))

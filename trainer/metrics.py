@@ -21,11 +21,13 @@ from jobgen.atomic import write_json_atomic
 
 
 def memory_snapshot() -> dict[str, float]:
-    snap = {"rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1),
-            "host_used_percent": psutil.virtual_memory().percent}
+    snap = {
+        "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1),
+        "host_used_percent": psutil.virtual_memory().percent,
+    }
     if torch.cuda.is_available():
         snap["gpu_max_allocated_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        free, total = torch.cuda.mem_get_info()
+        free, _total = torch.cuda.mem_get_info()
         snap["gpu_free_mib"] = round(free / 2**20, 1)
     return snap
 
@@ -47,13 +49,17 @@ class MetricsWriter:
             os.fsync(fh.fileno())
 
     def log_step(self, record: dict[str, Any]) -> None:
-        self._append("metrics.jsonl", {"time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart,
-                                       **record})
+        self._append(
+            "metrics.jsonl", {"time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart, **record}
+        )
 
     def log_task(self, record: dict[str, Any]) -> None:
-        self._append("tasks.jsonl", {"time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart,
-                                     **record})
+        self._append(
+            "tasks.jsonl", {"time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart, **record}
+        )
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.enabled:
-            write_json_atomic(self.run_dir / "metrics.json", {"job_id": self.job_id, "restart": self.restart, **summary})
+            write_json_atomic(
+                self.run_dir / "metrics.json", {"job_id": self.job_id, "restart": self.restart, **summary}
+            )

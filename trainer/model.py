@@ -67,8 +67,13 @@ def add_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
     except ImportError:
         raise RuntimeError("model.lora needs peft: pip install 'jobgen[lora]'") from None
     assert spec.lora is not None
-    config = LoraConfig(r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,
-                        target_modules=list(spec.lora.target_modules), task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=spec.lora.r,
+        lora_alpha=spec.lora.alpha,
+        lora_dropout=spec.lora.dropout,
+        target_modules=list(spec.lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
     if spec.gradient_checkpointing:
         # With frozen embeddings no checkpointed input requires grad; make them carry it.
         model.enable_input_require_grads()
@@ -99,10 +104,6 @@ def wrap(model: torch.nn.Module, parallelism: str, env: DistEnv) -> torch.nn.Mod
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -38,7 +38,8 @@ Loss
 from __future__ import annotations
 
 import bisect
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -148,19 +149,20 @@ def collate(
     batch = len(rows)
     input_ids = torch.full((batch, longest), pad_token_id, dtype=torch.long)
     labels = torch.full((batch, longest), IGNORE_INDEX, dtype=torch.long)
-    second = torch.zeros((batch, longest), dtype=torch.long)
-    for b, (ids, lab, pos) in enumerate(zip(ids_rows, label_rows, pos_rows)):
+    # What keeps the examples apart: position ids when packing, the attention mask otherwise.
+    positions_or_mask = torch.zeros((batch, longest), dtype=torch.long)
+    for b, (ids, row_labels, positions) in enumerate(zip(ids_rows, label_rows, pos_rows)):
         n = len(ids)
         input_ids[b, :n] = torch.tensor(ids, dtype=torch.long)
-        labels[b, :n] = torch.tensor(lab, dtype=torch.long)
+        labels[b, :n] = torch.tensor(row_labels, dtype=torch.long)
         if packing:
-            second[b, :n] = torch.tensor(pos, dtype=torch.long)
-            second[b, n:] = torch.arange(longest - n)
+            positions_or_mask[b, :n] = torch.tensor(positions, dtype=torch.long)
+            positions_or_mask[b, n:] = torch.arange(longest - n)
         else:
-            second[b, :n] = 1
+            positions_or_mask[b, :n] = 1
     if packing:
-        return {"input_ids": input_ids, "position_ids": second, "labels": labels}
-    return {"input_ids": input_ids, "attention_mask": second, "labels": labels}
+        return {"input_ids": input_ids, "position_ids": positions_or_mask, "labels": labels}
+    return {"input_ids": input_ids, "attention_mask": positions_or_mask, "labels": labels}
 
 
 def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Which rows each rank trains on, in an order that survives being stopped and resumed.
 
 Each epoch is a permutation of the ``num_rows`` rows drawn from ``(seed, epoch)``.
-The permutation is cut into global batches of ``world_size × micro_batch_size``
+The permutation is cut into global batches of ``world_size x micro_batch_size``
 consecutive rows; rank ``r`` takes the ``r``-th slice of ``micro_batch_size``
 rows of each. The ragged tail of an epoch (fewer rows than a global batch) is
 dropped, and the next epoch begins. The sampler never ends: the trainer stops
@@ -23,7 +23,7 @@ rows and only resumes at epoch boundaries).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -35,14 +35,14 @@ def epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
     return state.permutation(num_rows)
 
 
-
 class ResumeMismatch(ValueError):
     """The checkpoint was written for other data or another seed: its order cannot continue."""
+
 
 class ResumableSampler:
     """Infinite, deterministic, resumable distributed sampling of row indices.
 
-    ``next_batch()`` (or iterating) returns this rank's ``micro_batch_size`` row
+    ``next_batch()`` returns this rank's ``micro_batch_size`` row
     indices of the next global batch and advances the state past that batch, so
     ``state_dict()`` taken after the batch of step *k* has been consumed resumes
     at step *k + 1*. Do not prefetch batches beyond the step being checkpointed.
@@ -69,15 +69,6 @@ class ResumableSampler:
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.num_rows // self.global_batch
-
-    @property
-    def rows_per_epoch(self) -> int:
-        """Rows served per epoch: the ragged tail is dropped."""
-        return self.batches_per_epoch * self.global_batch
-
     def _permutation(self) -> np.ndarray:
         if self._perm_epoch != self.epoch:
             self._perm = epoch_permutation(self.num_rows, self.seed, self.epoch)
@@ -98,10 +89,6 @@ class ResumableSampler:
         self._normalise()
         return [int(r) for r in rows]
 
-    def __iter__(self) -> Iterator[list[int]]:
-        while True:
-            yield self.next_batch()
-
     def state_dict(self) -> dict[str, Any]:
         """Identical on every rank. ``epoch`` and ``offset`` locate the next batch; the rest are checks."""
         return {"epoch": self.epoch, "offset": self.offset, "num_rows": self.num_rows, "seed": self.seed}
@@ -115,8 +102,10 @@ class ResumableSampler:
                 "the data, its preprocessing or packing changed, so the remaining order cannot be reproduced"
             )
         if seed != self.seed:
-            raise ResumeMismatch(f"the checkpoint's sampler seed is {seed}, this run's (train.seed) is {self.seed}: "
-                                 "the remaining sample order cannot be reproduced")
+            raise ResumeMismatch(
+                f"the checkpoint's sampler seed is {seed}, this run's (train.seed) is {self.seed}: "
+                "the remaining sample order cannot be reproduced"
+            )
         epoch, offset = int(state["epoch"]), int(state["offset"])
         if epoch < 0 or not 0 <= offset <= self.num_rows:
             raise ValueError(f"invalid sampler state: epoch {epoch}, offset {offset}")

@@ -15,6 +15,9 @@ directory can create them (``jobgen stop RUN`` or plain ``touch``):
   (or SIGTERM) arrives. A requeued job keeps its id, so the restart count is in the
   name: a request an earlier attempt never consumed (SIGKILL after KillWait) cannot
   stop a later attempt, and the batch script deletes such leftovers before it starts.
+
+This module owns when to stop and how ranks agree on it; the switch files' names are
+the run directory's layout (jobgen.rundir: ``*_SWITCH``, ``RunDir.stop_request``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import psutil
 import torch
 
 from jobgen.exit_codes import ExitCode
+from jobgen.rundir import ABORT_SWITCH, KILL_SWITCH, SAVE_SWITCH
 
 
 class Action(enum.IntEnum):
@@ -90,8 +94,9 @@ def job_end_time(job_id: str | None) -> float | None:
     if not job_id or not job_id.isdigit():
         return None
     try:
-        out = subprocess.run(["squeue", "--noheader", "--jobs", job_id, "--format=%e"],
-                             capture_output=True, text=True, timeout=30).stdout.strip()
+        out = subprocess.run(
+            ["squeue", "--noheader", "--jobs", job_id, "--format=%e"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return None
     try:
@@ -102,7 +107,7 @@ def job_end_time(job_id: str | None) -> float | None:
 
 
 class StopMonitor:
-    """Collects this rank's reasons to stop; ``decide`` combines them over all ranks."""
+    """Collects this rank's reasons to stop; ``Trainer.step_boundary`` combines them over all ranks."""
 
     HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 
@@ -123,9 +128,9 @@ class StopMonitor:
         now = time.time() if now is None else now
         s = self.settings
         found = Action.CONTINUE
-        if s.check_files and (s.switches / "abort").exists():
+        if s.check_files and (s.switches / ABORT_SWITCH).exists():
             return Action.ABORT
-        if s.check_files and (s.switches / "kill").exists():
+        if s.check_files and (s.switches / KILL_SWITCH).exists():
             found = max(found, Action.KILL)
         stop_file = s.check_files and s.stop_request is not None and s.stop_request.exists()
         if self.signal_received is not None or stop_file:
@@ -138,27 +143,30 @@ class StopMonitor:
             free, _ = torch.cuda.mem_get_info()
             if free < s.min_gpu_free_mib * 1024 * 1024:
                 found = max(found, Action.MEMORY)
-        if s.check_files and (s.switches / "save").exists():
+        if s.check_files and (s.switches / SAVE_SWITCH).exists():
             found = max(found, Action.SAVE)
         return found
 
     def describe(self, action: Action) -> str:
         s = self.settings
         if action is Action.SIGNAL:
-            name = (signal.Signals(self.signal_received).name if self.signal_received
-                    else f"{s.stop_request.name if s.stop_request else 'stop'} request")
+            name = (
+                signal.Signals(self.signal_received).name
+                if self.signal_received
+                else f"{s.stop_request.name if s.stop_request else 'stop'} request"
+            )
             return f"stop requested ({name}): saving and exiting"
         return {
-            Action.ABORT: f"abort switch {s.switches / 'abort'}: exiting without saving",
-            Action.KILL: f"kill switch {s.switches / 'kill'}: saving and exiting",
+            Action.ABORT: f"abort switch {s.switches / ABORT_SWITCH}: exiting without saving",
+            Action.KILL: f"kill switch {s.switches / KILL_SWITCH}: saving and exiting",
             Action.DEADLINE: "job deadline (end time minus exit_grace) reached: saving and exiting",
             Action.MEMORY: "memory guard: saving and exiting so the next job starts with clean memory",
-            Action.SAVE: f"save switch {s.switches / 'save'}: saving and continuing",
+            Action.SAVE: f"save switch {s.switches / SAVE_SWITCH}: saving and continuing",
         }.get(action, "continuing")
 
     def consume_save_switch(self) -> None:
         try:
-            os.unlink(self.settings.switches / "save")
+            os.unlink(self.settings.switches / SAVE_SWITCH)
         except FileNotFoundError:
             pass
 
@@ -172,8 +180,8 @@ class StopMonitor:
 
 def startup_switch(switches: Path) -> Action:
     """A kill or abort switch present before anything is loaded."""
-    if (switches / "abort").exists():
+    if (switches / ABORT_SWITCH).exists():
         return Action.ABORT
-    if (switches / "kill").exists():
+    if (switches / KILL_SWITCH).exists():
         return Action.KILL
     return Action.CONTINUE

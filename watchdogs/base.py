@@ -17,15 +17,16 @@ import json
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import ValidationError
 
 from jobgen.loader import ResolvedSpec
 from jobgen.rundir import RunDir, RunDirError, default_runs_root, find_run
-from watchdogs.settings import WatchdogSettings
+from jobgen.watchdog_settings import WatchdogSettings
 
 OK, ALERT, USAGE = 0, 1, 2
 
@@ -92,8 +93,13 @@ def load_target(run_ref: str | None, paths: list[str], home: str | None = None) 
         run = find_run(run_ref, default_runs_root())
         spec = run.load_spec()
         settings = spec.run.watchdogs
-    return Target(settings=settings, run=run, spec=spec, paths=[Path(p).absolute() for p in paths],
-                  home_override=Path(home).absolute() if home else None)
+    return Target(
+        settings=settings,
+        run=run,
+        spec=spec,
+        paths=[Path(p).absolute() for p in paths],
+        home_override=Path(home).absolute() if home else None,
+    )
 
 
 # Options every check accepts; each maps onto a key of its settings table.
@@ -110,8 +116,11 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--run", dest="run_ref", metavar="RUN", help="run name (under the runs root) or directory")
     p.add_argument("--path", action="append", default=[], metavar="P", help="also check this path (repeatable)")
     p.add_argument("--home", help="watchdog home for --notify (default: the run's)")
-    p.add_argument("--notify", action="store_true",
-                   help="record the result and send alert / reminder / resolved messages as configured")
+    p.add_argument(
+        "--notify",
+        action="store_true",
+        help="record the result and send alert / reminder / resolved messages as configured",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     for key, flag in _OVERRIDES[name].items():
         p.add_argument(flag, dest=key, help=f"override [watchdogs.{name}] {key}")
@@ -170,7 +179,7 @@ def running_jobs(run: RunDir) -> list[RunningJob]:
 
     out = []
     for task in run_status(run).tasks:
-        if task.state != "RUNNING":
+        if task.state not in slurm.JOB_RUNNING:
             continue
         records = [r for r in slurm.show_job(task.job_id) if r.get("JobId") == str(task.job_id)]
         record = records[0] if records else {}

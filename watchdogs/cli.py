@@ -1,9 +1,9 @@
 """``jobgen watchdog``: install, list and remove the scheduler chains; run a check by hand.
 
-    jobgen watchdog install RUN [--partition P]
-    jobgen watchdog list [RUN | --home DIR] [--json]
-    jobgen watchdog remove [RUN | --home DIR]
-    jobgen watchdog run NAME [RUN] [--path P]... [--notify] [--json]
+jobgen watchdog install RUN [--partition P]
+jobgen watchdog list [RUN | --home DIR] [--json]
+jobgen watchdog remove [RUN | --home DIR]
+jobgen watchdog run NAME [RUN] [--path P]... [--notify] [--json]
 """
 
 from __future__ import annotations
@@ -37,20 +37,21 @@ def _run(ref: str):
         raise click.ClickException(str(exc)) from None
 
 
-def _home(run_ref: str | None, home: str | None):
+def _home_and_run(run_ref: str | None, home_path: str | None):
+    """The watchdog home to act on (``--home``, else RUN's, else the runs root's) and RUN's run dir."""
     from jobgen.rundir import default_runs_root
     from watchdogs.base import watchdog_home
-    from watchdogs.scheduler import Home
+    from watchdogs.scheduler import WatchdogHome
 
-    if home:
-        return Home(Path(home).absolute()), None
+    if home_path:
+        return WatchdogHome(Path(home_path).absolute()), None
     if run_ref:
         run = _run(run_ref)
-        return Home(watchdog_home(run.load_spec())), run
+        return WatchdogHome(watchdog_home(run.load_spec())), run
     root = default_runs_root()
     if root is None:
         raise click.ClickException("no runs root known: give RUN or --home")
-    return Home(root / ".watchdogs"), None
+    return WatchdogHome(root / ".watchdogs"), None
 
 
 def _when(epoch: float | None) -> str:
@@ -68,11 +69,11 @@ def watchdog() -> None:
 def install(run_ref: str, partition: str | None) -> None:
     """Write RUN's check job files and start the chains that run them. Idempotent."""
     from watchdogs.base import watchdog_home
-    from watchdogs.scheduler import Home, install_run
+    from watchdogs.scheduler import WatchdogHome, install_run
 
     run = _run(run_ref)
     spec = run.load_spec()
-    home = Home(watchdog_home(spec))
+    home = WatchdogHome(watchdog_home(spec))
     try:
         lines = install_run(home, run.path, spec, partition)
     except Exception as exc:  # noqa: BLE001 - sbatch's refusal, as submitit reports it
@@ -84,73 +85,100 @@ def install(run_ref: str, partition: str | None) -> None:
 
 @watchdog.command(name="list")
 @click.argument("run_ref", metavar="[RUN]", required=False)
-@click.option("--home", type=click.Path(file_okay=False), help="watchdog home (default: RUN's, else the site's)")
+@click.option(
+    "--home", "home_path", type=click.Path(file_okay=False), help="watchdog home (default: RUN's, else the site's)"
+)
 @click.option("--json", "as_json", is_flag=True)
-def list_command(run_ref: str | None, home: str | None, as_json: bool) -> None:
+def list_command(run_ref: str | None, home_path: str | None, as_json: bool) -> None:
     """The chains (job, state, next start) and the last result of every job file."""
     from jobgen import slurm
 
-    where, _ = _home(run_ref, home)
+    home, _ = _home_and_run(run_ref, home_path)
     chains = []
-    for chain in where.chains():
+    for chain in home.chains():
         try:
-            queued = where.queued_links(chain.name)
+            queued = home.queued_links(chain.name)
         except slurm.SlurmError as exc:
             raise click.ClickException(str(exc)) from None
         jobs = [{"job_id": j.job_id, "state": j.state, "start": j.start_time} for j in queued]
         files = []
-        for path in where.job_files(chain.name):
-            result_path = where.result_file(chain.name, path.name)
+        for path in home.job_files(chain.name):
+            result_path = home.result_file(chain.name, path.name)
             last = json.loads(result_path.read_text()) if result_path.is_file() else None
             files.append({"job_file": str(path), "last": last})
-        chains.append({"name": chain.name, "every_seconds": chain.seconds, "recorded_job": chain.job_id,
-                       "last_link": chain.last_link, "last_start": chain.last_start, "jobs": jobs,
-                       "alive": any(j["job_id"] == chain.job_id for j in jobs), "job_files": files})
+        chains.append(
+            {
+                "name": chain.name,
+                "every_seconds": chain.seconds,
+                "recorded_job": chain.job_id,
+                "last_link": chain.last_link,
+                "last_start": chain.last_start,
+                "jobs": jobs,
+                "alive": any(j["job_id"] == chain.job_id for j in jobs),
+                "job_files": files,
+            }
+        )
     if as_json:
-        click.echo(json.dumps({"home": str(where.path), "chains": chains}, indent=2))
+        click.echo(json.dumps({"home": str(home.path), "chains": chains}, indent=2))
         return
-    click.echo(f"home {where.path}")
+    click.echo(f"home {home.path}")
     if not chains:
         click.echo("no chains: `jobgen watchdog install RUN` starts them")
     for chain in chains:
         state = ", ".join(f"job {j['job_id']} {j['state']} (start {j['start']})" for j in chain["jobs"])
         if not chain["alive"]:
             state = f"DEAD: recorded job {chain['recorded_job']} is gone; `jobgen watchdog install RUN` restarts it"
-        click.echo(f"\ncron.{chain['name']}: {state}; last tick {_when(chain['last_start'])} (job {chain['last_link'] or '-'})")
+        click.echo(
+            f"\ncron.{chain['name']}: {state}; last tick {_when(chain['last_start'])} (job {chain['last_link'] or '-'})"
+        )
         for f in chain["job_files"]:
             last = f["last"]
             if last is None:
                 click.echo(f"  {Path(f['job_file']).name:<32} not run yet")
                 continue
             first = (last.get("output") or "").strip().splitlines()[:1]
-            click.echo(f"  {Path(f['job_file']).name:<32} {_when(last.get('started'))}  exit {last.get('exit_code')}  "
-                       f"{first[0][:120] if first else ''}")
+            click.echo(
+                f"  {Path(f['job_file']).name:<32} {_when(last.get('started'))}  exit {last.get('exit_code')}  "
+                f"{first[0][:120] if first else ''}"
+            )
 
 
 @watchdog.command()
 @click.argument("run_ref", metavar="[RUN]", required=False)
-@click.option("--home", type=click.Path(file_okay=False), help="watchdog home (default: RUN's, else the site's)")
-def remove(run_ref: str | None, home: str | None) -> None:
+@click.option(
+    "--home", "home_path", type=click.Path(file_okay=False), help="watchdog home (default: RUN's, else the site's)"
+)
+def remove(run_ref: str | None, home_path: str | None) -> None:
     """With RUN: delete its job files, and stop chains left with none. Without: stop every chain."""
     from watchdogs.scheduler import stop_chain
 
-    where, run = _home(run_ref, home)
+    home, run = _home_and_run(run_ref, home_path)
     if run is not None:
         name = run.load_spec().run.job.name
-        for path in sorted(where.run_job_files(name)):
+        for path in sorted(home.job_files_of_run(name)):
             path.unlink()
             click.echo(f"removed {path}")
-    for chain in where.chains():
-        if run is not None and where.job_files(chain.name):
-            click.echo(f"chain {chain.name} kept: {len(where.job_files(chain.name))} job file(s) left")
+    for chain in home.chains():
+        if run is not None and home.job_files(chain.name):
+            click.echo(f"chain {chain.name} kept: {len(home.job_files(chain.name))} job file(s) left")
             continue
-        cancelled = stop_chain(where, chain.name)
-        click.echo(f"chain {chain.name} stopped" + (f" (cancelled job {', '.join(map(str, cancelled))})" if cancelled else ""))
+        cancelled = stop_chain(home, chain.name)
+        click.echo(
+            f"chain {chain.name} stopped" + (f" (cancelled job {', '.join(map(str, cancelled))})" if cancelled else "")
+        )
 
 
 # Options of `python -m watchdogs.NAME` that take a value (watchdogs.base.parser).
-_VALUE_OPTIONS = {"--run", "--path", "--home", "--min-free", "--min-free-inodes", "--forecast", "--stale-after",
-                  "--max-percent"}
+_VALUE_OPTIONS = {
+    "--run",
+    "--path",
+    "--home",
+    "--min-free",
+    "--min-free-inodes",
+    "--forecast",
+    "--stale-after",
+    "--max-percent",
+}
 
 
 @watchdog.command(name="run", context_settings={"ignore_unknown_options": True, "help_option_names": []})

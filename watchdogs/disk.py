@@ -9,13 +9,16 @@ the reserved blocks of ext4 are of no help to a training job. The forecast follo
 the checkpointer: a run keeps ``keep_checkpoints`` complete checkpoints and writes
 one more before pruning, so it needs ``(keep + 1) x size`` at its peak; with the
 observed save interval that tells how many hours remain before a save cannot fit.
+
+This module owns the thresholds and the forecast; which directories are complete
+checkpoints is the run directory's layout (jobgen.rundir.RunDir.complete_checkpoints).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -23,10 +26,9 @@ from pathlib import Path
 
 from jobgen.durations import format_human
 from jobgen.goodput import read_jsonl
-from watchdogs.base import CheckResult, Target, main as check_main
-from watchdogs.settings import parse_threshold
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+from jobgen.watchdog_settings import parse_threshold
+from watchdogs.base import CheckResult, Target
+from watchdogs.base import main as check_main
 
 
 @dataclass
@@ -71,14 +73,18 @@ def low_space(u: Usage, min_free: str, min_free_inodes: str) -> list[str]:
     value, percent = parse_threshold(min_free)
     need = u.total_bytes * value / 100 if percent else value
     if u.free_bytes < need:
-        problems.append(f"{u.path}: {gib(u.free_bytes)} free of {gib(u.total_bytes)} "
-                        f"({u.free_percent:.1f}%), below min_free {min_free}")
+        problems.append(
+            f"{u.path}: {gib(u.free_bytes)} free of {gib(u.total_bytes)} "
+            f"({u.free_percent:.1f}%), below min_free {min_free}"
+        )
     if u.total_inodes:  # btrfs, some NFS servers: no fixed inode table, nothing to run out of
         value, percent = parse_threshold(min_free_inodes, binary=False)
         need = u.total_inodes * value / 100 if percent else value
         if u.free_inodes < need:
-            problems.append(f"{u.path}: {u.free_inodes} inodes free of {u.total_inodes} "
-                            f"({u.free_inodes_percent:.1f}%), below min_free_inodes {min_free_inodes}")
+            problems.append(
+                f"{u.path}: {u.free_inodes} inodes free of {u.total_inodes} "
+                f"({u.free_inodes_percent:.1f}%), below min_free_inodes {min_free_inodes}"
+            )
     return problems
 
 
@@ -105,18 +111,22 @@ class Forecast:
 
     def sentence(self) -> str:
         every = format_human(round(self.interval_seconds)) if self.interval_seconds else "?"
-        head = (f"checkpoints {gib(self.checkpoint_bytes)} each, one every {every} ({self.basis}), "
-                f"{self.complete} on disk, keep {self.keep}: the next peak needs {gib(self.extra_bytes_needed)} more")
+        head = (
+            f"checkpoints {gib(self.checkpoint_bytes)} each, one every {every} ({self.basis}), "
+            f"{self.complete} on disk, keep {self.keep}: the next peak needs {gib(self.extra_bytes_needed)} more"
+        )
         if self.hours_left is None:
             return head + "; it fits"
         return head + f"; a save will not fit in about {self.hours_left:.1f} h"
 
 
-def save_interval(run_dir: Path, steps: list[tuple[int, float]], save_every_steps: int, save_every: int) -> tuple[float | None, str]:
+def save_interval(
+    run_dir: Path, steps: list[tuple[int, float]], save_every_steps: int, save_every: int
+) -> tuple[float | None, str]:
     """Seconds between saves: observed between the newest checkpoints, else from the step
     rate in metrics.jsonl and the spec's save_every_steps / save_every."""
     if len(steps) >= 2:
-        gaps = [b[1] - a[1] for a, b in zip(steps, steps[1:]) if b[1] > a[1]]
+        gaps = [b[1] - a[1] for a, b in itertools.pairwise(steps) if b[1] > a[1]]
         if gaps:
             return statistics.median(gaps), "observed"
     lines = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "time" in m and "step" in m][-50:]
@@ -130,19 +140,15 @@ def save_interval(run_dir: Path, steps: list[tuple[int, float]], save_every_step
 def forecast(target: Target, free_bytes: int) -> Forecast | None:
     if target.run is None or target.spec is None:
         return None
-    ckpt_dir = target.run.path / "checkpoints"
-    steps = []
-    for entry in ckpt_dir.iterdir() if ckpt_dir.is_dir() else []:
-        match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir():
-            steps.append((int(match.group(1)), entry.stat().st_mtime, entry))
+    steps = [(step, path.stat().st_mtime, path) for step, path in target.run.complete_checkpoints()]
     if not steps:
         return None
     steps.sort()
     size = tree_bytes(steps[-1][2])
     train = target.spec.run.train
-    interval, basis = save_interval(target.run.path, [(s, t) for s, t, _ in steps], train.save_every_steps,
-                                    train.save_every)
+    interval, basis = save_interval(
+        target.run.path, [(s, t) for s, t, _ in steps], train.save_every_steps, train.save_every
+    )
     keep, held = train.keep_checkpoints, len(steps)
     # Save j from now needs the run to hold min(held + j, keep + 1) checkpoints at once.
     extra = max(1, keep + 1 - held) * size
@@ -168,8 +174,15 @@ def check(target: Target) -> CheckResult:
         u.path = path
         inodes = f", {u.free_inodes} inodes free ({u.free_inodes_percent:.1f}%)" if u.total_inodes else ""
         details.append(f"{path}: {gib(u.free_bytes)} free of {gib(u.total_bytes)} ({u.free_percent:.1f}%){inodes}")
-        data["filesystems"].append({"path": str(path), "total_bytes": u.total_bytes, "free_bytes": u.free_bytes,
-                                    "total_inodes": u.total_inodes, "free_inodes": u.free_inodes})
+        data["filesystems"].append(
+            {
+                "path": str(path),
+                "total_bytes": u.total_bytes,
+                "free_bytes": u.free_bytes,
+                "total_inodes": u.total_inodes,
+                "free_inodes": u.free_inodes,
+            }
+        )
         problems += low_space(u, settings.min_free, settings.min_free_inodes)
         if target.run is not None and path == target.run.path:
             fc = forecast(target, u.free_bytes)
@@ -178,11 +191,18 @@ def check(target: Target) -> CheckResult:
                 data["forecast"] = vars(fc)
                 horizon = settings.forecast / 3600
                 if settings.forecast and fc.hours_left is not None and fc.hours_left < horizon:
-                    problems.append(f"{path}: {fc.sentence()}, within the forecast horizon of "
-                                    f"{format_human(settings.forecast)}")
+                    problems.append(
+                        f"{path}: {fc.sentence()}, within the forecast horizon of {format_human(settings.forecast)}"
+                    )
     if problems:
-        return CheckResult("disk", target.name, True, problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""),
-                           problems[1:] + details, data)
+        return CheckResult(
+            "disk",
+            target.name,
+            True,
+            problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""),
+            problems[1:] + details,
+            data,
+        )
     return CheckResult("disk", target.name, False, f"{len(seen)} filesystem(s) above their thresholds", details, data)
 
 

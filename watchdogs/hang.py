@@ -10,6 +10,9 @@ log (and never earlier than the job's start, so a job still loading its model is
 "hung"). Before alerting, every rank's Python stack is dumped with py-spy through a
 short ``srun --overlap`` step into ``<run>/hangs/<time>-job<J>.txt``; the alert
 names that file, so the person who wakes up sees where it hung.
+
+This module owns the hang verdict and the stack dump; the batch log's name is the run
+directory's layout (jobgen.rundir.RunDir.batch_log).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from pathlib import Path
 from jobgen import slurm
 from jobgen.atomic import write_text_atomic
 from jobgen.durations import format_human
-from watchdogs.base import CheckResult, RunningJob, Target, main as check_main, running_jobs
+from jobgen.rundir import RunDir
+from watchdogs.base import CheckResult, RunningJob, Target, running_jobs
+from watchdogs.base import main as check_main
 
 
 def last_progress(run_dir: Path, job: RunningJob, job_name: str) -> tuple[float | None, str]:
-    candidates = [run_dir / "metrics.jsonl", run_dir / "tasks.jsonl", run_dir / "logs" / f"{job_name}-{job.job_id}.out"]
+    candidates = [run_dir / "metrics.jsonl", run_dir / "tasks.jsonl", RunDir(run_dir).batch_log(job_name, job.job_id)]
     best, what = None, "nothing written yet"
     for path in candidates:
         try:
@@ -70,8 +75,10 @@ def check(target: Target) -> CheckResult:
         if age is None or age < settings.stale_after:
             details.append(f"job {job.job_id}: last progress {format_human(round(age or 0))} ago ({what})")
             continue
-        line = (f"job {job.job_id} RUNNING on {','.join(job.nodes)} but no progress for {format_human(round(age))} "
-                f"(last: {what}; threshold {format_human(settings.stale_after)})")
+        line = (
+            f"job {job.job_id} RUNNING on {','.join(job.nodes)} but no progress for {format_human(round(age))} "
+            f"(last: {what}; threshold {format_human(settings.stale_after)})"
+        )
         if settings.stack_dump:
             path, ok = dump_stacks(target.run.path, job)
             line += f"; stacks of every rank in {path}" + ("" if ok else " (the srun step failed: see the file)")

@@ -16,7 +16,8 @@ import sys
 
 from jobgen import slurm
 from jobgen.goodput import read_jsonl
-from watchdogs.base import CheckResult, Target, main as check_main, running_jobs
+from watchdogs.base import CheckResult, Target, running_jobs
+from watchdogs.base import main as check_main
 
 
 def node_memory(job_id: int, nodes: int) -> list[dict]:
@@ -51,17 +52,22 @@ def check(target: Target) -> CheckResult:
             nodes = node_memory(job.job_id, len(job.nodes) or 1)
         except (slurm.SlurmError, OSError) as exc:
             nodes = from_metrics(target, job.job_id)
-            details.append(f"job {job.job_id}: srun step failed ({str(exc).splitlines()[-1][:200]}); "
-                           f"{'using the trainer metrics' if nodes else 'no metrics either'}")
+            details.append(
+                f"job {job.job_id}: srun step failed ({str(exc).splitlines()[-1][:200]}); "
+                f"{'using the trainer metrics' if nodes else 'no metrics either'}"
+            )
         for node in nodes:
             data["nodes"].append({"job_id": job.job_id, **node})
             line = f"{node['node']}: {node['used_percent']:.1f}% used"
             if "available_bytes" in node:
-                line += f", {node['available_bytes'] / 2**30:.1f} GiB available of {node['total_bytes'] / 2**30:.1f} GiB"
+                line += (
+                    f", {node['available_bytes'] / 2**30:.1f} GiB available of {node['total_bytes'] / 2**30:.1f} GiB"
+                )
             (high if node["used_percent"] > limit else details).append(f"job {job.job_id} {line}")
     if high:
-        return CheckResult("memory", target.name, True, f"{high[0]} (above max_percent {limit:g}%)",
-                           high[1:] + details, data)
+        return CheckResult(
+            "memory", target.name, True, f"{high[0]} (above max_percent {limit:g}%)", high[1:] + details, data
+        )
     if not data["nodes"]:
         return CheckResult("memory", target.name, True, "could not read the memory of any node", details, data)
     return CheckResult("memory", target.name, False, f"{len(data['nodes'])} node(s) below {limit:g}%", details, data)

@@ -11,7 +11,7 @@ stored in a job file, and never quoted in an error: the logs a failure lands in 
 read by the team, and urllib, http.client and SMTP servers quote what they were
 given, so a failure names the file or variable instead. A message an external
 channel failed to take is sent again at the next run instead of waiting for the
-reminder interval.
+reminder interval. :func:`run_alerts` reads the state files back for ``jobgen status``.
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ import ssl
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from email.message import EmailMessage
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from jobgen.atomic import write_json_atomic
 from jobgen.durations import format_human
-from watchdogs.base import CheckResult, Target
-from watchdogs.settings import EmailSettings, WebhookSettings
+from jobgen.loader import ResolvedSpec
+from jobgen.watchdog_settings import EmailSettings, WebhookSettings
+from watchdogs.base import CheckResult, Target, watchdog_home
 
 ALERT, REMINDER, RESOLVED = "ALERT", "REMINDER", "RESOLVED"
 
@@ -54,7 +55,9 @@ class AlertState:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
-def decide(prev: AlertState | None, alert: bool, summary: str, now: float, reminder: float) -> tuple[str | None, AlertState]:
+def decide(
+    prev: AlertState | None, alert: bool, summary: str, now: float, reminder: float
+) -> tuple[str | None, AlertState]:
     """The message to send (if any) and the new state."""
     if alert:
         if prev is None or prev.status != "alert":
@@ -92,7 +95,11 @@ def message(kind: str, result: CheckResult, prev: AlertState | None, now: float)
         lasted = f" after {format_human(round(now - prev.since))}" if prev else ""
         subject = f"[jobgen watchdog] RESOLVED {result.check} {result.target}{lasted}: {result.summary}"
     else:
-        since = f" (since {time.strftime('%Y-%m-%d %H:%M', time.localtime(prev.since))})" if kind == REMINDER and prev else ""
+        since = (
+            f" (since {time.strftime('%Y-%m-%d %H:%M', time.localtime(prev.since))})"
+            if kind == REMINDER and prev
+            else ""
+        )
         subject = f"[jobgen watchdog] {kind} {result.check} {result.target}: {result.summary}{since}"
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(now))
     body = "\n".join([subject, *result.details, f"checked on {result.host} at {stamp}"])
@@ -162,8 +169,14 @@ def send_email(settings: EmailSettings, subject: str, body: str) -> None:
     msg.set_content(body)
     cls = smtplib.SMTP_SSL if settings.security == "ssl" else smtplib.SMTP
     # What a server may echo of a login: the password, and AUTH PLAIN / LOGIN's base64 of it.
-    secrets = [password, *(base64.b64encode(f"{prefix}{password}".encode()).decode()
-                           for prefix in ("", f"\0{settings.username}\0"))] if password else []
+    secrets = (
+        [
+            password,
+            *(base64.b64encode(f"{prefix}{password}".encode()).decode() for prefix in ("", f"\0{settings.username}\0")),
+        ]
+        if password
+        else []
+    )
     try:
         with cls(settings.host, settings.port, timeout=20) as smtp:
             if settings.security == "starttls":
@@ -179,11 +192,13 @@ def send_webhook(settings: WebhookSettings, text: str) -> None:
     url = settings.url or _secret(settings.url_file, settings.url_env, "webhook url")
     where = _where(settings.url_file, settings.url_env)
     if not _URL.match(url):
-        raise DeliveryError(f"the webhook url in {where} is not an http(s):// URL of printable characters "
-                            "(not shown: it is a secret)")
+        raise DeliveryError(
+            f"the webhook url in {where} is not an http(s):// URL of printable characters (not shown: it is a secret)"
+        )
     try:
-        request = urllib.request.Request(url, data=json.dumps({"text": text}).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")
+        request = urllib.request.Request(
+            url, data=json.dumps({"text": text}).encode(), headers={"Content-Type": "application/json"}, method="POST"
+        )
         with urllib.request.urlopen(request, timeout=20) as response:
             if response.status >= 300:
                 raise DeliveryError(f"webhook answered HTTP {response.status}")
@@ -244,8 +259,16 @@ def deliver(result: CheckResult, target: Target, now: float | None = None) -> st
         kind, state = decide(prev, result.alert, result.summary, now, target.settings.reminder)
         if kind is not None:
             state.undelivered = bool(send(kind, result, target, prev, now)) and kind != RESOLVED
-        write_json_atomic(path, {**asdict(state), "check": result.check, "target": result.target,
-                                 "last_run": now, "last_alert": result.alert})
+        write_json_atomic(
+            path,
+            {
+                **asdict(state),
+                "check": result.check,
+                "target": result.target,
+                "last_run": now,
+                "last_alert": result.alert,
+            },
+        )
     return kind
 
 
@@ -261,3 +284,10 @@ def active_alerts(home: Path, target: str) -> list[str]:
             since = time.strftime("%Y-%m-%d %H:%M", time.localtime(data.get("since", 0)))
             out.append(f"{data.get('check')}: {data.get('summary')} (since {since})")
     return out
+
+
+def run_alerts(spec: ResolvedSpec) -> list[str]:
+    """The run's active alerts from its watchdog home, if it has one yet: what ``jobgen/cli.py``
+    hands to ``jobgen.status.run_status`` (jobgen itself does not import watchdogs)."""
+    home = watchdog_home(spec)
+    return active_alerts(home, spec.run.job.name) if home.is_dir() else []

@@ -66,8 +66,9 @@ def stacks(job_id: str) -> int:
             print("py-spy not installed on this node (pip install py-spy)")
             continue
         # --nonblocking: never pause a rank that may be in the middle of a collective.
-        proc = subprocess.run([tool, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run(
+            [tool, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True, text=True, timeout=60
+        )
         print(proc.stdout.rstrip() or f"py-spy exit {proc.returncode}: {proc.stderr.strip()}", flush=True)
     return 0
 
@@ -77,8 +78,12 @@ def memory() -> int:
 
     vm = psutil.virtual_memory()
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
-    print(json.dumps({"node": node, "total_bytes": vm.total, "available_bytes": vm.available,
-                      "used_percent": vm.percent}), flush=True)
+    print(
+        json.dumps(
+            {"node": node, "total_bytes": vm.total, "available_bytes": vm.available, "used_percent": vm.percent}
+        ),
+        flush=True,
+    )
     return 0
 
 

@@ -6,19 +6,22 @@
 An array that ran out of tasks, a cancelled job, a dependency that can never be
 met or a job held by an admin all leave a run that is neither finished nor going
 anywhere; nobody notices until morning. A run stopped on purpose (kill or abort
-switch) is not an alert: the person who stopped it knows.
+switch, jobgen.rundir.STARTUP_SWITCHES) is not an alert: the person who stopped it knows.
+
+It decides from ``jobgen.status.run_status`` and the job states and pending reasons
+of ``jobgen.slurm`` (``JOB_ACTIVE``, ``JOB_PENDING``, ``REASONS_NEVER_CLEAR``); when
+Slurm cannot be asked, ``RunStatus.slurm_unreachable`` says so.
 """
 
 from __future__ import annotations
 
 import sys
 
-from jobgen.status import ACTIVE, run_status
-from watchdogs.base import CheckResult, Target, main as check_main
-
-# Pending for one of these reasons means it will not start without a person.
-STUCK_REASONS = ("DependencyNeverSatisfied", "JobHeldAdmin", "JobHeldUser", "PartitionDown", "InvalidAccount",
-                 "InvalidQOS", "QOSNotAllowed", "AccountNotAllowed", "PartitionConfig", "BadConstraints")
+from jobgen import slurm
+from jobgen.rundir import STARTUP_SWITCHES
+from jobgen.status import run_status
+from watchdogs.base import CheckResult, Target
+from watchdogs.base import main as check_main
 
 
 def check(target: Target) -> CheckResult:
@@ -27,41 +30,61 @@ def check(target: Target) -> CheckResult:
     step = f"step {status.step if status.step is not None else '-'}"
     if status.max_steps:
         step += f"/{status.max_steps}"
-    data = {"state": status.state, "step": status.step, "max_steps": status.max_steps,
-            "jobs": [f"{t.job_id}:{t.state}" for t in status.tasks]}
-    queued = [t for t in status.tasks if t.state in ACTIVE]
-    unreachable = [n for n in status.notes if n.startswith("Slurm not reachable")]
-    if unreachable:
-        return CheckResult("running", target.name, True, f"could not ask Slurm: {unreachable[0]}", [], data)
-    stuck = [t for t in queued if t.state == "PENDING" and (t.reason or "") in STUCK_REASONS]
+    data = {
+        "state": status.state,
+        "step": status.step,
+        "max_steps": status.max_steps,
+        "jobs": [f"{t.job_id}:{t.state}" for t in status.tasks],
+    }
+    queued = [t for t in status.tasks if t.state in slurm.JOB_ACTIVE]
+    if status.slurm_unreachable:
+        return CheckResult("running", target.name, True, f"could not ask Slurm: {status.slurm_unreachable}", [], data)
+    # Pending for a reason that never clears: it will not start without a person.
+    stuck = [t for t in queued if t.state in slurm.JOB_PENDING and (t.reason or "") in slurm.REASONS_NEVER_CLEAR]
     if stuck and len(stuck) == len(queued):
         t = stuck[0]
-        return CheckResult("running", target.name, True,
-                           f"job {t.job_id} is pending with reason {t.reason}: it will not start by itself ({step})",
-                           [f"inspect: scontrol show job {t.job_id}"], data)
+        return CheckResult(
+            "running",
+            target.name,
+            True,
+            f"job {t.job_id} is pending with reason {t.reason}: it will not start by itself ({step})",
+            [f"inspect: scontrol show job {t.job_id}"],
+            data,
+        )
     if status.state in ("running", "pending"):
-        running = [t for t in queued if t.state != "PENDING"]
-        pending = [t for t in queued if t.state == "PENDING"]
+        running = [t for t in queued if t.state not in slurm.JOB_PENDING]
+        pending = [t for t in queued if t.state in slurm.JOB_PENDING]
         parts = [f"{len(running)} running" if running else "", f"{len(pending)} pending" if pending else ""]
-        jobs = ", ".join(f"{t.job_id}{'_' + t.array_task if t.array_task not in ('N/A', '') else ''} {t.state}"
-                         for t in queued)
-        return CheckResult("running", target.name, False,
-                           f"{' and '.join(p for p in parts if p)} ({jobs}); {step}", [], data)
+        jobs = ", ".join(
+            f"{t.job_id}{'_' + t.array_task if t.array_task not in ('N/A', '') else ''} {t.state}" for t in queued
+        )
+        return CheckResult(
+            "running", target.name, False, f"{' and '.join(p for p in parts if p)} ({jobs}); {step}", [], data
+        )
     if status.state == "finished":
         return CheckResult("running", target.name, False, f"finished ({step})", [], data)
-    if {"kill", "abort"} & set(status.switches):
-        return CheckResult("running", target.name, False,
-                           f"stopped on purpose (switch {', '.join(status.switches)}), {step}", [], data)
+    if set(STARTUP_SWITCHES) & set(status.switches):
+        return CheckResult(
+            "running", target.name, False, f"stopped on purpose (switch {', '.join(status.switches)}), {step}", [], data
+        )
     if not target.run.jobs():
         return CheckResult("running", target.name, True, "never submitted: no job in jobs.json", [], data)
     last = status.tasks[-1] if status.tasks else None
-    ended = f"last job {last.job_id} {last.state}" + (f" ({last.exit_reason})" if last and last.exit_reason else "") if last else "no job known"
+    ended = (
+        f"last job {last.job_id} {last.state}" + (f" ({last.exit_reason})" if last and last.exit_reason else "")
+        if last
+        else "no job known"
+    )
     spec_file = target.spec.spec_file if target.spec else None
     return CheckResult(
-        "running", target.name, True,
+        "running",
+        target.name,
+        True,
         f"no job running or pending and the run has not finished ({step}; {ended})",
-        [f"continue it: jobgen submit {spec_file or target.run.path / 'run.toml'}",
-         f"details: jobgen status {target.run.path}"],
+        [
+            f"continue it: jobgen submit {spec_file or target.run.path / 'run.toml'}",
+            f"details: jobgen status {target.run.path}",
+        ],
         data,
     )
 

@@ -3,8 +3,8 @@
     jobgen watchdog install RUN [--partition P]   # job files + chains
     jobgen watchdog list | remove [RUN]
 
-Layout of a watchdog home (default ``<runs_root>/.watchdogs``, on a filesystem every
-node sees)::
+Layout of a watchdog home (:class:`WatchdogHome`; default ``<runs_root>/.watchdogs``, on
+a filesystem every node sees)::
 
     cron.1m/ cron.10m/ cron.hourly/ cron.daily/   job files: any executable, run in name order
     chains/<interval>.json                        the chain: its token and its queued job
@@ -32,15 +32,15 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from jobgen import slurm
 from jobgen.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
-from jobgen.loader import ResolvedSpec
 from jobgen.durations import format_human
-from jobgen.status import ACTIVE
+from jobgen.loader import ResolvedSpec
 from watchdogs import CHECKS
 from watchdogs.notify import append_line, locked
 
@@ -80,7 +80,10 @@ class Chain:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
-class Home:
+class WatchdogHome:
+    """The watchdog home of a runs root (laid out as above): where each interval's job
+    files, chain record, logs and results live, and this home's links in Slurm's queue."""
+
     def __init__(self, path: Path):
         self.path = Path(path)
 
@@ -93,7 +96,7 @@ class Home:
     def chain_lock(self, name: str):
         return locked(self.path / "chains" / f"{name}.lock")
 
-    def logs(self, name: str) -> Path:
+    def log_dir(self, name: str) -> Path:
         return self.path / "logs" / name
 
     def result_file(self, name: str, job_file: str) -> Path:
@@ -108,7 +111,7 @@ class Home:
         job comment tells them from another home's chain of the same interval."""
         return [j for j in slurm.jobs_named(chain_job_name(name)) if j.comment == str(self.path)]
 
-    def run_job_files(self, run_name: str) -> list[Path]:
+    def job_files_of_run(self, run_name: str) -> list[Path]:
         """The check job files `install` wrote for one run, in whatever interval directory."""
         ours = {f"{run_name}.{check}" for check in CHECKS}
         return [p for p in self.path.glob(f"cron.*/{run_name}.*") if p.name in ours]
@@ -118,8 +121,14 @@ class Home:
         directory = self.cron_dir(name)
         if not directory.is_dir():
             return []
-        return sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")
-                      and not p.name.endswith(("~", ".tmp", ".swp", ".dpkg-old")) and os.access(p, os.X_OK))
+        return sorted(
+            p
+            for p in directory.iterdir()
+            if p.is_file()
+            and not p.name.startswith(".")
+            and not p.name.endswith(("~", ".tmp", ".swp", ".dpkg-old"))
+            and os.access(p, os.X_OK)
+        )
 
 
 @contextlib.contextmanager
@@ -136,16 +145,24 @@ def _outside_job_env() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def submit_link(home: Home, chain: Chain, begin_seconds: int) -> int:
+def submit_link(home: WatchdogHome, chain: Chain, begin_seconds: int) -> int:
     """Queue one link of the chain to start ``begin_seconds`` from now."""
     import submitit
 
-    executor = submitit.SlurmExecutor(folder=home.logs(chain.name), max_num_timeout=0)
+    executor = submitit.SlurmExecutor(folder=home.log_dir(chain.name), max_num_timeout=0)
     minutes = max(1, chain.time_limit // 60)
     params: dict[str, Any] = dict(
-        job_name=chain_job_name(chain.name), time=minutes, nodes=1, ntasks_per_node=1, cpus_per_task=1,
-        comment=str(home.path), use_srun=False, stderr_to_stdout=True, wckey="",
-        signal_delay_s=min(60, minutes * 15), additional_parameters={"begin": f"now+{begin_seconds}"},
+        job_name=chain_job_name(chain.name),
+        time=minutes,
+        nodes=1,
+        ntasks_per_node=1,
+        cpus_per_task=1,
+        comment=str(home.path),
+        use_srun=False,
+        stderr_to_stdout=True,
+        wckey="",
+        signal_delay_s=min(60, minutes * 15),
+        additional_parameters={"begin": f"now+{begin_seconds}"},
     )
     if chain.partition:
         params["partition"] = chain.partition
@@ -157,14 +174,15 @@ def submit_link(home: Home, chain: Chain, begin_seconds: int) -> int:
     return int(job.job_id)
 
 
-def chain_alive(home: Home, chain: Chain | None) -> bool:
+def chain_alive(home: WatchdogHome, chain: Chain | None) -> bool:
     if chain is None or chain.job_id is None:
         return False
-    return any(j.job_id == chain.job_id and j.state in ACTIVE for j in home.queued_links(chain.name))
+    return any(j.job_id == chain.job_id and j.state in slurm.JOB_ACTIVE for j in home.queued_links(chain.name))
 
 
-def ensure_chain(home: Home, seconds: int, *, partition: str | None, account: str | None, time_limit: int,
-                 log_retention: int) -> tuple[Chain, bool]:
+def ensure_chain(
+    home: WatchdogHome, seconds: int, *, partition: str | None, account: str | None, time_limit: int, log_retention: int
+) -> tuple[Chain, bool]:
     """Start the chain for this interval unless one is alive; returns it and whether it is new."""
     name = interval_name(seconds)
     home.cron_dir(name).mkdir(parents=True, exist_ok=True)
@@ -184,7 +202,7 @@ def ensure_chain(home: Home, seconds: int, *, partition: str | None, account: st
         return chain, True
 
 
-def stop_chain(home: Home, name: str) -> list[int]:
+def stop_chain(home: WatchdogHome, name: str) -> list[int]:
     """Forget the chain, then cancel its queued links. A link running right now finds no
     record and does not resubmit; if it already did, it cancels its successor itself."""
     with home.chain_lock(name):
@@ -197,7 +215,7 @@ def stop_chain(home: Home, name: str) -> list[int]:
     return cancelled
 
 
-def write_job_file(home: Home, seconds: int, file_name: str, text: str) -> Path:
+def write_job_file(home: WatchdogHome, seconds: int, file_name: str, text: str) -> Path:
     directory = home.cron_dir(interval_name(seconds))
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / file_name
@@ -205,7 +223,7 @@ def write_job_file(home: Home, seconds: int, file_name: str, text: str) -> Path:
     return path
 
 
-def clean_logs(home: Home, retention: int, now: float | None = None, keep_jobs: set[int] = frozenset()) -> int:
+def clean_logs(home: WatchdogHome, retention: int, now: float | None = None, keep_jobs: set[int] = frozenset()) -> int:
     """Delete scheduler logs and pickles older than ``retention`` seconds; returns how many.
     Files of the queued links (``keep_jobs``) stay whatever their age: a weekly link's
     pickle waits a week for its job to start."""
@@ -223,7 +241,9 @@ def clean_logs(home: Home, retention: int, now: float | None = None, keep_jobs: 
     return removed
 
 
-def run_job_files(home: Home, chain: Chain, deadline: float) -> list[dict[str, Any]]:
+def run_job_files(home: WatchdogHome, chain: Chain, deadline: float) -> list[dict[str, Any]]:
+    """Run the chain's job files one after another within the link's deadline; each one's
+    result goes to ``results/<interval>/``."""
     results = []
     for path in home.job_files(chain.name):
         started = time.time()
@@ -238,8 +258,14 @@ def run_job_files(home: Home, chain: Chain, deadline: float) -> list[dict[str, A
             code, output = 124, f"{exc.stdout or ''}timed out after {left:.0f}s"
         except OSError as exc:
             code, output = 126, f"cannot run: {exc}"
-        record = {"job_file": path.name, "started": started, "seconds": round(time.time() - started, 2),
-                  "exit_code": code, "output": output[-4000:], "job_id": os.environ.get("SLURM_JOB_ID")}
+        record = {
+            "job_file": path.name,
+            "started": started,
+            "seconds": round(time.time() - started, 2),
+            "exit_code": code,
+            "output": output[-4000:],
+            "job_id": os.environ.get("SLURM_JOB_ID"),
+        }
         result_path = home.result_file(chain.name, path.name)
         result_path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(result_path, record)
@@ -248,17 +274,20 @@ def run_job_files(home: Home, chain: Chain, deadline: float) -> list[dict[str, A
     return results
 
 
-def _submit_with_retries(home: Home, chain: Chain, attempts: int = 3) -> int:
+def _submit_with_retries(home: WatchdogHome, chain: Chain, attempts: int = 3) -> int:
     """The successor must be queued or the chain ends: ride out a controller that is
     restarting or briefly too busy to answer."""
     for attempt in range(1, attempts + 1):
         try:
             return submit_link(home, chain, chain.seconds)
-        except Exception as exc:  # noqa: BLE001 - whatever submitit or sbatch raised
+        except Exception as exc:
             if attempt == attempts:
                 stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-                append_line(home.path / "watchdog.log", f"{stamp} chain {chain.name} ENDED: could not queue its next "
-                            f"link: {exc}\n    `jobgen watchdog install RUN` starts it again")
+                append_line(
+                    home.path / "watchdog.log",
+                    f"{stamp} chain {chain.name} ENDED: could not queue its next "
+                    f"link: {exc}\n    `jobgen watchdog install RUN` starts it again",
+                )
                 raise
             time.sleep(10 * attempt)
     raise AssertionError("unreachable")
@@ -267,15 +296,18 @@ def _submit_with_retries(home: Home, chain: Chain, attempts: int = 3) -> int:
 def run_link(home_path: str, name: str, token: str) -> dict[str, Any]:
     """One tick of a chain, inside its Slurm job: resubmit, clean, run the job files."""
     started = time.time()
-    home = Home(Path(home_path))
+    home = WatchdogHome(Path(home_path))
     my_id = int(os.environ.get("SLURM_JOB_ID", "0"))
     with home.chain_lock(name):
         chain = Chain.load(home.chain_file(name))
         # Only the link the record names may continue the chain: not one of a removed or
         # replaced chain, and not this link run a second time (a requeue after preemption).
         if chain is None or chain.token != token or chain.job_id != my_id:
-            print(f"chain {name}: link {my_id} is not the recorded one "
-                  f"({'no record' if chain is None else f'record names job {chain.job_id}'}); it ends here", flush=True)
+            print(
+                f"chain {name}: link {my_id} is not the recorded one "
+                f"({'no record' if chain is None else f'record names job {chain.job_id}'}); it ends here",
+                flush=True,
+            )
             return {"ended": True}
         successor = _submit_with_retries(home, chain)
         chain.job_id, chain.last_link, chain.last_start = successor, my_id, started
@@ -290,14 +322,14 @@ def run_link(home_path: str, name: str, token: str) -> dict[str, Any]:
     return {"successor": successor, "results": run_job_files(home, chain, deadline)}
 
 
-def install_run(home: Home, run_dir: Path, spec: ResolvedSpec, partition: str | None) -> list[str]:
+def install_run(home: WatchdogHome, run_dir: Path, spec: ResolvedSpec, partition: str | None) -> list[str]:
     """Write the run's job files and make sure a chain runs each interval; returns what
     was done, line by line. All or nothing: if a chain cannot be started (a partition
     that does not exist, a time limit above its MaxTime), the chains this call started
     are stopped and the run's job files are put back as they were."""
     settings, name = spec.run.watchdogs, spec.run.job.name
     wanted = {f"{name}.{check}": settings.check(check).every for check in CHECKS if settings.check(check).enabled}
-    before = {p: p.read_bytes() for p in home.run_job_files(name)}
+    before = {p: p.read_bytes() for p in home.job_files_of_run(name)}
     started: list[Chain] = []
     lines = []
     try:
@@ -310,17 +342,24 @@ def install_run(home: Home, run_dir: Path, spec: ResolvedSpec, partition: str | 
             text = job_file_text(sys.executable, module, run_dir, name, interval_name(every))
             lines.append(f"job file {write_job_file(home, every, file_name, text)}")
         for seconds in sorted(set(ALWAYS) | set(wanted.values())):
-            chain, new = ensure_chain(home, seconds, partition=partition or settings.partition or spec.partition,
-                                      account=settings.account or spec.account, time_limit=settings.time,
-                                      log_retention=settings.log_retention)
+            chain, new = ensure_chain(
+                home,
+                seconds,
+                partition=partition or settings.partition or spec.partition,
+                account=settings.account or spec.account,
+                time_limit=settings.time,
+                log_retention=settings.log_retention,
+            )
             if new:
                 started.append(chain)
-            lines.append(f"chain {chain.name:<7} {'started' if new else 'already running'}: job {chain.job_id} "
-                         f"({chain.partition or 'default partition'})")
+            lines.append(
+                f"chain {chain.name:<7} {'started' if new else 'already running'}: job {chain.job_id} "
+                f"({chain.partition or 'default partition'})"
+            )
     except BaseException:
         for chain in started:
             stop_chain(home, chain.name)
-        for path in home.run_job_files(name):
+        for path in home.job_files_of_run(name):
             path.unlink()
         for path, data in before.items():
             write_bytes_atomic(path, data, mode=0o755)

@@ -16,22 +16,24 @@ From Python (tests, fixtures)::
 All configuration and state live in one directory (default
 /var/tmp/jobgen-cluster, or $JOBGEN_CLUSTER_DIR, or ``state_dir=``), plus a
 symlink /etc/slurm/slurm.conf so that every Slurm command works for every user
-without extra environment.  See lifecycle.py for the rules ``up``/``down`` follow.
+without extra environment.  See lifecycle.py for the rules ``up``/``down`` follow
+(``down`` itself is in teardown.py).
 """
 
 from .config import DEFAULT_PARTITION, PARTITIONS, SHORT_MAX_TIME, SLURMCTLD_PORT
-from .lifecycle import down, status, up
+from .lifecycle import status, up
 from .state import DEFAULT_STATE_DIR, STATE_DIR_ENV, ClusterError, ClusterInfo, resolve_state_dir
+from .teardown import down
 
 __all__ = [
-    "ClusterError",
-    "ClusterInfo",
     "DEFAULT_PARTITION",
     "DEFAULT_STATE_DIR",
     "PARTITIONS",
     "SHORT_MAX_TIME",
     "SLURMCTLD_PORT",
     "STATE_DIR_ENV",
+    "ClusterError",
+    "ClusterInfo",
     "down",
     "resolve_state_dir",
     "status",

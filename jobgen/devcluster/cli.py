@@ -15,8 +15,9 @@ import sys
 import click
 
 from .config import DEBUG_MAX_TIME, DEFAULT_PARTITION, SHORT_MAX_TIME
-from .lifecycle import DEFAULT_TIMEOUT, down, status, up
+from .lifecycle import DEFAULT_TIMEOUT, status, up
 from .state import STATE_DIR_ENV, ClusterError, ClusterInfo
+from .teardown import down
 
 _state_dir_option = click.option(
     "--state-dir",
@@ -36,20 +37,40 @@ def cluster() -> None:
 @click.option("--nodes", "-N", type=click.IntRange(1, 64), default=2, show_default=True, help="Number of slurmd nodes.")
 @click.option("--cpus-per-node", type=click.IntRange(1), default=4, show_default=True, help="CPUs each node declares.")
 @click.option(
-    "--mem-per-node", "mem_per_node_mb", type=click.IntRange(64), default=4096, show_default=True,
+    "--mem-per-node",
+    "mem_per_node_mb",
+    type=click.IntRange(64),
+    default=4096,
+    show_default=True,
     help="RealMemory (MB) each node declares; memory is not a consumable.",
 )
-@click.option("--netns/--no-netns", default=False, show_default=True,
-              help="Give every node its own network namespace and eth0 address.")
-@click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
-              help="Seconds to wait for every node to become idle.")
+@click.option(
+    "--netns/--no-netns",
+    default=False,
+    show_default=True,
+    help="Give every node its own network namespace and eth0 address.",
+)
+@click.option(
+    "--timeout",
+    type=float,
+    default=DEFAULT_TIMEOUT,
+    show_default=True,
+    help="Seconds to wait for every node to become idle.",
+)
 @_state_dir_option
-def up_cmd(nodes: int, cpus_per_node: int, mem_per_node_mb: int, netns: bool, timeout: float,
-           state_dir: str | None) -> None:
+def up_cmd(
+    nodes: int, cpus_per_node: int, mem_per_node_mb: int, netns: bool, timeout: float, state_dir: str | None
+) -> None:
     """Start the cluster (installing slurm-wlm and munge if missing); idempotent."""
     try:
-        info = up(nodes=nodes, cpus_per_node=cpus_per_node, netns=netns, state_dir=state_dir,
-                  mem_per_node_mb=mem_per_node_mb, timeout=timeout)
+        info = up(
+            nodes=nodes,
+            cpus_per_node=cpus_per_node,
+            netns=netns,
+            state_dir=state_dir,
+            mem_per_node_mb=mem_per_node_mb,
+            timeout=timeout,
+        )
     except ClusterError as exc:
         raise click.ClickException(str(exc)) from None
     _print_status(info)
@@ -97,14 +118,16 @@ def _print_status(info: ClusterInfo) -> None:
     rows = [("NODE", "ADDR", "PORT", "CPUS", "STATE", "SLURMD")]
     for node in info.nodes:
         pid = info.daemons.get(f"slurmd:{node}")
-        rows.append((
-            node,
-            info.node_addrs.get(node, "?"),
-            str(info.slurmd_ports.get(node, "?")),
-            str(info.cpus_per_node),
-            info.node_states.get(node, "?"),
-            f"pid {pid}" if pid else "not running",
-        ))
+        rows.append(
+            (
+                node,
+                info.node_addrs.get(node, "?"),
+                str(info.slurmd_ports.get(node, "?")),
+                str(info.cpus_per_node),
+                info.node_states.get(node, "?"),
+                f"pid {pid}" if pid else "not running",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         click.echo("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())

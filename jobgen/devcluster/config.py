@@ -165,8 +165,7 @@ def render_slurm_conf(
             "",
             *node_lines,
             "",
-            f"PartitionName={DEFAULT_PARTITION} Nodes={hostlist} Default=YES "
-            f"MaxTime={DEBUG_MAX_TIME} State=UP",
+            f"PartitionName={DEFAULT_PARTITION} Nodes={hostlist} Default=YES MaxTime={DEBUG_MAX_TIME} State=UP",
             f"PartitionName=short Nodes={hostlist} MaxTime={SHORT_MAX_TIME} State=UP",
             "",
         ]

@@ -1,5 +1,9 @@
 """Install, start and watch the dev cluster's daemons: munged, slurmctld, slurmd.
 
+Owns the daemons one by one: installing their packages, starting each, telling
+which of a recorded cluster's are alive (:func:`live_daemons`), and waiting for
+the nodes to answer. The order of bringing a cluster up is ``lifecycle``'s.
+
 What ``up`` runs, for a state dir S::
 
     munged -F                                   (as user munge, only if munge is not answering)
@@ -14,6 +18,7 @@ noticed while ``up`` is still waiting, instead of after a timeout.
 from __future__ import annotations
 
 import grp
+import itertools
 import os
 import pwd
 import shutil
@@ -24,7 +29,7 @@ from pathlib import Path
 
 from . import procs
 from .config import Layout
-from .state import ClusterError
+from .state import ClusterError, State
 
 SLURM_PACKAGES = ("slurm-wlm", "munge")
 SLURM_BINARIES = ("slurmctld", "slurmd", "sinfo", "sbatch", "srun", "scontrol", "munged", "munge", "unmunge")
@@ -193,7 +198,31 @@ def slurmd_matches(pid: int | None, layout: Layout, node: str) -> bool:
     if not procs.matches(pid, "slurmd", str(layout.slurm_conf)):
         return False
     argv = procs.cmdline(pid)  # type: ignore[arg-type]
-    return any(a == "-N" and b == node for a, b in zip(argv, argv[1:]))
+    return any(a == "-N" and b == node for a, b in itertools.pairwise(argv))
+
+
+def live_daemons(state: State) -> dict[str, int]:
+    """Slurm daemons (not munged) of this cluster that are running, by name."""
+    layout = Layout(Path(state.info.state_dir))
+    live = {}
+    for name in ["slurmctld", *(f"slurmd:{n}" for n in state.info.nodes)]:
+        if name == "slurmctld":
+            pidfile = layout.slurmctld_pidfile
+        else:
+            pidfile = layout.slurmd_pidfile(name.removeprefix("slurmd:"))
+        # The daemon's own pid file too: `up` may have been killed between
+        # starting a daemon and recording its pid.
+        for pid in (state.resources.daemons.get(name), procs.read_pidfile(pidfile)):
+            if _is_our_daemon(name, pid, layout):
+                live[name] = pid  # type: ignore[assignment]
+                break
+    return live
+
+
+def _is_our_daemon(name: str, pid: int | None, layout: Layout) -> bool:
+    if name == "slurmctld":
+        return slurmctld_matches(pid, layout)
+    return slurmd_matches(pid, layout, name.removeprefix("slurmd:"))
 
 
 def node_states(slurm_conf: Path | str, timeout: float = 10.0) -> dict[str, str]:

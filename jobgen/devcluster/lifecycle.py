@@ -1,4 +1,4 @@
-"""Bring the dev cluster up, repair it, read its status, and take it down.
+"""Bring the dev cluster up, repair it, and read its status (``down`` is in teardown.py).
 
 Entry points (also behind ``jobgen cluster up|down|status``)::
 
@@ -25,7 +25,8 @@ import socket
 import time
 from pathlib import Path
 
-from . import daemons, netns as netns_mod, procs
+from . import daemons, procs
+from . import netns as netns_mod
 from .config import (
     DEFAULT_PARTITION,
     PARTITIONS,
@@ -42,9 +43,11 @@ from .state import (
     State,
     global_lock,
     load_state,
+    require_root,
     resolve_state_dir,
     save_state,
 )
+from .teardown import log_warnings, teardown
 
 SYSTEM_SLURM_CONF = Path("/etc/slurm/slurm.conf")
 DEFAULT_TIMEOUT = 120.0
@@ -52,41 +55,9 @@ DEFAULT_TIMEOUT = 120.0
 OUR_ENTRIES = {"state.json", "slurm.conf", "log", "run", "slurmctld", "spool"}
 
 
-def _require_root(action: str) -> None:
-    if os.geteuid() != 0:
-        raise ClusterError(f"`jobgen cluster {action}` must run as root (it starts daemons and edits /etc)")
-
-
 def _hostname() -> str:
     # slurmctld only starts on a host whose short name matches SlurmctldHost.
     return socket.gethostname().split(".")[0]
-
-
-# --- liveness ----------------------------------------------------------------
-
-
-def _live_daemons(state: State) -> dict[str, int]:
-    """Slurm daemons (not munged) of this cluster that are running, by name."""
-    layout = Layout(Path(state.info.state_dir))
-    live = {}
-    for name in ["slurmctld", *(f"slurmd:{n}" for n in state.info.nodes)]:
-        if name == "slurmctld":
-            pidfile = layout.slurmctld_pidfile
-        else:
-            pidfile = layout.slurmd_pidfile(name.removeprefix("slurmd:"))
-        # The daemon's own pid file too: `up` may have been killed between
-        # starting a daemon and recording its pid.
-        for pid in (state.resources.daemons.get(name), procs.read_pidfile(pidfile)):
-            if _is_our_daemon(name, pid, layout):
-                live[name] = pid  # type: ignore[assignment]
-                break
-    return live
-
-
-def _is_our_daemon(name: str, pid: int | None, layout: Layout) -> bool:
-    if name == "slurmctld":
-        return daemons.slurmctld_matches(pid, layout)
-    return daemons.slurmd_matches(pid, layout, name.removeprefix("slurmd:"))
 
 
 def status(state_dir: str | os.PathLike[str] | None = None) -> ClusterInfo | None:
@@ -100,14 +71,14 @@ def status(state_dir: str | os.PathLike[str] | None = None) -> ClusterInfo | Non
     state = load_state(resolve_state_dir(state_dir))
     if state is None or state.phase != "up":
         return None
-    live = _live_daemons(state)
+    live = daemons.live_daemons(state)
     if "slurmctld" not in live:
         return None
     info = state.info
     info.daemons = live
     try:
         info.node_states = daemons.node_states(info.slurm_conf)
-    except Exception:  # best effort: a hung slurmctld must not break status()
+    except Exception:  # noqa: BLE001 - best effort: a hung slurmctld must not break status()
         info.node_states = {}
     return info
 
@@ -131,7 +102,7 @@ def up(
     Other shape: ClusterError (run ``down`` first).  A record whose daemons
     are all dead is torn down first.  Installs slurm-wlm and munge if missing.
     """
-    _require_root("up")
+    require_root("up")
     if nodes < 1 or cpus_per_node < 1 or mem_per_node_mb < 64:
         raise ClusterError("need nodes >= 1, cpus_per_node >= 1 and mem_per_node_mb >= 64")
     root = resolve_state_dir(state_dir)
@@ -139,9 +110,9 @@ def up(
     with global_lock():
         existing = load_state(root)
         if existing is not None:
-            if not _live_daemons(existing):
+            if not daemons.live_daemons(existing):
                 log(f"found a stale dev cluster record in {root} (no daemon alive); cleaning it up")
-                _report(_teardown(existing))
+                log_warnings(teardown(existing))
             elif existing.info.shape != wanted:
                 raise ClusterError(
                     f"a dev cluster with a different shape is up in {root} "
@@ -185,14 +156,14 @@ def _check_system_conf(root: Path) -> None:
         conf.unlink()
         return
     other = load_state(target.parent) if target.parent.is_dir() else None
-    if other is not None and _live_daemons(other):
+    if other is not None and daemons.live_daemons(other):
         raise ClusterError(
             f"another dev cluster is up in {target.parent} ({conf} points there); "
             f"run `jobgen cluster down --state-dir {target.parent}` first"
         )
     if other is not None:
         log(f"cleaning up the stale dev cluster in {target.parent}")
-        _report(_teardown(other))
+        log_warnings(teardown(other))
     elif target.exists():
         raise ClusterError(f"{conf} is a symlink to {target}, which is not a dev cluster's; remove it first")
     if conf.is_symlink():
@@ -214,42 +185,77 @@ def _check_port_free(port: int) -> None:
 
 
 def _fresh_up(root: Path, nodes: int, cpus: int, use_netns: bool, mem_mb: int, timeout: float) -> None:
+    """A new cluster from nothing: packages, state dir, record, network, slurm.conf, daemons.
+    Each resource is recorded as it is created; a failure undoes them all."""
     started = time.monotonic()
     names = node_names(nodes)
+    apt_installed = _install_missing_packages(use_netns)
+    net_plan = netns_mod.plan(names) if use_netns else None
+    _clear_state_dir(root)
+    layout = Layout(root)
+    layout.mkdirs(names)
+    state = State(info=_new_cluster_info(layout, names, net_plan, cpus, mem_mb))
+    state.resources.apt_installed = apt_installed
+    save_state(state)
+    log(f"starting a {_describe(state.info.shape)} dev cluster in {root}")
+    try:
+        _create_network(state, net_plan)
+        _write_slurm_conf(state, layout)
+        _ensure_munge(state, layout)
+        _start_slurm(state, layout, only=None, timeout=timeout, want={"idle"})
+        state.phase = "up"
+        save_state(state)
+    except BaseException as exc:
+        log(f"`up` failed ({type(exc).__name__}); undoing what it created")
+        log_warnings(teardown(state))
+        raise
+    log(f"up in {time.monotonic() - started:.1f}s")
+
+
+def _install_missing_packages(use_netns: bool) -> list[str]:
+    """apt-get install Slurm and munge (and iproute2 for netns mode) when a binary is
+    missing; returns the packages installed, for the record."""
     extra = ("ip", "nsenter") if use_netns else ()
     missing = daemons.missing_binaries(extra)
-    apt_installed: list[str] = []
-    if missing:
-        packages = list(daemons.SLURM_PACKAGES)
-        if "ip" in missing:
-            packages.append("iproute2")
-        log(f"missing {', '.join(missing)}; installing {' '.join(packages)}")
-        daemons.apt_install(packages)
-        apt_installed = packages
-        still = daemons.missing_binaries(extra)
-        if still:
-            raise ClusterError(f"still missing after apt-get install: {', '.join(still)}")
+    if not missing:
+        return []
+    packages = list(daemons.SLURM_PACKAGES)
+    if "ip" in missing:
+        packages.append("iproute2")
+    log(f"missing {', '.join(missing)}; installing {' '.join(packages)}")
+    daemons.apt_install(packages)
+    still = daemons.missing_binaries(extra)
+    if still:
+        raise ClusterError(f"still missing after apt-get install: {', '.join(still)}")
+    return packages
 
-    layout = Layout(root)
-    hostname = _hostname()
-    if use_netns:
-        plan = netns_mod.plan(names)
-        node_addrs, controller = plan.node_addrs, plan.bridge_addr
+
+def _clear_state_dir(root: Path) -> None:
+    """Remove the leftovers of a killed ``up`` that left no usable record; refuse a
+    directory that holds anything a dev cluster does not write."""
+    if not root.exists():
+        return
+    foreign = [p.name for p in root.iterdir() if p.name not in OUR_ENTRIES and not p.name.startswith(".state.")]
+    if foreign:
+        raise ClusterError(
+            f"{root} exists and holds files that are not a dev cluster's ({', '.join(sorted(foreign)[:5])}); "
+            f"choose another --state-dir"
+        )
+    shutil.rmtree(root)
+
+
+def _new_cluster_info(
+    layout: Layout, names: list[str], net_plan: netns_mod.NetPlan | None, cpus: int, mem_mb: int
+) -> ClusterInfo:
+    """The record's description of the cluster about to start: nodes on their own addresses
+    behind a bridge (netns mode), or all on 127.0.0.1."""
+    use_netns = net_plan is not None
+    if net_plan is not None:
+        node_addrs, controller = net_plan.node_addrs, net_plan.bridge_addr
     else:
-        plan = None
         node_addrs, controller = {n: "127.0.0.1" for n in names}, "127.0.0.1"
-
-    if root.exists():
-        foreign = [p.name for p in root.iterdir() if p.name not in OUR_ENTRIES and not p.name.startswith(".state.")]
-        if foreign:
-            raise ClusterError(
-                f"{root} exists and holds files that are not a dev cluster's ({', '.join(sorted(foreign)[:5])}); "
-                f"choose another --state-dir"
-            )
-        shutil.rmtree(root)  # leftovers of a killed `up` without a usable record
-    layout.mkdirs(names)
-    info = ClusterInfo(
-        state_dir=str(root),
+    return ClusterInfo(
+        state_dir=str(layout.root),
         nodes=names,
         netns=use_netns,
         node_addrs=node_addrs,
@@ -259,7 +265,7 @@ def _fresh_up(root: Path, nodes: int, cpus: int, use_netns: bool, mem_mb: int, t
         default_partition=DEFAULT_PARTITION,
         cpus_per_node=cpus,
         mem_per_node_mb=mem_mb,
-        hostname=hostname,
+        hostname=_hostname(),
         controller_addr=controller,
         slurmctld_port=SLURMCTLD_PORT,
         slurmd_ports={n: SLURMD_BASE_PORT + i for i, n in enumerate(names)},
@@ -268,56 +274,50 @@ def _fresh_up(root: Path, nodes: int, cpus: int, use_netns: bool, mem_mb: int, t
         log_dir=str(layout.log_dir),
         created_at=time.time(),
     )
-    state = State(info=info)
-    state.resources.apt_installed = apt_installed
-    save_state(state)
-    log(f"starting a {_describe(info.shape)} dev cluster in {root}")
-    try:
-        res = state.resources
-        if plan is not None:
-            def record(kind: str, name: str) -> None:
-                if kind == "netns_dir":
-                    res.netns_dir_created = True
-                elif kind == "bridge":
-                    res.bridge = name
-                elif kind == "netns" and name not in res.namespaces:
-                    res.namespaces.append(name)
-                elif kind == "veth" and name not in res.veths:
-                    res.veths.append(name)
-                save_state(state)
 
-            netns_mod.create(plan, record)
-        # Node names resolve in both modes, so scripts may use them as hosts.
-        res.hosts_block = True
-        save_state(state)
-        netns_mod.add_hosts(node_addrs)
 
-        layout.slurm_conf.write_text(
-            render_slurm_conf(
-                layout=layout,
-                hostname=hostname,
-                controller_addr=controller,
-                node_addrs=node_addrs,
-                cpus_per_node=cpus,
-                mem_per_node_mb=mem_mb,
-            )
-        )
-        layout.slurm_conf.chmod(0o644)
-        if not os.path.lexists(SYSTEM_SLURM_CONF):
-            SYSTEM_SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
-            SYSTEM_SLURM_CONF.symlink_to(layout.slurm_conf)
-            res.slurm_conf_symlink = str(SYSTEM_SLURM_CONF)
+def _create_network(state: State, net_plan: netns_mod.NetPlan | None) -> None:
+    """netns mode: the bridge, a namespace and a veth pair per node. Both modes: the node
+    names in /etc/hosts, so scripts may use them as hosts."""
+    res = state.resources
+    if net_plan is not None:
+
+        def record(kind: str, name: str) -> None:
+            if kind == "netns_dir":
+                res.netns_dir_created = True
+            elif kind == "bridge":
+                res.bridge = name
+            elif kind == "netns" and name not in res.namespaces:
+                res.namespaces.append(name)
+            elif kind == "veth" and name not in res.veths:
+                res.veths.append(name)
             save_state(state)
 
-        _ensure_munge(state, layout)
-        _start_slurm(state, layout, only=None, timeout=timeout, want={"idle"})
-        state.phase = "up"
+        netns_mod.create(net_plan, record)
+    res.hosts_block = True
+    save_state(state)
+    netns_mod.add_hosts(state.info.node_addrs)
+
+
+def _write_slurm_conf(state: State, layout: Layout) -> None:
+    """The cluster's slurm.conf, and the /etc/slurm/slurm.conf symlink to it unless one exists."""
+    info, res = state.info, state.resources
+    layout.slurm_conf.write_text(
+        render_slurm_conf(
+            layout=layout,
+            hostname=info.hostname,
+            controller_addr=info.controller_addr,
+            node_addrs=info.node_addrs,
+            cpus_per_node=info.cpus_per_node,
+            mem_per_node_mb=info.mem_per_node_mb,
+        )
+    )
+    layout.slurm_conf.chmod(0o644)
+    if not os.path.lexists(SYSTEM_SLURM_CONF):
+        SYSTEM_SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
+        SYSTEM_SLURM_CONF.symlink_to(layout.slurm_conf)
+        res.slurm_conf_symlink = str(SYSTEM_SLURM_CONF)
         save_state(state)
-    except BaseException as exc:
-        log(f"`up` failed ({type(exc).__name__}); undoing what it created")
-        _report(_teardown(state))
-        raise
-    log(f"up in {time.monotonic() - started:.1f}s")
 
 
 def _ensure_munge(state: State, layout: Layout) -> None:
@@ -345,7 +345,7 @@ def _start_slurm(state: State, layout: Layout, only: set[str] | None, timeout: f
     names = info.nodes if only is None else [n for n in info.nodes if n in only]
     # Watch the daemons left running too: one that dies meanwhile should fail
     # the wait at once, not after the timeout.
-    watched = dict(_live_daemons(state)) if only is not None else {}
+    watched = dict(daemons.live_daemons(state)) if only is not None else {}
     if only is None or "slurmctld" in only:
         pid = daemons.start_slurmctld(layout, env)
         res.daemons["slurmctld"] = pid
@@ -368,7 +368,7 @@ def _wait_for_controller(layout: Layout, pid: int, nodes: list[str], timeout: fl
         try:
             daemons.node_states(layout.slurm_conf, timeout=5)
             return
-        except Exception:
+        except Exception:  # noqa: BLE001 - not up yet, whatever the error: retry until the deadline
             if time.monotonic() > deadline:
                 raise ClusterError(
                     f"slurmctld did not answer within {timeout:.0f}s:\n" + daemons.logs_report(layout, [])
@@ -379,7 +379,7 @@ def _wait_for_controller(layout: Layout, pid: int, nodes: list[str], timeout: fl
 def _repair(state: State, timeout: float) -> None:
     """Restart whatever died (munged, slurmctld, slurmds) in a cluster that is up."""
     layout = Layout(Path(state.info.state_dir))
-    live = _live_daemons(state)
+    live = daemons.live_daemons(state)
     dead = {"slurmctld"} - set(live)
     dead |= {n for n in state.info.nodes if f"slurmd:{n}" not in live}
     if not dead and daemons.munge_answers():
@@ -399,86 +399,3 @@ def _repair(state: State, timeout: float) -> None:
     _start_slurm(state, layout, only=dead, timeout=timeout, want=daemons.RESPONSIVE)
     state.phase = "up"
     save_state(state)
-
-
-# --- down --------------------------------------------------------------------
-
-
-def down(state_dir: str | os.PathLike[str] | None = None) -> bool:
-    """Stop what ``up`` started and remove what it created; False when nothing was up.
-
-    ``jobgen cluster down [--state-dir DIR]``.  Packages installed by ``up``
-    stay installed.
-    """
-    _require_root("down")
-    root = resolve_state_dir(state_dir)
-    with global_lock():
-        state = load_state(root)
-        if state is None:
-            log(f"no dev cluster recorded in {root}; nothing to do")
-            return False
-        started = time.monotonic()
-        errors = _teardown(state)
-        _report(errors)
-        if errors:
-            raise ClusterError("`down` could not undo everything:\n  " + "\n  ".join(errors))
-        log(f"down in {time.monotonic() - started:.1f}s")
-        return True
-
-
-def _teardown(state: State) -> list[str]:
-    """Undo everything in the record, in reverse order; collect errors, never stop early."""
-    info, res = state.info, state.resources
-    layout = Layout(Path(info.state_dir))
-    errors: list[str] = []
-
-    # Slurm first: daemons, the slurmstepds they left behind, and every job
-    # process below those (or, in netns mode, anywhere in the nodes' namespaces).
-    roots = set(_live_daemons(state).values())
-    roots |= procs.marked_pids(info.state_dir, info.slurm_conf)
-    if info.netns:
-        roots |= procs.pids_in_netns(netns_mod.ns_path(n) for n in info.nodes)
-    targets = procs.with_descendants(roots)
-    if targets:
-        stepds = {p for p in targets if procs.comm(p) == "slurmstepd"}
-        hard = procs.terminate(targets, grace=5.0, kill_first=stepds)
-        if hard:
-            log(f"killed {len(hard)} process(es) that ignored SIGTERM")
-    left = [p for p in targets if procs.is_alive(p)] if targets else []
-    left = [p for p in left if p not in procs.own_lineage()]
-    if left:
-        errors.append(f"processes still alive: {left}")
-
-    if res.munged_pid and procs.matches(res.munged_pid, "munged"):
-        procs.terminate([res.munged_pid], grace=5.0)
-    if res.munge_key_created:
-        try:
-            daemons.MUNGE_KEY.unlink()
-        except FileNotFoundError:
-            pass
-    if res.munge_rundir_created:
-        shutil.rmtree(daemons.MUNGE_RUNDIR, ignore_errors=True)
-
-    if res.slurm_conf_symlink:
-        link = Path(res.slurm_conf_symlink)
-        if link.is_symlink() and Path(os.readlink(link)) == layout.slurm_conf:
-            link.unlink()
-
-    if res.hosts_block:
-        try:
-            netns_mod.remove_hosts()
-        except OSError as exc:
-            errors.append(f"/etc/hosts: {exc}")
-
-    errors += netns_mod.destroy(
-        namespaces=res.namespaces, veths=res.veths, bridge=res.bridge, netns_dir=res.netns_dir_created
-    )
-
-    if not errors:
-        shutil.rmtree(info.state_dir, ignore_errors=True)
-    return errors
-
-
-def _report(errors: list[str]) -> None:
-    for err in errors:
-        log(f"warning: {err}")

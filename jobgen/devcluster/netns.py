@@ -21,9 +21,9 @@ import ctypes
 import ipaddress
 import os
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .state import ClusterError
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 # Set in every daemon's environment.  slurmd hands its environment to the
 # slurmstepd processes it forks, so steps left behind by a killed slurmd are
@@ -118,9 +118,9 @@ def marked_pids(state_dir: str, slurm_conf: str) -> set[int]:
     found: set[int] = set()
     for pid in all_pids():
         env = environ(pid)
-        if env.get(MARKER_ENV) == state_dir:
-            found.add(pid)
-        elif env.get("SLURM_CONF") == slurm_conf and "SLURMD_NODENAME" in env and "SLURM_JOB_ID" in env:
+        if env.get(MARKER_ENV) == state_dir or (
+            env.get("SLURM_CONF") == slurm_conf and "SLURMD_NODENAME" in env and "SLURM_JOB_ID" in env
+        ):
             found.add(pid)
     return found
 

@@ -5,6 +5,7 @@ process (a test in a pytest worker, ``jobgen cluster status`` in a shell, a
 plain user) can find the cluster without talking to the process that started
 it, and so that ``down`` can undo exactly what ``up`` did even when ``up`` was
 killed half way.  ``up`` saves the record after every resource it creates.
+Also what guards changing it: the machine-wide lock and the root check.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from jobgen.atomic import write_text_atomic
 
@@ -34,6 +36,12 @@ GLOBAL_LOCK_PATH = "/var/tmp"
 
 class ClusterError(RuntimeError):
     """A dev-cluster operation failed; the message says why and what to do."""
+
+
+def require_root(action: str) -> None:
+    """``up`` and ``down`` start daemons and edit /etc: root only."""
+    if os.geteuid() != 0:
+        raise ClusterError(f"`jobgen cluster {action}` must run as root (it starts daemons and edits /etc)")
 
 
 def resolve_state_dir(state_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -86,7 +94,7 @@ class ClusterInfo:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ClusterInfo":
+    def from_dict(cls, data: dict[str, Any]) -> ClusterInfo:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -112,7 +120,7 @@ class Resources:
     hosts_block: bool = False
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Resources":
+    def from_dict(cls, data: dict[str, Any]) -> Resources:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -137,7 +145,7 @@ class State:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> "State":
+    def from_json(cls, text: str) -> State:
         data = json.loads(text)
         return cls(
             info=ClusterInfo.from_dict(data["info"]),

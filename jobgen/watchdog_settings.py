@@ -8,6 +8,11 @@ passwords and webhook URLs are read from a file or an environment variable when 
 message is sent.
 
 The field descriptions are the reference documentation (``jobgen schema``).
+
+This module owns the table's schema and its threshold syntax (``parse_threshold``).
+It is part of the run.toml schema, so it lives in ``jobgen/`` beside ``spec.py`` and
+``site.py``; the checks in ``watchdogs/`` read it from here (dependencies point one
+way: watchdogs uses jobgen, never the reverse).
 """
 
 from __future__ import annotations
@@ -131,7 +136,8 @@ class EmailSettings(StrictModel):
         None, description="File holding the password (keep it mode 0600); read when a message is sent."
     )
     password_env: str | None = Field(
-        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="Environment variable holding the password, read when a message is sent.",
     )
 
@@ -148,7 +154,8 @@ class WebhookSettings(StrictModel):
     """Alerts as a Slack-compatible JSON POST (``{"text": ...}``)."""
 
     url: str | None = Field(
-        None, pattern=r"^https?://\S+$",
+        None,
+        pattern=r"^https?://\S+$",
         description="Webhook URL. Slack URLs are secrets: prefer url_file or url_env on shared filesystems.",
     )
     url_file: SafePath | None = Field(None, description="File holding the URL; read when a message is sent.")
@@ -190,8 +197,9 @@ class WatchdogSettings(StrictModel):
     hang: HangCheck = Field(default_factory=HangCheck, description="The run makes progress.")
     memory: MemoryCheck = Field(default_factory=MemoryCheck, description="Node memory.")
     email: EmailSettings | None = Field(None, description="Send alerts by email; omit for none.")
-    webhook: WebhookSettings | None = Field(None, description="POST alerts to a Slack-compatible webhook; omit for none.")
+    webhook: WebhookSettings | None = Field(
+        None, description="POST alerts to a Slack-compatible webhook; omit for none."
+    )
 
     def check(self, name: str) -> DiskCheck | RunningCheck | HangCheck | MemoryCheck:
         return getattr(self, name)
-

@@ -1,0 +1,103 @@
+"""Take a dev cluster down: undo exactly what its record names.
+
+Owns ``down`` (``jobgen cluster down``) and :func:`teardown`, which ``down`` runs,
+and ``up`` too, on a stale record or after a failed start. It stops the Slurm daemons and every job process below
+them, munged if ``up`` started it, then removes the munge key and run dir,
+/etc/slurm/slurm.conf and the /etc/hosts block if ``up`` created them, and the
+network namespaces, veths and bridge. Pids are verified against their command
+line first; errors are collected, and the state dir is removed only when there
+were none, so that ``down`` can be run again.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from . import daemons, procs
+from . import netns as netns_mod
+from .config import Layout
+from .daemons import log
+from .state import ClusterError, State, global_lock, load_state, require_root, resolve_state_dir
+
+
+def down(state_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Stop what ``up`` started and remove what it created; False when nothing was up.
+
+    ``jobgen cluster down [--state-dir DIR]``.  Packages installed by ``up``
+    stay installed.
+    """
+    require_root("down")
+    root = resolve_state_dir(state_dir)
+    with global_lock():
+        state = load_state(root)
+        if state is None:
+            log(f"no dev cluster recorded in {root}; nothing to do")
+            return False
+        started = time.monotonic()
+        errors = teardown(state)
+        log_warnings(errors)
+        if errors:
+            raise ClusterError("`down` could not undo everything:\n  " + "\n  ".join(errors))
+        log(f"down in {time.monotonic() - started:.1f}s")
+        return True
+
+
+def teardown(state: State) -> list[str]:
+    """Undo everything in the record, in reverse order; collect errors, never stop early."""
+    info, res = state.info, state.resources
+    layout = Layout(Path(info.state_dir))
+    errors: list[str] = []
+
+    # Slurm first: daemons, the slurmstepds they left behind, and every job
+    # process below those (or, in netns mode, anywhere in the nodes' namespaces).
+    roots = set(daemons.live_daemons(state).values())
+    roots |= procs.marked_pids(info.state_dir, info.slurm_conf)
+    if info.netns:
+        roots |= procs.pids_in_netns(netns_mod.ns_path(n) for n in info.nodes)
+    targets = procs.with_descendants(roots)
+    if targets:
+        stepds = {p for p in targets if procs.comm(p) == "slurmstepd"}
+        hard = procs.terminate(targets, grace=5.0, kill_first=stepds)
+        if hard:
+            log(f"killed {len(hard)} process(es) that ignored SIGTERM")
+    left = [p for p in targets if procs.is_alive(p)] if targets else []
+    left = [p for p in left if p not in procs.own_lineage()]
+    if left:
+        errors.append(f"processes still alive: {left}")
+
+    if res.munged_pid and procs.matches(res.munged_pid, "munged"):
+        procs.terminate([res.munged_pid], grace=5.0)
+    if res.munge_key_created:
+        try:
+            daemons.MUNGE_KEY.unlink()
+        except FileNotFoundError:
+            pass
+    if res.munge_rundir_created:
+        shutil.rmtree(daemons.MUNGE_RUNDIR, ignore_errors=True)
+
+    if res.slurm_conf_symlink:
+        link = Path(res.slurm_conf_symlink)
+        if link.is_symlink() and Path(os.readlink(link)) == layout.slurm_conf:
+            link.unlink()
+
+    if res.hosts_block:
+        try:
+            netns_mod.remove_hosts()
+        except OSError as exc:
+            errors.append(f"/etc/hosts: {exc}")
+
+    errors += netns_mod.destroy(
+        namespaces=res.namespaces, veths=res.veths, bridge=res.bridge, netns_dir=res.netns_dir_created
+    )
+
+    if not errors:
+        shutil.rmtree(info.state_dir, ignore_errors=True)
+    return errors
+
+
+def log_warnings(errors: list[str]) -> None:
+    for err in errors:
+        log(f"warning: {err}")

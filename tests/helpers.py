@@ -1,0 +1,478 @@
+"""What the test modules share: one helper per need.
+
+- Running things as a user does: ``jobgen`` (the installed console script),
+  ``jobgen_as`` (the same as another user) and ``torchrun`` (the trainer's entry point,
+  as the rendered script launches it); ``local_receivers`` for alert mail and webhooks.
+- Writing a run spec: ``write_spec`` (TOML text as written), ``run_spec`` (TOML from
+  tables given as dicts) and, on top of it, ``doctor_spec``, ``make_run`` (a run
+  directory for ``torchrun`` on this machine) and ``train_spec`` (a training run for
+  the dev cluster).
+- Reading what a run wrote: ``read_jsonl`` (the product's own reader, which skips a
+  line a crash cut), ``losses``, ``last_step``, ``first_step_record``, ``exit_record``,
+  ``summary``, ``checkpoints``, ``status`` (``jobgen status RUN --json``).
+- Waiting: ``wait_for`` is the only polling loop; ``wait_for_step``,
+  ``wait_until_gone`` and ``running_task`` are conditions built on it.
+
+Test modules import these with ``from helpers import ...`` (pytest puts tests/ on
+``sys.path``); ``bench/`` does too. Fixtures live in conftest.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import pwd
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from jobgen.goodput import read_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+DATA = REPO / "examples" / "data" / "instructions.jsonl"
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------- running
+
+
+def jobgen(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 300, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """The installed console script, as a user would run it."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run(
+        [str(VENV_BIN / "jobgen"), *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=timeout,
+        check=False,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"jobgen {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def jobgen_as(user: str, args: list[str], out: Path) -> tuple[int, str]:
+    """`jobgen ARGS` as ``user``: exit code and everything it printed (a traceback too, in
+    ``out``). Forked, not exec'd: this machine's Python lives under /root, closed to other
+    users; the code that runs is the same."""
+    entry = pwd.getpwnam(user)
+    for module in ("jobgen.cli", "jobgen.loader", "jobgen.rundir"):  # everything imported before the uid changes
+        importlib.import_module(module)
+    with out.open("w") as sink:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.dup2(sink.fileno(), 1)
+                os.dup2(sink.fileno(), 2)
+                sys.stdout = sys.stderr = os.fdopen(1, "w", buffering=1)
+                os.setgroups([entry.pw_gid])
+                os.setgid(entry.pw_gid)
+                os.setuid(entry.pw_uid)
+                os.umask(0o022)
+                from jobgen.cli import main
+
+                try:
+                    main(args, standalone_mode=False)
+                    code = 0
+                except SystemExit as exc:
+                    code = int(exc.code or 0)
+            except BaseException:  # noqa: BLE001 - the forked child must reach os._exit, whatever happened
+                traceback.print_exc()  # what the console script would show
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        _, wait_status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(wait_status), out.read_text()
+
+
+def torchrun(
+    run_dir: Path,
+    *,
+    nproc: int = 2,
+    expected: int | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    background: bool = False,
+):
+    """``torchrun --standalone -m trainer`` on this machine, gloo on CPU: a CompletedProcess, or
+    with ``background`` a Popen whose stdout carries stderr too."""
+    cmd = [
+        str(VENV_BIN / "torchrun"),
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "trainer",
+        "--run-dir",
+        str(run_dir),
+        "--expected-world-size",
+        str(expected or nproc),
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    if background:
+        return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+# ---------------------------------------------------------------- writing a run spec
+
+
+def write_spec(directory: Path, body: str, name: str = "run.toml") -> Path:
+    """``body`` (indented as it sits in the test) as ``directory/name``."""
+    path = directory / name
+    path.write_text(textwrap.dedent(body).lstrip())
+    return path
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {_toml(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, Path):
+        value = str(value)
+    return json.dumps(value)  # JSON strings, numbers, booleans and arrays are TOML as well
+
+
+def _table(name: str, keys: dict[str, object]) -> list[str]:
+    lines = [f"[{name}]", *(f"{key} = {_toml(value)}" for key, value in keys.items() if not isinstance(value, dict))]
+    for key, value in keys.items():
+        if isinstance(value, dict):
+            lines += _table(f"{name}.{key}", value)
+    return lines
+
+
+def run_spec(
+    directory: Path,
+    name: str,
+    *,
+    site: str | dict[str, object] = "local",
+    extra: str = "",
+    filename: str = "run.toml",
+    **tables: dict[str, object] | None,
+) -> Path:
+    """A run.toml: ``site``, then ``[job]`` with ``name = NAME`` and the keys of ``job``, then
+    the other tables in the order given (``model=``, ``data=``, ``train=``...). A dict value
+    is a sub-table (``model={"lora": {"r": 4}}`` writes ``[model.lora]``), or an inline table
+    in ``site``. ``extra`` is TOML text appended as written."""
+    body = [f"site = {_toml(site)}"]
+    for table, keys in {"job": {"name": name, **(tables.pop("job", None) or {})}, **tables}.items():
+        if keys is not None:
+            body += _table(table, keys)
+    directory.mkdir(parents=True, exist_ok=True)
+    return write_spec(directory, "\n".join(body) + "\n" + textwrap.dedent(extra).lstrip(), name=filename)
+
+
+def doctor_spec(
+    directory: Path, name: str = "doc", *, site: str | dict[str, object] = "local", extra: str = "", **job: object
+) -> Path:
+    """A node-health (``program = "doctor"``) run of 5 minutes with its runs under ``directory/runs``."""
+    return run_spec(
+        directory,
+        name,
+        site=site,
+        extra=extra,
+        job={"program": "doctor", "time": "5m", "exit_grace": "1m", "runs_root": "runs", **job},
+    )
+
+
+# The trainer's own tests: a short run on this machine that reduces the loss in a few steps.
+TRAINER_SETTINGS = {
+    "max_steps": 12,
+    "micro_batch_size": 4,
+    "grad_accum": 2,
+    "lr": 3e-3,
+    "save_every_steps": 0,
+    "log_every_steps": 1,
+    "seed": 7,
+    "warmup_steps": 2,
+}
+
+
+def make_run(
+    directory: Path,
+    tiny_model: Path,
+    name: str = "sft",
+    *,
+    model: dict[str, object] | None = None,
+    data: dict[str, object] | None = None,
+    **train: object,
+) -> Path:
+    """A run directory as ``jobgen submit`` writes it (spec ``directory/NAME.toml``, runs under
+    ``directory/runs``), for ``torchrun``: the tiny model, the example data, TRAINER_SETTINGS
+    overridden by ``train``; ``model``/``data`` add keys to those tables."""
+    from jobgen.loader import load_run
+    from jobgen.render import render
+    from jobgen.rundir import materialize
+
+    spec_file = run_spec(
+        directory,
+        name,
+        filename=f"{name}.toml",
+        job={"time": "1h", "runs_root": "runs"},
+        model={"path": tiny_model, **(model or {})},
+        data={"path": DATA, "max_length": 256, **(data or {})},
+        train={**TRAINER_SETTINGS, **train},
+    )
+    spec = load_run(spec_file)
+    run, _ = materialize(spec, render(spec), spec_file.read_text())
+    return run.path
+
+
+# Job names of the training runs a test submitted: conftest cancels them after the test, so
+# that a failed scenario does not leave its job training on the nodes the next one needs.
+SUBMITTED_NAMES: list[str] = []
+
+
+def train_spec(
+    directory: Path,
+    tiny_model: Path,
+    name: str,
+    *,
+    nodes: int = 1,
+    procs_per_node: int = 2,
+    time_limit: str = "10m",
+    grace: str = "1m",
+    array: int = 1,
+    runs_root: Path | None = None,
+    **train: object,
+) -> Path:
+    """A training run for the dev cluster (``directory/NAME.toml``) that trains until it is
+    stopped (max_steps 1e6); ``train`` overrides or adds [train] keys."""
+    SUBMITTED_NAMES.append(name)
+    settings = {
+        "micro_batch_size": 4,
+        "grad_accum": 1,
+        "lr": 1e-3,
+        "max_steps": 1_000_000,
+        "save_every_steps": 0,
+        "log_every_steps": 1,
+        "seed": 3,
+        **train,
+    }
+    return run_spec(
+        directory,
+        name,
+        filename=f"{name}.toml",
+        job={
+            "nodes": nodes,
+            "procs_per_node": procs_per_node,
+            "time": time_limit,
+            "exit_grace": grace,
+            "array": array,
+            "runs_root": runs_root or directory / "runs",
+        },
+        model={"path": tiny_model},
+        data={"path": DATA, "max_length": 256},
+        train=settings,
+    )
+
+
+def cancel_submitted() -> None:
+    """``scancel`` every job of the runs ``train_spec`` wrote since the last call."""
+    for name in SUBMITTED_NAMES:
+        subprocess.run(["scancel", f"--name={name}"], capture_output=True, check=False)
+    SUBMITTED_NAMES.clear()
+
+
+# ---------------------------------------------------------------- reading what a run wrote
+
+
+def losses(run: Path) -> dict[int, float]:
+    """Step -> loss, from metrics.jsonl."""
+    return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl")}
+
+
+def last_step(run: Path, job_id: int | None = None, restart: int | None = None) -> int:
+    """The newest step in metrics.jsonl (of one job, or one attempt of it); 0 before the first."""
+    steps = [
+        r["step"]
+        for r in read_jsonl(run / "metrics.jsonl")
+        if (job_id is None or r["job_id"] == str(job_id)) and (restart is None or r.get("restart", 0) == restart)
+    ]
+    return max(steps, default=0)
+
+
+def _task_event(run: Path, event: str, job_id: int, restart: int) -> dict[str, Any] | None:
+    for r in read_jsonl(run / "tasks.jsonl"):
+        if r["event"] == event and r["job_id"] == str(job_id) and r.get("restart", 0) == restart:
+            return r
+    return None
+
+
+def first_step_record(run: Path, job_id: int, restart: int = 0) -> dict[str, Any] | None:
+    """The ``first_step`` line of tasks.jsonl of that attempt of that job, if it trained."""
+    return _task_event(run, "first_step", job_id, restart)
+
+
+def exit_record(run: Path, job_id: int, restart: int = 0) -> dict[str, Any] | None:
+    """The ``exit`` line of tasks.jsonl of that attempt of that job, if it left on its own."""
+    return _task_event(run, "exit", job_id, restart)
+
+
+def summary(run: Path) -> dict[str, Any]:
+    return json.loads((run / "metrics.json").read_text())
+
+
+def checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+
+
+def status(run: Path) -> dict[str, Any]:
+    """``jobgen status RUN --json``."""
+    return json.loads(jobgen("status", str(run), "--json", check=True).stdout)
+
+
+# ---------------------------------------------------------------- waiting
+
+
+def _output(process: subprocess.Popen) -> str:
+    return "".join(stream.read() or "" for stream in (process.stdout, process.stderr) if stream is not None)
+
+
+def wait_for(
+    predicate: Callable[[], T],
+    timeout: float,
+    what: str | Callable[[], str],
+    *,
+    interval: float = 0.5,
+    process: subprocess.Popen | None = None,
+) -> T:
+    """Poll ``predicate`` until it returns something truthy, and return that. AssertionError
+    naming ``what`` (a callable is asked at that moment) after ``timeout`` seconds, or as soon
+    as ``process``, which the condition depends on, has exited without meeting it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if process is not None and process.poll() is not None:
+            value = predicate()  # it may have met the condition just before it exited
+            if value:
+                return value
+            detail = what() if callable(what) else what
+            raise AssertionError(f"exited {process.returncode} before {detail}:\n{_output(process)[-5000:]}")
+        if time.monotonic() >= deadline:
+            detail = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {detail}")
+        time.sleep(interval)
+
+
+def wait_for_step(run: Path, process: subprocess.Popen, step: int, timeout: float = 180) -> None:
+    """Until the trainer ``process`` has logged ``step`` (polled often: a stop requested right
+    after must find the run early)."""
+    wait_for(lambda: last_step(run) >= step, timeout, f"step {step} in {run}", interval=0.05, process=process)
+
+
+def wait_until_gone(job_ids: list[int], timeout: float = 180) -> None:
+    """Until Slurm has none of these jobs (or their array tasks) queued or running."""
+    from jobgen import slurm
+
+    wait_for(
+        lambda: not slurm.queue(job_ids),
+        timeout,
+        lambda: f"jobs {job_ids} to leave the queue: {slurm.queue(job_ids)}",
+        interval=1,
+    )
+
+
+# ---------------------------------------------------------------- the dev cluster
+
+
+def submitted_job_id(stdout: str) -> int:
+    """The job id `jobgen submit` / `jobgen doctor` printed."""
+    match = re.search(r"submitted (?:doctor )?job (\d+)", stdout)
+    assert match, stdout
+    return int(match.group(1))
+
+
+def submit(spec: Path, *args: str) -> int:
+    """``jobgen submit SPEC ARGS``: the job id."""
+    return submitted_job_id(jobgen("submit", str(spec), *args, check=True).stdout)
+
+
+def running_task(array_job_id: int, index: int, timeout: float = 120) -> int:
+    """The job id of array task ``index`` once it runs."""
+    from jobgen import slurm
+
+    def find() -> int | None:
+        for entry in slurm.queue([array_job_id]):
+            if entry.array_task == str(index) and entry.state == "RUNNING":
+                return entry.job_id
+        return None
+
+    return wait_for(find, timeout, f"array task {array_job_id}_{index} to run")
+
+
+def stop_run(run: Path, job_ids: list[int], timeout: float = 240) -> None:
+    """The kill switch, then until the jobs have left the queue."""
+    (run / "switches" / "kill").touch()
+    wait_until_gone(job_ids, timeout=timeout)
+
+
+def worker_pids(run: Path) -> list[int]:
+    """The trainer processes of the run on this machine (every node of the dev cluster is on it)."""
+    # Workers run as `python -u -m trainer ...`; torchrun's own command line has no "-u".
+    out = subprocess.run(
+        ["pgrep", "-f", "--", f"-u -m trainer --run-dir {run} "], capture_output=True, text=True, check=False
+    ).stdout
+    return [int(p) for p in out.split()]
+
+
+# ---------------------------------------------------------------- alert receivers
+
+
+class _Hook(BaseHTTPRequestHandler):
+    received: ClassVar[list[dict]] = []
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).received.append({"type": self.headers["Content-Type"], **json.loads(body)})
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def local_receivers(host: str):
+    """A local SMTP server (aiosmtpd) and a local webhook (HTTP) server on ``host``;
+    yields their ports and the lists of what they received."""
+    from aiosmtpd.controller import Controller
+
+    mails: list[dict] = []
+
+    class Handler:
+        async def handle_DATA(self, server, session, envelope):
+            mails.append({"to": envelope.rcpt_tos, "data": envelope.content.decode(errors="replace")})
+            return "250 OK"
+
+    with socket.socket() as probe:  # aiosmtpd wants a port number, not 0
+        probe.bind((host, 0))
+        smtp_port = probe.getsockname()[1]
+    smtp = Controller(Handler(), hostname=host, port=smtp_port)
+    smtp.start()
+    _Hook.received = []
+    http = ThreadingHTTPServer((host, 0), _Hook)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        yield {"smtp_port": smtp_port, "http_port": http.server_address[1], "mails": mails, "posts": _Hook.received}
+    finally:
+        smtp.stop()
+        http.shutdown()
