@@ -38,6 +38,7 @@ import pytest
 from helpers import (
     REPO,
     VENV_BIN,
+    exit_record,
     jobgen,
     losses,
     read_jsonl,
@@ -124,6 +125,14 @@ def inject(soak: Soak, kind: str, job: int) -> None:
         subprocess.run(["scontrol", "requeue", str(job)], capture_output=True)
     elif kind == "save-switch":
         (switches / "save").touch()
+    elif kind == "time-limit":
+        # No fault but the task's own time limit: it must save and leave before Slurm ends it.
+        wait_for(lambda: soak.running() != job, 300, f"job {job} to reach its time limit", interval=1)
+        # Saved and left on its own: by the deadline (end time - exit_grace) or by the
+        # batch shell's lead-time signal, never cut by Slurm at the limit.
+        done = wait_for(lambda: exit_record(soak.run, job), 60, f"job {job}'s exit record")
+        assert done["exit_code"] in (ExitCode.DEADLINE, ExitCode.SIGNALLED), done
+        assert "deadline" in done["exit_reason"] or "request" in done["exit_reason"], done
     elif kind == "kill-switch":
         (switches / "kill").touch()
         wait_until_gone([soak.array], timeout=300)
@@ -237,7 +246,7 @@ def test_soak(cluster, tmp_path, tiny_model, minutes):
     long_run = minutes >= 15
     # Requeued jobs wait ~2 minutes here before they start again; hangs cost the
     # collective timeout plus KillWait: the 5-minute variant keeps to the quick faults.
-    kinds = ["usr1", "save-switch", "sigkill", "kill-switch"] + (["requeue", "hang"] if long_run else [])
+    kinds = ["time-limit", "usr1", "save-switch", "sigkill", "kill-switch"] + (["requeue", "hang"] if long_run else [])
     array_size = max(6, int(minutes))
     spec = train_spec(
         tmp_path,
@@ -254,8 +263,9 @@ def test_soak(cluster, tmp_path, tiny_model, minutes):
     print(f"soak: {minutes} min, seed {seed} (JOBGEN_SOAK_SEED={seed} replays it), faults {kinds}", flush=True)
     soak = Soak(spec, run, submit(spec), array_size)
     started = time.monotonic()
-    order = list(kinds)
+    order = kinds[1:]
     rng.shuffle(order)
+    order.insert(0, "time-limit")  # first, so that even the 5-minute variant lets a task reach its limit
     i = 0
     while time.monotonic() - started < minutes * 60:
         job = soak.training_job()
@@ -328,3 +338,4 @@ def test_soak(cluster, tmp_path, tiny_model, minutes):
     if os.environ.get("JOBGEN_SOAK_REPORT"):
         Path(os.environ["JOBGEN_SOAK_REPORT"]).write_text(json.dumps(report, indent=2) + "\n")
     assert len(soak.faults) >= (len(kinds) if long_run else 3)
+    assert "time-limit" in kinds_done, kinds_done
