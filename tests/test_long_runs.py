@@ -218,7 +218,7 @@ def test_a_crashed_requeued_attempt_reports_its_own_exit_code(tmp_path, tiny_mod
 
 def test_a_save_slower_than_torchruns_default_grace_survives_sigterm(tmp_path, tiny_model):
     """Preemption and scancel send SIGTERM to every process of the step. torchrun's agent
-    then killed its workers after 30 s whatever they were doing: a 40 s save was cut.
+    then killed its workers after 30 s whatever they were doing: a 34 s save was cut.
     The rendered script gives them exit_grace instead."""
     slow = fault_dir(
         tmp_path,
@@ -229,7 +229,7 @@ def test_a_save_slower_than_torchruns_default_grace_survives_sigterm(tmp_path, t
             import torch.distributed.checkpoint as dcp
             _save = dcp.save
             def slow_save(*args, **kwargs):
-                time.sleep(40)
+                time.sleep(34)  # longer than torchrun's default 30 s grace
                 return _save(*args, **kwargs)
             dcp.save = slow_save
     """,
