@@ -75,6 +75,17 @@ def checkpoint_step(name: str) -> int | None:
     return int(suffix) if name.startswith(CHECKPOINT_PREFIX) and suffix.isdecimal() else None
 
 
+def complete_checkpoints_in(directory: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete checkpoint under ``directory``, oldest first."""
+    found = ((checkpoint_step(p.name), p) for p in directory.glob(f"{CHECKPOINT_PREFIX}*"))
+    return sorted((step, p) for step, p in found if step is not None and p.is_dir())
+
+
+def broken_checkpoints_in(directory: Path) -> list[Path]:
+    """Checkpoints under ``directory`` that were set aside because they failed to load."""
+    return sorted(p for p in directory.glob(f"{CHECKPOINT_BROKEN_PREFIX}*") if p.is_dir())
+
+
 class RunDirError(RuntimeError):
     """A run directory that cannot be created or continued; the message says why."""
 
@@ -121,12 +132,28 @@ class RunDir:
         return self.path / "writer.lock"
 
     def broken_checkpoints(self) -> list[Path]:
-        return sorted(p for p in self.checkpoints.glob(f"{CHECKPOINT_BROKEN_PREFIX}*") if p.is_dir())
+        return broken_checkpoints_in(self.checkpoints)
 
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
         """(step, directory) of every complete checkpoint, oldest first."""
-        found = ((checkpoint_step(p.name), p) for p in self.checkpoints.glob(f"{CHECKPOINT_PREFIX}*"))
-        return sorted((step, p) for step, p in found if step is not None and p.is_dir())
+        return complete_checkpoints_in(self.checkpoints)
+
+    def failure(self) -> dict[str, Any] | None:
+        """What the ``failed`` marker says (exit_code, reason, fix, job_id, ...), or None when
+        the run is not stopped by a repeating failure. An unreadable marker still stops the
+        run, and says so."""
+        if not self.failed_marker.exists():
+            return None
+        try:
+            value = json.loads(self.failed_marker.read_text())
+        except (OSError, ValueError):
+            value = None
+        if not isinstance(value, dict):
+            return {
+                "reason": f"{self.failed_marker} is unreadable",
+                "fix": "read it, then `jobgen submit` the run again",
+            }
+        return value
 
     # Names that hold a job id, a restart count or a node take them as text, so that the
     # batch script can be given the same names with shell expressions ("$SLURM_JOB_ID")

@@ -233,7 +233,7 @@ def run_status(run: RunDir, watchdog_alerts: WatchdogAlerts | None = None) -> Ru
         "delete it once inspected"
         for p in run.broken_checkpoints()
     )
-    failed = _failed(run)
+    failed = run.failure()
     doctor = run.path / "doctor.json"
     doctor_ok = bool(json.loads(doctor.read_text()).get("ok")) if job.program == "doctor" and doctor.is_file() else None
     status.state = decide_state(
@@ -299,17 +299,6 @@ def unreadable_status(run: RunDir, problem: str) -> RunStatus:
         max_steps=None,
         warnings=[problem],
     )
-
-
-def _failed(run: RunDir) -> dict[str, Any] | None:
-    """The ``failed`` marker the trainer writes when every later task would fail the same way."""
-    if not run.failed_marker.exists():
-        return None
-    try:
-        value = json.loads(run.failed_marker.read_text())
-    except (OSError, ValueError):
-        return {"reason": f"{run.failed_marker} is unreadable", "fix": "read it, then `jobgen submit` the run again"}
-    return value if isinstance(value, dict) else {}
 
 
 def format_status(status: RunStatus) -> str:

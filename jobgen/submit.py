@@ -97,16 +97,7 @@ def submit(
             if warning:
                 findings.append(Finding("warning", "train.async_save", warning))
     if run.exists() and after is None:
-        writer = lease.holder(run.writer_lease)
-        if writer:
-            findings.append(
-                Finding(
-                    "error",
-                    "",
-                    f"run {run.path} is being written by {writer}: wait for it to end, "
-                    f"or stop it first (jobgen stop {spec.run.job.name})",
-                )
-            )
+        findings.extend(_writer_busy(spec))
         busy = active_jobs(run)
         if busy:
             listing = ", ".join(f"{e.job_id} ({e.state})" for e in busy)
@@ -136,6 +127,22 @@ def submit(
     tasks = (array or spec.run.job.array) if spec.run.job.program == "train" else None
     run.record_job({"job_id": result.job_id, "options": options, "array": tasks, "after": after})
     return result
+
+
+def _writer_busy(spec: ResolvedSpec) -> list[Finding]:
+    """An error when a process holds the run's writer lease (jobgen.lease): a second writer
+    would delete the first one's checkpoints."""
+    writer = lease.holder(RunDir(spec.run_dir).writer_lease)
+    if not writer:
+        return []
+    return [
+        Finding(
+            "error",
+            "",
+            f"run {spec.run_dir} is being written by {writer}: wait for it to end, "
+            f"or stop it first (jobgen stop {spec.run.job.name})",
+        )
+    ]
 
 
 def clear_failure(run: RunDir) -> None:
@@ -183,9 +190,7 @@ def run_local(spec: ResolvedSpec, *, source_text: str | None = None) -> tuple[Ru
         problems.append(
             Finding("error", "site.python.kind", "--local cannot start pyxis containers; use a venv or modules site")
         )
-    writer = lease.holder(RunDir(spec.run_dir).writer_lease)
-    if writer:
-        problems.append(Finding("error", "", f"run {spec.run_dir} is being written by {writer}"))
+    problems.extend(_writer_busy(spec))
     if problems:
         raise SubmitError(problems)
     run, _ = materialize(spec, render(spec), source_text)

@@ -20,7 +20,6 @@ what it leaves for the batch script and later tasks (:func:`record_exit`).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -112,8 +111,8 @@ def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None
         lease.acquire()
     except RunBusy as exc:
         return ExitCode.RUN_BUSY, str(exc)
-    if run.failed_marker.exists():
-        failed = _read_json(run.failed_marker)
+    failed = run.failure()
+    if failed is not None:
         return ExitCode.NOT_STARTED, (
             f"the run stopped after a failure that would repeat (exit {failed.get('exit_code')}: "
             f"{failed.get('reason')}); {failed.get('fix')}"
@@ -192,14 +191,6 @@ def record_exit(run, attempt: Attempt, code: ExitCode, reason: str) -> None:
                 "time": time.time(),
             },
         )
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def exit_now(code: int) -> None:

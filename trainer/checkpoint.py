@@ -52,17 +52,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from jobgen.atomic import fsync_dir, write_json_atomic, write_text_atomic
 from jobgen.rundir import (
     CHECKPOINT_BROKEN_PREFIX,
-    CHECKPOINT_PREFIX,
     CHECKPOINT_TMP_PREFIX,
+    broken_checkpoints_in,
     checkpoint_name,
-    checkpoint_step,
+    complete_checkpoints_in,
 )
 from trainer.distributed import DistEnv, all_gather_object, barrier, broadcast_object, reduce_max
 
 log = logging.getLogger("trainer.checkpoint")
-
-PREFIX = CHECKPOINT_PREFIX
-TMP_PREFIX = CHECKPOINT_TMP_PREFIX
 
 
 class ResumeFailed(RuntimeError):
@@ -86,8 +83,7 @@ def state_dict_options(model: torch.nn.Module) -> StateDictOptions:
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints, newest first. A directory is complete iff it has its final name."""
-    found = [(step, p) for p in root.glob(f"{PREFIX}*") if (step := checkpoint_step(p.name)) is not None and p.is_dir()]
-    return [p for _, p in sorted(found, reverse=True)]
+    return [p for _, p in reversed(complete_checkpoints_in(root))]
 
 
 def rng_state() -> dict[str, Any]:
@@ -163,7 +159,7 @@ class Checkpointer:
         self._group = dist.new_group(backend="gloo") if async_save else None
         if env.is_main:
             root.mkdir(parents=True, exist_ok=True)
-            for stale in root.glob(f"{TMP_PREFIX}*"):
+            for stale in root.glob(f"{CHECKPOINT_TMP_PREFIX}*"):
                 log.warning("removing %s: a save that never completed", stale)
                 shutil.rmtree(stale, ignore_errors=True)
         barrier()
@@ -196,7 +192,7 @@ class Checkpointer:
         if broadcast_object(self.env, final.exists() if self.env.is_main else None):
             return final  # this step is already saved (e.g. a stop right after a periodic save)
         started = time.monotonic()
-        tmp = self.root / f"{TMP_PREFIX}{final.name}"
+        tmp = self.root / f"{CHECKPOINT_TMP_PREFIX}{final.name}"
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -249,7 +245,7 @@ class Checkpointer:
     def _prune(self) -> None:
         for old in complete_checkpoints(self.root)[self.keep :]:
             # Renamed first, so a deletion cut short can never look like a complete checkpoint.
-            doomed = old.with_name(f"{TMP_PREFIX}deleting-{old.name}")
+            doomed = old.with_name(f"{CHECKPOINT_TMP_PREFIX}deleting-{old.name}")
             os.rename(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
 
@@ -265,7 +261,7 @@ class Checkpointer:
         of them loads."""
         listing = broadcast_object(
             self.env,
-            ([str(p) for p in complete_checkpoints(self.root)], [p.name for p in self._set_aside_already()])
+            ([str(p) for p in complete_checkpoints(self.root)], [p.name for p in broken_checkpoints_in(self.root)])
             if self.env.is_main
             else None,
         )
@@ -319,9 +315,6 @@ class Checkpointer:
                 "rename one back to step-N to resume from it, or delete them to start over"
             )
         return None
-
-    def _set_aside_already(self) -> list[Path]:
-        return sorted(p for p in self.root.glob(f"{CHECKPOINT_BROKEN_PREFIX}*") if p.is_dir())
 
     def _set_aside(self, failures: list[tuple[Path, list[str]]], loaded: Path) -> None:
         """Rank 0: rename checkpoints that failed while ``loaded`` (older) loaded."""
