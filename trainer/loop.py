@@ -33,7 +33,7 @@ from trainer.batches import DataPipeline
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistEnv, reduce_max, reduce_sum
 from trainer.metrics import MetricsWriter, memory_snapshot
-from trainer.model import load_model, load_tokenizer, trainable_parameters, wrap
+from trainer.model import build_model, load_tokenizer, trainable_parameters
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.packing import count_targets
 from trainer.stopping import Action, StopMonitor
@@ -75,7 +75,7 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)
         self.tokenizer = load_tokenizer(spec.run.model.path)
         self.data = DataPipeline(spec, self.tokenizer, env, run_dir)
-        self.model = wrap(load_model(spec.run.model, env.device), self.cfg.parallelism, env)
+        self.model = build_model(spec.run.model, self.cfg.parallelism, env)
         self.optimizer = build_optimizer(trainable_parameters(self.model), self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.checkpointer = Checkpointer(

@@ -48,17 +48,41 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def load_model(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
-    """The bare causal LM, with LoRA and gradient checkpointing as the spec asks."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=param_dtype(spec, device))
+def prepare(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
+    """What the spec changes on the bare model, before any wrapping: no KV cache,
+    checkpointing, LoRA adapters."""
     model.config.use_cache = False  # no KV cache while training; it also conflicts with checkpointing
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec.lora is not None:
         model = add_lora(model, spec)
-    return model.to(device)
+    return model
+
+
+def load_model(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+    """The whole causal LM on ``device``, with LoRA and gradient checkpointing as the spec asks:
+    for DDP, where every rank holds a replica anyway."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=param_dtype(spec, device))
+    return prepare(model, spec).to(device)
+
+
+def build_model(spec: ModelSpec, parallelism: str, env: DistEnv) -> torch.nn.Module:
+    """The model ready to train. DDP: loaded whole and replicated. FSDP: built on the meta
+    device, sharded, and each rank reads only its shards from the safetensors
+    (trainer.sharded_load), so no rank ever holds the whole model."""
+    if parallelism == "ddp":
+        return wrap(load_model(spec, env.device), parallelism, env)
+    from trainer.sharded_load import build_sharded
+
+    return build_sharded(
+        spec,
+        env,
+        param_dtype(spec, env.device),
+        prepare=lambda model: prepare(model, spec),
+        shard=lambda model: wrap(model, parallelism, env),
+    )
 
 
 def add_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:

@@ -1,0 +1,198 @@
+"""Build a model that is larger than one device: on the meta device, sharded, then filled
+from the Hugging Face safetensors, each rank reading only the slices it owns.
+
+    model = build_sharded(spec.run.model, env, shard=lambda m: fully_shard_blocks(m, env))
+
+The order is what keeps memory proportional to the shard:
+
+1. ``from_config`` under ``torch.device("meta")``: the module tree, no storage.
+2. Everything that changes the tree (LoRA adapters, checkpointing) happens on that
+   skeleton. LoRA adapters are materialised and initialised by peft on the host here:
+   they are small, and initialising the full tensor before sharding gives every
+   world size the same adapters for the same seed.
+3. ``shard`` (FSDP2's ``fully_shard``) turns each parameter into a DTensor shard, still
+   on meta; then only the modules that still hold meta tensors get storage on the device
+   (``to_empty(recurse=False)``), which is each rank's shard.
+4. ``torch.distributed.checkpoint`` reads the safetensors through
+   ``HuggingFaceStorageReader``: every rank asks for the slices of its shards, so a rank
+   never holds more than its shards plus one tensor being read, and files are read by
+   several threads.
+5. Buffers that are not in checkpoints (rotary ``inv_freq``) are recomputed by building
+   their module again on the device: what ``from_pretrained`` would have computed.
+
+A parameter that the files lack (other than the second name of a tied weight and the
+adapters) is an error naming it; a model directory without safetensors is refused with
+how to convert it, rather than falling back to loading the whole model on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+from jobgen.spec import ModelSpec
+from trainer.distributed import DistEnv
+
+log = logging.getLogger("trainer.sharded_load")
+
+# Names a parameter has in a peft-wrapped model that its base model's files do not.
+PEFT_PREFIX = "base_model.model."
+PEFT_BASE_LAYER = ".base_layer."
+ADAPTER_MARKERS = ("lora_",)
+
+
+class ShardedLoadError(ValueError):
+    """The model directory cannot be loaded shard by shard; the message says what to change."""
+
+
+def model_directory(path: str) -> Path:
+    """The local directory of ``model.path``: itself, or the hub cache's snapshot (offline)."""
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - any lookup failure means the same thing here
+        raise ShardedLoadError(
+            f"model.path: {path} is neither a directory nor in the local hub cache ({exc})"
+        ) from None
+
+
+def checkpoint_name(name: str) -> str:
+    """The name ``name`` (a parameter of the possibly peft-wrapped model) has in the base model's files."""
+    return name.removeprefix(PEFT_PREFIX).replace(PEFT_BASE_LAYER, ".")
+
+
+def is_adapter(name: str) -> bool:
+    return any(marker in name for marker in ADAPTER_MARKERS)
+
+
+def build_skeleton(spec: ModelSpec, dtype: torch.dtype, prepare: Callable[[torch.nn.Module], torch.nn.Module]):
+    """The model on the meta device, with ``prepare`` (checkpointing, LoRA) applied to it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(spec.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return prepare(model)
+
+
+def materialise_adapters(model: torch.nn.Module) -> None:
+    """Give LoRA adapters host storage and peft's initialisation, before sharding (seeded by the caller)."""
+    for module in model.modules():
+        reset = getattr(module, "reset_lora_parameters", None)
+        if reset is None:
+            continue
+        for adapter in getattr(module, "active_adapters", []):
+            for container in (module.lora_A, module.lora_B):
+                if adapter in container:
+                    container[adapter].to_empty(device="cpu")
+            module.reset_lora_parameters(adapter, True)
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return any(t.device.type == "meta" for t in tensors)
+
+
+def allocate_shards(model: torch.nn.Module, device: torch.device) -> None:
+    """Storage on ``device`` for every tensor still on meta (after sharding: this rank's shards)."""
+    for module in model.modules():
+        if _on_meta(module):
+            module.to_empty(device=device, recurse=False)
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Second (and later) names of a parameter registered under several names -> its first name."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
+
+
+def read_weights(model: torch.nn.Module, directory: Path, threads: int) -> int:
+    """Fill every non-adapter parameter and persistent buffer from the safetensors in
+    ``directory``, each rank its own slices. Returns how many tensors were read."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ShardedLoadError(
+            f"model.path: {directory} has no .safetensors files; FSDP loads each rank's shard from "
+            "safetensors (convert once: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
+            "safe_serialization=True))"
+        )
+    reader = HuggingFaceStorageReader(str(directory), thread_count=max(1, min(threads, len(files))))
+    available = set(reader.read_metadata().state_dict_metadata)
+    tied = tied_names(model)
+    state: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = checkpoint_name(name)
+        if is_adapter(name) or name in tied:
+            continue
+        if key not in available:
+            missing.append(key)
+            continue
+        state[key] = tensor.detach() if hasattr(tensor, "detach") else tensor
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ShardedLoadError(f"model.path: {directory}: the safetensors lack {shown}")
+    with torch.no_grad():
+        dcp.load(state, storage_reader=reader)
+    return len(state)
+
+
+def recompute_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (rotary tables) as ``from_pretrained`` computes them: the module
+    (which holds no parameters) is built again on ``device`` from its config."""
+    persistent = set(model.state_dict())
+    for prefix, module in model.named_modules():
+        own = {name for name, _ in module.named_buffers(recurse=False)}
+        transient = {n for n in own if f"{prefix}.{n}".lstrip(".") not in persistent}
+        if not transient:
+            continue
+        config = getattr(module, "config", None)
+        if config is None or any(True for _ in module.parameters(recurse=False)):
+            raise ShardedLoadError(
+                f"cannot recompute the buffers {sorted(transient)} of {prefix or 'the model'} "
+                f"({type(module).__name__}) after sharded loading"
+            )
+        with torch.device(device):
+            fresh = type(module)(config)
+        for name in transient:
+            setattr(module, name, getattr(fresh, name))
+        for name, value in vars(fresh).items():  # e.g. attention_scaling, computed alongside
+            if not name.startswith("_") and isinstance(value, (int, float)):
+                setattr(module, name, value)
+
+
+def build_sharded(
+    spec: ModelSpec,
+    env: DistEnv,
+    dtype: torch.dtype,
+    *,
+    prepare: Callable[[torch.nn.Module], torch.nn.Module],
+    shard: Callable[[torch.nn.Module], torch.nn.Module],
+) -> torch.nn.Module:
+    """The model, sharded by ``shard`` and filled from its safetensors; see the module docstring."""
+    directory = model_directory(spec.path)
+    model = build_skeleton(spec, dtype, prepare)
+    materialise_adapters(model)
+    model = shard(model)
+    allocate_shards(model, env.device)
+    threads = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1)))
+    count = read_weights(model, directory, threads)
+    recompute_buffers(model, env.device)
+    if env.is_main:
+        log.info("loaded %d tensors of %s, each rank its own shards", count, directory)
+    return model
