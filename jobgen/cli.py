@@ -2,7 +2,8 @@
 
     jobgen validate run.toml
     jobgen render run.toml [-o DIR]
-    jobgen submit run.toml [--array N] [--after JOBID] [--dry-run] [--local]
+    jobgen submit run.toml [--array N] [--after JOBID] [--dry-run] [--local] [--ignore-memory-plan]
+    jobgen plan run.toml [--json]
     jobgen status [RUN] [--json]  |  stop / save / abort RUN  |  logs RUN [-f]
     jobgen doctor [--nodes N]     |  schema  |  cluster up|down|status
     jobgen watchdog install|list|remove|run
@@ -107,8 +108,19 @@ def _print_findings(findings) -> None:
 @click.option("--after", type=int, help="start after this job (array) ends: --dependency=afterany:JOBID")
 @click.option("--dry-run", is_flag=True, help="preflight and print what would be submitted; create nothing")
 @click.option("--local", "local", is_flag=True, help="run the script on this machine as a one-node job, without Slurm")
-def submit(spec_file: str, array: int | None, after: int | None, dry_run: bool, local: bool) -> None:
-    """Preflight against the cluster, write the run directory, sbatch --array=1-N%1."""
+@click.option(
+    "--ignore-memory-plan",
+    is_flag=True,
+    help="submit even when `jobgen plan` predicts the run does not fit in site slurm.device_memory",
+)
+def submit(
+    spec_file: str, array: int | None, after: int | None, dry_run: bool, local: bool, ignore_memory_plan: bool
+) -> None:
+    """Preflight against the cluster, write the run directory, sbatch --array=1-N%1.
+
+    A training run that `jobgen plan` predicts will not fit in the memory of one device
+    (site slurm.device_memory) is refused (exit status 2) with the changes that would make
+    it fit; --ignore-memory-plan submits it anyway."""
     from jobgen.rundir import RunDirError
     from jobgen.slurm import SlurmError, SlurmUnavailable
     from jobgen.submit import SubmitError, run_local
@@ -118,10 +130,20 @@ def submit(spec_file: str, array: int | None, after: int | None, dry_run: bool, 
     source = Path(spec_file).read_text()
     try:
         if local:
-            run, rc = run_local(spec, source_text=source)
+            from jobgen.preflight import memory_findings
+
+            _print_findings([f for f in memory_findings(spec, ignore=ignore_memory_plan) if f.level != "error"])
+            run, rc = run_local(spec, source_text=source, ignore_memory_plan=ignore_memory_plan)
             click.echo(f"local run in {run.path} exited with status {rc}")
             sys.exit(rc)
-        result = do_submit(spec, source_text=source, array=array, after=after, dry_run=dry_run)
+        result = do_submit(
+            spec,
+            source_text=source,
+            array=array,
+            after=after,
+            dry_run=dry_run,
+            ignore_memory_plan=ignore_memory_plan,
+        )
     except SubmitError as exc:
         click.echo(f"jobgen: not submitted, {len(exc.findings)} problem(s):", err=True)
         _print_findings(exc.findings)
@@ -140,6 +162,27 @@ def submit(spec_file: str, array: int | None, after: int | None, dry_run: bool, 
         return
     verb = "created" if result.created else "continuing"
     click.echo(f"submitted job {result.job_id} ({verb} {result.run_dir})")
+
+
+@main.command()
+@click.argument("spec_file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="one JSON object instead of the table")
+def plan(spec_file: str, as_json: bool) -> None:
+    """Per-device memory breakdown of a training run and whether it fits.
+
+    Parameters, gradients, optimizer state, activations, logits, buffers and overhead of
+    one rank, from the model's safetensors headers and config.json, against the site's
+    slurm.device_memory; the cheapest changes that would make it fit. With a run
+    directory whose metrics.json holds measured peaks, they are shown beside the plan.
+    Exit status 0 when it fits or no verdict is possible, 1 when it does not fit."""
+    from jobgen.memory_plan import plan_run
+
+    spec = _load(spec_file)
+    if spec.run.job.program != "train":
+        _fail(f"{spec_file}: program = '{spec.run.job.program}' trains nothing; no memory plan", 2)
+    result = plan_run(spec)
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.format())
+    sys.exit(1 if result.fits is False else 0)
 
 
 @main.command()

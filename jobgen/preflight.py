@@ -172,3 +172,29 @@ def preflight(spec: ResolvedSpec, script: Path, sbatch_options: list[str]) -> li
         except slurm.SlurmError as exc:
             findings.append(Finding("error", "", f"sbatch --test-only refused the script: {exc.stderr}"))
     return findings
+
+
+def memory_findings(spec: ResolvedSpec, *, ignore: bool = False) -> list[Finding]:
+    """``jobgen plan``'s verdict as findings: an error (a warning with ``ignore``) when the run
+    is predicted not to fit, naming the numbers and the changes that would make it fit; a
+    warning when no estimate can be made (a hub id, no safetensors); otherwise an info line."""
+    from jobgen.memory_plan import plan_run
+
+    if spec.run.job.program != "train":
+        return []
+    plan = plan_run(spec)
+    if plan.unavailable:
+        return [Finding("warning", "model.path", plan.summary())]
+    if plan.fits is not False:
+        return [Finding("info", "", plan.summary())]
+    lines = [plan.summary()]
+    fixes = plan.suggestion_lines()
+    if fixes:
+        lines.append("    changes that would make it fit, cheapest first (`jobgen plan` shows the breakdown):")
+        lines += [f"      {fix}" for fix in fixes]
+    else:
+        lines.append("    no single change considered makes it fit (`jobgen plan` shows the breakdown)")
+    if ignore:
+        return [Finding("warning", "", "\n".join([*lines, "    submitting anyway (--ignore-memory-plan)"]))]
+    lines.append("    --ignore-memory-plan submits anyway")
+    return [Finding("error", "", "\n".join(lines))]

@@ -12,9 +12,9 @@ The field descriptions below are the reference documentation (``jobgen schema``)
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
 from jobgen.fields import (
     Constraint,
@@ -31,6 +31,20 @@ from jobgen.fields import (
 from jobgen.watchdog_settings import WatchdogSettings
 
 
+def _check_size(value: str) -> str:
+    from jobgen.sizes import parse_size
+
+    if parse_size(value) <= 0:
+        raise ValueError(f"{value!r} must be more than zero bytes")
+    return value
+
+
+# A human memory size, kept as written ('80GiB', '24G', '500MiB'); jobgen.sizes parses it.
+DeviceMemory = Annotated[
+    str, StringConstraints(pattern=r"^\s*\d+(\.\d+)?\s*[KMGTPkmgtp]?(i?[Bb])?\s*$"), AfterValidator(_check_size)
+]
+
+
 class SlurmSettings(StrictModel):
     """How jobs ask Slurm for resources on this cluster."""
 
@@ -42,6 +56,15 @@ class SlurmSettings(StrictModel):
     constraint: Constraint | None = Field(None, description="Node feature expression (--constraint), e.g. 'h100&ib'.")
     reservation: SlurmName | None = Field(None, description="Reservation (--reservation) to run in.")
     gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs per node; 0 for a CPU-only site (gloo backend).")
+    device_memory: DeviceMemory | None = Field(
+        None,
+        description=(
+            "Memory one rank may use, for `jobgen plan` and submit's memory check: on GPU sites the memory "
+            "of one GPU (e.g. '79GiB' for an H100 80GB, '23.5GiB' for an RTX 4090), on CPU sites the host "
+            "memory of one process (default there: slurm.mem / procs_per_node). Binary units as Slurm's "
+            "(K, M, G, T, KiB, MiB, GiB, TiB), decimal with 'GB'/'MB'. Empty: no verdict."
+        ),
+    )
     gpu_request: Literal["gres", "gpus-per-node"] = Field(
         "gres",
         description="How GPUs are requested: '--gres=<gres_name>:<n>' or '--gpus-per-node=<n>'.",

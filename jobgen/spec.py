@@ -100,7 +100,24 @@ class ModelSpec(StrictModel):
         "bfloat16", description="Parameter dtype; CPU runs use float32 regardless."
     )
     gradient_checkpointing: bool = Field(False, description="Non-reentrant activation checkpointing.")
+    activation_offloading: bool = Field(
+        False,
+        description=(
+            "Move the tensors kept for backward (with gradient_checkpointing: each block's input) to pinned host "
+            "memory during forward and back during backward, on a separate CUDA stream. Needs "
+            "gradient_checkpointing = true. Trades GPU memory for host memory and PCIe traffic; a no-op on CPU."
+        ),
+    )
     lora: LoraSpec | None = Field(None, description="LoRA adapters; omit for full fine-tuning.")
+
+    @model_validator(mode="after")
+    def _offloading_needs_checkpointing(self) -> ModelSpec:
+        if self.activation_offloading and not self.gradient_checkpointing:
+            raise ValueError(
+                "model.activation_offloading = true needs model.gradient_checkpointing = true: without it every "
+                "intermediate activation would cross PCIe twice per step"
+            )
+        return self
 
 
 class DataSpec(StrictModel):
@@ -175,10 +192,50 @@ class TrainSpec(StrictModel):
     micro_batch_size: int = Field(4, ge=1, description="Sequences per process per micro-step.")
     grad_accum: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
     lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
-    optimizer: Literal["adamw", "adafactor"] = Field("adamw", description="Optimizer.")
+    optimizer: Literal["adamw", "adafactor"] = Field(
+        "adamw",
+        description=(
+            "'adamw' (betas 0.9, 0.95): two float32 moments per parameter (8 bytes per parameter). "
+            "'adafactor' (torch.optim.Adafactor): the low-memory optimizer, no first moment (no momentum) and a "
+            "factored second moment (a row and a column vector per matrix), so its state is a small fraction of "
+            "the parameters' size."
+        ),
+    )
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps before the cosine decay.")
-    grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
+    grad_clip: float = Field(1.0, ge=0, description="Max gradient norm (see grad_clip_mode); 0 disables clipping.")
+    grad_clip_mode: Literal["global", "per_parameter"] = Field(
+        "global",
+        description=(
+            "'global': scale all gradients together so that their joint norm is at most grad_clip. "
+            "'per_parameter': clip each parameter's gradient norm to grad_clip on its own (the only clipping "
+            "possible with optimizer_in_backward, where no step ever holds all gradients at once)."
+        ),
+    )
+    optimizer_in_backward: bool = Field(
+        False,
+        description=(
+            "Step the optimizer for each parameter as soon as its gradient is ready during backward, and free "
+            "that gradient at once: the gradients of the whole model are never held together. One optimizer "
+            "per parameter; checkpoints resume exactly. Needs grad_accum = 1 and either grad_clip = 0 or "
+            "grad_clip_mode = 'per_parameter'; with parallelism = 'ddp' only one process (job.nodes = 1, "
+            "job.procs_per_node = 1), as DDP's gradient hooks run before its all-reduce. Works with 'fsdp', "
+            "whose hooks run on the reduce-scattered gradient shard. The logged grad_norm is the norm before "
+            "clipping, summed in the hooks."
+        ),
+    )
+    loss_chunk_tokens: int = Field(
+        0,
+        ge=0,
+        le=1_048_576,
+        description=(
+            "Compute the loss through the output layer this many tokens at a time, recomputing each chunk's "
+            "logits in backward, so the float32 logits of the whole sequence (tokens x vocabulary) never exist; "
+            "e.g. 1024. Same loss and gradients as the full computation up to rounding. 0 computes all logits "
+            "at once. Needs an output layer that is a plain linear layer whose output the model returns as is "
+            "(Llama, Qwen, Mistral...); the trainer refuses other architectures at start."
+        ),
+    )
     max_steps: int = Field(1000, ge=1, description="Optimizer steps in the whole run (across array tasks).")
     save_every_steps: int = Field(500, ge=0, description="Checkpoint every N steps; 0 disables step-based saves.")
     save_every: Duration = Field("30m", description="Also checkpoint after this much wall time since the last save.")
@@ -195,6 +252,24 @@ class TrainSpec(StrictModel):
     min_gpu_free_memory_mib: int = Field(
         0, ge=0, description="Save and exit when free GPU memory drops below this (MiB); 0 disables."
     )
+
+    @model_validator(mode="after")
+    def _optimizer_in_backward_combinations(self) -> TrainSpec:
+        if not self.optimizer_in_backward:
+            return self
+        if self.grad_accum > 1:
+            raise ValueError(
+                f"train.optimizer_in_backward = true needs train.grad_accum = 1 (it is {self.grad_accum}): the "
+                "optimizer steps as soon as a gradient is ready, so gradients cannot be accumulated over "
+                "micro-batches; raise micro_batch_size instead"
+            )
+        if self.grad_clip > 0 and self.grad_clip_mode == "global":
+            raise ValueError(
+                "train.optimizer_in_backward = true cannot clip by the global gradient norm (train.grad_clip = "
+                f"{self.grad_clip:g} with train.grad_clip_mode = 'global'): no moment holds every gradient; set "
+                "train.grad_clip = 0 or train.grad_clip_mode = 'per_parameter'"
+            )
+        return self
 
 
 class RunSpec(StrictModel):
@@ -216,4 +291,19 @@ class RunSpec(StrictModel):
             missing = [t for t in ("model", "data") if getattr(self, t) is None]
             if missing:
                 raise ValueError(f"program = 'train' needs the table(s) {', '.join('[' + m + ']' for m in missing)}")
+        return self
+
+    @model_validator(mode="after")
+    def _optimizer_in_backward_world(self) -> RunSpec:
+        train, job = self.train, self.job
+        if job.program != "train" or not train.optimizer_in_backward or train.parallelism != "ddp":
+            return self
+        if job.nodes != 1 or job.procs_per_node != 1:
+            ppn = "unset (the site's GPUs per node)" if job.procs_per_node is None else str(job.procs_per_node)
+            raise ValueError(
+                "train.optimizer_in_backward = true with train.parallelism = 'ddp' runs on one process only: "
+                f"set job.nodes = 1 (it is {job.nodes}) and job.procs_per_node = 1 (it is {ppn}), or use "
+                "train.parallelism = 'fsdp'. DDP's gradient hooks fire before its all-reduce, so each rank "
+                "would step on its own gradient and the replicas would drift apart"
+            )
         return self

@@ -23,7 +23,7 @@ from pathlib import Path
 from jobgen import lease, slurm
 from jobgen.goodput import kill_window_warning, lead_time_warning, run_reports
 from jobgen.loader import ResolvedSpec
-from jobgen.preflight import Finding, kill_window, preflight
+from jobgen.preflight import Finding, kill_window, memory_findings, preflight
 from jobgen.render import render, script_name
 from jobgen.rundir import RunDir, materialize, remove_new
 
@@ -71,6 +71,7 @@ def submit(
     after: int | None = None,
     dry_run: bool = False,
     skip_preflight: bool = False,
+    ignore_memory_plan: bool = False,
 ) -> SubmitResult:
     script = render(spec)
     name = script_name(spec)
@@ -80,12 +81,21 @@ def submit(
         run_dir=spec.run_dir, script=script_path, command=["sbatch", "--parsable", *options, str(script_path)]
     )
 
+    # The memory plan needs no cluster: a run predicted not to fit is refused even where
+    # Slurm cannot be reached, before anything is written or queued.
+    memory = memory_findings(spec, ignore=ignore_memory_plan)
     findings: list[Finding] = []
     if not skip_preflight:
         with tempfile.TemporaryDirectory(prefix="jobgen-preflight-") as tmp:
             candidate = Path(tmp) / name
             candidate.write_text(script)
-            findings = preflight(spec, candidate, options)
+            try:
+                findings = preflight(spec, candidate, options)
+            except slurm.SlurmUnavailable:
+                if any(f.level == "error" for f in memory):
+                    raise SubmitError(memory) from None
+                raise
+    findings = memory + findings
     run = RunDir(spec.run_dir)
     if run.exists():
         reports = run_reports(run.path)
@@ -177,9 +187,11 @@ def local_environment(spec: ResolvedSpec, job_id: int) -> dict[str, str]:
     }
 
 
-def run_local(spec: ResolvedSpec, *, source_text: str | None = None) -> tuple[RunDir, int]:
+def run_local(
+    spec: ResolvedSpec, *, source_text: str | None = None, ignore_memory_plan: bool = False
+) -> tuple[RunDir, int]:
     """Run the rendered script on this machine as a one-node job, without Slurm."""
-    problems = []
+    problems = [f for f in memory_findings(spec, ignore=ignore_memory_plan) if f.level == "error"]
     if spec.run.job.nodes != 1:
         problems.append(
             Finding(

@@ -154,6 +154,14 @@ def train(spec, run, env, attempt: Attempt, started: float) -> tuple[ExitCode, s
         )
     )
     monitor.install_signal_handlers()
+    if spec.site.slurm.device_memory:
+        from jobgen.sizes import parse_size
+
+        fraction = distributed.cap_device_memory(env, parse_size(spec.site.slurm.device_memory))
+        if fraction is not None and env.is_main:
+            logging.getLogger("trainer").info(
+                "GPU memory capped at %s (%.0f%% of the device)", spec.site.slurm.device_memory, 100 * fraction
+            )
     from trainer.loop import Trainer
 
     try:

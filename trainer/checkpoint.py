@@ -178,7 +178,7 @@ class Checkpointer:
         self,
         step: int,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
         trainer_state: dict[str, Any],
         *,
         blocking: bool = False,
@@ -252,9 +252,11 @@ class Checkpointer:
     # ------------------------------------------------------------------ loading
 
     def load_latest(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer]
     ) -> tuple[dict[str, Any], Path] | None:
         """Restore the newest checkpoint that loads on every rank; None if there is none.
+        ``optimizer`` may be a list (one optimizer per parameter, optimizer_in_backward): DCP's
+        get_state_dict/set_state_dict merge them into one state keyed by parameter name.
 
         Newer checkpoints that failed are set aside once an older one loads. Raises
         :class:`ResumeFailed` when checkpoints exist (or were set aside earlier) but none

@@ -51,6 +51,20 @@ def init_distributed(timeout_seconds: int, expected_world_size: int | None) -> D
     return env
 
 
+def cap_device_memory(env: DistEnv, limit_bytes: int) -> float | None:
+    """Hold this rank's CUDA allocations to ``limit_bytes`` (the site's device_memory) when the
+    GPU has more: the budget ``jobgen plan`` checked is then the one enforced, and a run planned
+    for a 24 GiB card behaves as on one when tried on a larger GPU. Returns the fraction set."""
+    if env.device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(env.device).total_memory
+    if limit_bytes >= total:
+        return None
+    fraction = limit_bytes / total
+    torch.cuda.set_per_process_memory_fraction(fraction, env.device)
+    return fraction
+
+
 def reduce_max(env: DistEnv, values: list[int]) -> list[int]:
     """Element-wise max over ranks: how every rank takes the same branch on the same step."""
     tensor = torch.tensor(values, dtype=torch.int64, device=env.device)

@@ -7,9 +7,21 @@ or a bad disk is skipped, and the export says which and why), or the one named.
 
 Runs in one process without a process group: torch.distributed.checkpoint reads
 every shard, whatever world size or parallelism (DDP or FSDP2) wrote them. The
-result is written next to DIR under a temporary name and renamed into place, and
-``AutoModelForCausalLM.from_pretrained(DIR)`` loads it. With LoRA, the adapters are
-saved as a peft adapter directory, or merged into the base weights on request.
+weights are streamed, never held whole (trainer.hf_export): a model larger than the
+host's memory exports as well as the tiny one. The result is written next to DIR
+under a temporary name and renamed into place, and
+``AutoModelForCausalLM.from_pretrained(DIR)`` loads it.
+
+- Full fine-tuning: every weight is in the checkpoint; it is written in the spec's
+  dtype as ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``.
+- LoRA: only the adapters are in the checkpoint. They are written as a peft adapter
+  directory (``PeftModel.from_pretrained(base, DIR)``), without loading the base model;
+  or, with ``--merge-lora``, the base model's safetensors are streamed and each adapted
+  weight gets ``scaling * B @ A`` added, as peft's ``merge_and_unload`` computes it.
+
+Which tensors, under which names, comes from a model skeleton on the meta device
+(no storage), built from the base config with LoRA applied as in training: the names
+it gives are those the trainer checkpointed.
 
 This module owns the consolidation; where checkpoints are and which are complete
 comes from the run directory's layout (jobgen.rundir via trainer.checkpoint).
@@ -17,23 +29,42 @@ comes from the run directory's layout (jobgen.rundir via trainer.checkpoint).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+import os
+import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from jobgen.atomic import staged_directory
+from jobgen.atomic import fsync_dir, staged_directory
 from jobgen.loader import ResolvedSpec
 from jobgen.rundir import RunDir
-from trainer.checkpoint import complete_checkpoints, describe_load_error, state_dict_options
-from trainer.model import DTYPES, load_model, load_tokenizer
+from jobgen.spec import ModelSpec
+from trainer.checkpoint import complete_checkpoints, describe_load_error
+from trainer.hf_export import (
+    MAX_SHARD_BYTES,
+    READ_BATCH_BYTES,
+    DcpTensors,
+    SafetensorsModel,
+    TensorPlan,
+    nbytes,
+    write_safetensors,
+    write_sharded,
+)
+from trainer.model import DTYPES, add_lora, load_tokenizer
+
+MODEL_KEY = "model."  # the checkpoint's state dict is {"model": ..., "optim": ...}
+ADAPTER = "default"  # peft's adapter name, as the trainer creates it
 
 
 class ExportError(RuntimeError):
     """The export cannot be made; the message says which checkpoint and why."""
+
+
+class Unreadable(RuntimeError):
+    """This checkpoint cannot be read (truncated, missing tensors): try the previous one."""
 
 
 def candidates(run_dir: Path, name: str | None) -> list[Path]:
@@ -58,47 +89,316 @@ def export(
     checkpoint: str | None = None,
     merge_lora: bool = False,
     report: Callable[[str], None] = print,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    batch_bytes: int = READ_BATCH_BYTES,
 ) -> Path:
     """Export the newest checkpoint that loads (or the one named); ``report`` is told about
-    every checkpoint skipped and why. Returns the checkpoint exported."""
+    every checkpoint skipped and why. Returns the checkpoint exported. At most about
+    ``batch_bytes`` of weights are held at a time; files are at most ``max_shard_bytes``."""
     model_spec = spec.run.model
     if model_spec is None:
         raise ExportError(f"{run_dir} is not a training run (no [model])")
     if target.exists() and any(target.iterdir()):
-        raise ExportError(f"{target} exists and is not empty")  # before the slow model load
+        raise ExportError(f"{target} exists and is not empty")  # before anything slow
     paths = candidates(run_dir, checkpoint)
-    cpu = torch.device("cpu")
-    # The checkpoint holds trainable weights only; the rest comes from the base model.
-    model = load_model(model_spec.model_copy(update={"gradient_checkpointing": False}), cpu)
-    options = state_dict_options(model)
-    source, errors = None, []
-    for path in paths:
-        # A fresh state dict each time: a load that failed half-way may have filled part of it.
-        state = {"model": get_model_state_dict(model, options=options)}
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure: try the previous one
-            errors.append(f"{path.name}: {describe_load_error(exc)}")
-            if len(paths) > 1:
-                report(f"skipped {errors[-1]}")
-            continue
-        source = path
-        break
-    if source is None:
-        detail = "; ".join(errors)
-        raise ExportError(
-            f"checkpoint {paths[0].name} could not be loaded ({detail})"
-            if checkpoint
-            else f"none of the {len(paths)} checkpoint(s) in {run_dir / 'checkpoints'} could be loaded ({detail})"
-        )
-    set_model_state_dict(model, state["model"], options=options)
-    if model_spec.lora is not None and merge_lora:
-        model = model.merge_and_unload()
-    model = model.to(DTYPES[model_spec.dtype])
-    model.config.use_cache = True
+    dtype = DTYPES[model_spec.dtype]
+    config, skeleton = _skeleton(model_spec)
+    if model_spec.lora is None:
+        weights = _full_weights(skeleton)
+    elif merge_lora:
+        weights = _merged_weights(skeleton, _base_weights(model_spec.path))
+    else:
+        weights = _adapter_weights(skeleton)
 
-    with staged_directory(target) as staging:
-        model.save_pretrained(staging, safe_serialization=True)
-        load_tokenizer(model_spec.path).save_pretrained(staging)
-        (staging / "jobgen_export.txt").write_text(f"run {run_dir}\ncheckpoint {source.name}\n")
+    def write(path: Path, staging: Path) -> None:
+        plans, read = weights(_open(path), dtype)
+        if model_spec.lora is not None and not merge_lora:
+            write_safetensors(staging / "adapter_model.safetensors", plans, read, batch_bytes=batch_bytes)
+        else:
+            write_sharded(staging, plans, read, max_shard_bytes=max_shard_bytes, batch_bytes=batch_bytes)
+
+    try:
+        with staged_directory(target) as staging:
+            source, errors = None, []
+            for path in paths:
+                try:
+                    write(path, staging)
+                except Unreadable as exc:
+                    _empty(staging)  # what was written from it goes; the previous checkpoint starts afresh
+                    errors.append(f"{path.name}: {exc}")
+                    if len(paths) > 1:
+                        report(f"skipped {errors[-1]}")
+                    continue
+                source = path
+                break
+            if source is None:
+                detail = "; ".join(errors)
+                raise ExportError(
+                    f"checkpoint {paths[0].name} could not be loaded ({detail})"
+                    if checkpoint
+                    else f"none of the {len(paths)} checkpoint(s) in {run_dir / 'checkpoints'} could be loaded "
+                    f"({detail})"
+                )
+            if model_spec.lora is not None and not merge_lora:
+                _adapter_config(skeleton, model_spec).save_pretrained(staging)
+            else:
+                _save_config(config, model_spec.path, dtype, staging)
+            load_tokenizer(model_spec.path).save_pretrained(staging)
+            (staging / "jobgen_export.txt").write_text(f"run {run_dir}\ncheckpoint {source.name}\n")
+            _fsync_tree(staging)
+    except OSError as exc:  # the target's filesystem (full, read-only), the base model's files: not the checkpoint
+        raise ExportError(f"export to {target} failed: {exc}") from exc
     return source
+
+
+# ---------------------------------------------------------------- what is read, what is written
+
+# Given a checkpoint and the export dtype: the output tensors and how to read a batch of them.
+Weights = Callable[
+    [DcpTensors, torch.dtype], tuple[list[TensorPlan], Callable[[list[TensorPlan]], Mapping[str, torch.Tensor]]]
+]
+
+
+def _open(path: Path) -> DcpTensors:
+    try:
+        return DcpTensors(path)
+    except (Exception, CheckpointException) as exc:  # any failure: try the previous one
+        raise Unreadable(describe_load_error(exc)) from exc
+
+
+def _read(source: DcpTensors, keys: list[str]) -> dict[str, torch.Tensor]:
+    try:
+        return source.read(keys)
+    except (Exception, CheckpointException) as exc:  # any failure: try the previous one
+        raise Unreadable(describe_load_error(exc)) from exc
+
+
+def _require(source: DcpTensors, wanted: Mapping[str, tuple[int, ...]]) -> None:
+    """Every checkpoint key in ``wanted`` is there with that shape, or the checkpoint is not
+    this run's model (a strict load would have refused it too)."""
+    missing = [key for key in wanted if key not in source.tensors]
+    if missing:
+        raise Unreadable(f"{len(missing)} tensor(s) missing, e.g. {missing[0]}")
+    for key, shape in wanted.items():
+        if source.tensors[key][0] != shape:
+            raise Unreadable(f"{key} has shape {source.tensors[key][0]}, the model needs {shape}")
+
+
+def _full_weights(skeleton: torch.nn.Module) -> Weights:
+    """Every weight of the model, under the names save_pretrained gives them."""
+    names = _saved_names(skeleton)
+    shapes = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}
+
+    def weights(source: DcpTensors, dtype: torch.dtype):
+        _require(source, {MODEL_KEY + name: shapes[name] for name in names})
+        plans = [
+            TensorPlan(name, shapes[name], dtype, read_bytes=nbytes(shapes[name], source.tensors[MODEL_KEY + name][1]))
+            for name in names
+        ]
+
+        def read(batch: list[TensorPlan]) -> dict[str, torch.Tensor]:
+            got = _read(source, [MODEL_KEY + plan.name for plan in batch])
+            return {plan.name: got.pop(MODEL_KEY + plan.name).to(dtype) for plan in batch}
+
+        return plans, read
+
+    return weights
+
+
+def _saved_names(model: torch.nn.Module) -> list[str]:
+    """The state dict's names less the second name of each tied weight (lm_head.weight when
+    the embeddings are tied): save_pretrained writes a tied weight once, and from_pretrained
+    ties it again from config.tie_word_embeddings."""
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    if not tied:  # by identity, for models that do not declare them
+        seen: set[int] = set()
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if id(param) in seen:
+                tied.add(name)
+            seen.add(id(param))
+    return [name for name in model.state_dict() if name not in tied]
+
+
+def _adapter_names(skeleton: torch.nn.Module) -> dict[str, str]:
+    """Checkpoint key of each adapter weight -> its name in adapter_model.safetensors, as
+    peft's own get_peft_model_state_dict renames them (the adapter name dropped)."""
+    from peft.utils import get_peft_model_state_dict
+
+    trainable = {name: param for name, param in skeleton.named_parameters() if param.requires_grad}
+    by_identity = {id(param): name for name, param in trainable.items()}
+    saved = get_peft_model_state_dict(skeleton, state_dict=trainable, adapter_name=ADAPTER)
+    names = {MODEL_KEY + by_identity[id(param)]: name for name, param in saved.items()}
+    if len(names) != len(trainable):
+        left = sorted(set(trainable) - {key.removeprefix(MODEL_KEY) for key in names})
+        raise ExportError(f"peft does not save these trained parameters as adapters: {', '.join(left[:5])}")
+    return names
+
+
+def _adapter_weights(skeleton: torch.nn.Module) -> Weights:
+    """The trained adapters, named as PeftModel.save_pretrained names them."""
+    names = _adapter_names(skeleton)
+    shapes = {MODEL_KEY + name: tuple(param.shape) for name, param in skeleton.named_parameters()}
+
+    def weights(source: DcpTensors, dtype: torch.dtype):
+        _require(source, {key: shapes[key] for key in names})
+        plans = [
+            TensorPlan(saved, shapes[key], dtype, read_bytes=nbytes(shapes[key], source.tensors[key][1]))
+            for key, saved in names.items()
+        ]
+        keys = {saved: key for key, saved in names.items()}
+
+        def read(batch: list[TensorPlan]) -> dict[str, torch.Tensor]:
+            got = _read(source, [keys[plan.name] for plan in batch])
+            return {plan.name: got.pop(keys[plan.name]).to(dtype) for plan in batch}
+
+        return plans, read
+
+    return weights
+
+
+def _merge_targets(skeleton: torch.nn.Module) -> dict[str, tuple[str, str, float, bool]]:
+    """Base weight name -> (lora_A key, lora_B key, scaling, fan_in_fan_out) for each adapted
+    Linear; anything peft could merge only another way is refused by name."""
+    from peft.tuners.lora import Linear, LoraLayer
+
+    prefix = "base_model.model."
+    targets = {}
+    for name, module in skeleton.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if (
+            not isinstance(module, Linear)
+            or module.use_dora.get(ADAPTER)
+            or getattr(module, "lora_bias", {}).get(ADAPTER)
+        ):
+            raise ExportError(
+                f"{name}: only plain LoRA on Linear layers can be merged here; export without --merge-lora"
+            )
+        key = f"{MODEL_KEY}{name}.lora_%s.{ADAPTER}.weight"
+        targets[name.removeprefix(prefix) + ".weight"] = (
+            key % "A",
+            key % "B",
+            module.scaling[ADAPTER],
+            module.fan_in_fan_out,
+        )
+    covered = {key for a, b, _, _ in targets.values() for key in (a, b)}
+    other = [
+        name for name, param in skeleton.named_parameters() if param.requires_grad and MODEL_KEY + name not in covered
+    ]
+    if other:
+        raise ExportError(f"trained parameters that are not LoRA A/B cannot be merged: {', '.join(other[:5])}")
+    return targets
+
+
+def _merged_weights(skeleton: torch.nn.Module, base: SafetensorsModel) -> Weights:
+    """The base model's tensors as its files hold them, each adapted weight W replaced by
+    ``W + scaling * B @ A`` in float32 (what merge_and_unload computes on the model loaded
+    in float32), then cast to the export dtype."""
+    targets = _merge_targets(skeleton)
+    shapes = {MODEL_KEY + name: tuple(param.shape) for name, param in skeleton.named_parameters()}
+    for name in targets:
+        if name not in base.tensors:
+            raise ExportError(f"{base.directory}: no tensor {name} to merge the adapters into")
+
+    def weights(source: DcpTensors, dtype: torch.dtype):
+        keys = [key for a, b, _, _ in targets.values() for key in (a, b)]
+        _require(source, {key: shapes[key] for key in keys})
+        adapters = {key: value.float() for key, value in _read(source, keys).items()}  # small: r x width each
+        plans = [
+            TensorPlan(name, shape, dtype, read_bytes=nbytes(shape, src) + nbytes(shape, torch.float32))
+            for name, (shape, src) in base.tensors.items()
+        ]
+
+        def read(batch: list[TensorPlan]) -> dict[str, torch.Tensor]:
+            got = base.read([plan.name for plan in batch])
+            out = {}
+            for plan in batch:
+                tensor = got.pop(plan.name)
+                if plan.name in targets:
+                    a, b, scaling, fan_in_fan_out = targets[plan.name]
+                    delta = adapters[b] @ adapters[a]
+                    delta = (delta.T if fan_in_fan_out else delta) * scaling
+                    tensor = tensor.float() + delta
+                out[plan.name] = tensor.to(dtype)
+            return out
+
+        return plans, read
+
+    return weights
+
+
+# ---------------------------------------------------------------- the model, without its weights
+
+
+def _skeleton(model_spec: ModelSpec) -> tuple[object, torch.nn.Module]:
+    """The base config, and the model built from it on the meta device (no storage), with
+    LoRA adapters as the trainer adds them: the names and shapes the checkpoint uses."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_spec.path)
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"model.path {model_spec.path}: {exc}") from exc
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+        if model_spec.lora is not None:
+            skeleton = add_lora(skeleton, model_spec.model_copy(update={"gradient_checkpointing": False}))
+    return config, skeleton
+
+
+def _base_weights(path: str) -> SafetensorsModel:
+    directory = Path(path)
+    try:
+        if not directory.is_dir():  # a hub id: its snapshot in the local cache
+            from huggingface_hub import snapshot_download
+
+            directory = Path(snapshot_download(path, local_files_only=True))
+        return SafetensorsModel(directory)
+    except (OSError, ValueError) as exc:
+        raise ExportError(
+            f"--merge-lora streams the base model's safetensors: {exc}; convert it with "
+            "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path) first"
+        ) from exc
+
+
+def _adapter_config(skeleton: torch.nn.Module, model_spec: ModelSpec):
+    """The LoraConfig of training, as PeftModel.save_pretrained writes it."""
+    config = copy.deepcopy(skeleton.peft_config[ADAPTER])
+    config.base_model_name_or_path = model_spec.path
+    config.inference_mode = True
+    return config
+
+
+def _save_config(config, path: str, dtype: torch.dtype, staging: Path) -> None:
+    """config.json in the export dtype with the KV cache on (training turns it off), and the
+    generation config the base model has, or the one from_pretrained would derive."""
+    from transformers import GenerationConfig
+
+    config.dtype = dtype
+    config.use_cache = True
+    config.save_pretrained(staging)
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation = GenerationConfig.from_model_config(config)
+    generation.save_pretrained(staging)
+
+
+def _empty(directory: Path) -> None:
+    for entry in directory.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Every file durable before the rename that publishes the directory."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)

@@ -12,6 +12,13 @@ padding and uneven batches do not skew it), gradients are synchronised only on t
 last micro-batch, then clipped, then the optimizer and the schedule step. At every
 step boundary the ranks agree on one action (continue, save, or save-and-exit) with
 one small all-reduce; a checkpointer decides when periodic saves are due.
+
+Memory-lean options: with ``optimizer_in_backward`` each parameter is clipped and
+stepped in its gradient hook during backward (trainer.optim.OptimizerInBackward), so
+after backward there is nothing left to clip or step; ``loss_chunk_tokens`` computes
+the loss inside the model's forward without the whole sequence's logits
+(trainer.loss); ``activation_offloading`` keeps the tensors saved for backward in host
+memory during the micro-batch's forward and backward (trainer.offload).
 """
 
 from __future__ import annotations
@@ -32,9 +39,12 @@ from jobgen.loader import ResolvedSpec
 from trainer.batches import DataPipeline
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistEnv, reduce_max, reduce_sum
+from trainer.loss import ChunkedLoss, install_chunked_loss
+from trainer.memory_peaks import MemoryPeaks, combine_ranks
 from trainer.metrics import MetricsWriter, memory_snapshot
 from trainer.model import build_model, load_tokenizer, trainable_parameters
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.offload import make_offloader, offload_activations
+from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler, clip_per_parameter
 from trainer.packing import count_targets
 from trainer.stopping import Action, StopMonitor
 
@@ -68,6 +78,7 @@ class Trainer:
         self.env = env
         self.monitor = monitor
         self.started = time.time()
+        self.memory_peaks = MemoryPeaks(env.device)  # per phase: load, first step, steady
         # When the allocation began (the batch script exports it); falls back to this process's start.
         self.job_start = float(os.environ.get("JOBGEN_JOB_START") or self.started)
         self.step_seconds: list[float] = []  # wall time of each optimizer step of this job
@@ -75,7 +86,11 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)
         self.tokenizer = load_tokenizer(spec.run.model.path)
         self.data = DataPipeline(spec, self.tokenizer, env, run_dir)
-        self.model = build_model(spec.run.model, self.cfg.parallelism, env)
+        self.model = build_model(spec.run.model, self.cfg, env)
+        self.chunked_loss: ChunkedLoss | None = (
+            install_chunked_loss(self.model, self.cfg.loss_chunk_tokens) if self.cfg.loss_chunk_tokens else None
+        )
+        self.offloader = make_offloader(env.device, spec.run.model.activation_offloading)
         self.optimizer = build_optimizer(trainable_parameters(self.model), self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
         self.checkpointer = Checkpointer(
@@ -99,6 +114,14 @@ class Trainer:
         self.seconds_to_first_step: float | None = None  # job start to the end of this job's first step
         self.summary: dict[str, Any] = {}  # filled when fit() ends, however it ends
 
+    @property
+    def checkpoint_optimizers(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+        """What the checkpoint saves and loads: the optimizer, or with optimizer_in_backward the
+        per-parameter optimizers (get_state_dict merges them into one state keyed by name)."""
+        if isinstance(self.optimizer, OptimizerInBackward):
+            return list(self.optimizer.optimizers.values())
+        return self.optimizer
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
@@ -119,9 +142,11 @@ class Trainer:
         self.target_tokens_seen = int(state["target_tokens_seen"])
         self.data.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if isinstance(self.optimizer, OptimizerInBackward):
+            self.optimizer.set_lr(self.scheduler.get_last_lr()[0])
 
     def resume(self) -> Path | None:
-        loaded = self.checkpointer.load_latest(self.model, self.optimizer)
+        loaded = self.checkpointer.load_latest(self.model, self.checkpoint_optimizers)
         if loaded is None:
             return None
         state, path = loaded
@@ -129,7 +154,9 @@ class Trainer:
         return path
 
     def save(self, *, blocking: bool) -> Path:
-        return self.checkpointer.save(self.step, self.model, self.optimizer, self.state_dict(), blocking=blocking)
+        return self.checkpointer.save(
+            self.step, self.model, self.checkpoint_optimizers, self.state_dict(), blocking=blocking
+        )
 
     # ------------------------------------------------------------------ one step
 
@@ -155,20 +182,13 @@ class Trainer:
             torch.autocast("cuda", dtype=torch.bfloat16) if self.env.device.type == "cuda" else contextlib.nullcontext()
         )
         for i, batch in enumerate(micro_batches):
-            labels = batch["labels"].to(self.env.device)
             inputs = self.data.model_inputs(batch, self.env.device)
-            with self._sync_context(i == len(micro_batches) - 1), autocast:
-                logits = self.model(**inputs).logits
-                summed, _count = self.data.loss_sum(logits.float(), labels)
-            (summed * scale).backward()
+            with offload_activations(self.offloader):
+                with self._sync_context(i == len(micro_batches) - 1), autocast:
+                    summed = self._forward_loss_sum(inputs, batch["labels"])
+                (summed * scale).backward()  # with optimizer_in_backward, the parameters step here
             loss_sum += summed.detach().double().cpu()
-        params = trainable_parameters(self.model)
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self._clip_and_step()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         (total_loss,) = reduce_sum(self.env, [float(loss_sum)])
@@ -177,11 +197,40 @@ class Trainer:
         self.target_tokens_seen += int(global_targets)
         return {
             "loss": total_loss / max(global_targets, 1.0),
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "lr": lr,
             "step_tokens": int(global_tokens),
             "step_target_tokens": int(global_targets),
         }
+
+    def _forward_loss_sum(self, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's summed next-token loss: from the logits, or with loss_chunk_tokens
+        computed inside the forward by the chunked output layer."""
+        if self.chunked_loss is None:
+            logits = self.model(**inputs).logits
+            summed, _count = self.data.loss_sum(logits.float(), labels.to(self.env.device))
+            return summed
+        with self.chunked_loss.targets(labels):
+            output = self.model(**inputs).logits
+        return self.chunked_loss.loss_sum(output)
+
+    def _clip_and_step(self) -> float:
+        """Clip, step, zero the gradients; returns the gradient norm before clipping. With
+        optimizer_in_backward the hooks did all of it; the norm is the one they summed."""
+        if isinstance(self.optimizer, OptimizerInBackward):
+            self.optimizer.step()  # no work: it keeps the LR scheduler's bookkeeping as usual
+            return self.optimizer.grad_norm()
+        params = trainable_parameters(self.model)
+        if self.cfg.grad_clip > 0 and self.cfg.grad_clip_mode == "per_parameter":
+            grad_norm = clip_per_parameter(params, self.cfg.grad_clip)
+        else:
+            max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
 
     # ------------------------------------------------------------------ the loop
 
@@ -207,6 +256,7 @@ class Trainer:
         resumed = self.resume()
         self.start_step = self.step
         self.resumed_from = resumed.name if resumed else None
+        self.memory_peaks.end_phase("load")  # model, optimizer and checkpoint in place
         if self.env.is_main:
             log.info(
                 "%s at step %d of %d (world size %d, %s, seed %d)",
@@ -225,6 +275,7 @@ class Trainer:
             return self._train_until_stop()
         finally:
             self.checkpointer.wait()
+            self.memory_peaks.end_phase("steady")
             self.summary = self._exit_summary()
 
     def _train_until_stop(self) -> tuple[ExitCode, str]:
@@ -260,6 +311,7 @@ class Trainer:
     def _record_first_step(self) -> None:
         """The ``first_step`` line of ``tasks.jsonl``: when this job's first step ended and where it
         began (goodput and lead time are computed from it)."""
+        self.memory_peaks.end_phase("first_step")  # optimizer state is allocated by now
         self.seconds_to_first_step = time.time() - self.job_start
         self.metrics.log_task(
             {
@@ -339,6 +391,8 @@ class Trainer:
         wall = time.time() - self.started
         per_rank = [None] * self.env.world_size
         dist.all_gather_object(per_rank, round(self.local_tokens_this_job / max(wall, 1e-9), 2))
+        peaks: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(peaks, self.memory_peaks.as_dict())
         model_spec, data_spec = self.spec.run.model, self.spec.run.data
         summary = {
             **self.summary,
@@ -353,6 +407,7 @@ class Trainer:
             "data_stats": self.data.stats_dict(),
             "seed": self.cfg.seed,
             "parallelism": self.cfg.parallelism,
+            "memory_peaks": combine_ranks(peaks),
         }
         self.metrics.write_summary(summary)
         self.metrics.log_task({"event": "exit", **summary, "data_stats": None})

@@ -13,7 +13,7 @@ import logging
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from jobgen.spec import ModelSpec
+from jobgen.spec import ModelSpec, TrainSpec
 from trainer.distributed import DistEnv
 
 log = logging.getLogger("trainer.model")
@@ -68,10 +68,23 @@ def load_model(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
     return prepare(model, spec).to(device)
 
 
-def build_model(spec: ModelSpec, parallelism: str, env: DistEnv) -> torch.nn.Module:
+def build_model(spec: ModelSpec, train: TrainSpec, env: DistEnv) -> torch.nn.Module:
     """The model ready to train. DDP: loaded whole and replicated. FSDP: built on the meta
     device, sharded, and each rank reads only its shards from the safetensors
     (trainer.sharded_load), so no rank ever holds the whole model."""
+    parallelism = train.parallelism
+    if parallelism == "ddp" and train.optimizer_in_backward:
+        # Validation allows this on one process only; a world of another size would step
+        # every rank on its own gradient (DDP's hooks fire before its all-reduce).
+        if env.world_size != 1:
+            raise ModelError(
+                f"train.optimizer_in_backward with parallelism = 'ddp' needs a world of one process, this one "
+                f"has {env.world_size}: set job.nodes = 1 and job.procs_per_node = 1, or parallelism = 'fsdp'"
+            )
+        # One process: DDP would add nothing but its gradient buckets, which hold a copy of
+        # every gradient (and write them back after the hooks freed them). Checkpoint keys are
+        # the same with and without DDP.
+        return load_model(spec, env.device)
     if parallelism == "ddp":
         return wrap(load_model(spec, env.device), parallelism, env)
     from trainer.sharded_load import build_sharded

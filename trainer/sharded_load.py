@@ -38,6 +38,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from jobgen.spec import ModelSpec
 from trainer.distributed import DistEnv
+from trainer.model import ModelError
 
 log = logging.getLogger("trainer.sharded_load")
 
@@ -47,8 +48,9 @@ PEFT_BASE_LAYER = ".base_layer."
 ADAPTER_MARKERS = ("lora_",)
 
 
-class ShardedLoadError(ValueError):
-    """The model directory cannot be loaded shard by shard; the message says what to change."""
+class ShardedLoadError(ModelError):
+    """The model directory cannot be loaded shard by shard; the message says what to change.
+    A ModelError: every later task would fail the same way, so the run stops."""
 
 
 def model_directory(path: str) -> Path:

@@ -1,0 +1,270 @@
+"""Estimate one rank's peak memory from a model's shapes and what the run does, without torch.
+
+What the figures mean
+    On a CPU site, the peak resident set size of a trainer rank (what ``trainer.memory_peaks``
+    measures as ``host_rss_peak_mib``), including the Python, torch and transformers runtime.
+    On a GPU site, what ``torch.cuda.max_memory_allocated`` reports (``gpu_max_allocated_mib``);
+    the verdict adds :data:`CUDA_CONTEXT_RESERVE` for the CUDA context and the caching
+    allocator, which ``nvidia-smi`` shows but ``max_memory_allocated`` does not.
+
+What the estimate models (``trainer/model.py``, ``trainer/loop.py``, ``trainer/optim.py``)
+    - dtype: CPU ranks train in float32 whatever ``model.dtype``; GPU ranks hold parameters in
+      ``model.dtype`` and run under bf16 autocast (FSDP2: MixedPrecisionPolicy param bf16).
+    - DDP: a whole replica, its gradients and gradient buckets (about another copy of them).
+    - FSDP2: parameters, gradients and optimizer state divided by the world size, plus the
+      unsharded parameters of the root (embeddings, head: gathered for the whole forward) and
+      of two blocks at a time (the current one and the prefetched one), and one block's
+      unsharded gradients before the reduce-scatter.
+    - AdamW: two states per trainable parameter (float32 on CPU, the parameter dtype on GPU),
+      plus the step's temporaries. Adafactor: a row and a column vector per 2-D parameter,
+      the full size for 1-D ones. LoRA: the base frozen (no gradients, no state).
+    - optimizer_in_backward: each parameter steps as soon as its gradient is ready, so only a
+      couple of gradients are ever alive (and no DDP buckets on one rank).
+    - activations: per decoder layer ``a_h*B*T*hidden + a_i*B*T*intermediate`` bytes (saved
+      inputs of the norms, projections, rotary, attention and MLP), and
+      ``B*heads*T*T`` more only for eager attention (the trainer uses transformers' default,
+      ``sdpa``, whose memory is linear in T). Gradient checkpointing keeps one block input
+      per layer plus one block's activations during its recompute; activation offloading
+      moves those block inputs to pinned host memory.
+    - logits: ``B*T*vocab`` of them, float32 for the loss and its gradient; a chunked loss
+      (``loss_chunk_tokens``) keeps ``chunk*vocab``.
+
+The constants below were calibrated on CPU against a 374M-parameter Llama
+(``bench/memory_targets.py`` measures the trainer and prints measured against predicted).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from jobgen.model_files import ModelInfo
+from jobgen.sizes import GIB, MIB, format_bytes
+
+# Measured: the Python + torch + transformers runtime of one trainer rank on CPU.
+CPU_RUNTIME_BYTES = 460 * MIB
+# Not in max_memory_allocated: the CUDA context (~0.5 GiB) and the caching allocator's slack.
+CUDA_CONTEXT_RESERVE = 1 * GIB
+# In max_memory_allocated on GPU: cuBLAS/cuDNN workspaces and small tensors.
+GPU_WORKSPACE_BYTES = 256 * MIB
+# AdamW's step temporaries (foreach sqrt/div buffers), as a fraction of the trainable bytes.
+ADAMW_STEP_TEMP = 0.25
+# Adafactor's step temporaries: the variance estimate and the update of the largest parameter.
+ADAFACTOR_STEP_TEMP = 2.0
+# Loading: the tensor being converted and its source, as multiples of the largest tensor.
+LOAD_TRANSIENT = 2.0
+# Bytes alive per logit (B*T*vocab) with the full loss, beyond the logits' own dtype: the
+# float32 log-softmax saved for backward, its gradient and the logits' gradient.
+LOGIT_FP32_COPIES = 3
+# One block's backward while its gradients flow: the incoming and outgoing gradients of the
+# hidden stream and of the MLP's intermediate, as coefficients on B*T*hidden and
+# B*T*intermediate elements.
+BACKWARD_WORK_H = 4
+BACKWARD_WORK_I = 3
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything of the spec that changes memory, in one place (suggestions vary these)."""
+
+    device: str = "cpu"  # "cpu" or "cuda"
+    dtype: str = "bfloat16"  # model.dtype (CPU ranks use float32 regardless)
+    parallelism: str = "ddp"
+    world_size: int = 1
+    nodes: int = 1
+    micro_batch_size: int = 1
+    seq_len: int = 1024
+    grad_accum: int = 1
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False
+    activation_offloading: bool = False
+    optimizer_in_backward: bool = False
+    loss_chunk_tokens: int = 0
+    lora_r: int | None = None
+    lora_targets: tuple[str, ...] = ()
+    attn_implementation: str = "sdpa"
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.device == "cpu" else DTYPE_BYTES[self.dtype]
+
+    @property
+    def act_bytes(self) -> int:
+        """Activation dtype: float32 on CPU, bf16 under the GPU's autocast."""
+        return 4 if self.device == "cpu" else 2
+
+    @property
+    def fsdp(self) -> bool:
+        return self.parallelism == "fsdp" and self.world_size > 1
+
+
+@dataclass
+class Estimate:
+    """Per-device bytes per component (the steady state) and the peak of each phase."""
+
+    components: dict[str, int]
+    phases: dict[str, int]
+    host_offload_bytes: int = 0
+    trainable_params: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    def phase_peak(self, phase: str) -> int:
+        return self.phases[phase]
+
+
+def _lora_trainable(model: ModelInfo, inputs: PlanInputs) -> tuple[int, int, int]:
+    """(adapter parameters, their largest tensor, adapted modules per layer)."""
+    total, largest, per_layer = 0, 0, set()
+    for t in model.parameters:
+        parts = t.name.split(".")
+        if len(t.shape) == 2 and len(parts) >= 2 and parts[-2] in inputs.lora_targets and parts[-1] == "weight":
+            out_f, in_f = t.shape
+            total += (inputs.lora_r or 0) * (in_f + out_f)
+            largest = max(largest, (inputs.lora_r or 0) * max(in_f, out_f))
+            per_layer.add(parts[-2])
+    return total, largest, len(per_layer)
+
+
+def _adafactor_state(shape: tuple[int, ...]) -> int:
+    if len(shape) >= 2:
+        lead = math.prod(shape[:-2])
+        return lead * (shape[-2] + shape[-1])
+    return math.prod(shape)
+
+
+def layer_activation_bytes(model: ModelInfo, inputs: PlanInputs, lora_modules: int = 0) -> int:
+    """Bytes one decoder layer saves for backward at micro-batch B and T tokens."""
+    tokens = inputs.micro_batch_size * inputs.seq_len
+    r = model.num_kv_heads / model.num_heads
+    norm = 8 if inputs.act_bytes == 4 else 10  # x and x*rsqrt in fp32, plus the cast back under bf16
+    a_h = 2 * norm + inputs.act_bytes * (4 + 3 * r + lora_modules)
+    a_i = 4 * inputs.act_bytes
+    total = tokens * (a_h * model.hidden_size + a_i * model.intermediate_size)
+    if inputs.attn_implementation == "eager":
+        scores = inputs.micro_batch_size * model.num_heads * inputs.seq_len**2
+        total += scores * (4 + (inputs.act_bytes if inputs.act_bytes != 4 else 0))
+    return int(total)
+
+
+def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
+    """One rank's memory for ``inputs`` (see the module docstring for the model)."""
+    pb, ab = inputs.param_bytes, inputs.act_bytes
+    ws = inputs.world_size
+    shard = ws if inputs.fsdp else 1
+    total_params = model.param_count
+    notes: list[str] = []
+
+    lora = inputs.lora_r is not None
+    lora_params, lora_largest, lora_modules = _lora_trainable(model, inputs) if lora else (0, 0, 0)
+    trainable = lora_params if lora else total_params
+    largest_trainable = lora_largest if lora else model.largest_numel
+    grad_bytes_per = 4 if lora else pb  # peft keeps adapters in float32
+
+    # Parameters: the shard of every parameter (adapters included).
+    params = (total_params * pb + lora_params * 4) / shard
+
+    # Optimizer state.
+    state_bytes = 4 if inputs.device == "cpu" or lora else pb
+    if inputs.optimizer == "adamw":
+        opt_state = 2 * trainable * state_bytes / shard
+        step_temp = ADAMW_STEP_TEMP * trainable * state_bytes / shard
+    else:
+        factored = lora_params if lora else sum(_adafactor_state(t.shape) for t in model.parameters)
+        opt_state = factored * state_bytes / shard
+        step_temp = ADAFACTOR_STEP_TEMP * largest_trainable * state_bytes / shard
+    if inputs.optimizer_in_backward:
+        # Stepped per parameter: only the largest parameter's temporaries at once.
+        step_temp = ADAFACTOR_STEP_TEMP * largest_trainable * state_bytes / shard
+
+    # Gradients and the buffers that hold them in flight.
+    buffers = 0.0
+    if inputs.optimizer_in_backward:
+        grads = 2 * largest_trainable * grad_bytes_per / shard  # the one being stepped and the next
+        if not inputs.fsdp and ws > 1:
+            buffers += trainable * grad_bytes_per  # DDP still reduces through its buckets
+    else:
+        grads = trainable * grad_bytes_per / shard
+        if not inputs.fsdp:
+            buffers += trainable * grad_bytes_per  # DDP's buckets (also on one rank)
+    if inputs.fsdp:
+        # Root parameters (embeddings, head) unsharded through the forward, two blocks gathered
+        # (the current one and the prefetched next), and one block's unsharded gradients.
+        gather = model.root_numel * pb + 2 * model.block_numel * pb
+        block_grads = 0 if lora else model.block_numel * (pb + (4 if inputs.device == "cuda" else 0))
+        buffers += gather + block_grads
+    # Buffers not in the files: rotary tables, the attention mask.
+    tokens = inputs.micro_batch_size * inputs.seq_len
+    buffers += tokens * (2 * model.hidden_size // model.num_heads) * 4
+    if inputs.device == "cuda":
+        buffers += inputs.micro_batch_size * inputs.seq_len**2 * 1  # a packed block-diagonal mask
+
+    # Activations.
+    per_layer = layer_activation_bytes(model, inputs, lora_modules)
+    backward_work = tokens * ab * (BACKWARD_WORK_H * model.hidden_size + BACKWARD_WORK_I * model.intermediate_size)
+    final_norm = tokens * model.hidden_size * (8 if ab == 4 else 10)
+    host_offload = 0
+    if inputs.gradient_checkpointing:
+        block_inputs = model.num_layers * tokens * model.hidden_size * ab
+        if inputs.activation_offloading:
+            host_offload = block_inputs
+            block_inputs = 2 * tokens * model.hidden_size * ab  # the one in flight each way
+        activations = block_inputs + per_layer + backward_work + final_norm
+    else:
+        if inputs.activation_offloading:
+            notes.append("activation_offloading needs gradient_checkpointing in this estimate; ignored")
+        activations = model.num_layers * per_layer + backward_work + final_norm
+
+    # Logits.
+    vocab = model.vocab_size
+    if inputs.loss_chunk_tokens:
+        live = min(inputs.loss_chunk_tokens, tokens)
+        logits = live * vocab * (ab + 4 * LOGIT_FP32_COPIES) + tokens * model.hidden_size * 4
+    else:
+        copies = LOGIT_FP32_COPIES + (1 if inputs.micro_batch_size > 1 else 0)  # non-contiguous shift
+        logits = tokens * vocab * (ab + 4 * copies)
+
+    overhead = CPU_RUNTIME_BYTES if inputs.device == "cpu" else GPU_WORKSPACE_BYTES
+    # CPU: glibc keeps the heap that the first step's recomputed activations and gradients used
+    # (chunks up to its 32 MiB mmap threshold are not returned), so from the second step on a
+    # checkpointed rank's RSS is about that of an uncheckpointed one. Measured on the 374M Llama.
+    retained = 0
+    if inputs.device == "cpu" and inputs.gradient_checkpointing:
+        retained = max(0, model.num_layers * per_layer + backward_work + final_norm - activations)
+        notes.append(
+            f"CPU: {format_bytes(retained)} of freed activation heap stays resident after the first step "
+            "(glibc malloc); counted in overhead"
+        )
+
+    if inputs.fsdp and inputs.device == "cpu":
+        # All-gather outputs and unsharded gradients are freed and allocated again every step;
+        # glibc keeps about one more shard's worth of that heap (measured on 2 ranks).
+        retained += params
+        notes.append(f"CPU FSDP: {format_bytes(params)} of freed gather/reduce heap stays resident; in overhead")
+    components = {
+        "parameters": int(params),
+        "gradients": int(grads),
+        "optimizer_state": int(opt_state),
+        "activations": int(activations),
+        "logits": int(logits),
+        "buffers": int(buffers),
+        "overhead": int(overhead + retained),
+    }
+    # Phases: loading holds the parameters and the tensor being read; the first step allocates
+    # the optimizer state only after backward; later steps hold everything at once.
+    load_transient = LOAD_TRANSIENT * model.largest_numel * pb
+    # FSDP ranks read only their slices of the safetensors (trainer.sharded_load): a 374M model's
+    # rank measured 1430 MiB while loading on 2 ranks, its shard plus runtime plus this transient.
+    load = params + overhead + load_transient
+    if inputs.device == "cuda" and not inputs.fsdp and not inputs.optimizer_in_backward:
+        load += trainable * grad_bytes_per  # DDP allocates its buckets when it wraps
+    forward_backward = activations + logits
+    first_step = params + grads + buffers + overhead + max(forward_backward, opt_state + step_temp)
+    steady = params + grads + buffers + overhead + retained + opt_state + max(forward_backward, step_temp)
+    phases = {"load": int(load), "first_step": int(first_step), "steady": int(steady)}
+    return Estimate(components, phases, int(host_offload), trainable, notes)

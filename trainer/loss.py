@@ -1,0 +1,200 @@
+"""Chunked linear cross-entropy: the loss without the float32 logits of the whole sequence.
+
+``[train] loss_chunk_tokens = N`` sends the final hidden states through the output
+layer N tokens at a time. Each chunk's logits are cast to float32, scored with
+cross-entropy (summed over target tokens), and dropped; backward recomputes them one
+chunk at a time (``torch.utils.checkpoint``, non-reentrant), so the peak is one
+chunk's logits, not ``tokens x vocabulary``. The result equals
+:func:`trainer.packing.token_loss_sum` up to the order of the sum.
+
+Why inside the model's forward
+    FSDP2 (``fully_shard(model)``) un-shards the root module's parameters, the output
+    layer's weight among them, only inside the root's forward (and again for its
+    backward). So the chunked loss must run where the logits are computed: the output
+    layer's class is swapped (:func:`install_chunked_loss`) for :class:`ChunkedLossHead`,
+    an ``nn.Linear`` whose forward, while :meth:`ChunkedLoss.targets` has given it the
+    labels, returns the loss sum shaped ``(1, 1, 1)`` in place of the logits. The
+    parameters stay the same objects under the same names: checkpoints are unchanged
+    and tied input/output embeddings stay tied.
+
+When it cannot apply
+    The swap relies on the model returning its output layer's result as is (Llama,
+    Qwen, Mistral and most decoders in transformers 5: ``logits = self.lm_head(h)``).
+    A model whose output layer is not a plain ``nn.Linear`` (LoRA on it, quantised
+    layers) is refused by :func:`install_chunked_loss`; one that changes the logits
+    after the output layer (soft-capping, scaling) is refused there when its config
+    says so, else by :meth:`ChunkedLoss.loss_sum` on the first step, which checks that
+    the value the model returned is the loss the head computed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from trainer.model import ModelError
+from trainer.packing import IGNORE_INDEX
+
+# Config keys of transformers models that post-process the output layer's logits.
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+class LossHeadError(ModelError):
+    """The chunked loss cannot be used with this model; the message says why and what to set.
+    A ModelError: raised while the trainer is built, the job ends as for any untrainable model."""
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor):
+    logits = F.linear(hidden, weight, bias)
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+) -> torch.Tensor:
+    """Next-token cross-entropy of ``F.linear(hidden, weight, bias)`` summed over target
+    tokens, computed ``chunk_tokens`` tokens at a time (a 0-d float32 tensor).
+
+    ``hidden`` is ``[batch, seq, dim]``, ``labels`` ``[batch, seq]`` unshifted as
+    :func:`trainer.packing.token_loss_sum` takes them: position ``t`` predicts
+    ``labels[:, t + 1]``. Chunks without a target token are skipped (unless all are: the
+    result must stay connected to the graph so that every parameter gets a gradient).
+    """
+    if chunk_tokens < 1:
+        raise ValueError("chunk_tokens must be positive")
+    if hidden.shape[:-1] != labels.shape:
+        raise LossHeadError(
+            f"hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)}: "
+            "the model did not send every position through its output layer"
+        )
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    # Which chunks hold a target, decided on the host (labels come from the CPU batch): no
+    # device synchronisation per chunk.
+    has_target = (targets.detach().cpu() != IGNORE_INDEX).split(chunk_tokens)
+    targets = targets.to(hidden.device, non_blocking=True)
+    flat = hidden.reshape(-1, hidden.size(-1))
+    pieces = list(zip(flat.split(chunk_tokens), targets.split(chunk_tokens), has_target))
+    chosen = [(h, y) for h, y, any_target in pieces if bool(any_target.any())] or [pieces[0][:2]]
+    total: torch.Tensor | None = None
+    for h, y in chosen:
+        # Non-reentrant: autocast is recorded and replayed; no RNG in here to preserve.
+        part = checkpoint(_chunk_loss, h, weight, bias, y, use_reentrant=False, preserve_rng_state=False)
+        total = part if total is None else total + part
+    assert total is not None
+    return total
+
+
+class ChunkedLossHead(nn.Linear):
+    """An output layer that returns the chunked loss sum, shaped ``(1, 1, 1)``, while
+    :meth:`ChunkedLoss.targets` has set its labels, and plain logits otherwise. Made by
+    swapping an ``nn.Linear``'s class (:func:`install_chunked_loss`); never constructed."""
+
+    chunk_tokens: int
+    loss_labels: torch.Tensor | None
+    calls: int
+    last_loss: torch.Tensor | None
+    model_name: str
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        labels = self.loss_labels
+        if labels is None:
+            return super().forward(hidden)
+        self.calls += 1
+        loss = chunked_linear_cross_entropy(hidden, self.weight, self.bias, labels, self.chunk_tokens)
+        self.last_loss = loss.detach()
+        return loss.reshape(1, 1, 1).clone()  # not a view: FSDP2 hooks its root output for backward
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP and peft wrappers (FSDP2 wraps in place)."""
+    while isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):  # peft.PeftModel
+        model = model.get_base_model()
+    return model
+
+
+class ChunkedLoss:
+    """The installed chunked loss of one model: set the labels around its forward with
+    :meth:`targets`, then turn what the forward returned as logits into the loss sum with
+    :meth:`loss_sum`."""
+
+    def __init__(self, head: ChunkedLossHead):
+        self.head = head
+
+    @contextlib.contextmanager
+    def targets(self, labels: torch.Tensor) -> Iterator[None]:
+        head = self.head
+        head.loss_labels, head.calls, head.last_loss = labels, 0, None
+        try:
+            yield
+        finally:
+            head.loss_labels = None
+
+    def loss_sum(self, output: torch.Tensor) -> torch.Tensor:
+        """The loss sum (0-d, float32) from the model output's ``logits``, after checking that
+        the model returned the head's result untouched."""
+        head = self.head
+        if head.calls != 1 or head.last_loss is None:
+            raise LossHeadError(
+                f"the model called its output layer {head.calls} times in one forward (expected once); "
+                "set train.loss_chunk_tokens = 0 for this architecture"
+            )
+        own = head.last_loss
+        if tuple(output.shape) != (1, 1, 1) or not _same_value(output.detach().reshape(()), own):
+            raise LossHeadError(
+                f"{head.model_name} changes its output layer's result before returning "
+                "it (e.g. logit soft-capping or scaling), so the chunked loss cannot stand in for the logits; "
+                "set train.loss_chunk_tokens = 0 for this architecture"
+            )
+        return output.reshape(())
+
+
+def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.float(), b.float()
+    return bool(torch.equal(a, b) or (torch.isnan(a) & torch.isnan(b)).item())
+
+
+def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> ChunkedLoss:
+    """Swap the output layer of ``model`` (bare, DDP-, FSDP2- or peft-wrapped) for a
+    :class:`ChunkedLossHead` computing the loss ``chunk_tokens`` tokens at a time.
+    Raises :class:`LossHeadError` for architectures where that cannot be done."""
+    inner = unwrap(model)
+    name = type(inner).__name__
+    get_head = getattr(inner, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None:
+        raise LossHeadError(
+            f"{name} has no output embeddings (get_output_embeddings() is None): "
+            "set train.loss_chunk_tokens = 0 for this model"
+        )
+    if type(head) is not nn.Linear:
+        raise LossHeadError(
+            f"{name}'s output layer is a {type(head).__module__}.{type(head).__name__}, not a plain "
+            "torch.nn.Linear (LoRA or quantisation on it?): the chunked loss cannot replace it; "
+            "set train.loss_chunk_tokens = 0"
+        )
+    config = getattr(inner, "config", None)
+    for key in _LOGIT_POSTPROCESSING:
+        value = getattr(config, key, None)
+        if value not in (None, 1, 1.0, False):
+            raise LossHeadError(
+                f"{name} post-processes its logits ({key} = {value!r} in its config), which the chunked loss "
+                "would skip: set train.loss_chunk_tokens = 0 for this model"
+            )
+    head.__class__ = ChunkedLossHead
+    head.chunk_tokens = chunk_tokens
+    head.loss_labels = None
+    head.calls = 0
+    head.last_loss = None
+    head.model_name = name
+    return ChunkedLoss(head)
