@@ -91,11 +91,25 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def fsync_tree(directory: str | os.PathLike[str]) -> None:
+    """Every file and directory under ``directory`` durable: what a rename that publishes the
+    directory needs first, or a node crash could leave the published name with lost files."""
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
 @contextlib.contextmanager
 def staged_directory(target: str | os.PathLike[str], mode: int = 0o777) -> Iterator[Path]:
     """Fill a directory under a temporary name next to ``target``, then rename it into
     place: ``target`` is complete or absent, never half-written. An empty ``target`` is
-    replaced; a non-empty one is an error. On any exception the staging directory goes.
+    replaced; a non-empty one is an error. Every file is fsynced before the rename. On any
+    exception the staging directory goes.
     ``mode`` is before the umask, as for ``mkdir``."""
     target = Path(target)
     if target.exists() and any(target.iterdir()):
@@ -105,6 +119,7 @@ def staged_directory(target: str | os.PathLike[str], mode: int = 0o777) -> Itera
     staging = Path(name)
     try:
         yield staging
+        fsync_tree(staging)
         if target.exists():
             target.rmdir()
         staging.rename(target)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import datasets
 
-from jobgen.atomic import fsync_dir
+from jobgen.atomic import fsync_dir, fsync_tree
 from jobgen.spec import DataSpec
 from trainer import data as data_mod
 from trainer.data import DataStats, is_hub_id, read_stats, write_stats
@@ -156,18 +156,6 @@ def remove_stale_staging(cache_root: Path, *, older_than_s: float = STALE_AFTER_
     return removed
 
 
-def _fsync_tree(path: Path) -> None:
-    # The rename must not publish files a node crash could still lose.
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(root)
-
-
 def build_entry(
     spec: DataSpec,
     tokenizer,
@@ -200,7 +188,7 @@ def build_entry(
         for scratch in ("work", "raw"):
             shutil.rmtree(staging / scratch, ignore_errors=True)
         write_stats(staging / "stats.json", stats, {"fingerprint": fingerprint, "source": spec.path, "inputs": inputs})
-        _fsync_tree(staging)
+        fsync_tree(staging)  # the rename must not publish files a node crash could still lose
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the cache from the rest of the team
         try:
             os.rename(staging, final)

@@ -30,7 +30,6 @@ comes from the run directory's layout (jobgen.rundir via trainer.checkpoint).
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from jobgen.atomic import fsync_dir, staged_directory
+from jobgen.atomic import staged_directory
 from jobgen.loader import ResolvedSpec
 from jobgen.rundir import RunDir
 from jobgen.spec import ModelSpec
@@ -145,7 +144,6 @@ def export(
                 _save_config(config, model_spec.path, dtype, staging)
             load_tokenizer(model_spec.path).save_pretrained(staging)
             (staging / "jobgen_export.txt").write_text(f"run {run_dir}\ncheckpoint {source.name}\n")
-            _fsync_tree(staging)
     except OSError as exc:  # the target's filesystem (full, read-only), the base model's files: not the checkpoint
         raise ExportError(f"export to {target} failed: {exc}") from exc
     return source
@@ -390,15 +388,3 @@ def _empty(directory: Path) -> None:
             shutil.rmtree(entry)
         else:
             entry.unlink()
-
-
-def _fsync_tree(directory: Path) -> None:
-    """Every file durable before the rename that publishes the directory."""
-    for root, _, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(root)
