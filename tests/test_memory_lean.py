@@ -409,6 +409,7 @@ def _interrupted_and_resumed_equals_uninterrupted(
 
 
 @pytest.mark.torch
+@pytest.mark.full  # CI's budget: the fsdp test below resumes optimizer in backward exactly in CI
 def test_optimizer_in_backward_one_process_adafactor_resumes_exactly(tmp_path, tiny_model):
     _, run = _interrupted_and_resumed_equals_uninterrupted(
         tmp_path,
