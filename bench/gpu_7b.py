@@ -47,36 +47,21 @@ def build_model(target: Path, shape: dict[str, int]) -> None:
     if (target / "config.json").exists():
         return
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from jobgen.tinymodel import train_tokenizer
+    from jobgen.tinymodel import make_tiny_model
 
-    tokenizer = train_tokenizer(512)
-    config = LlamaConfig(
-        vocab_size=32000,
+    make_tiny_model(
+        target,
         hidden_size=shape["hidden_size"],
+        layers=shape["num_hidden_layers"],
         intermediate_size=shape["intermediate_size"],
-        num_hidden_layers=shape["num_hidden_layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["heads"],
+        heads=shape["heads"],
+        kv_heads=shape["heads"],
+        model_vocab_size=32000,
         max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        dtype="bfloat16",
+        device="cuda" if torch.cuda.is_available() else "cpu",
     )
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    model.save_pretrained(target, max_shard_size="5GB")
-    tokenizer.save_pretrained(target)
-    del model
 
 
 def main() -> int:

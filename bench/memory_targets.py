@@ -43,32 +43,20 @@ SMALL = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 704, "
 
 def build_model(target: Path, shape: dict[str, int]) -> int:
     """A random Llama of ``shape`` with a locally trained tokenizer; returns its weight bytes."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from jobgen.tinymodel import train_tokenizer
+    from jobgen.model_files import read_model
+    from jobgen.tinymodel import make_tiny_model
 
     if not (target / "config.json").exists():
-        tokenizer = train_tokenizer(512)
-        config = LlamaConfig(
-            vocab_size=shape["vocab_size"],
+        make_tiny_model(
+            target,
             hidden_size=shape["hidden_size"],
+            layers=shape["num_hidden_layers"],
             intermediate_size=shape["intermediate_size"],
-            num_hidden_layers=shape["num_hidden_layers"],
-            num_attention_heads=shape["heads"],
-            num_key_value_heads=shape["heads"],
-            max_position_embeddings=2048,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            tie_word_embeddings=False,
+            heads=shape["heads"],
+            kv_heads=shape["heads"],
+            model_vocab_size=shape["vocab_size"],
+            max_shard_size="500MB",
         )
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-        model.save_pretrained(target, max_shard_size="500MB")
-        tokenizer.save_pretrained(target)
-    from jobgen.model_files import read_model
-
     return read_model(target).param_count * 4  # trained in fp32 on CPU
 
 

@@ -12,14 +12,15 @@ What the estimate models (``trainer/model.py``, ``trainer/loop.py``, ``trainer/o
       ``model.dtype`` and run under bf16 autocast (FSDP2: MixedPrecisionPolicy param bf16).
     - DDP: a whole replica, its gradients and gradient buckets (about another copy of them).
     - FSDP2: parameters, gradients and optimizer state divided by the world size, plus the
-      unsharded parameters of the root (embeddings, head: gathered for the whole forward) and
-      of two blocks at a time (the current one and the prefetched one), and one block's
-      unsharded gradients before the reduce-scatter.
+      unsharded parameters of two blocks at a time (the current one and the prefetched one)
+      and of the output layer between its forward and backward (the whole root when the
+      embeddings are tied), and the largest unit's unsharded gradients before the
+      reduce-scatter.
     - AdamW: two states per trainable parameter (float32 on CPU, the parameter dtype on GPU),
       plus the step's temporaries. Adafactor: a row and a column vector per 2-D parameter,
       the full size for 1-D ones. LoRA: the base frozen (no gradients, no state).
-    - optimizer_in_backward: each parameter steps as soon as its gradient is ready, so only a
-      couple of gradients are ever alive (and no DDP buckets on one rank).
+    - optimizer_in_backward: each parameter steps as soon as its gradient is ready and the
+      gradient is freed, so one gradient is alive at a time (and no DDP buckets on one rank).
     - activations: per decoder layer ``a_h*B*T*hidden + a_i*B*T*intermediate`` bytes (saved
       inputs of the norms, projections, rotary, attention and MLP), and
       ``B*heads*T*T`` more only for eager attention (the trainer uses transformers' default,
@@ -39,7 +40,7 @@ import math
 from dataclasses import dataclass, field
 
 from jobgen.model_files import ModelInfo
-from jobgen.sizes import GIB, MIB, format_bytes
+from jobgen.sizes import GIB, MIB
 
 # Measured: the Python + torch + transformers runtime of one trainer rank on CPU.
 CPU_RUNTIME_BYTES = 460 * MIB
@@ -182,10 +183,13 @@ def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
         # Stepped per parameter: only the largest parameter's temporaries at once.
         step_temp = ADAFACTOR_STEP_TEMP * largest_trainable * state_bytes / shard
 
-    # Gradients and the buffers that hold them in flight.
+    # Gradients and the buffers that hold them in flight: DDP's buckets live as long as the
+    # model; FSDP's gathered parameters and unsharded gradients only through forward/backward.
     buffers = 0.0
+    transient = 0.0
     if inputs.optimizer_in_backward:
-        grads = 2 * largest_trainable * grad_bytes_per / shard  # the one being stepped and the next
+        # The hook steps and frees each gradient before autograd computes the next one.
+        grads = largest_trainable * grad_bytes_per / shard
         if not inputs.fsdp and ws > 1:
             buffers += trainable * grad_bytes_per  # DDP still reduces through its buckets
     else:
@@ -193,11 +197,18 @@ def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
         if not inputs.fsdp:
             buffers += trainable * grad_bytes_per  # DDP's buckets (also on one rank)
     if inputs.fsdp:
-        # Root parameters (embeddings, head) unsharded through the forward, two blocks gathered
-        # (the current one and the prefetched next), and one block's unsharded gradients.
-        gather = model.root_numel * pb + 2 * model.block_numel * pb
-        block_grads = 0 if lora else model.block_numel * (pb + (4 if inputs.device == "cuda" else 0))
-        buffers += gather + block_grads
+        # trainer.model.wrap: two blocks gathered (the current one and the prefetched next) and
+        # the output layer from its forward to its backward, its own unit when untied; tied, the
+        # root keeps the shared embedding gathered throughout, and its unsharded gradient too.
+        head = model.vocab_size * model.hidden_size
+        grad_dtype = pb + (4 if inputs.device == "cuda" else 0)  # bf16 gradients reduced in fp32
+        if model.tie_word_embeddings:
+            gathered = model.root_numel
+            unsharded_grads = model.root_numel + model.block_numel
+        else:
+            gathered = head
+            unsharded_grads = max(head, model.block_numel)
+        transient += (gathered + 2 * model.block_numel) * pb + (0 if lora else unsharded_grads * grad_dtype)
     # Buffers not in the files: rotary tables, the attention mask.
     tokens = inputs.micro_batch_size * inputs.seq_len
     buffers += tokens * (2 * model.hidden_size // model.num_heads) * 4
@@ -230,41 +241,39 @@ def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
         logits = tokens * vocab * (ab + 4 * copies)
 
     overhead = CPU_RUNTIME_BYTES if inputs.device == "cpu" else GPU_WORKSPACE_BYTES
-    # CPU: glibc keeps the heap that the first step's recomputed activations and gradients used
-    # (chunks up to its 32 MiB mmap threshold are not returned), so from the second step on a
-    # checkpointed rank's RSS is about that of an uncheckpointed one. Measured on the 374M Llama.
-    retained = 0
-    if inputs.device == "cpu" and inputs.gradient_checkpointing:
-        retained = max(0, model.num_layers * per_layer + backward_work + final_norm - activations)
-        notes.append(
-            f"CPU: {format_bytes(retained)} of freed activation heap stays resident after the first step "
-            "(glibc malloc); counted in overhead"
-        )
-
-    if inputs.fsdp and inputs.device == "cpu":
-        # All-gather outputs and unsharded gradients are freed and allocated again every step;
-        # glibc keeps about one more shard's worth of that heap (measured on 2 ranks).
-        retained += params
-        notes.append(f"CPU FSDP: {format_bytes(params)} of freed gather/reduce heap stays resident; in overhead")
     components = {
         "parameters": int(params),
         "gradients": int(grads),
         "optimizer_state": int(opt_state),
         "activations": int(activations),
         "logits": int(logits),
-        "buffers": int(buffers),
-        "overhead": int(overhead + retained),
+        "buffers": int(buffers + transient),
+        "overhead": int(overhead),
     }
-    # Phases: loading holds the parameters and the tensor being read; the first step allocates
-    # the optimizer state only after backward; later steps hold everything at once.
+    # Phases. Loading holds the parameters and the tensor being read. Gradients are freed at
+    # every optimizer step (zero_grad(set_to_none=True)), so a step's peak is the larger of
+    # forward/backward (activations, logits, FSDP's gathers; the gradients too while they
+    # accumulate over micro-batches, or while each is stepped in backward) and the optimizer
+    # step (gradients, state, its temporaries). The first step allocates the state in its
+    # optimizer step; later steps hold it throughout.
     load_transient = LOAD_TRANSIENT * model.largest_numel * pb
     # FSDP ranks read only their slices of the safetensors (trainer.sharded_load): a 374M model's
-    # rank measured 1430 MiB while loading on 2 ranks, its shard plus runtime plus this transient.
+    # rank measured 1375 MiB while loading on 2 ranks, its shard plus runtime plus this transient.
     load = params + overhead + load_transient
+    if inputs.device == "cpu" and not inputs.fsdp and not lora and all(t.dtype == "F32" for t in model.tensors):
+        # from_pretrained maps float32 safetensors and reads a page when it is first touched:
+        # the weights become resident in the first step (measured: 483 MiB at the end of loading
+        # the 374M model in one process, the runtime alone).
+        load = overhead + load_transient
     if inputs.device == "cuda" and not inputs.fsdp and not inputs.optimizer_in_backward:
         load += trainable * grad_bytes_per  # DDP allocates its buckets when it wraps
-    forward_backward = activations + logits
-    first_step = params + grads + buffers + overhead + max(forward_backward, opt_state + step_temp)
-    steady = params + grads + buffers + overhead + retained + opt_state + max(forward_backward, step_temp)
+    forward_backward = transient + activations + logits
+    if inputs.optimizer_in_backward:
+        forward_backward += grads + step_temp
+    elif inputs.grad_accum > 1:
+        forward_backward += grads
+    resident = params + buffers + overhead
+    first_step = resident + max(forward_backward, grads + opt_state + step_temp)
+    steady = resident + opt_state + max(forward_backward, grads + step_temp)
     phases = {"load": int(load), "first_step": int(first_step), "steady": int(steady)}
     return Estimate(components, phases, int(host_offload), trainable, notes)

@@ -174,7 +174,7 @@ class DataSpec(StrictModel):
 
 
 def _parse_template(template: str):
-    """The template's syntax tree, parsed as the trainer parses it (trainer.data._jinja_env: a
+    """The template's syntax tree, parsed as the trainer parses it (trainer.formats.jinja_env: a
     sandboxed environment with default delimiters; jobgen may not import trainer)."""
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment

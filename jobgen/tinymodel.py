@@ -87,9 +87,28 @@ def train_tokenizer(vocab_size: int):
 
 
 def make_tiny_model(
-    target: Path, *, hidden_size: int = 64, layers: int = 2, heads: int = 4, vocab_size: int = 512, seed: int = 0
+    target: Path,
+    *,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    vocab_size: int = 512,
+    seed: int = 0,
+    intermediate_size: int | None = None,
+    kv_heads: int | None = None,
+    model_vocab_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_shard_size: str = "5GB",
 ) -> Path:
-    """Write tokenizer + random LlamaForCausalLM to ``target`` atomically; return it."""
+    """Write tokenizer + random LlamaForCausalLM to ``target`` atomically; return it.
+
+    The defaults are the tests' tiny model. Benchmarks build real shapes with the same
+    tokenizer: ``intermediate_size`` (default 2 x hidden), ``kv_heads`` (default heads/2),
+    ``model_vocab_size`` (rows of the embedding, default the tokenizer's size), the weights'
+    ``dtype``, the ``device`` they are initialised on (a 7B model initialises in seconds on
+    a GPU, minutes on a CPU) and the safetensors' ``max_shard_size``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -98,20 +117,27 @@ def make_tiny_model(
         tokenizer = train_tokenizer(vocab_size)
         tokenizer.save_pretrained(staging)
         config = LlamaConfig(
-            vocab_size=len(tokenizer),
+            vocab_size=model_vocab_size or len(tokenizer),
             hidden_size=hidden_size,
-            intermediate_size=hidden_size * 2,
+            intermediate_size=intermediate_size or hidden_size * 2,
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=max(1, heads // 2),
-            max_position_embeddings=2048,
+            num_key_value_heads=kv_heads or max(1, heads // 2),
+            max_position_embeddings=max_position_embeddings,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             tie_word_embeddings=False,
         )
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(getattr(torch, dtype))
+        try:
+            with torch.device(device):
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(default)
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.save_pretrained(staging, safe_serialization=True)
+        model.save_pretrained(staging, safe_serialization=True, max_shard_size=max_shard_size)
+        del model
     return target

@@ -14,14 +14,13 @@ pytest.importorskip("transformers")
 
 from jobgen.spec import DataSpec  # noqa: E402
 from trainer.data import (  # noqa: E402
-    ALPACA_PROMPT,
-    ALPACA_PROMPT_WITH_INPUT,
     IGNORE_INDEX,
     DataError,
     DataStats,
     load_raw,
     tokenize_dataset,
 )
+from trainer.formats import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

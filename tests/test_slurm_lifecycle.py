@@ -58,7 +58,7 @@ def complete_checkpoints(run: Path) -> list[Path]:
     return found
 
 
-# In CI the soak's 5-minute variant proves time limits (its first fault lets a task
+# In CI the quick soak proves time limits (its first fault lets a task
 # reach its limit: exit 13, or 12 by the lead-time signal, never TIMEOUT, nothing redone).
 @pytest.mark.full
 def test_time_limit_saves_before_slurm_and_an_array_chained_after_resumes(cluster, tmp_path, tiny_model):

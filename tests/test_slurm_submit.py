@@ -9,11 +9,12 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, jobgen, status, wait_for, wait_until_gone, write_spec
+from helpers import DATA, REPO, jobgen, run_spec, status, wait_for, wait_until_gone, write_spec
 from helpers import submitted_job_id as job_id_of
 from jobgen import slurm
 
@@ -319,3 +320,44 @@ def test_odd_run_dir_and_extra_sbatch_value_reach_slurm_literally(cluster, tmp_p
     assert verdict["ok"], (run / "logs" / f"odd-{job_id}.out").read_text()
     assert "Comment=my run #1" in shown, shown
     assert final_state(job_id)["ExitCode"] == "0:0"
+
+
+def test_submit_refuses_a_run_predicted_not_to_fit_before_it_is_queued(cluster, tmp_path: Path, tiny_model: Path):
+    """The memory plan in submit's preflight, against the live cluster: a budget the run cannot
+    fit is refused with the numbers and a change that would fit, and nothing reaches the queue
+    or the disk; the same run under a budget it fits is queued, and so is the refused one when
+    the user overrides the plan."""
+
+    def spec(name: str, device_memory: str) -> Path:
+        return run_spec(
+            tmp_path,
+            name,
+            filename=f"{name}.toml",
+            site={"profile": "local", "slurm": {"device_memory": device_memory}},
+            job={"time": "5m", "exit_grace": "1m", "runs_root": str(tmp_path / "runs")},
+            model={"path": tiny_model},
+            data={"path": DATA, "max_length": 256},
+            train={"micro_batch_size": 1, "max_steps": 2},
+        )
+
+    def queued() -> set[int]:
+        return {entry.job_id for entry in slurm.queue()}
+
+    before = queued()
+    refused = jobgen("submit", str(spec("toobig", "100MiB")))
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "does not fit" in refused.stderr and "budget 100 MiB" in refused.stderr, refused.stderr
+    assert "--ignore-memory-plan" in refused.stderr, refused.stderr
+    assert queued() == before
+    assert not (tmp_path / "runs" / "toobig").exists()
+
+    fits = jobgen("submit", str(spec("fits", "8GiB")))
+    assert fits.returncode == 0, fits.stdout + fits.stderr
+    assert "does not fit" not in fits.stdout + fits.stderr
+    forced = jobgen("submit", str(spec("toobig", "100MiB")), "--ignore-memory-plan")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert "does not fit" in forced.stderr  # still said, as a warning
+    jobs = [job_id_of(fits.stdout), job_id_of(forced.stdout)]
+    assert [final_state(job)["JobName"] for job in jobs] == ["fits", "toobig"]
+    subprocess.run(["scancel", *map(str, jobs)], check=True)
+    wait_until_gone(jobs)

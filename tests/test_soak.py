@@ -16,7 +16,9 @@ rank. At the end:
 
 ``pytest -m soak tests/test_soak.py -s`` runs the 30-minute soak
 (``JOBGEN_SOAK_MINUTES`` changes its length, ``JOBGEN_SOAK_SEED`` replays a schedule);
-the default test command (and CI) runs a 5-minute variant. Both print their figures.
+the default test command (and CI) runs a quick variant: each quick fault once (a task's
+time limit first, then USR1, the save switch, SIGKILL and the kill switch in random
+order) at shorter random moments. Both print their figures.
 """
 
 from __future__ import annotations
@@ -233,21 +235,24 @@ LONG_MINUTES = float(os.environ.get("JOBGEN_SOAK_MINUTES", "30"))
 
 
 # The time limits: the faults' minutes plus the last task, the reference run and the checks.
+# minutes=None is the quick variant: every quick fault once, then the checks (about 6 minutes).
 @pytest.mark.parametrize(
     "minutes",
     [
-        pytest.param(5, id="5m", marks=pytest.mark.timeout(5 * 60 + 900)),
+        pytest.param(None, id="quick", marks=pytest.mark.timeout(1200)),
         pytest.param(LONG_MINUTES, id="long", marks=[pytest.mark.soak, pytest.mark.timeout(LONG_MINUTES * 60 + 1800)]),
     ],
 )
 def test_soak(cluster, tmp_path, tiny_model, minutes):
     seed = int(os.environ.get("JOBGEN_SOAK_SEED", time.time_ns() % 100_000))
     rng = random.Random(seed)
-    long_run = minutes >= 15
+    quick = minutes is None
     # Requeued jobs wait ~2 minutes here before they start again; hangs cost the
-    # collective timeout plus KillWait: the 5-minute variant keeps to the quick faults.
-    kinds = ["time-limit", "usr1", "save-switch", "sigkill", "kill-switch"] + (["requeue", "hang"] if long_run else [])
-    array_size = max(6, int(minutes))
+    # collective timeout plus KillWait: the quick variant keeps to the quick faults.
+    kinds = ["time-limit", "usr1", "save-switch", "sigkill", "kill-switch"] + ([] if quick else ["requeue", "hang"])
+    array_size = 6 if quick else max(6, int(minutes))
+    # A moment inside a task: after a few steps and saves (one save every 4 s).
+    moment = (3, 10) if quick else (5, 25)
     spec = train_spec(
         tmp_path,
         tiny_model,
@@ -260,17 +265,22 @@ def test_soak(cluster, tmp_path, tiny_model, minutes):
         **SETTINGS,
     )
     run = tmp_path / "runs" / "soak"
-    print(f"soak: {minutes} min, seed {seed} (JOBGEN_SOAK_SEED={seed} replays it), faults {kinds}", flush=True)
+    label = "quick" if quick else f"{minutes} min"
+    print(f"soak: {label}, seed {seed} (JOBGEN_SOAK_SEED={seed} replays it), faults {kinds}", flush=True)
     soak = Soak(spec, run, submit(spec), array_size)
     started = time.monotonic()
     order = kinds[1:]
     rng.shuffle(order)
-    order.insert(0, "time-limit")  # first, so that even the 5-minute variant lets a task reach its limit
+    order.insert(0, "time-limit")  # first, so that a task reaches its limit in every variant
+
+    def more() -> bool:
+        return i < len(order) if quick else time.monotonic() - started < minutes * 60
+
     i = 0
-    while time.monotonic() - started < minutes * 60:
+    while more():
         job = soak.training_job()
-        time.sleep(rng.uniform(5, 25))  # a random moment inside a task
-        if time.monotonic() - started >= minutes * 60:
+        time.sleep(rng.uniform(*moment))
+        if not quick and not more():
             break
         if soak.running() != job:  # the task ended meanwhile (its time limit): a fault of its own
             continue
@@ -316,10 +326,10 @@ def test_soak(cluster, tmp_path, tiny_model, minutes):
         kinds_done[kind] = kinds_done.get(kind, 0) + 1
     exits: dict[str, int] = {}
     for a in tried:
-        label = "killed" if a["exit_code"] is None else ExitCode(a["exit_code"]).name.lower()
-        exits[label] = exits.get(label, 0) + 1
+        how = "killed" if a["exit_code"] is None else ExitCode(a["exit_code"]).name.lower()
+        exits[how] = exits.get(how, 0) + 1
     report = {
-        "minutes": minutes,
+        "minutes": label,
         "seed": seed,
         "final_step": final,
         "attempts": len(tried),
@@ -337,5 +347,5 @@ def test_soak(cluster, tmp_path, tiny_model, minutes):
     print("soak report: " + json.dumps(report), flush=True)
     if os.environ.get("JOBGEN_SOAK_REPORT"):
         Path(os.environ["JOBGEN_SOAK_REPORT"]).write_text(json.dumps(report, indent=2) + "\n")
-    assert len(soak.faults) >= (len(kinds) if long_run else 3)
+    assert len(soak.faults) >= len(kinds), kinds_done
     assert "time-limit" in kinds_done, kinds_done

@@ -54,6 +54,11 @@ def setup_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
+    from trainer.host_allocator import return_large_frees_to_os
+
+    # Before anything large is allocated: freed tensors of a MiB or more go back to the
+    # system instead of fragmenting glibc's heaps (the module says what it saves).
+    return_large_frees_to_os()
     log = logging.getLogger("trainer")
     started = time.time()
 

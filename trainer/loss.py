@@ -8,9 +8,9 @@ chunk's logits, not ``tokens x vocabulary``. The result equals
 :func:`trainer.packing.token_loss_sum` up to the order of the sum.
 
 Why inside the model's forward
-    FSDP2 (``fully_shard(model)``) un-shards the root module's parameters, the output
-    layer's weight among them, only inside the root's forward (and again for its
-    backward). So the chunked loss must run where the logits are computed: the output
+    FSDP2 un-shards the output layer's weight (an FSDP unit of its own, or part of the
+    root's when tied to the input embeddings) only inside that unit's forward (and again
+    for its backward). So the chunked loss must run where the logits are computed: the output
     layer's class is swapped (:func:`install_chunked_loss`) for :class:`ChunkedLossHead`,
     an ``nn.Linear`` whose forward, while :meth:`ChunkedLoss.targets` has given it the
     labels, returns the loss sum shaped ``(1, 1, 1)`` in place of the logits. The
@@ -30,6 +30,7 @@ When it cannot apply
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -111,7 +112,7 @@ class ChunkedLossHead(nn.Linear):
         self.calls += 1
         loss = chunked_linear_cross_entropy(hidden, self.weight, self.bias, labels, self.chunk_tokens)
         self.last_loss = loss.detach()
-        return loss.reshape(1, 1, 1).clone()  # not a view: FSDP2 hooks its root output for backward
+        return loss.reshape(1, 1, 1).clone()  # not a view: FSDP2 hooks its unit's output for backward
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -164,6 +165,25 @@ def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b) or (torch.isnan(a) & torch.isnan(b)).item())
 
 
+def _fsdp_unit_of_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain ``nn.Linear`` that FSDP2's ``fully_shard`` made a unit of
+    its own (:func:`trainer.model.wrap` does so for untied output layers): its class is then
+    ``FSDPLinear(FSDPModule, nn.Linear)``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule) and type(module).__bases__ == (FSDPModule, nn.Linear)
+
+
+@functools.cache
+def _fsdp_chunked_loss_head() -> type:
+    """``FSDPChunkedLossHead(FSDPModule, ChunkedLossHead)``: the class FSDP2 itself would give a
+    ChunkedLossHead, so the head stays an FSDPModule (the root's gradient-sync and reshard
+    calls reach it) and computes the loss."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return type("FSDPChunkedLossHead", (FSDPModule, ChunkedLossHead), {})
+
+
 def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> ChunkedLoss:
     """Swap the output layer of ``model`` (bare, DDP-, FSDP2- or peft-wrapped) for a
     :class:`ChunkedLossHead` computing the loss ``chunk_tokens`` tokens at a time.
@@ -177,7 +197,8 @@ def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> ChunkedLoss:
             f"{name} has no output embeddings (get_output_embeddings() is None): "
             "set train.loss_chunk_tokens = 0 for this model"
         )
-    if type(head) is not nn.Linear:
+    fsdp_unit = _fsdp_unit_of_linear(head)
+    if type(head) is not nn.Linear and not fsdp_unit:
         raise LossHeadError(
             f"{name}'s output layer is a {type(head).__module__}.{type(head).__name__}, not a plain "
             "torch.nn.Linear (LoRA or quantisation on it?): the chunked loss cannot replace it; "
@@ -191,7 +212,7 @@ def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> ChunkedLoss:
                 f"{name} post-processes its logits ({key} = {value!r} in its config), which the chunked loss "
                 "would skip: set train.loss_chunk_tokens = 0 for this model"
             )
-    head.__class__ = ChunkedLossHead
+    head.__class__ = _fsdp_chunked_loss_head() if fsdp_unit else ChunkedLossHead
     head.chunk_tokens = chunk_tokens
     head.loss_labels = None
     head.calls = 0
