@@ -41,7 +41,15 @@ def test_a_stop_request_left_before_the_attempt_started_is_ignored(cluster, tmp_
     run = tmp_path / "runs" / "stale-stop"
     # A job the run is chained behind: the run's own job id is known while it waits.
     filler = subprocess.run(
-        ["sbatch", "--parsable", "--job-name=stale-stop-filler", "--nodes=1", "--time=2", "--wrap=sleep 15"],
+        [
+            "sbatch",
+            "--parsable",
+            "--job-name=stale-stop-filler",
+            "--nodes=1",
+            "--time=2",
+            "--output=/dev/null",  # not slurm-<id>.out in the working directory
+            "--wrap=sleep 15",
+        ],
         capture_output=True,
         text=True,
         check=True,
