@@ -231,9 +231,20 @@ class TrainSpec(StrictModel):
         description=(
             "Compute the loss through the output layer this many tokens at a time, recomputing each chunk's "
             "logits in backward, so the float32 logits of the whole sequence (tokens x vocabulary) never exist; "
-            "e.g. 1024. Same loss and gradients as the full computation up to rounding. 0 computes all logits "
-            "at once. Needs an output layer that is a plain linear layer whose output the model returns as is "
+            "e.g. 1024. Same loss and gradients as the full computation up to rounding. 0 computes the logits "
+            "(of the target positions, with target_logits_only) at once. "
+            "Needs an output layer that is a plain linear layer whose output the model returns as is "
             "(Llama, Qwen, Mistral...); the trainer refuses other architectures at start."
+        ),
+    )
+    target_logits_only: bool = Field(
+        True,
+        description=(
+            "Send only the positions that have a target through the output layer: in SFT the prompt tokens "
+            "carry no loss, and the output layer (tokens x hidden x vocabulary) is the largest matrix product "
+            "of a small model. The loss and gradients are those of the full computation up to rounding. "
+            "Models whose output layer is not a plain linear layer, or that post-process their logits, get "
+            "the full computation (a log line says so); false always computes every position's logits."
         ),
     )
     max_steps: int = Field(1000, ge=1, description="Optimizer steps in the whole run (across array tasks).")

@@ -110,7 +110,8 @@ def test_loss_chunk_tokens_is_a_count(workdir):
         in _issues(_spec(workdir, train="loss_chunk_tokens = -1"))["train.loss_chunk_tokens"]
     )
     assert load_run(_spec(workdir, train="loss_chunk_tokens = 1024")).run.train.loss_chunk_tokens == 1024
-    assert load_run(_spec(workdir)).run.train.loss_chunk_tokens == 0  # today's loss unless asked
+    assert load_run(_spec(workdir)).run.train.loss_chunk_tokens == 0  # no chunking unless asked
+    assert load_run(_spec(workdir)).run.train.target_logits_only  # the output layer at target positions only
 
 
 def test_grad_clip_mode_is_checked(workdir):
@@ -126,8 +127,10 @@ def _torch():
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("chunk", [1, 5, 16, 1000])
-def test_chunked_loss_equals_full_loss_values_and_gradients(chunk):
+@pytest.mark.parametrize(
+    ("chunk", "targets_only"), [(1, False), (5, False), (16, False), (1000, False), (0, True), (5, True), (1000, True)]
+)
+def test_chunked_loss_equals_full_loss_values_and_gradients(chunk, targets_only):
     torch = _torch()
     from trainer.loss import chunked_linear_cross_entropy
     from trainer.packing import IGNORE_INDEX, token_loss_sum
@@ -144,7 +147,7 @@ def test_chunked_loss_equals_full_loss_values_and_gradients(chunk):
 
     full, _count = token_loss_sum(torch.nn.functional.linear(hidden, weight, bias), labels)
     grads_full = torch.autograd.grad(full, [hidden, weight, bias])
-    chunked = chunked_linear_cross_entropy(hidden, weight, bias, labels, chunk)
+    chunked = chunked_linear_cross_entropy(hidden, weight, bias, labels, chunk, targets_only=targets_only)
     grads_chunked = torch.autograd.grad(chunked, [hidden, weight, bias])
     assert chunked.dtype == torch.float32 and chunked.shape == ()
     assert float(chunked.detach()) == pytest.approx(float(full.detach()), rel=1e-5)
@@ -153,7 +156,8 @@ def test_chunked_loss_equals_full_loss_values_and_gradients(chunk):
 
 
 @pytest.mark.torch
-def test_chunked_loss_without_targets_is_zero_and_still_gives_gradients():
+@pytest.mark.parametrize(("chunk", "targets_only"), [(4, False), (4, True), (0, True)])
+def test_chunked_loss_without_targets_is_zero_and_still_gives_gradients(chunk, targets_only):
     torch = _torch()
     from trainer.loss import chunked_linear_cross_entropy
     from trainer.packing import IGNORE_INDEX
@@ -161,7 +165,7 @@ def test_chunked_loss_without_targets_is_zero_and_still_gives_gradients():
     hidden = torch.randn(2, 6, 4, requires_grad=True)
     weight = torch.randn(9, 4, requires_grad=True)
     labels = torch.full((2, 6), IGNORE_INDEX)
-    loss = chunked_linear_cross_entropy(hidden, weight, None, labels, 4)
+    loss = chunked_linear_cross_entropy(hidden, weight, None, labels, chunk, targets_only=targets_only)
     loss.backward()  # connected to the graph: DDP needs a gradient for every parameter
     assert float(loss.detach()) == 0.0 and weight.grad is not None and float(weight.grad.abs().sum()) == 0.0
 
@@ -198,8 +202,9 @@ def _batch(torch, vocab=97, batch=2, seq=24):
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize(("chunk", "targets_only"), [(5, False), (0, True), (5, True)])
 @pytest.mark.parametrize("tie", [False, True])
-def test_chunked_output_layer_inside_the_forward_matches_logits_loss(tie):
+def test_chunked_output_layer_inside_the_forward_matches_logits_loss(tie, chunk, targets_only):
     torch = _torch()
     from trainer.loss import ChunkedLossHead, install_chunked_loss
     from trainer.packing import token_loss_sum
@@ -211,7 +216,7 @@ def test_chunked_output_layer_inside_the_forward_matches_logits_loss(tie):
 
     full, _ = token_loss_sum(reference(input_ids=ids, use_cache=False).logits.float(), labels)
     full.backward()
-    loss = install_chunked_loss(model, 5)
+    loss = install_chunked_loss(model, chunk, targets_only=targets_only)
     assert isinstance(model.lm_head, ChunkedLossHead) and list(model.state_dict()) == keys  # checkpoints unchanged
     assert (model.lm_head.weight is model.model.embed_tokens.weight) is tie  # ties kept
     with loss.targets(labels):
@@ -359,7 +364,9 @@ def test_optimizer_in_backward_steps_like_the_plain_optimizer(optimizer, clip_mo
 # ---------------------------------------------------------------- the trainer under torchrun
 
 
-def _make_run(directory: Path, tiny_model: Path, *, procs: int, model: dict | None = None, **train) -> Path:
+def _make_run(
+    directory: Path, tiny_model: Path, *, procs: int, model: dict | None = None, data: dict | None = None, **train
+) -> Path:
     """helpers.make_run with ``job.procs_per_node`` set (optimizer_in_backward with DDP needs 1)."""
     from jobgen.render import render
     from jobgen.rundir import materialize
@@ -370,7 +377,7 @@ def _make_run(directory: Path, tiny_model: Path, *, procs: int, model: dict | No
         filename="lean.toml",
         job={"time": "1h", "runs_root": "runs", "nodes": 1, "procs_per_node": procs},
         model={"path": tiny_model, **(model or {})},
-        data={"path": DATA, "max_length": 256},
+        data={"path": DATA, "max_length": 256, **(data or {})},
         train={**TRAINER_SETTINGS, "max_steps": 8, **train},
     )
     spec = load_run(spec_file)
@@ -451,3 +458,24 @@ def test_chunked_loss_under_ddp_resumes_exactly_and_matches_the_full_loss(tmp_pa
     full = _make_run(tmp_path / "full", tiny_model, procs=2, max_steps=1)
     assert torchrun(full).returncode == 0
     assert losses(reference)[1] == pytest.approx(losses(full)[1], rel=1e-5)
+
+
+@pytest.mark.torch
+def test_target_positions_only_trains_like_every_positions_logits(tmp_path, tiny_model):
+    """The default output layer (target positions only) against every position's logits, 2
+    DDP ranks with packing and gradient accumulation: the same loss and gradient norm at
+    every step."""
+    settings = {"max_steps": 4, "grad_accum": 2}
+    runs = {}
+    for only in (True, False):
+        run = _make_run(
+            tmp_path / str(only), tiny_model, procs=2, data={"packing": True}, target_logits_only=only, **settings
+        )
+        proc = torchrun(run, nproc=2)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert ("the loss inside it, at target positions only, all at once" in proc.stdout) is only, proc.stdout
+        runs[only] = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in runs[True]] == [1, 2, 3, 4]
+    for fast, plain in zip(runs[True], runs[False]):
+        assert fast["loss"] == pytest.approx(plain["loss"], rel=1e-5), (fast, plain)
+        assert fast["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4), (fast, plain)

@@ -39,7 +39,7 @@ from jobgen.loader import ResolvedSpec
 from trainer.batches import DataPipeline
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistEnv, reduce_max, reduce_sum
-from trainer.loss import ChunkedLoss, install_chunked_loss
+from trainer.loss import ChunkedLoss, LossHeadError, install_chunked_loss
 from trainer.memory_peaks import MemoryPeaks, combine_ranks
 from trainer.metrics import MetricsWriter, memory_snapshot
 from trainer.model import build_model, load_tokenizer, trainable_parameters
@@ -87,9 +87,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(spec.run.model.path)
         self.data = DataPipeline(spec, self.tokenizer, env, run_dir)
         self.model = build_model(spec.run.model, self.cfg, env)
-        self.chunked_loss: ChunkedLoss | None = (
-            install_chunked_loss(self.model, self.cfg.loss_chunk_tokens) if self.cfg.loss_chunk_tokens else None
-        )
+        self.chunked_loss = self._install_loss_head()
         self.offloader = make_offloader(env.device, spec.run.model.activation_offloading)
         self.optimizer = build_optimizer(trainable_parameters(self.model), self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
@@ -153,6 +151,27 @@ class Trainer:
         self.load_state_dict(state)
         return path
 
+    def _install_loss_head(self) -> ChunkedLoss | None:
+        """The loss computed inside the output layer (chunked, or at target positions only), or
+        None for the plain path (every position's logits). Asked for chunking, a model that
+        cannot have it is refused; target positions only falls back to the plain path."""
+        chunk, targets_only = self.cfg.loss_chunk_tokens, self.cfg.target_logits_only
+        if not chunk and not targets_only:
+            return None
+        try:
+            loss = install_chunked_loss(self.model, chunk, targets_only=targets_only)
+        except LossHeadError as exc:
+            if chunk:
+                raise
+            log.info("output layer: every position's logits (%s)", exc)
+            return None
+        log.info(
+            "output layer: the loss inside it, %s, %s",
+            "at target positions only" if targets_only else "at every position",
+            f"{chunk} tokens at a time" if chunk else "all at once",
+        )
+        return loss
+
     def save(self, *, blocking: bool) -> Path:
         return self.checkpointer.save(
             self.step, self.model, self.checkpoint_optimizers, self.state_dict(), blocking=blocking
@@ -173,7 +192,10 @@ class Trainer:
         micro_batches = [self.data.next_batch() for _ in range(self.cfg.grad_accum)]
         local_targets = sum(int(count_targets(b["labels"])) for b in micro_batches)
         local_tokens = sum(int(b["num_tokens"]) for b in micro_batches)
-        global_targets, global_tokens = reduce_sum(self.env, [float(local_targets), float(local_tokens)])
+        local_padded = sum(int(b["input_ids"].numel()) for b in micro_batches)  # what the model computes on
+        global_targets, global_tokens, global_padded = reduce_sum(
+            self.env, [float(local_targets), float(local_tokens), float(local_padded)]
+        )
         # DDP and FSDP average gradients over ranks; scaling by world size turns that
         # average into the sum, so the gradient is that of the global token mean.
         scale = self.env.world_size / max(global_targets, 1.0)
@@ -200,6 +222,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "lr": lr,
             "step_tokens": int(global_tokens),
+            "step_padded_tokens": int(global_padded),
             "step_target_tokens": int(global_targets),
         }
 

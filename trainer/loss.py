@@ -45,6 +45,10 @@ from trainer.packing import IGNORE_INDEX
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
+# What a user sets to get the plain path: every position's logits, all at once.
+TURN_OFF = "set train.loss_chunk_tokens = 0 and train.target_logits_only = false"
+
+
 class LossHeadError(ModelError):
     """The chunked loss cannot be used with this model; the message says why and what to set.
     A ModelError: raised while the trainer is built, the job ends as for any untrainable model."""
@@ -61,28 +65,42 @@ def chunked_linear_cross_entropy(
     bias: torch.Tensor | None,
     labels: torch.Tensor,
     chunk_tokens: int,
+    *,
+    targets_only: bool = False,
 ) -> torch.Tensor:
     """Next-token cross-entropy of ``F.linear(hidden, weight, bias)`` summed over target
-    tokens, computed ``chunk_tokens`` tokens at a time (a 0-d float32 tensor).
+    tokens (a 0-d float32 tensor).
 
     ``hidden`` is ``[batch, seq, dim]``, ``labels`` ``[batch, seq]`` unshifted as
     :func:`trainer.packing.token_loss_sum` takes them: position ``t`` predicts
-    ``labels[:, t + 1]``. Chunks without a target token are skipped (unless all are: the
-    result must stay connected to the graph so that every parameter gets a gradient).
+    ``labels[:, t + 1]``. ``targets_only`` first keeps the positions that have a target
+    (the others contribute nothing to the loss, so their logits are never computed).
+    ``chunk_tokens`` > 0 computes the logits that many positions at a time and recomputes
+    each chunk's in backward; chunks without a target are skipped. Whatever is skipped, the
+    result stays connected to the graph, so that every parameter gets a gradient.
     """
-    if chunk_tokens < 1:
-        raise ValueError("chunk_tokens must be positive")
+    if chunk_tokens < 0:
+        raise ValueError("chunk_tokens must not be negative")
     if hidden.shape[:-1] != labels.shape:
         raise LossHeadError(
             f"hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)}: "
             "the model did not send every position through its output layer"
         )
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-    # Which chunks hold a target, decided on the host (labels come from the CPU batch): no
-    # device synchronisation per chunk.
-    has_target = (targets.detach().cpu() != IGNORE_INDEX).split(chunk_tokens)
-    targets = targets.to(hidden.device, non_blocking=True)
+    # Which positions hold a target, decided on the host (labels come from the CPU batch): no
+    # device synchronisation for it.
+    host_targets = targets.detach().cpu()
     flat = hidden.reshape(-1, hidden.size(-1))
+    if targets_only:
+        positions = (host_targets != IGNORE_INDEX).nonzero().squeeze(1)
+        if positions.numel() == 0:
+            positions = torch.zeros(1, dtype=torch.long)  # an ignored position: a zero loss on the graph
+        flat = flat.index_select(0, positions.to(flat.device, non_blocking=True))
+        host_targets = host_targets[positions]
+    targets = host_targets.to(hidden.device, non_blocking=True)
+    if chunk_tokens == 0:
+        return _chunk_loss(flat, weight, bias, targets)
+    has_target = (host_targets != IGNORE_INDEX).split(chunk_tokens)
     pieces = list(zip(flat.split(chunk_tokens), targets.split(chunk_tokens), has_target))
     chosen = [(h, y) for h, y, any_target in pieces if bool(any_target.any())] or [pieces[0][:2]]
     total: torch.Tensor | None = None
@@ -100,6 +118,7 @@ class ChunkedLossHead(nn.Linear):
     swapping an ``nn.Linear``'s class (:func:`install_chunked_loss`); never constructed."""
 
     chunk_tokens: int
+    targets_only: bool
     loss_labels: torch.Tensor | None
     calls: int
     last_loss: torch.Tensor | None
@@ -110,7 +129,9 @@ class ChunkedLossHead(nn.Linear):
         if labels is None:
             return super().forward(hidden)
         self.calls += 1
-        loss = chunked_linear_cross_entropy(hidden, self.weight, self.bias, labels, self.chunk_tokens)
+        loss = chunked_linear_cross_entropy(
+            hidden, self.weight, self.bias, labels, self.chunk_tokens, targets_only=self.targets_only
+        )
         self.last_loss = loss.detach()
         return loss.reshape(1, 1, 1).clone()  # not a view: FSDP2 hooks its unit's output for backward
 
@@ -148,14 +169,14 @@ class ChunkedLoss:
         if head.calls != 1 or head.last_loss is None:
             raise LossHeadError(
                 f"the model called its output layer {head.calls} times in one forward (expected once); "
-                "set train.loss_chunk_tokens = 0 for this architecture"
+                f"{TURN_OFF} for this architecture"
             )
         own = head.last_loss
         if tuple(output.shape) != (1, 1, 1) or not _same_value(output.detach().reshape(()), own):
             raise LossHeadError(
                 f"{head.model_name} changes its output layer's result before returning "
                 "it (e.g. logit soft-capping or scaling), so the chunked loss cannot stand in for the logits; "
-                "set train.loss_chunk_tokens = 0 for this architecture"
+                f"{TURN_OFF} for this architecture"
             )
         return output.reshape(())
 
@@ -184,7 +205,7 @@ def _fsdp_chunked_loss_head() -> type:
     return type("FSDPChunkedLossHead", (FSDPModule, ChunkedLossHead), {})
 
 
-def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> ChunkedLoss:
+def install_chunked_loss(model: nn.Module, chunk_tokens: int, *, targets_only: bool = False) -> ChunkedLoss:
     """Swap the output layer of ``model`` (bare, DDP-, FSDP2- or peft-wrapped) for a
     :class:`ChunkedLossHead` computing the loss ``chunk_tokens`` tokens at a time.
     Raises :class:`LossHeadError` for architectures where that cannot be done."""
@@ -194,15 +215,14 @@ def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> ChunkedLoss:
     head = get_head() if callable(get_head) else None
     if head is None:
         raise LossHeadError(
-            f"{name} has no output embeddings (get_output_embeddings() is None): "
-            "set train.loss_chunk_tokens = 0 for this model"
+            f"{name} has no output embeddings (get_output_embeddings() is None): {TURN_OFF} for this model"
         )
     fsdp_unit = _fsdp_unit_of_linear(head)
     if type(head) is not nn.Linear and not fsdp_unit:
         raise LossHeadError(
             f"{name}'s output layer is a {type(head).__module__}.{type(head).__name__}, not a plain "
             "torch.nn.Linear (LoRA or quantisation on it?): the chunked loss cannot replace it; "
-            "set train.loss_chunk_tokens = 0"
+            f"{TURN_OFF}"
         )
     config = getattr(inner, "config", None)
     for key in _LOGIT_POSTPROCESSING:
@@ -210,10 +230,11 @@ def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> ChunkedLoss:
         if value not in (None, 1, 1.0, False):
             raise LossHeadError(
                 f"{name} post-processes its logits ({key} = {value!r} in its config), which the chunked loss "
-                "would skip: set train.loss_chunk_tokens = 0 for this model"
+                f"would skip: {TURN_OFF} for this model"
             )
     head.__class__ = _fsdp_chunked_loss_head() if fsdp_unit else ChunkedLossHead
     head.chunk_tokens = chunk_tokens
+    head.targets_only = targets_only
     head.loss_labels = None
     head.calls = 0
     head.last_loss = None

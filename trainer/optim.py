@@ -20,9 +20,24 @@ from jobgen.spec import TrainSpec
 MIN_LR_RATIO = 0.1
 
 
+def _fused_adamw_applies(params: list[torch.nn.Parameter]) -> bool:
+    """torch's fused AdamW (one kernel per step instead of a pass per operation: 10% of a CPU
+    step of a small model was AdamW's sqrt, div, mul and lerp passes) takes floating-point
+    parameters on CPU and CUDA, plain or DTensor shards (FSDP2), all on one device type."""
+    kinds = {p.device.type for p in params}
+    return len(kinds) == 1 and kinds <= {"cpu", "cuda"} and all(p.is_floating_point() for p in params)
+
+
 def _make_optimizer(params: list[torch.nn.Parameter], spec: TrainSpec) -> torch.optim.Optimizer:
     if spec.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95), eps=1e-8)
+        return torch.optim.AdamW(
+            params,
+            lr=spec.lr,
+            weight_decay=spec.weight_decay,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            fused=_fused_adamw_applies(params) or None,
+        )
     # No first moment and a factored second moment: the low-memory choice.
     return torch.optim.Adafactor(params, lr=spec.lr, weight_decay=spec.weight_decay)
 
