@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import DATA, VENV_BIN, run_spec, torchrun
 
 GIB = 2**30
-LLAMA2_7B = {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 11008, "heads": 32}
-SMALL = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 704, "heads": 4}
+# jobgen.tinymodel.make_tiny_model's keywords.
+LLAMA2_7B = {"hidden_size": 4096, "layers": 32, "intermediate_size": 11008, "heads": 32, "kv_heads": 32}
+SMALL = {"hidden_size": 256, "layers": 4, "intermediate_size": 704, "heads": 4, "kv_heads": 4}
 PEAK_LIMIT_GIB = 22.0
 PLAN_TOLERANCE = 0.15
 
@@ -52,11 +53,7 @@ def build_model(target: Path, shape: dict[str, int]) -> None:
 
     make_tiny_model(
         target,
-        hidden_size=shape["hidden_size"],
-        layers=shape["num_hidden_layers"],
-        intermediate_size=shape["intermediate_size"],
-        heads=shape["heads"],
-        kv_heads=shape["heads"],
+        **shape,
         model_vocab_size=32000,
         max_position_embeddings=4096,
         dtype="bfloat16",

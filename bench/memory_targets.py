@@ -37,8 +37,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import DATA, REPO, VENV_BIN, run_spec, torchrun
 
 MIB = 2**20
-FULL = {"hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 2816, "heads": 16, "vocab_size": 32000}
-SMALL = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 704, "heads": 4, "vocab_size": 32000}
+# jobgen.tinymodel.make_tiny_model's keywords.
+FULL = {
+    "hidden_size": 1024,
+    "layers": 24,
+    "intermediate_size": 2816,
+    "heads": 16,
+    "kv_heads": 16,
+    "model_vocab_size": 32000,
+}
+SMALL = {
+    "hidden_size": 256,
+    "layers": 4,
+    "intermediate_size": 704,
+    "heads": 4,
+    "kv_heads": 4,
+    "model_vocab_size": 32000,
+}
 
 
 def build_model(target: Path, shape: dict[str, int]) -> int:
@@ -47,16 +62,7 @@ def build_model(target: Path, shape: dict[str, int]) -> int:
     from jobgen.tinymodel import make_tiny_model
 
     if not (target / "config.json").exists():
-        make_tiny_model(
-            target,
-            hidden_size=shape["hidden_size"],
-            layers=shape["num_hidden_layers"],
-            intermediate_size=shape["intermediate_size"],
-            heads=shape["heads"],
-            kv_heads=shape["heads"],
-            model_vocab_size=shape["vocab_size"],
-            max_shard_size="500MB",
-        )
+        make_tiny_model(target, **shape, max_shard_size="500MB")
     return read_model(target).param_count * 4  # trained in fp32 on CPU
 
 

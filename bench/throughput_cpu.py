@@ -38,7 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from helpers import REPO, VENV_BIN, run_spec
 
-SHAPE = {"hidden_size": 512, "layers": 4, "intermediate_size": 1376, "heads": 8, "vocab": 32000}
+# jobgen.tinymodel.make_tiny_model's keywords.
+SHAPE = {
+    "hidden_size": 512,
+    "layers": 4,
+    "intermediate_size": 1376,
+    "heads": 8,
+    "kv_heads": 8,
+    "model_vocab_size": 32000,
+}
 
 
 def single_token_words(model: Path) -> list[str]:
@@ -189,15 +197,7 @@ def main() -> None:
     if not (model / "config.json").exists():
         from jobgen.tinymodel import make_tiny_model
 
-        make_tiny_model(
-            model,
-            hidden_size=SHAPE["hidden_size"],
-            layers=SHAPE["layers"],
-            intermediate_size=SHAPE["intermediate_size"],
-            heads=SHAPE["heads"],
-            kv_heads=SHAPE["heads"],
-            model_vocab_size=SHAPE["vocab"],
-        )
+        make_tiny_model(model, **SHAPE)
     data = work / "alpaca-shaped.jsonl"
     if not data.exists():
         make_data(data, single_token_words(model), args.examples, seed=7)
