@@ -106,9 +106,13 @@ class MemoryPlan:
             return head + "; no budget to compare with (set site slurm.device_memory)"
         return head + f", budget {format_bytes(self.budget)} ({self.budget_source}): {self.verdict}"
 
-    def suggestion_lines(self) -> list[str]:
-        fitting = [s for s in self.suggestions if s.fits]
-        return [f"{s.change}  -> {format_bytes(s.peak)} ({s.cost})" for s in fitting]
+    def fit_advice(self, indent: str = "", where: str = "") -> list[str]:
+        """For a run that does not fit: the changes that would make it fit, cheapest first, under
+        a header (or one line saying none does); ``where`` is appended to that first line."""
+        fitting = [f"{s.change}  -> {format_bytes(s.peak)} ({s.cost})" for s in self.suggestions if s.fits]
+        if not fitting:
+            return [f"{indent}no single change considered makes it fit{where}"]
+        return [f"{indent}changes that would make it fit, cheapest first{where}:", *(f"{indent}  {f}" for f in fitting)]
 
     def format(self) -> str:
         """The table ``jobgen plan`` prints."""
@@ -145,12 +149,7 @@ class MemoryPlan:
         lines += ["", self.summary()]
         lines += [f"note: {n}" for n in self.notes]
         if self.fits is False:
-            fitting = self.suggestion_lines()
-            if fitting:
-                lines.append("changes that would make it fit, cheapest first:")
-                lines += [f"  {s}" for s in fitting]
-            else:
-                lines.append("no single change considered makes it fit")
+            lines += self.fit_advice()
         return "\n".join(lines)
 
 

@@ -187,13 +187,7 @@ def memory_findings(spec: ResolvedSpec, *, ignore: bool = False) -> list[Finding
         return [Finding("warning", "model.path", plan.summary())]
     if plan.fits is not False:
         return [Finding("info", "", plan.summary())]
-    lines = [plan.summary()]
-    fixes = plan.suggestion_lines()
-    if fixes:
-        lines.append("    changes that would make it fit, cheapest first (`jobgen plan` shows the breakdown):")
-        lines += [f"      {fix}" for fix in fixes]
-    else:
-        lines.append("    no single change considered makes it fit (`jobgen plan` shows the breakdown)")
+    lines = [plan.summary(), *plan.fit_advice("    ", " (`jobgen plan` shows the breakdown)")]
     if ignore:
         return [Finding("warning", "", "\n".join([*lines, "    submitting anyway (--ignore-memory-plan)"]))]
     lines.append("    --ignore-memory-plan submits anyway")
