@@ -297,7 +297,7 @@ class Trainer:
         try:
             return self._train_until_stop()
         finally:
-            self.checkpointer.wait()
+            self.checkpointer.close()
             self.memory_peaks.end_phase("steady")
             self.summary = self._exit_summary()
 
