@@ -297,7 +297,12 @@ def test_status_warns_when_exit_grace_is_shorter_than_a_save_and_a_step(tmp_path
     spec = json.loads((run / "spec.json").read_text())
     spec["run"]["job"]["exit_grace"] = "5s"  # as if submitted with exit_grace = "5s"
     (run / "spec.json").write_text(json.dumps(spec))
-    assert torchrun(run, env={"SLURM_JOB_ID": "777"}).returncode == 0
+    # As the batch script exports it: the allocation began 5 s before torchrun was started.
+    assert torchrun(run, env={"SLURM_JOB_ID": "777", "JOBGEN_JOB_START": str(time.time() - 5)}).returncode == 0
+    (record,) = [r for r in read_jsonl(run / "tasks.jsonl") if r["event"] == "first_step"]
+    phases = record["startup_seconds"]
+    assert set(phases) == {"launch", "imports", "rendezvous", "data", "model", "resume", "first_step"}, phases
+    assert phases["launch"] >= 5 and abs(sum(phases.values()) - record["seconds_to_first_step"]) < 0.05, record
     view = status(run)
     assert any("exit_grace is 5s" in w and "slowest save took" in w for w in view["warnings"]), view
     (only,) = [t for t in view["tasks"] if t["start_step"] is not None]

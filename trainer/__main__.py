@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     from jobgen.lease import WriterLease
     from jobgen.rundir import RunDir
     from trainer import distributed
+    from trainer.metrics import StartupClock
+
+    startup = StartupClock(started)
+    startup.mark("imports")
 
     run = RunDir(args.run_dir.absolute())
     spec = run.load_spec()
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         if refusal is not None:
             code, reason = refusal
             return int(code)
-        code, reason = train(spec, run, env, attempt, started)
+        startup.mark("rendezvous")  # the process group, and rank 0's start checks
+        code, reason = train(spec, run, env, attempt, startup)
         return int(code)
     except BaseException as exc:
         code, reason = ExitCode.CRASHED, f"crashed: {type(exc).__name__}: {str(exc)[:300]}"
@@ -134,7 +139,7 @@ def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None
     return None
 
 
-def train(spec, run, env, attempt: Attempt, started: float) -> tuple[ExitCode, str]:
+def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
     """Build the trainer and fit; failures that every later task would repeat come back as
     their exit codes (typed exceptions, never matched on message text)."""
     from trainer import distributed
@@ -169,11 +174,11 @@ def train(spec, run, env, attempt: Attempt, started: float) -> tuple[ExitCode, s
             )
     from trainer.loop import Trainer
 
+    startup.mark("imports")  # transformers, datasets
     try:
-        trainer = Trainer(spec, run.path, env, monitor)
+        trainer = Trainer(spec, run.path, env, monitor, startup)
     except (DataError, DataCacheError, ModelError) as exc:
         return ExitCode.DATA_ERROR, f"{type(exc).__name__}: {exc}"
-    trainer.started = started
     try:
         code, reason = trainer.fit()
     except ResumeFailed as exc:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistEnv, reduce_max, reduce_sum
 from trainer.loss import ChunkedLoss, LossHeadError, install_chunked_loss
 from trainer.memory_peaks import MemoryPeaks, combine_ranks
-from trainer.metrics import MetricsWriter, memory_snapshot
+from trainer.metrics import MetricsWriter, StartupClock, memory_snapshot
 from trainer.model import build_model, load_tokenizer, trainable_parameters
 from trainer.offload import make_offloader, offload_activations
 from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler, clip_per_parameter
@@ -70,22 +69,32 @@ class ThroughputWindow:
 class Trainer:
     """One job's part of a run: resume, train to max_steps or a stop, and record what it did."""
 
-    def __init__(self, spec: ResolvedSpec, run_dir: Path, env: DistEnv, monitor: StopMonitor):
+    def __init__(
+        self,
+        spec: ResolvedSpec,
+        run_dir: Path,
+        env: DistEnv,
+        monitor: StopMonitor,
+        startup: StartupClock | None = None,
+    ):
+        """``startup``: the clock main() started when the process began (a new one if not given)."""
         assert spec.run.model is not None and spec.run.data is not None
         self.spec = spec
         self.cfg = spec.run.train
         self.run_dir = run_dir
         self.env = env
         self.monitor = monitor
-        self.started = time.time()
+        self.startup = startup or StartupClock()
+        self.started = self.startup.process_started
         self.memory_peaks = MemoryPeaks(env.device)  # per phase: load, first step, steady
         # When the allocation began (the batch script exports it); falls back to this process's start.
-        self.job_start = float(os.environ.get("JOBGEN_JOB_START") or self.started)
+        self.job_start = self.startup.job_start
         self.step_seconds: list[float] = []  # wall time of each optimizer step of this job
         # Identical initialisation on every rank (FSDP2 does not broadcast parameters).
         torch.manual_seed(self.cfg.seed)
         self.tokenizer = load_tokenizer(spec.run.model.path)
         self.data = DataPipeline(spec, self.tokenizer, env, run_dir)
+        self.startup.mark("data")  # tokenizer, and the tokenized data (from the cache, or built)
         self.model = build_model(spec.run.model, self.cfg, env)
         self.chunked_loss = self._install_loss_head()
         self.offloader = make_offloader(env.device, spec.run.model.activation_offloading)
@@ -100,6 +109,7 @@ class Trainer:
             async_save=self.cfg.async_save,
         )
         self.metrics = MetricsWriter(run_dir, enabled=env.is_main)
+        self.startup.mark("model")  # weights, wrapping, optimizer
         # Per-rank streams for dropout and friends; restored from checkpoints on resume.
         torch.manual_seed(self.cfg.seed * 1000 + env.rank)
         self.step = 0
@@ -277,6 +287,7 @@ class Trainer:
     def fit(self) -> tuple[ExitCode, str]:
         """Train until max_steps or a stop; returns the exit code and a one-line reason."""
         resumed = self.resume()
+        self.startup.mark("resume")
         self.start_step = self.step
         self.resumed_from = resumed.name if resumed else None
         self.memory_peaks.end_phase("load")  # model, optimizer and checkpoint in place
@@ -336,6 +347,9 @@ class Trainer:
         began (goodput and lead time are computed from it)."""
         self.memory_peaks.end_phase("first_step")  # optimizer state is allocated by now
         self.seconds_to_first_step = time.time() - self.job_start
+        self.startup.mark("first_step")
+        if self.env.is_main:
+            log.info("first step %.1f s after the job started: %s", self.seconds_to_first_step, self.startup.summary())
         self.metrics.log_task(
             {
                 "event": "first_step",
@@ -343,6 +357,7 @@ class Trainer:
                 "start_step": self.start_step,
                 "job_start": self.job_start,
                 "seconds_to_first_step": round(self.seconds_to_first_step, 3),
+                "startup_seconds": self.startup.seconds,
                 "resumed_from": self.resumed_from,
             }
         )

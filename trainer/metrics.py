@@ -32,6 +32,32 @@ def memory_snapshot() -> dict[str, float]:
     return snap
 
 
+class StartupClock:
+    """Where a job's start went, phase by phase, up to the end of its first step.
+
+    Each ``mark(phase)`` ends ``phase`` at the current time (a phase marked twice adds up);
+    the first phase began at ``job_start``: the allocation's start, which the batch script
+    exports as JOBGEN_JOB_START, else this process's. Wall-clock seconds (``time.time``), as
+    the job's start was taken by another process."""
+
+    def __init__(self, process_started: float | None = None):
+        process_started = process_started or time.time()
+        self.process_started = process_started
+        self.job_start = float(os.environ.get("JOBGEN_JOB_START") or process_started)
+        self._last = self.job_start
+        self.seconds: dict[str, float] = {}
+        # Scheduler, srun, torchrun and the interpreter, up to this process's main().
+        self.mark("launch", at=process_started)
+
+    def mark(self, phase: str, at: float | None = None) -> None:
+        now = time.time() if at is None else at
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + max(now - self._last, 0.0), 3)
+        self._last = now
+
+    def summary(self) -> str:
+        return ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in self.seconds.items())
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir = run_dir
