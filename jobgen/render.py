@@ -155,7 +155,10 @@ def sbatch_directives(spec: ResolvedSpec) -> list[Trusted]:
         option("chdir", run.path),
         option("output", f"{slurm_filename_literal(str(run.path))}/{batch_log}"),
         option("open-mode", "append"),
-        option("signal", f"B:{slurm.signal}@{job.exit_grace}"),
+    ]
+    if job.graceful_stop:
+        directives.append(option("signal", f"B:{slurm.signal}@{job.exit_grace}"))
+    directives += [
         option("requeue" if slurm.requeue else "no-requeue"),
     ]
     directives += [_sbatch_arg(extra) for extra in slurm.extra_sbatch]
@@ -216,6 +219,7 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
         # (its default, 30 s, cuts saves short): the lead time the spec budgets for a save.
         "shutdown_timeout_seconds": job.exit_grace,
         "signal": slurm.signal,
+        "graceful_stop": job.graceful_stop,
         "array": job.array,
         "run_dir": str(run_dir),
         # The run directory's names (jobgen.rundir). Absolute where nothing in them varies;

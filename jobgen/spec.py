@@ -58,6 +58,16 @@ class JobSpec(StrictModel):
             "Slurm may signal up to 60 s early; it must cover one step plus one checkpoint save."
         ),
     )
+    graceful_stop: bool = Field(
+        True,
+        description=(
+            "Save and exit before Slurm ends the job: on the lead-time signal (exit_grace before the time limit), "
+            "at the job's deadline, on SIGTERM (preemption, scancel) and on the batch shell's stop request. false: "
+            "none of these is asked for or handled; the program trains until Slurm kills it and each array task "
+            "resumes from the last periodic checkpoint, redoing the steps since. For programs that cannot save "
+            "on demand, and to measure what graceful stops save (bench/goodput.py). Switch files still work."
+        ),
+    )
     runs_root: SafePath | None = Field(None, description="Overrides the site's paths.runs_root.")
     partition: SlurmName | None = Field(None, description="Overrides the site's slurm.partition.")
     account: SlurmName | None = Field(None, description="Overrides the site's slurm.account.")

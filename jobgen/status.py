@@ -216,11 +216,13 @@ def run_status(run: RunDir, watchdog_alerts: WatchdogAlerts | None = None) -> Ru
         notes=notes,
         slurm_unreachable=unreachable,
     )
-    warning = lead_time_warning(job.exit_grace, reports)
+    # Without graceful stops no save races a time limit or a SIGKILL: nothing to warn about.
+    warning = lead_time_warning(job.exit_grace, reports) if job.graceful_stop else None
     if warning:
         status.warnings.append(warning)
     try:
-        window = kill_window(spec) if tasks else None  # only once Slurm has seen a job of the run
+        # Only once Slurm has seen a job of the run.
+        window = kill_window(spec) if tasks and job.graceful_stop else None
     except slurm.SlurmError:
         window = None
     warning = kill_window_warning(window, reports)

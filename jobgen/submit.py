@@ -97,7 +97,7 @@ def submit(
                 raise
     findings = memory + findings
     run = RunDir(spec.run_dir)
-    if run.exists():
+    if run.exists() and spec.run.job.graceful_stop:  # else no save races a time limit or a SIGKILL
         reports = run_reports(run.path)
         warning = lead_time_warning(spec.run.job.exit_grace, reports)
         if warning:

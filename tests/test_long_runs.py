@@ -216,6 +216,7 @@ def test_a_crashed_requeued_attempt_reports_its_own_exit_code(tmp_path, tiny_mod
 # ---------------------------------------------------------------- 4. shutdown grace
 
 
+@pytest.mark.full  # a save must outlast torchrun's 30 s default: 40 s however fast the machine
 def test_a_save_slower_than_torchruns_default_grace_survives_sigterm(tmp_path, tiny_model):
     """Preemption and scancel send SIGTERM to every process of the step. torchrun's agent
     then killed its workers after 30 s whatever they were doing: a 34 s save was cut.

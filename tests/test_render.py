@@ -395,3 +395,12 @@ def test_names_the_script_builds_are_the_run_directorys(tmp_path: Path):
     # Every request an attempt of job 7 can have left is gone; other jobs' and the switches stay.
     assert sorted(p.name for p in run.switches.iterdir()) == ["kill", "stop.70.0", "stop.8.0"]
     assert f"for switch in {' '.join(STARTUP_SWITCHES)}; do" in lines
+
+
+def test_without_graceful_stop_no_lead_time_signal_is_asked_for(tmp_path: Path):
+    graceful = render(load_run(doctor_spec(tmp_path / "a")))
+    assert option(sbatch_arguments(graceful), "signal") == "B:USR1@60"  # exit_grace 1m
+    text = render(load_run(doctor_spec(tmp_path / "b", graceful_stop=False)))
+    assert not any(arg.startswith("--signal") for arg in sbatch_arguments(text))
+    assert "# job.graceful_stop = false" in text
+    check_shell(text, tmp_path)

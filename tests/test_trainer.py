@@ -15,7 +15,19 @@ import time
 
 import pytest
 
-from helpers import VENV_BIN, checkpoints, losses, make_run, read_jsonl, status, summary, torchrun, wait_for_step
+from helpers import (
+    VENV_BIN,
+    checkpoints,
+    last_step,
+    losses,
+    make_run,
+    read_jsonl,
+    status,
+    summary,
+    torchrun,
+    wait_for,
+    wait_for_step,
+)
 from jobgen.exit_codes import ExitCode
 
 pytestmark = pytest.mark.torch
@@ -46,7 +58,8 @@ def test_two_process_run_reduces_loss(tmp_path, tiny_model, parallelism, packing
         assert info["data_stats"]["rows"] < info["data_stats"]["kept"]
 
 
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+# DDP's resume is also exercised by the quick soak in CI; its own run here is in the full suite.
+@pytest.mark.parametrize("parallelism", [pytest.param("ddp", marks=pytest.mark.full), "fsdp"])
 def test_resume_after_kill_switch_is_exact(tmp_path, tiny_model, parallelism):
     reference = make_run(tmp_path / "a", tiny_model, parallelism=parallelism, max_steps=14)
     assert torchrun(reference).returncode == 0
@@ -140,6 +153,27 @@ def test_deadline_saves_and_exits(tmp_path, tiny_model):
     assert info["exit_code"] == ExitCode.DEADLINE, proc.stdout + proc.stderr
     assert checkpoints(run) == [f"step-{info['end_step']:08d}"] and info["end_step"] < 500
     assert "deadline" in proc.stdout + proc.stderr
+
+
+def test_without_graceful_stop_the_deadline_stop_requests_and_signals_end_the_job_unsaved(tmp_path, tiny_model):
+    """job.graceful_stop = false, what bench/goodput.py compares against: the trainer trains past
+    its deadline and ignores the batch shell's stop request; a signal kills it without a save."""
+    run = make_run(tmp_path, tiny_model, max_steps=100_000, save_every_steps=0)
+    spec = json.loads((run / "spec.json").read_text())
+    spec["run"]["job"]["graceful_stop"] = False
+    (run / "spec.json").write_text(json.dumps(spec))
+    deadline = time.time() + 2  # job.time 1h, exit_grace 5m: the job "ends" 5m + 2s from now
+    env = {"SLURM_JOB_ID": "4243", "JOBGEN_JOB_END_TIME": str(int(deadline + 300))}
+    proc = torchrun(run, background=True, env=env)
+    wait_for_step(run, proc, 2)
+    (run / "switches" / "stop.4243.0").touch()  # what the batch shell's trap would write
+    wait_for(lambda: time.time() > deadline + 2, 30, "the deadline to pass")
+    passed = last_step(run)
+    wait_for_step(run, proc, passed + 3)  # still training: past the deadline, with a stop request
+    subprocess.run(["pkill", "-USR1", "-P", str(proc.pid)], check=True)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out
+    assert checkpoints(run) == [] and "graceful_stop = false" in out, out
 
 
 def test_memory_guard_saves_and_exits(tmp_path, tiny_model):

@@ -150,9 +150,10 @@ def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
     from trainer.sampler import ResumeMismatch
     from trainer.stopping import StopMonitor, StopSettings, job_end_time
 
-    end = distributed.broadcast_object(env, job_end_time(attempt.job_id) if env.is_main else None)
+    graceful = spec.run.job.graceful_stop
+    end = distributed.broadcast_object(env, job_end_time(attempt.job_id) if env.is_main and graceful else None)
     deadline = end - spec.run.job.exit_grace if end else None
-    stop_request = run.stop_request(attempt.job_id, attempt.restart) if attempt.job_id else None
+    stop_request = run.stop_request(attempt.job_id, attempt.restart) if attempt.job_id and graceful else None
     monitor = StopMonitor(
         StopSettings(
             run.switches,
@@ -163,7 +164,10 @@ def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
             check_files=env.is_main,
         )
     )
-    monitor.install_signal_handlers()
+    if graceful:
+        monitor.install_signal_handlers()
+    elif env.is_main:
+        logging.getLogger("trainer").info("job.graceful_stop = false: signals and the deadline end this job unsaved")
     if spec.site.slurm.device_memory:
         from jobgen.sizes import parse_size
 
