@@ -79,7 +79,17 @@ def make(work: Path, name: str, model: Path, procs: int, model_keys: dict, train
         job={"time": "2h", "runs_root": "runs", "procs_per_node": procs},
         model={"path": model, **model_keys},
         data={"path": DATA, "max_length": 256, "packing": True},
-        train={"micro_batch_size": 1, "grad_accum": 1, "lr": 1e-4, "log_every_steps": 1, "seed": 1, **train_keys},
+        # The lean allocator, as "auto" chooses it when memory is tight: on this machine the
+        # runs have room, and "auto" would measure glibc's heaps instead.
+        train={
+            "micro_batch_size": 1,
+            "grad_accum": 1,
+            "lr": 1e-4,
+            "log_every_steps": 1,
+            "seed": 1,
+            "host_allocator": "lean",
+            **train_keys,
+        },
     )
     spec = load_run(spec_file)
     run, _ = materialize(spec, render(spec), spec_file.read_text())

@@ -28,6 +28,7 @@ import math
 import os
 import random
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -128,6 +129,9 @@ def ours(work: Path, model: Path, data: Path, packing: bool, args, extra_train: 
         },
     )
     spec = load_run(spec_file)
+    # A run directory left by an earlier invocation would only say "already finished"; the
+    # data cache beside it (runs/.cache) stays, as it would for a user's second run.
+    shutil.rmtree(spec.run_dir, ignore_errors=True)
     run, _ = materialize(spec, render(spec), spec_file.read_text())
     cmd = [
         str(VENV_BIN / "torchrun"),
@@ -141,6 +145,7 @@ def ours(work: Path, model: Path, data: Path, packing: bool, args, extra_train: 
         raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     lines = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     timed = [m for m in lines if m["step"] > args.warmup]
+    assert len(timed) == args.steps, f"{name}: {len(timed)} timed steps in {run.path}, expected {args.steps}"
     peaks = json.loads((run.path / "metrics.json").read_text()).get("memory_peaks", {}).get("max_over_ranks", {})
     peak = max((v.get("host_rss_peak_mib", 0.0) for v in peaks.values()), default=max(before, child_peak_mib()))
     return {

@@ -14,8 +14,10 @@ from helpers import REPO
 # Runs in a fresh interpreter: glibc's threshold is process-wide and moves as memory is freed.
 PROBE = r"""
 import ctypes, ctypes.util, sys
-from trainer.host_allocator import return_large_frees_to_os
-applied = return_large_frees_to_os() if sys.argv[1] == "apply" else False
+applied = False
+if sys.argv[1] == "apply":  # "leave" imports nothing beyond ctypes: glibc as it comes
+    from trainer.host_allocator import return_large_frees_to_os
+    applied = return_large_frees_to_os()
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -63,3 +65,30 @@ def test_freed_large_tensors_go_back_to_the_system():
 def test_a_threshold_set_in_the_environment_wins():
     applied, _ = probe("apply", MALLOC_MMAP_THRESHOLD_="131072")
     assert not applied
+
+
+def test_auto_is_lean_unless_a_cpu_run_has_room_to_spare():
+    from trainer.host_allocator import choose
+
+    gib = 1 << 30
+    # A CPU run predicted to use a quarter of its share keeps glibc's faster allocator...
+    assert choose("auto", on_gpu=False, predicted_peak=2 * gib, memory_per_process=8 * gib) == "glibc"
+    # ... one predicted at over half of it, or with no prediction, gets the lean one.
+    assert choose("auto", on_gpu=False, predicted_peak=5 * gib, memory_per_process=8 * gib) == "lean"
+    assert choose("auto", on_gpu=False, predicted_peak=None, memory_per_process=8 * gib) == "lean"
+    assert choose("auto", on_gpu=False, predicted_peak=2 * gib, memory_per_process=None) == "lean"
+    # GPU runs hardly allocate host memory while stepping; their loads do.
+    assert choose("auto", on_gpu=True, predicted_peak=1, memory_per_process=8 * gib) == "lean"
+    # An explicit setting is taken as it is.
+    assert choose("glibc", on_gpu=True, predicted_peak=None, memory_per_process=None) == "glibc"
+    assert choose("lean", on_gpu=False, predicted_peak=1, memory_per_process=8 * gib) == "lean"
+
+
+def test_memory_per_process_is_the_lowest_of_node_cgroup_and_budget(monkeypatch):
+    from trainer import host_allocator
+
+    gib = 1 << 30
+    monkeypatch.setattr(host_allocator, "cgroup_memory_limit", lambda: 12 * gib)
+    total = __import__("psutil").virtual_memory().total
+    assert host_allocator.host_memory_per_process(2, None) == min(total, 12 * gib) // 2
+    assert host_allocator.host_memory_per_process(2, 1 * gib) == min(min(total, 12 * gib) // 2, 1 * gib)

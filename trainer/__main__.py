@@ -54,25 +54,27 @@ def setup_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
-    from trainer.host_allocator import return_large_frees_to_os
-
-    # Before anything large is allocated: freed tensors of a MiB or more go back to the
-    # system instead of fragmenting glibc's heaps (the module says what it saves).
-    return_large_frees_to_os()
     log = logging.getLogger("trainer")
     started = time.time()
 
     # Heavy imports after argument parsing, so --help stays instant.
-    from jobgen.lease import WriterLease
     from jobgen.rundir import RunDir
+    from trainer import host_allocator
+
+    run = RunDir(args.run_dir.absolute())
+    spec = run.load_spec()
+    # Before anything large is allocated: whether freed tensors go back to the system or
+    # stay in glibc's heaps (the module says what each costs).
+    allocator = host_allocator.configure(spec)
+    if os.environ.get("RANK", "0") == "0":
+        log.info("%s", allocator)
+
+    from jobgen.lease import WriterLease
     from trainer import distributed
     from trainer.metrics import StartupClock
 
     startup = StartupClock(started)
     startup.mark("imports")
-
-    run = RunDir(args.run_dir.absolute())
-    spec = run.load_spec()
     attempt = Attempt.from_environ()
     env = distributed.init_distributed(spec.run.train.collective_timeout, None)
     lease = WriterLease(run.writer_lease)
