@@ -70,14 +70,45 @@ def _task_key(record: dict[str, Any]) -> TaskKey:
     return str(record.get("job_id")), int(record.get("restart") or 0)
 
 
-def task_reports(tasks: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> list[TaskReport]:
-    """One report per run of a job that trained (a requeued job runs again), in order."""
+def task_reports(
+    tasks: list[dict[str, Any]],
+    metrics: list[dict[str, Any]],
+    *,
+    time_limit: float | None = None,
+    now: float | None = None,
+    saved_step: int | None = None,
+) -> list[TaskReport]:
+    """One report per run of a job that trained (a requeued job runs again), in order.
+
+    A job killed outright left no exit record; it held its allocation until it was killed,
+    which no record says. It is taken to have held it until the job's ``time_limit`` or
+    the next job's start, whichever came first (the usual kill is the time limit, which the
+    next array task follows within seconds; after a node loss this overstates the
+    allocation, never understates it), and not beyond ``now``. Without a time limit, until
+    its last metrics line. ``saved_step`` (the newest complete checkpoint) bounds what the
+    last job kept when it was killed: its steps after that are lost.
+    """
     reports, job_starts = _reports_from_task_records(tasks)
     _fill_in_killed_jobs(reports, job_starts, _metrics_by_task(metrics))
     ordered = list(reports.values())
+    if time_limit is not None:
+        _allocation_of_killed_jobs(ordered, job_starts, time_limit, now)
     _count_recomputed_steps(ordered)
-    _count_useful_seconds(ordered)
+    _count_useful_seconds(ordered, saved_step)
     return ordered
+
+
+def _allocation_of_killed_jobs(
+    reports: list[TaskReport], job_starts: dict[TaskKey, float], time_limit: float, now: float | None
+) -> None:
+    for i, report in enumerate(reports):
+        start = job_starts.get((report.job_id, report.restart))
+        if report.exit_code is not None or start is None or report.allocated_seconds is None:
+            continue
+        later = [job_starts.get((r.job_id, r.restart)) for r in reports[i + 1 :]]
+        next_start = min((t for t in later if t is not None and t > start), default=None)
+        end = min(t for t in (start + time_limit, next_start, now) if t is not None)
+        report.allocated_seconds = round(max(report.allocated_seconds, end - start), 3)
 
 
 def _reports_from_task_records(tasks: list[dict[str, Any]]) -> tuple[dict[TaskKey, TaskReport], dict[TaskKey, float]]:
@@ -152,12 +183,15 @@ def _count_recomputed_steps(reports: list[TaskReport]) -> None:
             reached = max(reached or 0, report.end_step)
 
 
-def _count_useful_seconds(reports: list[TaskReport]) -> None:
-    """Each task's step time, less the share of steps that a later task computed again."""
+def _count_useful_seconds(reports: list[TaskReport], saved_step: int | None = None) -> None:
+    """Each task's step time, less the share of steps that a later task computed again (or,
+    for a last task that was killed, that no checkpoint kept)."""
     for i, report in enumerate(reports):
         if report.start_step is None or report.end_step is None or report.step_seconds_total is None:
             continue
         next_start = next((r.start_step for r in reports[i + 1 :] if r.start_step is not None), None)
+        if next_start is None and report.exit_code is None and saved_step is not None:
+            next_start = saved_step
         done = report.end_step - report.start_step
         kept = done if next_start is None else max(0, min(report.end_step, next_start) - report.start_step)
         report.useful_seconds = round(report.step_seconds_total * (kept / done), 3) if done else 0.0
@@ -234,5 +268,17 @@ def kill_window_warning(window: KillWindow | None, reports: list[TaskReport]) ->
     return None
 
 
-def run_reports(run_dir: Path) -> list[TaskReport]:
-    return task_reports(read_jsonl(run_dir / "tasks.jsonl"), read_jsonl(run_dir / "metrics.jsonl"))
+def run_reports(run_dir: Path, time_limit: float | None = None) -> list[TaskReport]:
+    """The reports of the run in ``run_dir``; ``time_limit`` is its jobs' (job.time, seconds)."""
+    import time
+
+    from jobgen.rundir import RunDir, complete_checkpoints_in
+
+    saved = complete_checkpoints_in(RunDir(run_dir).checkpoints)
+    return task_reports(
+        read_jsonl(run_dir / "tasks.jsonl"),
+        read_jsonl(run_dir / "metrics.jsonl"),
+        time_limit=time_limit,
+        now=time.time(),
+        saved_step=saved[-1][0] if saved else None,
+    )

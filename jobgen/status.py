@@ -200,7 +200,7 @@ def run_status(run: RunDir, watchdog_alerts: WatchdogAlerts | None = None) -> Ru
             "showing what the run directory records"
         )
         notes.append(unreachable)
-    reports = run_reports(run.path)
+    reports = run_reports(run.path, spec.run.job.time)
     _merge_reports(tasks, reports)
     states = {t.state for t in tasks}
     status = RunStatus(

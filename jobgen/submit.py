@@ -98,7 +98,7 @@ def submit(
     findings = memory + findings
     run = RunDir(spec.run_dir)
     if run.exists() and spec.run.job.graceful_stop:  # else no save races a time limit or a SIGKILL
-        reports = run_reports(run.path)
+        reports = run_reports(run.path, spec.run.job.time)
         warning = lead_time_warning(spec.run.job.exit_grace, reports)
         if warning:
             findings.append(Finding("warning", "job.exit_grace", warning))

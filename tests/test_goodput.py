@@ -84,6 +84,30 @@ def test_goodput_counts_only_kept_steps():
     assert goodput(reports) == pytest.approx((30 + 10 + 20) / allocated, abs=1e-4)
 
 
+def test_a_killed_job_held_its_allocation_until_its_time_limit_or_the_next_job():
+    """Killed outright (a time limit without graceful_stop, SIGKILL), a job leaves no exit
+    record: its last metrics line would understate what it held."""
+    # B (killed, started at T0+100) is followed by C at T0+200: with a 60 s limit it held 60 s,
+    # with a 1 h limit until C started.
+    short = task_reports(TASKS, METRICS, time_limit=60)
+    assert short[1].allocated_seconds == 60.0
+    assert task_reports(TASKS, METRICS, time_limit=3600)[1].allocated_seconds == 100.0
+    # Jobs that exited keep what their exit record says.
+    assert short[0].allocated_seconds == 40.0 and short[2].allocated_seconds == 30.0
+    # Never less than its last metrics line showed.
+    assert task_reports(TASKS, METRICS, time_limit=10)[1].allocated_seconds == pytest.approx(26.0)
+
+
+def test_a_killed_last_job_keeps_only_its_saved_steps():
+    tasks = TASKS[:3]  # A, then B killed at 47 with its last checkpoint at 40, and nothing after
+    metrics = METRICS[:47]
+    (_, killed) = task_reports(tasks, metrics, time_limit=3600, now=T0 + 160, saved_step=40)
+    assert killed.useful_seconds == pytest.approx(10.0)  # steps 31-40 of its 17
+    assert killed.allocated_seconds == 60.0  # still holding it "now", or killed by then
+    (_, unsaved) = task_reports(tasks, metrics)
+    assert unsaved.useful_seconds == pytest.approx(17.0)  # what the records alone would claim
+
+
 def test_lead_time_warning():
     reports = task_reports(TASKS, METRICS)
     needed = required_lead_seconds(reports)
