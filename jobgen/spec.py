@@ -119,6 +119,15 @@ class ModelSpec(StrictModel):
         ),
     )
     lora: LoraSpec | None = Field(None, description="LoRA adapters; omit for full fine-tuning.")
+    attention: Literal["auto", "sdpa", "flex_attention", "eager"] = Field(
+        "auto",
+        description=(
+            "The attention kernel (transformers' attn_implementation). 'auto': 'flex_attention' on GPUs when "
+            "data.packing is on, whose block mask skips the pairs of tokens of different examples (sdpa gets a "
+            "dense block-diagonal mask of rows x rows, and no flash kernel with it); 'sdpa' otherwise, and "
+            "always on CPU, where flex attention needs a compiler and was measured slower."
+        ),
+    )
 
     @model_validator(mode="after")
     def _offloading_needs_checkpointing(self) -> ModelSpec:
@@ -154,6 +163,16 @@ class DataSpec(StrictModel):
         1024, ge=8, le=1_048_576, description="Tokens per sequence; longer examples are truncated and counted."
     )
     packing: bool = Field(False, description="Pack examples into max_length rows without cross-example attention.")
+    num_proc: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description=(
+            "Processes rank 0 tokenizes with when the data is not cached yet. Default: every CPU the job has on "
+            "that node, one per 20000 rows at most (forking costs more than it saves on small sets). The "
+            "tokenized data, and its cache entry, are the same whatever the number."
+        ),
+    )
 
     @field_validator("template")
     @classmethod
@@ -255,6 +274,14 @@ class TrainSpec(StrictModel):
             "of a small model. The loss and gradients are those of the full computation up to rounding. "
             "Models whose output layer is not a plain linear layer, or that post-process their logits, get "
             "the full computation (a log line says so); false always computes every position's logits."
+        ),
+    )
+    compile: bool | None = Field(
+        None,
+        description=(
+            "torch.compile each decoder block (fusing its norms, rotary embeddings, activations and residual "
+            "adds; the output layer and the loss stay eager). Default: on for GPUs, off on CPU. The first steps "
+            "of every job pay the compilation."
         ),
     )
     max_steps: int = Field(1000, ge=1, description="Optimizer steps in the whole run (across array tasks).")

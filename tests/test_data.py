@@ -343,3 +343,53 @@ def test_no_rows_or_no_targets_at_all_is_an_error(tokenizer, tmp_path):
         )
     with pytest.raises(DataError, match=r"no example has a target token within max_length=16.*0/2 examples kept"):
         encode(tokenizer, ALPACA_ROWS, tmp_path, format="alpaca", max_length=16)
+
+
+# ---------------------------------------------------------------- tokenizing with several processes
+
+
+def _rows(n: int) -> list[dict]:
+    return [
+        {"instruction": f"Say {i} twice.", "input": "" if i % 3 else f"n={i}", "output": f"{i} {i}" + " ok" * (i % 7)}
+        for i in range(n)
+    ]
+
+
+def test_several_tokenizing_processes_give_the_same_dataset_row_for_row(tokenizer, tmp_path):
+    rows = _rows(2500)  # 3 batches of 1000: the workers' shards split inside and between batches
+    spec = DataSpec(path=str(write_jsonl(tmp_path / "data.jsonl", rows)), max_length=512)
+    one, one_stats = tokenize_dataset(load_raw(spec.path), spec, tokenizer, source=spec.path, work_dir=tmp_path / "a")
+    two, two_stats = tokenize_dataset(
+        load_raw(spec.path), spec, tokenizer, source=spec.path, work_dir=tmp_path / "b", num_proc=2
+    )
+    assert len(one) == len(rows) and one_stats == two_stats
+    assert one.to_dict() == two.to_dict()
+
+
+def test_a_bad_row_in_a_worker_is_the_same_data_error(tokenizer, tmp_path):
+    from trainer.data import DataError
+
+    rows = _rows(2500)
+    rows[2100]["output"] = 7  # in the second worker's shard
+    spec = DataSpec(path=str(write_jsonl(tmp_path / "data.jsonl", rows)), max_length=512)
+    with pytest.raises(DataError) as one:
+        tokenize_dataset(load_raw(spec.path), spec, tokenizer, source=spec.path, work_dir=tmp_path / "a")
+    with pytest.raises(DataError) as two:
+        tokenize_dataset(load_raw(spec.path), spec, tokenizer, source=spec.path, work_dir=tmp_path / "b", num_proc=2)
+    assert str(two.value) == str(one.value) and "row 2100" in str(two.value), str(two.value)
+
+
+def test_the_number_of_tokenizing_processes():
+    from trainer.data import AUTO_ROWS_PER_PROCESS, tokenizer_processes
+
+    # Unset: the job's CPUs, one per AUTO_ROWS_PER_PROCESS rows at most, at least one.
+    assert tokenizer_processes(1_000_000, None, cpus=16) == 16
+    assert tokenizer_processes(3 * AUTO_ROWS_PER_PROCESS, None, cpus=16) == 3
+    assert tokenizer_processes(500, None, cpus=16) == 1
+    # Asked for: as many, but never more than one per batch of rows.
+    assert tokenizer_processes(1_000_000, 4, cpus=16) == 4
+    assert tokenizer_processes(2500, 8, cpus=16) == 2
+    assert tokenizer_processes(10, 8, cpus=16) == 1
+    import os
+
+    assert tokenizer_processes(10**9, None) == len(os.sched_getaffinity(0))

@@ -25,9 +25,11 @@ this module never writes anywhere except the ``work_dir`` it is given.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,18 @@ IGNORE_INDEX = -100
 # Rows per datasets.map batch: one batched tokenizer call each, so the Rust
 # tokenizer can use its threads. A module attribute so tests can shrink it.
 MAP_BATCH_SIZE = 1000
+# data.num_proc unset: one tokenizing process per this many rows, up to the CPUs of the job.
+AUTO_ROWS_PER_PROCESS = 20_000
+
+
+def tokenizer_processes(rows: int, requested: int | None, cpus: int | None = None) -> int:
+    """How many processes tokenize ``rows`` rows: ``requested`` (data.num_proc), else the CPUs
+    this process may run on (the job's, on this node); never more than one per batch of rows,
+    and without a request never more than one per AUTO_ROWS_PER_PROCESS rows."""
+    if requested is not None:
+        return max(1, min(requested, rows // MAP_BATCH_SIZE))
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    return max(1, min(cpus, rows // AUTO_ROWS_PER_PROCESS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,13 +272,23 @@ FEATURES = datasets.Features(
 
 
 def tokenize_dataset(
-    raw: datasets.Dataset, spec: DataSpec, tokenizer, *, source: str, work_dir: str | Path | None = None
+    raw: datasets.Dataset,
+    spec: DataSpec,
+    tokenizer,
+    *,
+    source: str,
+    work_dir: str | Path | None = None,
+    num_proc: int = 1,
 ) -> tuple[datasets.Dataset, DataStats]:
     """Tokenize ``raw`` per ``spec``; return the kept examples (input_ids, labels, length) and the counts.
 
     With ``work_dir`` the intermediate Arrow files go there (the caller's private
     staging directory); without it everything stays in memory. Never next to the
     source data, which may be shared or read-only.
+
+    ``num_proc`` > 1 forks that many workers, each tokenizing a contiguous shard; the
+    result is the same, row order included. A row's error in a worker reaches the
+    caller as the same DataError.
     """
     # Before the columns: data without rows has no columns either, and "empty" is the real problem.
     if len(raw) == 0:
@@ -273,19 +297,23 @@ def tokenize_dataset(
     work = Path(work_dir) if work_dir is not None else None
     if work is not None:
         work.mkdir(parents=True, exist_ok=True)
-    encoded = raw.map(
-        Encoder(spec, tokenizer, source),
-        batched=True,
-        batch_size=MAP_BATCH_SIZE,
-        with_indices=True,
-        remove_columns=raw.column_names,
-        features=FEATURES,
-        keep_in_memory=work is None,
-        cache_file_name=str(work / "encoded.arrow") if work is not None else None,
-        # An explicit fingerprint: hashing the tokenizer for datasets' own cache is slow and useless here.
-        new_fingerprint="jobgen-encoded",
-        desc=f"tokenizing ({spec.format})",
-    )
+    num_proc = max(1, min(num_proc, len(raw)))
+    with _tokenizer_threads(off=num_proc > 1):
+        encoded = raw.map(
+            Encoder(spec, tokenizer, source),
+            batched=True,
+            batch_size=MAP_BATCH_SIZE,
+            with_indices=True,
+            remove_columns=raw.column_names,
+            features=FEATURES,
+            keep_in_memory=work is None,
+            # With num_proc, datasets suffixes each worker's shard file; all stay in work_dir.
+            cache_file_name=str(work / "encoded.arrow") if work is not None else None,
+            # An explicit fingerprint: hashing the tokenizer for datasets' own cache is slow and useless here.
+            new_fingerprint="jobgen-encoded",
+            num_proc=num_proc if num_proc > 1 else None,
+            desc=f"tokenizing ({spec.format})",
+        )
     stats = _stats(encoded.data, len(encoded), spec.max_length)
     if stats.kept == 0 and not _any_positive(encoded.data.column("full_targets")):
         raise DataError(_nothing_to_learn(raw, spec, source, stats))
@@ -303,6 +331,25 @@ def tokenize_dataset(
         new_fingerprint="jobgen-kept",
     )
     return kept.remove_columns(["targets", "full_length", "full_targets"]), stats
+
+
+@contextlib.contextmanager
+def _tokenizer_threads(*, off: bool) -> Iterator[None]:
+    """With worker processes, each worker's fast tokenizer runs single-threaded: the processes
+    already use the CPUs, and a Rust thread pool that existed before the fork would make the
+    tokenizers library warn and turn itself off in every worker anyway."""
+    if not off:
+        yield
+        return
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
 def _any_positive(column) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -42,6 +43,8 @@ from jobgen.atomic import fsync_dir, fsync_tree
 from jobgen.spec import DataSpec
 from trainer import data as data_mod
 from trainer.data import DataStats, is_hub_id, read_stats, write_stats
+
+log = logging.getLogger("trainer.data_cache")
 
 # Bump when the tokenized output for the same inputs changes (formatting, masking, columns).
 CODE_VERSION = 1
@@ -182,7 +185,11 @@ def build_entry(
     try:
         if raw is None:
             raw = data_mod.load_raw(spec.path, cache_dir=staging / "raw")
-        tokenized, stats = data_mod.tokenize_dataset(raw, spec, tokenizer, source=spec.path, work_dir=staging / "work")
+        procs = data_mod.tokenizer_processes(len(raw), spec.num_proc)
+        log.info("tokenizing %d rows of %s with %d process(es)", len(raw), spec.path, procs)
+        tokenized, stats = data_mod.tokenize_dataset(
+            raw, spec, tokenizer, source=spec.path, work_dir=staging / "work", num_proc=procs
+        )
         tokenized.save_to_disk(str(staging / "dataset"))
         del tokenized, raw  # drop the memory maps before deleting what they map
         for scratch in ("work", "raw"):
