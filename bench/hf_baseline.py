@@ -10,7 +10,8 @@ per baseline; by hand:
         --max-length 512 --micro-batch 4 --steps 30 --warmup 3 --out result.json
 
 Writes ``{"steps", "useful_tokens", "total_tokens", "seconds", "peak_rss_mib"}`` over the
-timed steps (after ``--warmup``): useful tokens are the non-padding ones.
+timed steps (after ``--warmup``): useful tokens are the non-padding ones. ``--cuda`` trains
+on the GPU in bf16 (bench/throughput_gpu.py) and adds ``peak_gpu_mib``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--cuda", action="store_true", help="train on the GPU in bfloat16 (model loaded in bf16, bf16=True)"
+    )
     args = parser.parse_args()
 
     import datasets
@@ -65,7 +69,8 @@ def main() -> None:
             mask[i, : len(b["input_ids"])] = 1
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    # On a GPU, what the usual script does: weights loaded in bf16, Trainer's bf16 autocast.
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if args.cuda else torch.float32)
     model.config.use_cache = False
     timings: list[tuple[float, int, int]] = []
 
@@ -88,7 +93,8 @@ def main() -> None:
         logging_strategy="no",
         save_strategy="no",
         report_to=[],
-        use_cpu=True,
+        use_cpu=not args.cuda,
+        bf16=args.cuda,
         dataloader_num_workers=0,
         seed=args.seed,
         disable_tqdm=True,
@@ -100,6 +106,8 @@ def main() -> None:
 
     class Marks(TrainerCallback):
         def on_step_end(self, *_args, **_kwargs):
+            if args.cuda:
+                torch.cuda.synchronize()  # the clock must not run ahead of the queued kernels
             step_marks.append(time.perf_counter())
 
     trainer = TimedTrainer(
@@ -115,6 +123,8 @@ def main() -> None:
         "seconds": seconds,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+    if args.cuda:
+        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
     args.out.write_text(json.dumps(result) + "\n")
 
 

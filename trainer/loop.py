@@ -35,7 +35,7 @@ import torch.distributed as dist
 from jobgen.atomic import write_json_atomic
 from jobgen.exit_codes import ExitCode
 from jobgen.loader import ResolvedSpec
-from trainer.batches import DataPipeline
+from trainer.batches import DataPipeline, to_device
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistEnv, reduce_max, reduce_sum
 from trainer.loss import ChunkedLoss, LossHeadError, install_chunked_loss
@@ -95,7 +95,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(spec.run.model.path)
         self.data = DataPipeline(spec, self.tokenizer, env, run_dir)
         self.startup.mark("data")  # tokenizer, and the tokenized data (from the cache, or built)
-        self.model = build_model(spec.run.model, self.cfg, env)
+        self.model = build_model(spec.run.model, self.cfg, env, packing=spec.run.data.packing)
         self.chunked_loss = self._install_loss_head()
         self.offloader = make_offloader(env.device, spec.run.model.activation_offloading)
         self.optimizer = build_optimizer(trainable_parameters(self.model), self.cfg)
@@ -241,7 +241,7 @@ class Trainer:
         computed inside the forward by the chunked output layer."""
         if self.chunked_loss is None:
             logits = self.model(**inputs).logits
-            summed, _count = self.data.loss_sum(logits.float(), labels.to(self.env.device))
+            summed, _count = self.data.loss_sum(logits.float(), to_device(labels, self.env.device))
             return summed
         with self.chunked_loss.targets(labels):
             output = self.model(**inputs).logits

@@ -48,9 +48,24 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def prepare(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
-    """What the spec changes on the bare model, before any wrapping: no KV cache,
-    checkpointing, LoRA adapters."""
+def attention_implementation(spec: ModelSpec, device: torch.device, packing: bool) -> str:
+    """``model.attention`` resolved: "auto" is flex attention for packed rows on a GPU (a
+    block mask per document instead of sdpa's dense rows x rows mask), sdpa otherwise."""
+    if spec.attention != "auto":
+        return spec.attention
+    return "flex_attention" if device.type == "cuda" and packing else "sdpa"
+
+
+def compiles_blocks(train: TrainSpec, device: torch.device) -> bool:
+    """``train.compile`` resolved: unset means on for GPUs, off on CPU."""
+    return train.compile if train.compile is not None else device.type == "cuda"
+
+
+def prepare(model: torch.nn.Module, spec: ModelSpec, attention: str = "sdpa") -> torch.nn.Module:
+    """What the spec changes on the bare model, before any wrapping: the attention kernel,
+    no KV cache, checkpointing, LoRA adapters."""
+    if model.config._attn_implementation != attention:
+        model.set_attn_implementation(attention)
     model.config.use_cache = False  # no KV cache while training; it also conflicts with checkpointing
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -59,20 +74,23 @@ def prepare(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
     return model
 
 
-def load_model(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+def load_model(spec: ModelSpec, device: torch.device, attention: str = "sdpa") -> torch.nn.Module:
     """The whole causal LM on ``device``, with LoRA and gradient checkpointing as the spec asks:
     for DDP, where every rank holds a replica anyway."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=param_dtype(spec, device))
-    return prepare(model, spec).to(device)
+    return prepare(model, spec, attention).to(device)
 
 
-def build_model(spec: ModelSpec, train: TrainSpec, env: DistEnv) -> torch.nn.Module:
+def build_model(spec: ModelSpec, train: TrainSpec, env: DistEnv, *, packing: bool = False) -> torch.nn.Module:
     """The model ready to train. DDP: loaded whole and replicated. FSDP: built on the meta
     device, sharded, and each rank reads only its shards from the safetensors
-    (trainer.sharded_load), so no rank ever holds the whole model."""
+    (trainer.sharded_load), so no rank ever holds the whole model. Decoder blocks are
+    compiled before either wrapper (train.compile)."""
     parallelism = train.parallelism
+    attention = attention_implementation(spec, env.device, packing)
+    compile_blocks = compiles_blocks(train, env.device)
     if parallelism == "ddp" and train.optimizer_in_backward:
         # Validation allows this on one process only; a world of another size would step
         # every rank on its own gradient (DDP's hooks fire before its all-reduce).
@@ -84,18 +102,33 @@ def build_model(spec: ModelSpec, train: TrainSpec, env: DistEnv) -> torch.nn.Mod
         # One process: DDP would add nothing but its gradient buckets, which hold a copy of
         # every gradient (and write them back after the hooks freed them). Checkpoint keys are
         # the same with and without DDP.
-        return load_model(spec, env.device)
+        model = load_model(spec, env.device, attention)
+        return compile_decoder_blocks(model) if compile_blocks else model
     if parallelism == "ddp":
-        return wrap(load_model(spec, env.device), parallelism, env)
+        model = load_model(spec, env.device, attention)
+        return wrap(compile_decoder_blocks(model) if compile_blocks else model, parallelism, env)
     from trainer.sharded_load import build_sharded
+
+    def shard(model: torch.nn.Module) -> torch.nn.Module:
+        return wrap(compile_decoder_blocks(model) if compile_blocks else model, parallelism, env)
 
     return build_sharded(
         spec,
         env,
         param_dtype(spec, env.device),
-        prepare=lambda model: prepare(model, spec),
-        shard=lambda model: wrap(model, parallelism, env),
+        prepare=lambda model: prepare(model, spec, attention),
+        shard=shard,
     )
+
+
+def compile_decoder_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile each decoder block in place (``Module.compile``), as torchtitan does: one
+    small graph per block, reused by every block of the same shape, and the blocks stay the
+    modules FSDP2 shards and checkpointing wraps. The output layer and the loss head stay
+    eager: they are swapped and hooked at run time (trainer.loss)."""
+    for layer in decoder_layers(model):
+        layer.compile()
+    return model
 
 
 def add_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
