@@ -20,8 +20,8 @@ wiring them into the subcommands. Every other jobgen module uses neither
 from __future__ import annotations
 
 import json
-import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -201,11 +201,18 @@ def schema(site_profile: bool) -> None:
 def status(run_ref: str | None, as_json: bool, watch: bool) -> None:
     """Runs and their array tasks: Slurm state, step, switches.
 
+    Without RUN, one line per run under the runs root (one squeue call for all of them).
+    With RUN, the run and each of its array tasks (ARRAYID_TASK): state, nodes, start,
+    elapsed/limit, steps, recomputed steps, time to first step and why it ended, also
+    after Slurm has forgotten the job.
+
     Without RUN, a run whose spec.json or jobs.json cannot be read is listed with state
     'unreadable' and the file and error, the others as usual, and the exit status is 1
     (the listing is incomplete). With RUN, such a run is a one-line error, exit status 1.
     """
-    from jobgen.status import format_status, run_status, unreadable, unreadable_status, watch_run
+    from jobgen import slurm
+    from jobgen.status import queue_for, run_status, unreadable, unreadable_status, watch_run
+    from jobgen.status_format import format_listing, format_status
     from watchdogs.notify import run_alerts  # the watchdogs' alerts, handed to status (jobgen does not import them)
 
     if run_ref:
@@ -227,7 +234,17 @@ def status(run_ref: str | None, as_json: bool, watch: bool) -> None:
         root = _default_runs_root()
         runs = sorted((RunDir(p.parent) for p in root.glob("*/spec.json")), key=lambda r: r.path) if root else []
     problems = {r: unreadable(r) for r in runs}
-    statuses = [unreadable_status(r, problems[r]) if problems[r] else run_status(r, run_alerts) for r in runs]
+    readable = [r for r in runs if not problems[r]]
+    try:
+        queue = queue_for(readable)
+    except slurm.SlurmUnavailable as exc:
+        queue = exc  # each run says so in its notes
+    statuses = [
+        unreadable_status(r, problems[r])
+        if problems[r]
+        else run_status(r, run_alerts, queue=queue, details=bool(run_ref))
+        for r in runs
+    ]
     code = 1 if any(problems.values()) else 0
     if as_json:
         payload = statuses[0].to_json() if run_ref else [s.to_json() for s in statuses]
@@ -235,7 +252,10 @@ def status(run_ref: str | None, as_json: bool, watch: bool) -> None:
         sys.exit(code)
     if not statuses:
         click.echo(f"no runs under {_default_runs_root()}")
-    click.echo("\n\n".join(format_status(s) for s in statuses))
+    elif run_ref:
+        click.echo(format_status(statuses[0]))
+    else:
+        click.echo(format_listing(statuses))
     sys.exit(code)
 
 
@@ -261,21 +281,69 @@ _switch_command("abort", "Abort switch: exit at once without saving.")
 
 @main.command()
 @click.argument("run_ref", metavar="RUN")
-@click.option("-f", "--follow", is_flag=True, help="keep printing as the logs grow (tail -F)")
-def logs(run_ref: str, follow: bool) -> None:
-    """The run's batch logs (and per-node logs); per-rank logs are listed."""
+@click.option("-f", "--follow", is_flag=True, help="keep printing as the logs grow, until Ctrl-C or the run ends")
+@click.option("--task", help="one task: its index in the array (3), Slurm's name (5_3) or its job id")
+@click.option("--node", help="one node's lines")
+@click.option("--rank", type=click.IntRange(0), help="one global rank's lines")
+@click.option("--grep", "pattern", help="only lines matching this regular expression")
+def logs(run_ref: str, follow: bool, task: str | None, node: str | None, rank: int | None, pattern: str | None) -> None:
+    """The run's logs merged into one stream: the batch logs and every rank's output, each
+    line prefixed with its task (ARRAYID_TASK), node and rank.
+
+    \b
+    jobgen logs RUN -f                     # follow a live job, all nodes and ranks
+    jobgen logs RUN --task 2 --rank 3      # one rank of one array task
+    jobgen logs RUN --grep 'loss|ERROR'"""
+    import re
+
+    from jobgen.logs import Filters, find_sources, merged
+    from jobgen.logs import follow as follow_logs
+
     run = _find_run(run_ref)
-    files = sorted((p for p in run.logs.glob("*.out")), key=lambda p: p.stat().st_mtime)
-    ranks = sorted(run.logs.glob("ranks/*/*/*/attempt_*/*/std*.log"))
-    if follow:
-        os.execvp("tail", ["tail", "-n", "+1", "-F", *map(str, files or [run.logs / "none.out"])])
-    for path in files:
-        click.echo(f"==> {path} <==")
-        click.echo(path.read_text(errors="replace"), nl=False)
-    if ranks:
-        click.echo("per-rank logs:")
-        for path in ranks:
-            click.echo(f"  {path}")
+    try:
+        grep = re.compile(pattern) if pattern else None
+    except re.error as exc:
+        _fail(f"jobgen: --grep {pattern!r}: {exc}")
+    filters = Filters(task=task, node=node, rank=rank, grep=grep)
+    name = run.load_spec().run.job.name
+    if not follow:
+        for line in merged(find_sources(run, name, filters), filters):
+            click.echo(line)
+        return
+    from jobgen.status import run_status
+
+    last_check = [0.0]
+
+    def finished() -> bool:
+        # Ask Slurm at most every 10 s whether anything of the run is still queued or running.
+        if time.time() - last_check[0] < 10:
+            return False
+        last_check[0] = time.time()
+        return run_status(run, details=False).state not in ("pending", "running", "unknown")
+
+    try:
+        follow_logs(lambda: find_sources(run, name, filters), filters, click.echo, until=finished)
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@click.argument("run_ref", metavar="RUN")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="default RUN/plot.png")
+def plot(run_ref: str, output: Path | None) -> None:
+    """Loss, learning rate and tokens/s against step and wall time, each resume marked and
+    the time without a running job shaded, as one PNG (needs the [plot] extra: matplotlib).
+
+    \b
+    jobgen plot RUN -o progress.png"""
+    from jobgen.plot import PlotError, draw, read_plot_data
+
+    run = _find_run(run_ref)
+    try:
+        path = draw(read_plot_data(run), output or run.path / "plot.png")
+    except PlotError as exc:
+        _fail(f"jobgen: {exc}")
+    click.echo(f"wrote {path}")
 
 
 @main.command()

@@ -38,6 +38,16 @@ class ExitCode(IntEnum):
         return _REASONS[self]
 
     @property
+    def planned(self) -> bool:
+        """A stop the run was built for: finished, a time limit or its lead-time signal, a
+        preemption's SIGTERM, the kill switch (each saved first), or a task that found the
+        run stopped or finished and did not start. The batch script exits 0 for these, so
+        Slurm records COMPLETED: ``--mail-type=FAIL`` and ``afterok`` mean what they say.
+        Everything else (a crash, an abort, the memory guard, a failed start) ends FAILED
+        with this code."""
+        return self in _PLANNED
+
+    @property
     def repeats(self) -> bool:
         """Would the next array task fail the same way? Then the run stops (the trainer
         writes ``failed``) instead of letting every queued task allocate nodes, load and
@@ -67,6 +77,22 @@ _REASONS = {
     ExitCode.DATA_ERROR: "the data or the tokenizer cannot be used",
     ExitCode.RUN_BUSY: "another process is writing this run: did nothing",
 }
+
+_PLANNED = frozenset({ExitCode.OK, ExitCode.KILL_SWITCH, ExitCode.SIGNALLED, ExitCode.DEADLINE, ExitCode.NOT_STARTED})
+
+
+def signal_stop_words(signal_name: str, *, from_batch_shell: bool, lead_signal: str | None, exit_grace: int) -> str:
+    """Why a signal stopped the program, in words for ``jobgen status`` and the job's
+    comment. ``from_batch_shell``: the batch shell caught it and left a stop request (Slurm's
+    ``--signal=B:`` lead-time signal, or SIGTERM at preemption, requeue or scancel); else it
+    reached the program itself (``scancel --signal=...``, or Slurm's SIGTERM to the step)."""
+    name = signal_name.upper().removeprefix("SIG")
+    if from_batch_shell and lead_signal and name == lead_signal.upper().removeprefix("SIG"):
+        return f"time limit ({name} {exit_grace} s before the limit)"
+    if name == "TERM":
+        return "SIGTERM (preemption, requeue or scancel)"
+    return f"SIG{name} ({'to the batch shell' if from_batch_shell else 'scancel --signal'})"
+
 
 # The failures that every later task would repeat, with what to change. `jobgen submit`
 # of the run clears the stop once it is fixed.

@@ -45,6 +45,10 @@ class TaskReport:
     save_seconds_max: float | None = None
     allocated_seconds: float | None = None
     useful_seconds: float | None = None
+    # Slurm's array id and task index, as the trainer's records name them (None before
+    # jobgen recorded them, or outside an array).
+    array_job_id: str | None = None
+    array_task: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +124,8 @@ def _reports_from_task_records(tasks: list[dict[str, Any]]) -> tuple[dict[TaskKe
         key = _task_key(record)
         report = reports.setdefault(key, TaskReport(job_id=key[0], restart=key[1]))
         event = record.get("event")
+        if record.get("array_task"):
+            report.array_job_id, report.array_task = str(record.get("array_job_id")), str(record["array_task"])
         if event == "first_step":
             _apply_first_step(report, record)
         elif event == "exit":

@@ -147,11 +147,12 @@ def check_cluster(spec: ResolvedSpec) -> list[Finding]:
     return findings
 
 
-def kill_window(spec: ResolvedSpec) -> KillWindow | None:
+def kill_window(spec: ResolvedSpec, conf: dict[str, str] | None = None) -> KillWindow | None:
     """Slurm's SIGTERM-to-SIGKILL window for this run's partition, or None if Slurm does
     not say. Preemption counts only where the cluster preempts (PreemptType) and the
-    partition does not exempt itself (PreemptMode=OFF)."""
-    conf = slurm.config()
+    partition does not exempt itself (PreemptMode=OFF). ``conf``: ``scontrol show config``
+    when the caller has it already."""
+    conf = conf if conf is not None else slurm.config()
     kill_wait = slurm.parse_seconds(conf.get("KillWait", ""))
     if kill_wait is None:
         return None

@@ -232,6 +232,7 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
         "stale_stop_requests": Trusted(f"{stale_stop} {stale_stop}.*"),
         "stop_request": _shell_path("$SWITCHES", run.switches, run.stop_request(SHELL_JOB_ID, SHELL_RESTART)),
         "exit_code_file": _shell_path("$RUN_DIR", run.path, run.exit_code_file(SHELL_JOB_ID, SHELL_RESTART)),
+        "task_record": _shell_path("$RUN_DIR", run.path, run.task_record("${SLURM_JOB_ID:-none}", SHELL_RESTART)),
         "repro_dir": _shell_path("$RUN_DIR", run.path, run.repro(SHELL_JOB_ID)),
         # srun expands %x, %j and %N (job name, id, node) in --output.
         "node_log": _shell_path("$RUN_DIR", run.path, run.node_log("%x", "%j", "%N")),
@@ -254,6 +255,9 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
         "env": sorted(env.items()),
         "repro_env": env_record_patterns([*env, *net.env]),
         "exit": {code.name.lower(): int(code) for code in ExitCode},
+        # How Slurm records each code (jobgen.exit_codes): planned stops exit 0 (COMPLETED).
+        "planned_exit_codes": Trusted(" ".join(str(int(code)) for code in ExitCode if code.planned)),
+        "exit_words": [(int(code), code.reason) for code in ExitCode],
     }
 
 

@@ -14,9 +14,11 @@ Layout::
     switches/        kill, save, abort (touch works as well as `jobgen stop`);
                      stop.<job>.<restart>: a stop request from the batch shell's trap
     logs/            <job name>-<job>.out (the batch log), <job name>-<job>-<node>.out,
-                     exit-code.<job>.<restart>, ranks/<job>/<node>/ (torchrun's), nccl-*.log
+                     exit-code.<job>.<restart>, task.<job>.<restart>.json (how it ended),
+                     ranks/<job>/<node>/ (torchrun's), nccl-*.log
     checkpoints/     step-<step>/, .tmp-*, broken-* (see trainer.checkpoint)
     repro/<job>/ history/ failed done writer.lock
+    tensorboard/ wandb/ wandb-id   experiment tracking (train.report_to)
 
 A new run directory is assembled under a temporary name in the runs root and
 renamed into place, so an error at any point leaves either no directory or a
@@ -127,6 +129,20 @@ class RunDir:
         return self.path / "failed"
 
     @property
+    def tensorboard(self) -> Path:
+        """TensorBoard event files (train.report_to), one file per job."""
+        return self.path / "tensorboard"
+
+    @property
+    def wandb_dir(self) -> Path:
+        return self.path / "wandb"
+
+    @property
+    def wandb_id(self) -> Path:
+        """The W&B run id every job of this run resumes (train.report_to)."""
+        return self.path / "wandb-id"
+
+    @property
     def writer_lease(self) -> Path:
         """flock'ed by the one process that trains this run (jobgen.lease)."""
         return self.path / "writer.lock"
@@ -181,6 +197,15 @@ class RunDir:
         """Just the trainer's exit code, for the batch script to exit with (one per attempt)."""
         return self.logs / f"exit-code.{job_id}.{restart}"
 
+    def task_record(self, job_id: str | int, restart: str | int) -> Path:
+        """The batch script's own record of how one attempt of a job ended (JSON: ids, nodes,
+        start, end, exit code, what Slurm was told, the reason), written as it exits, so
+        ``jobgen status`` shows every task after Slurm has forgotten it."""
+        return self.logs / f"task.{job_id}.{restart}.json"
+
+    def task_records(self) -> list[Path]:
+        return sorted(self.logs.glob("task.*.json"))
+
     def batch_log(self, job_name: str, job_id: str | int) -> Path:
         """The batch script's output (sbatch --output; ``jobgen submit --local`` writes the
         same file). Slurm's job name is the run directory's name."""
@@ -193,6 +218,14 @@ class RunDir:
     def rank_logs(self, job_id: str | int, node: str) -> Path:
         """torchrun's --log-dir on one node: its per-rank stdout and stderr below."""
         return self.logs / "ranks" / str(job_id) / node
+
+    def rank_map(self, job_id: str | int, restart: str | int) -> Path:
+        """Which node and local rank each global rank of one attempt ran as (the trainer's
+        rank 0 writes it at start), for ``jobgen logs --rank``."""
+        return self.logs / "ranks" / str(job_id) / f"ranks.{restart}.json"
+
+    def rank_maps(self, job_id: str | int) -> list[Path]:
+        return sorted((self.logs / "ranks" / str(job_id)).glob("ranks.*.json"))
 
     def nccl_debug_log(self, job_id: str | int, host: str, pid: str) -> Path:
         """NCCL_DEBUG_FILE of one process, when the site's network.debug is on."""

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,9 +199,11 @@ class QueueEntry:
     time_limit: str
     nodes: str
     name: str
+    start: float | None = None  # when it started (epoch seconds); None while pending
 
 
-SQUEUE_FORMAT = "%A|%F|%K|%T|%r|%M|%l|%N|%j"
+# The name (%j) last: it may hold the separator.
+SQUEUE_FORMAT = "%A|%F|%K|%T|%r|%M|%l|%N|%S|%j"
 
 
 def parse_squeue(text: str) -> list[QueueEntry]:
@@ -211,7 +214,7 @@ def parse_squeue(text: str) -> list[QueueEntry]:
         parts = line.split("|", SQUEUE_FORMAT.count("|"))
         if len(parts) != SQUEUE_FORMAT.count("|") + 1:
             raise ValueError(f"unexpected squeue line {line!r}")
-        job, array_job, task, state, reason, elapsed, limit, nodes, name = parts
+        job, array_job, task, state, reason, elapsed, limit, nodes, start, name = parts
         entries.append(
             QueueEntry(
                 job_id=int(job),
@@ -223,9 +226,110 @@ def parse_squeue(text: str) -> list[QueueEntry]:
                 time_limit=limit,
                 nodes=nodes,
                 name=name,
+                # A pending job's %S is the scheduler's estimate, not a start.
+                start=parse_time(start) if state not in JOB_PENDING else None,
             )
         )
     return entries
+
+
+def parse_time(text: str) -> float | None:
+    """Slurm's ``2026-11-22T14:01:02`` (the controller's local time, which this host
+    shares) as epoch seconds; None for ``Unknown``, ``N/A``, ``None`` and the like."""
+    try:
+        return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One ended (or ending) job as Slurm remembers it: ``scontrol show job`` until
+    MinJobAge after its end, ``sacct`` for as long as accounting keeps it."""
+
+    job_id: int
+    array_job_id: int
+    array_task: str  # task index, or "N/A" for a job outside an array
+    name: str
+    state: str
+    exit_code: str  # "N:S": the exit status and the signal that ended the batch script
+    reason: str
+    nodes: str
+    start: float | None
+    end: float | None
+    time_limit: int | None  # seconds
+    comment: str
+    restarts: int
+
+
+def job_record(record: dict[str, str]) -> JobRecord | None:
+    """A ``scontrol show job --oneliner`` record; None for the line of an array's pending
+    rest (``ArrayTaskId=2-3%1``), which is no task of its own."""
+    from jobgen.durations import parse_slurm_limit
+
+    job_id, array_job, task = record.get("JobId", ""), record.get("ArrayJobId", ""), record.get("ArrayTaskId", "N/A")
+    if not job_id.isdigit() or not (task == "N/A" or task.isdigit()):
+        return None
+    comment = record.get("Comment", "")
+    return JobRecord(
+        job_id=int(job_id),
+        array_job_id=int(array_job) if array_job.isdigit() else int(job_id),
+        array_task=task,
+        name=record.get("JobName", ""),
+        state=record.get("JobState", "UNKNOWN"),
+        exit_code=record.get("ExitCode", ""),
+        reason=record.get("Reason", ""),
+        nodes=record.get("NodeList", ""),
+        start=parse_time(record.get("StartTime", "")),
+        end=parse_time(record.get("EndTime", "")),
+        time_limit=parse_slurm_limit(record.get("TimeLimit", "")),
+        comment="" if comment == "(null)" else comment,
+        restarts=int(record.get("Restarts", "0") or 0),
+    )
+
+
+SACCT_FIELDS = "JobIDRaw,JobID,JobName,State,ExitCode,Reason,NodeList,Start,End,TimelimitRaw,Comment"
+
+
+def parse_sacct(text: str) -> list[JobRecord]:
+    """``sacct --parsable2 --noheader --format=SACCT_FIELDS``: one line per job and one per
+    step (``5.batch``, ``5.0``); only the jobs' lines are kept. The comment, last, may hold
+    the separator."""
+    from jobgen.durations import parse_slurm_limit
+
+    out = []
+    for line in text.splitlines():
+        parts = line.split("|", SACCT_FIELDS.count(","))
+        if len(parts) != SACCT_FIELDS.count(",") + 1 or not parts[0].isdigit():
+            continue  # a step's line (5.batch), or nothing
+        raw, job_id, name, state, exit_code, reason, nodes, start, end, limit_minutes, comment = parts
+        array_job, in_array, task = job_id.partition("_")
+        if in_array and not task.isdigit():
+            continue  # an array's pending rest (2_[3-4%1]): squeue's business
+        out.append(
+            JobRecord(
+                job_id=int(raw),
+                array_job_id=int(array_job) if array_job.isdigit() else int(raw),
+                array_task=task if task.isdigit() else "N/A",
+                name=name,
+                state=state.split()[0] if state else "UNKNOWN",  # "CANCELLED by 0"
+                exit_code=exit_code,
+                reason=reason,
+                nodes=nodes,
+                start=parse_time(start),
+                end=parse_time(end),
+                time_limit=int(limit_minutes) * 60 if limit_minutes.isdigit() else parse_slurm_limit(limit_minutes),
+                comment=comment,
+                restarts=0,
+            )
+        )
+    return out
+
+
+def accounting_enabled(conf: dict[str, str]) -> bool:
+    """Whether ``sacct`` has anything to say on this cluster (``scontrol show config``)."""
+    storage = conf.get("AccountingStorageType", "")
+    return bool(storage) and not storage.endswith("/none") and storage != "(null)"
 
 
 @dataclass(frozen=True)
@@ -313,6 +417,23 @@ def jobs_named(name: str) -> list[NamedJob]:
     return parse_named_jobs(proc.stdout)
 
 
+MY_JOBS_FORMAT = "%i|%T|%S|%u|%j|%k"
+
+
+def my_jobs() -> list[tuple[str, NamedJob]]:
+    """(name, job) of every queued or running job of this user: one squeue call. The comment
+    comes last and may hold the separator; a name that holds it garbles only its own line."""
+    proc = run(["squeue", "--noheader", "--me", f"--format={MY_JOBS_FORMAT}"])
+    out = []
+    for line in proc.stdout.splitlines():
+        parts = line.split("|", 5)
+        if len(parts) != 6 or not parts[0].isdigit():
+            continue
+        job, state, start, user, name, comment = parts
+        out.append((name, NamedJob(int(job), state, start, user, "" if comment == "(null)" else comment)))
+    return out
+
+
 def run_in_job(
     job_id: int, nodes: int, command: list[str], *, timeout: float = 120.0
 ) -> subprocess.CompletedProcess[str]:
@@ -337,6 +458,20 @@ def run_in_job(
     return run(args, timeout=timeout, check=False)
 
 
+def ended_jobs(job_ids: list[int], *, accounting: bool) -> list[JobRecord]:
+    """What Slurm remembers of these jobs (array ids take in every task): one ``sacct``
+    call where accounting keeps jobs, else ``scontrol show job`` for each id, which knows
+    a job until MinJobAge after its end."""
+    if not job_ids:
+        return []
+    if accounting:
+        ids = ",".join(str(j) for j in job_ids)
+        proc = run(["sacct", "--noheader", "--parsable2", "--duplicates", f"--jobs={ids}", f"--format={SACCT_FIELDS}"])
+        return parse_sacct(proc.stdout)
+    records = (job_record(r) for job_id in job_ids for r in show_job(job_id))
+    return [r for r in records if r is not None]
+
+
 def show_job(job_id: int) -> list[dict[str, str]]:
     """``scontrol show job`` records (one per array task); empty once Slurm forgot the job
     (MinJobAge after it ended)."""
@@ -347,6 +482,9 @@ def show_job(job_id: int) -> list[dict[str, str]]:
 
 
 def cancel(job_id: int | str, *, signal: str | None = None, batch_only: bool = False) -> None:
+    """``scancel``. An array task must be named ``ARRAYID_TASK``: Slurm 22.05 answers
+    ``scancel <the task's own job id>`` with exit 0 and does nothing (slurmctld logs
+    "invalid JobId"; measured on the dev cluster)."""
     args = ["scancel"]
     if signal:
         args.append(f"--signal={signal}")

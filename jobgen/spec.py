@@ -291,6 +291,18 @@ class TrainSpec(StrictModel):
     async_save: bool = Field(False, description="Save in the background; training blocks only for the staging copy.")
     seed: int = Field(1234, ge=0, description="Seed for data order, initialisation and dropout.")
     log_every_steps: int = Field(10, ge=1, description="Append a metrics line every N steps.")
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description=(
+            "Experiment trackers that get every logged step, from rank 0: 'tensorboard' (event files in "
+            "<run>/tensorboard/) and/or 'wandb' (one W&B run for the whole jobgen run, resumed by every array "
+            "task; offline under <run>/wandb/ when the node cannot reach W&B). A tracker that fails never stops "
+            "training. Needs the [track] extra."
+        ),
+    )
+    wandb_project: str = Field(
+        "jobgen", min_length=1, description="W&B project for report_to = ['wandb']; the run is named after job.name."
+    )
     collective_timeout: Duration = Field(
         "10m", description="Timeout of every collective; a rank that hangs longer ends the job."
     )

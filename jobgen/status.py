@@ -26,31 +26,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from jobgen import slurm
-from jobgen.goodput import TaskReport, goodput, kill_window_warning, lead_time_warning, read_jsonl, run_reports
+from jobgen.goodput import goodput, kill_window_warning, lead_time_warning, read_jsonl, run_reports
 from jobgen.loader import ResolvedSpec
 from jobgen.preflight import kill_window
 from jobgen.rundir import RunDir
+from jobgen.task_table import TaskStatus, build_tasks, read_task_records, unexplained_submissions
 
 # What the run's watchdogs alert about right now, one line each (supplied by jobgen/cli.py).
 WatchdogAlerts = Callable[[ResolvedSpec], list[str]]
-
-
-@dataclass
-class TaskStatus:
-    job_id: int
-    array_job_id: int
-    array_task: str
-    state: str
-    exit_code: str | None = None
-    reason: str | None = None
-    nodes: str | None = None
-    # From the trainer's own records (jobgen.goodput); None for tasks that did not train.
-    start_step: int | None = None
-    end_step: int | None = None
-    recomputed_steps: int | None = None
-    seconds_to_first_step: float | None = None
-    exit_reason: str | None = None
-    restart: int = 0
 
 
 @dataclass
@@ -66,6 +49,12 @@ class RunStatus:
     notes: list[str] = field(default_factory=list)
     goodput: float | None = None
     warnings: list[str] = field(default_factory=list)
+    # From the last metrics line and the checkpoints: what the one-line listing shows.
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    eta_seconds: float | None = None  # the steps left at the recent step time (training time only)
+    last_checkpoint: str | None = None
+    last_checkpoint_age_seconds: float | None = None
     # Slurm could not be asked (SlurmUnavailable): the note that says so, for callers that act
     # on it (the running watchdog) without reading notes. Not in the JSON, where the note is.
     slurm_unreachable: str | None = None
@@ -73,75 +62,9 @@ class RunStatus:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         del data["slurm_unreachable"]
+        for task, row in zip(self.tasks, data["tasks"]):
+            row["slurm_id"] = task.slurm_id
         return data
-
-
-def _tasks(run: RunDir, name: str) -> list[TaskStatus]:
-    """Every array task Slurm still knows of, queued ones from squeue and recently
-    ended ones from scontrol; submissions it forgot keep their last known state."""
-    # Keyed by (array id, task index): pending tasks have no job id of their own yet.
-    tasks: dict[tuple[int, str], TaskStatus] = {}
-    submissions = [j for j in run.jobs() if not j.get("local")]
-    # Job ids are only unique on one controller's lifetime: a name check keeps a recycled
-    # id (a rebuilt cluster, a wiped state dir) from passing another job off as ours.
-    for entry in slurm.queue([j["job_id"] for j in submissions]) if submissions else []:
-        if entry.name != name:
-            continue
-        tasks[(entry.array_job_id, entry.array_task)] = TaskStatus(
-            entry.job_id, entry.array_job_id, entry.array_task, entry.state, reason=entry.reason, nodes=entry.nodes
-        )
-    for sub in submissions:
-        for record in slurm.show_job(sub["job_id"]):
-            job_id = int(record.get("JobId", "0") or 0)
-            array_job = record.get("ArrayJobId", "")
-            key = (int(array_job) if array_job.isdigit() else job_id, record.get("ArrayTaskId", "N/A"))
-            if record.get("JobName") != name:
-                continue
-            if job_id and key not in tasks and "-" not in key[1]:  # "2-3%1": the still-pending rest
-                tasks[key] = TaskStatus(
-                    job_id,
-                    key[0],
-                    key[1],
-                    record.get("JobState", "UNKNOWN"),
-                    exit_code=record.get("ExitCode"),
-                    reason=record.get("Reason"),
-                    nodes=record.get("NodeList"),
-                )
-        known = {t.job_id for t in tasks.values()} | {t.array_job_id for t in tasks.values()}
-        if sub["job_id"] not in known:
-            # Ended longer ago than Slurm's MinJobAge: only the run directory remembers it.
-            tasks[(sub["job_id"], "N/A")] = TaskStatus(sub["job_id"], sub["job_id"], "N/A", "ENDED")
-    return sorted(tasks.values(), key=lambda t: (t.array_job_id, t.job_id, t.array_task))
-
-
-def _merge_reports(tasks: list[TaskStatus], reports: list[TaskReport]) -> None:
-    """Attach the trainer's records to Slurm's tasks. Earlier runs of a requeued job, and
-    jobs Slurm has forgotten (MinJobAge) or never knew (--local), get entries of their own."""
-    latest: dict[str, int] = {}
-    for report in reports:
-        latest[report.job_id] = max(latest.get(report.job_id, 0), report.restart)
-    from_slurm = {str(t.job_id): t for t in tasks}
-    for report in reports:
-        if not report.job_id.isdigit():
-            continue  # a run by hand outside Slurm
-        is_latest = report.restart == latest[report.job_id]
-        task = from_slurm.get(report.job_id) if is_latest else None
-        if task is None:
-            base = from_slurm.get(report.job_id)
-            job_id = int(report.job_id)
-            task = TaskStatus(
-                job_id,
-                base.array_job_id if base else job_id,
-                base.array_task if base else "N/A",
-                "ENDED" if is_latest else "REQUEUED",
-            )
-            tasks.append(task)
-        task.restart = report.restart
-        task.start_step, task.end_step = report.start_step, report.end_step
-        task.recomputed_steps = report.recomputed_steps
-        task.seconds_to_first_step = report.seconds_to_first_step
-        task.exit_reason = report.exit_reason
-    tasks.sort(key=lambda t: (t.array_job_id, t.job_id, t.restart, t.array_task))
 
 
 def decide_state(states: set[str], *, done: bool, failed: bool, doctor_ok: bool | None, switches: set[str]) -> str:
@@ -181,9 +104,47 @@ def decide_state(states: set[str], *, done: bool, failed: bool, doctor_ok: bool 
     return "unknown"
 
 
-def run_status(run: RunDir, watchdog_alerts: WatchdogAlerts | None = None) -> RunStatus:
+def slurm_may_know(
+    run: RunDir, queue: list[slurm.QueueEntry], records: dict, conf: dict[str, str], now: float | None = None
+) -> list[int]:
+    """The submissions worth asking Slurm about after they ended: every one where accounting
+    keeps jobs (one sacct call); else those the run directory leaves unexplained, and those
+    with a task that ended within MinJobAge (Slurm still knows how it ended: CANCELLED,
+    TIMEOUT, NODE_FAIL), one ``scontrol show job`` each."""
+    subs = [int(j["job_id"]) for j in run.jobs() if not j.get("local")]
+    if slurm.accounting_enabled(conf):
+        return subs
+    memory = slurm.parse_seconds(conf.get("MinJobAge", "")) or 300
+    now = time.time() if now is None else now
+    recent = {
+        int(r.get("array_job_id") or job)
+        for (job, _), r in records.items()
+        if r.get("end") is None or now - float(r["end"]) < memory
+    }
+    unexplained = set(unexplained_submissions(run, queue, records))
+    return [s for s in subs if s in recent or s in unexplained]
+
+
+def queue_for(runs: list[RunDir]) -> list[slurm.QueueEntry]:
+    """One ``squeue`` for every submission of these runs (raises SlurmUnavailable)."""
+    ids = sorted({int(j["job_id"]) for run in runs for j in run.jobs() if not j.get("local")})
+    return slurm.queue(ids) if ids else []
+
+
+def run_status(
+    run: RunDir,
+    watchdog_alerts: WatchdogAlerts | None = None,
+    *,
+    queue: list[slurm.QueueEntry] | Exception | None = None,
+    details: bool = True,
+) -> RunStatus:
     """Slurm's view of the run's jobs and what its directory records. ``watchdog_alerts``
-    (see the module docstring) adds the watchdogs' active alerts to the warnings."""
+    (see the module docstring) adds the watchdogs' active alerts to the warnings.
+
+    ``queue``: what :func:`queue_for` returned (or raised) for many runs at once; None asks
+    squeue here. ``details``: also ask Slurm about ended jobs the run directory leaves
+    unexplained, and for the kill window (one run's view); a listing of runs leaves both out.
+    """
     spec = run.load_spec()
     job = spec.run.job
     lines = read_jsonl(run.path / "metrics.jsonl")
@@ -191,18 +152,28 @@ def run_status(run: RunDir, watchdog_alerts: WatchdogAlerts | None = None) -> Ru
     switches = sorted(p.name for p in run.switches.iterdir()) if run.switches.is_dir() else []
     notes = []
     unreachable = None
+    records = read_task_records(run)
+    ended: list[slurm.JobRecord] = []
+    conf: dict[str, str] | None = None
     try:
-        tasks = _tasks(run, job.name)
+        if queue is None:
+            queue = queue_for([run])
+        if isinstance(queue, Exception):
+            raise queue
+        if details and run.jobs():
+            conf = slurm.config()
+            ask = slurm_may_know(run, queue, records, conf)
+            if ask:
+                ended = slurm.ended_jobs(ask, accounting=slurm.accounting_enabled(conf))
     except slurm.SlurmUnavailable as exc:
-        tasks = []
+        queue = []
         unreachable = (
             f"Slurm not reachable ({exc.stderr.splitlines()[-1] if exc.stderr else exc}): "
             "showing what the run directory records"
         )
         notes.append(unreachable)
     reports = run_reports(run.path, spec.run.job.time)
-    _merge_reports(tasks, reports)
-    states = {t.state for t in tasks}
+    tasks = build_tasks(run, job.name, queue, ended, reports, records, job.time, slurm_answered=unreachable is None)
     status = RunStatus(
         run_dir=str(run.path),
         name=job.name,
@@ -215,14 +186,17 @@ def run_status(run: RunDir, watchdog_alerts: WatchdogAlerts | None = None) -> Ru
         goodput=goodput(reports),
         notes=notes,
         slurm_unreachable=unreachable,
+        loss=metrics.get("loss") if metrics else None,
+        tokens_per_s=metrics.get("tokens_per_s") if metrics else None,
     )
+    _progress(status, run, lines)
     # Without graceful stops no save races a time limit or a SIGKILL: nothing to warn about.
     warning = lead_time_warning(job.exit_grace, reports) if job.graceful_stop else None
     if warning:
         status.warnings.append(warning)
     try:
         # Only once Slurm has seen a job of the run.
-        window = kill_window(spec) if tasks and job.graceful_stop else None
+        window = kill_window(spec, conf) if conf is not None and tasks and job.graceful_stop else None
     except slurm.SlurmError:
         window = None
     warning = kill_window_warning(window, reports)
@@ -239,7 +213,11 @@ def run_status(run: RunDir, watchdog_alerts: WatchdogAlerts | None = None) -> Ru
     doctor = run.path / "doctor.json"
     doctor_ok = bool(json.loads(doctor.read_text()).get("ok")) if job.program == "doctor" and doctor.is_file() else None
     status.state = decide_state(
-        states, done=run.done_marker.exists(), failed=failed is not None, doctor_ok=doctor_ok, switches=set(switches)
+        _deciding_states(tasks),
+        done=run.done_marker.exists(),
+        failed=failed is not None,
+        doctor_ok=doctor_ok,
+        switches=set(switches),
     )
     if status.state == "failed" and failed is not None:  # decided by the failed marker
         status.notes.append(
@@ -250,6 +228,37 @@ def run_status(run: RunDir, watchdog_alerts: WatchdogAlerts | None = None) -> Ru
     if "kill" in switches and status.state in {"running", "pending"}:
         status.notes.append("kill switch set: the run stops at the next step and queued tasks will exit at once")
     return status
+
+
+def _deciding_states(tasks: list[TaskStatus]) -> set[str]:
+    """The states decide_state weighs: every task Slurm still holds, and how the last one
+    that ended ended (a memory-guard stop followed by a good task is no failed run)."""
+    active = {t.state for t in tasks if t.state in slurm.JOB_ACTIVE}
+    ended = [t for t in tasks if t.state not in slurm.JOB_ACTIVE]
+    last = max(ended, key=lambda t: (t.start_time or 0, t.restart, t.job_id), default=None)
+    return active | ({last.state} if last else set())
+
+
+# The recent steps an ETA is taken from: long enough to smooth a save, short enough to follow a change.
+ETA_WINDOW = 20
+
+
+def _progress(status: RunStatus, run: RunDir, lines: list[dict[str, Any]]) -> None:
+    """ETA from the recent step time, and the newest checkpoint's name and age."""
+    seconds = [float(x["step_seconds"]) for x in lines[-ETA_WINDOW:] if x.get("step_seconds")]
+    if status.max_steps and status.step is not None and seconds:
+        status.eta_seconds = max(0, status.max_steps - status.step) * sorted(seconds)[len(seconds) // 2]
+    saved = run.complete_checkpoints()
+    if saved:
+        _step, path = saved[-1]
+        status.last_checkpoint = path.name
+        marker = path / "trainer_state.json"
+        try:
+            status.last_checkpoint_age_seconds = max(
+                0.0, time.time() - (marker if marker.exists() else path).stat().st_mtime
+            )
+        except OSError:
+            pass
 
 
 def unreadable(run: RunDir) -> str | None:
@@ -303,42 +312,6 @@ def unreadable_status(run: RunDir, problem: str) -> RunStatus:
     )
 
 
-def format_status(status: RunStatus) -> str:
-    lines = [
-        f"run      {status.name}  ({status.program})",
-        f"dir      {status.run_dir}",
-        f"state    {status.state}",
-    ]
-    if status.max_steps is not None:
-        lines.append(f"step     {status.step if status.step is not None else '-'} / {status.max_steps}")
-    if status.goodput is not None:
-        lines.append(f"goodput  {status.goodput:.1%} (time in steps that were kept / time the jobs held)")
-    if status.switches:
-        lines.append(f"switches {', '.join(status.switches)}")
-    if status.tasks:
-        lines.append("")
-        lines.append(
-            f"{'job id':>8}  {'task':<6} {'state':<10} {'exit':<6} {'steps':<11} {'redone':>6} "
-            f"{'1st step':>8}  {'nodes / reason'}"
-        )
-        for t in status.tasks:
-            nodes = t.nodes if t.nodes not in (None, "", "(null)") else None
-            reason = t.reason if t.reason not in (None, "None") else None
-            detail = (nodes or reason) if t.state not in slurm.JOB_PENDING else (reason or "")
-            if t.exit_reason:
-                detail = f"{detail or ''}  {t.exit_reason}".strip()
-            steps = f"{t.start_step}->{t.end_step}" if t.start_step is not None else ""
-            redone = "" if t.recomputed_steps is None or t.start_step is None else str(t.recomputed_steps)
-            first = f"{t.seconds_to_first_step:.0f}s" if t.seconds_to_first_step is not None else ""
-            lines.append(
-                f"{t.job_id:>8}  {t.array_task:<6} {t.state:<10} {t.exit_code or '':<6} {steps:<11} "
-                f"{redone:>6} {first:>8}  {detail or ''}"
-            )
-    lines.extend(f"note     {n}" for n in status.notes)
-    lines.extend(f"WARNING  {w}" for w in status.warnings)
-    return "\n".join(lines)
-
-
 def watch_run(
     run: RunDir, echo: Callable[[str], None], interval: float = 3.0, watchdog_alerts: WatchdogAlerts | None = None
 ) -> RunStatus:
@@ -350,7 +323,7 @@ def watch_run(
             f"{time.strftime('%H:%M:%S')} {current.state}"
             + (f" step {current.step}/{current.max_steps}" if current.max_steps else "")
             + "  "
-            + ", ".join(f"{t.job_id}:{t.state}" for t in current.tasks)
+            + ", ".join(f"{t.slurm_id}:{t.state}" for t in current.tasks)
         )
         if line.split(" ", 1)[1] != (last or " ").split(" ", 1)[1]:
             echo(line)

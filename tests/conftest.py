@@ -44,6 +44,13 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_state_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # `jobgen watchdog install` notes its homes in the user's state directory: the tests'
+    # homes go to one of their own, not the person's running them.
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+
+
 @pytest.fixture(autouse=True)
 def _cancel_leftover_jobs():
     """A failed scenario must not leave its job training: the next one needs the nodes

@@ -115,8 +115,10 @@ def test_status_reports_a_run_with_a_corrupt_spec_and_lists_the_others(tmp_path:
     proc = jobgen("status", env=env)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"dir      {runs['alpha'].path}" in proc.stdout and f"dir      {runs['zulu'].path}" in proc.stdout
-    assert f"{bad}: invalid JSON: " in proc.stdout and "state    unreadable" in proc.stdout
+    # One line per run, the unreadable one with its file and error in full below.
+    table = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines()[1:4]}
+    assert table == {"alpha": "unknown", "broken": "unreadable", "zulu": "unknown"}, proc.stdout
+    assert f"broken: {bad}: invalid JSON: " in proc.stdout
     listed = json.loads(jobgen("status", "--json", env=env).stdout)
     assert [(s["name"], s["state"] == "unreadable") for s in listed] == [
         ("alpha", False),

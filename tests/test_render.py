@@ -6,7 +6,10 @@ diff in review is the point.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import doctor_spec, jobgen, run_spec
+from jobgen.exit_codes import ExitCode
 from jobgen.loader import load_run
 from jobgen.paths import PROJECT_ROOT
 from jobgen.render import build_context, render, sbatch_directives
@@ -148,6 +152,59 @@ def test_signal_trap_and_wait_loop():
     # torchrun's agent must survive a USR1 sent to the whole step; the workers catch it.
     assert text.index("trap '' USR1 USR2") < text.index("exec torchrun")
     assert text.index("trap 'request_stop") < text.index('srun --nodes="$SLURM_JOB_NUM_NODES"')
+
+
+@pytest.mark.parametrize(
+    "code, words, exits, comment",
+    [
+        (13, "", 0, "jobgen: time limit near: saved and stopped (exit 13)"),
+        (12, "time limit (USR1 90 s before the limit): saving and exiting", 0, None),
+        (10, "", 0, None),
+        (0, "reached max_steps", 0, None),
+        (11, "", 11, "jobgen: abort switch: stopped without saving (exit 11)"),
+        (1, 'crashed: RuntimeError: boom \\ "quoted"\tand\x01', 1, None),
+        (14, "", 14, None),
+        (137, "", 137, "jobgen: the program ended with status 137 and left no exit record"),
+    ],
+)
+def test_planned_stops_exit_0_and_every_end_sets_the_comment(tmp_path: Path, code, words, exits, comment):
+    """The script's finish(): Slurm records COMPLETED (exit 0) for the planned stops and
+    FAILED with jobgen's code otherwise; the reason goes to scontrol update Comment=."""
+    text = render(load_run(GOLDEN / "specs" / "bare-train.toml"))
+    functions = text[text.index("log() {") : text.index("\n", text.index("die() {"))]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path}/scontrol.args\n')
+    (fake / "scontrol").chmod(0o755)
+    probe = f"set -euo pipefail\n{functions}\nfinish {code} {shlex.quote(words)}\necho not reached"
+    (tmp_path / "logs").mkdir()
+    env = {
+        **os.environ,
+        "PATH": f"{fake}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "42",
+        "SLURM_ARRAY_JOB_ID": "41",
+        "SLURM_ARRAY_TASK_ID": "2",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "RUN_DIR": str(tmp_path),
+        "JOBGEN_JOB_START": "1700000000",
+    }
+    proc = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, env=env)
+    assert proc.returncode == exits, proc.stderr
+    assert "not reached" not in proc.stdout
+    args = (tmp_path / "scontrol.args").read_text().splitlines()
+    assert args[:2] == ["update", "JobId=42"]
+    told = words or ExitCode(code).reason if code in ExitCode._value2member_map_ else words
+    expected = comment or f"jobgen: {told} (exit {code})"
+    assert args[2].startswith(f"Comment={expected}"), args
+    # The script's own record, for status once Slurm forgot the job: valid JSON whatever the reason holds.
+    record = json.loads((tmp_path / "logs" / "task.42.0.json").read_text())
+    assert record["exit_code"] == code and record["slurm_exit"] == exits
+    ids = (record["job_id"], record["array_job_id"], record["array_task"], record["nodes"])
+    assert ids == ("42", "41", "2", "node[1-2]")
+    assert record["job_start"] == 1700000000 and record["end"] >= record["job_start"]
+    if code == 1:
+        assert record["reason"] == 'crashed: RuntimeError: boom \\ "quoted" and '
+    assert not list((tmp_path / "logs").glob("*.tmp.*"))
 
 
 def test_env_values_reach_bash_verbatim(tmp_path: Path):

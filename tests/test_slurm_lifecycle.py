@@ -78,7 +78,9 @@ def test_time_limit_saves_before_slurm_and_an_array_chained_after_resumes(cluste
     done = exit_record(run, first)
     assert done is not None, (run / "logs" / f"limit-{first}.out").read_text()
     assert done["exit_code"] in (ExitCode.DEADLINE, ExitCode.SIGNALLED), done
-    assert record["JobState"] != "TIMEOUT" and record["ExitCode"] == f"{done['exit_code']}:0", record
+    # Saved and stopped before the limit: a planned stop, COMPLETED, the time limit in the comment.
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), record
+    assert record["Comment"].startswith("jobgen: time limit") and f"(exit {done['exit_code']})" in record["Comment"]
     k = done["end_step"]
     assert [p.name for p in complete_checkpoints(run)] == [f"step-{k:08d}"]
 
@@ -183,10 +185,15 @@ def test_kill_switch_by_a_teammate_stops_a_two_node_job_and_the_queue(cluster, t
     assert [p.name for p in complete_checkpoints(run)] == [f"step-{done['end_step']:08d}"]
     tasks = array_tasks(array)
     assert [t["ArrayTaskId"] for t in tasks] == ["1", "2", "3"]
+    # A planned stop: Slurm records COMPLETED (no FAIL mail, afterok holds), the reason in the comment.
+    assert (tasks[0]["JobState"], tasks[0]["ExitCode"]) == ("COMPLETED", "0:0"), tasks[0]
+    assert tasks[0]["Comment"].startswith("jobgen: kill switch") and tasks[0]["Comment"].endswith("(exit 10)")
     for later in tasks[1:]:  # burnt through: left before the rendezvous, launched nothing
         log = (run / "logs" / f"team-{later['JobId']}.out").read_text()
         assert "kill switch" in log and "not starting" in log and "rendezvous" not in log
         assert not (run / "logs" / "ranks" / later["JobId"]).exists()
+        assert later["JobState"] == "COMPLETED", later
+        assert later["Comment"] == "jobgen: kill switch present: not started (exit 0)", later
 
 
 def test_save_then_abort_switches(cluster, tmp_path, tiny_model):
@@ -206,7 +213,9 @@ def test_save_then_abort_switches(cluster, tmp_path, tiny_model):
     assert [p.name for p in complete_checkpoints(run)] == [saved[0].name]  # nothing saved on abort
     assert (run / "switches" / "abort").exists()
     (record,) = slurm.show_job(job)
-    assert record["ExitCode"] == f"{int(ExitCode.ABORTED)}:0"
+    # Not a planned stop: FAILED with jobgen's code, and why in the comment.
+    assert (record["JobState"], record["ExitCode"]) == ("FAILED", f"{int(ExitCode.ABORTED)}:0"), record
+    assert record["Comment"].startswith("jobgen: abort switch") and record["Comment"].endswith("(exit 11)"), record
 
 
 @pytest.mark.full

@@ -85,13 +85,15 @@ def test_a_failure_that_would_repeat_stops_the_array_after_one_task(cluster, tmp
     array = submit(spec, "--array", "3")
     wait_until_gone([array], timeout=300)
     tasks = {r["ArrayTaskId"]: r for r in slurm.show_job(array)}
-    assert tasks["1"]["ExitCode"] == f"{int(ExitCode.RESUME_MISMATCH)}:0", tasks
+    assert (tasks["1"]["JobState"], tasks["1"]["ExitCode"]) == ("FAILED", f"{int(ExitCode.RESUME_MISMATCH)}:0"), tasks
+    assert "seed" in tasks["1"]["Comment"] and tasks["1"]["Comment"].endswith("(exit 17)"), tasks
     failed = json.loads((run / "failed").read_text())
     assert failed["exit_code"] == ExitCode.RESUME_MISMATCH and "seed" in failed["reason"]
     for index in ("2", "3"):
         job = int(tasks[index]["JobId"])
         log = (run / "logs" / f"repeat-{job}.out").read_text()
         assert "failure that every task would repeat" in log and "rendezvous" not in log, log
+        assert tasks[index]["JobState"] == "COMPLETED" and "not started" in tasks[index]["Comment"], tasks[index]
         assert not (run / "logs" / "ranks" / str(job)).exists()
     view = status(run)
     assert view["state"] == "failed", view

@@ -3,7 +3,7 @@
 import pytest
 
 from jobgen.preflight import _gres_count
-from jobgen.slurm import parse_job_id, parse_key_values, parse_records, parse_squeue, parse_version
+from jobgen.slurm import parse_job_id, parse_key_values, parse_records, parse_squeue, parse_time, parse_version
 
 PARTITIONS = """\
 PartitionName=debug AllowGroups=ALL AllowAccounts=ALL AllowQos=ALL AllocNodes=ALL Default=YES QoS=N/A DefaultTime=NONE DisableRootJobs=NO ExclusiveUser=NO GraceTime=0 Hidden=NO MaxNodes=UNLIMITED MaxTime=1-00:00:00 MinNodes=0 LLN=NO MaxCPUsPerNode=UNLIMITED Nodes=node[1-3] PriorityJobFactor=1 PriorityTier=1 RootOnly=NO ReqResv=NO OverSubscribe=NO OverTimeLimit=NONE PreemptMode=OFF State=UP TotalCPUs=12 TotalNodes=3 SelectTypeParameters=NONE JobDefaults=(null) DefMemPerNode=UNLIMITED MaxMemPerNode=UNLIMITED
@@ -26,10 +26,10 @@ NODE_DRAINED = (
 # task and a job held by --dependency=afterany on it. Pending tasks have no job id of
 # their own yet: %A is the array's id for them.
 SQUEUE = """\
-1|1|2|PENDING|JobArrayTaskLimit|0:00|1-00:00:00||arr
-1|1|3|PENDING|JobArrayTaskLimit|0:00|1-00:00:00||arr
-2|2|N/A|PENDING|Dependency|0:00|1-00:00:00||dep
-3|1|1|RUNNING|None|0:01|1-00:00:00|node1|arr
+1|1|2|PENDING|JobArrayTaskLimit|0:00|3:00||N/A|arr
+1|1|3|PENDING|JobArrayTaskLimit|0:00|3:00||N/A|arr
+2|2|N/A|PENDING|Dependency|0:00|3:00||N/A|dep
+3|1|1|RUNNING|None|0:07|3:00|node1|2026-11-22T14:20:20|arr
 """
 
 
@@ -85,9 +85,11 @@ def test_squeue_array_lines():
         (3, 1, "1", "RUNNING"),
     ]
     assert rows[0].reason == "JobArrayTaskLimit" and rows[2].reason == "Dependency"
-    assert rows[3].nodes == "node1" and rows[3].time_limit == "1-00:00:00"
+    assert rows[3].nodes == "node1" and rows[3].time_limit == "3:00" and rows[3].elapsed == "0:07"
+    # A pending job's start is no start (squeue prints N/A, or the scheduler's estimate).
+    assert rows[0].start is None and rows[3].start == parse_time("2026-11-22T14:20:20")
 
 
 def test_squeue_names_may_contain_the_separator():
-    (row,) = parse_squeue("44|44|N/A|PENDING|Dependency|0:00|10:00||name|with|pipes\n")
+    (row,) = parse_squeue("44|44|N/A|PENDING|Dependency|0:00|10:00||N/A|name|with|pipes\n")
     assert row.name == "name|with|pipes"

@@ -20,7 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DATA, jobgen, local_receivers, run_spec, submitted_job_id, wait_for, wait_until_gone
+from helpers import (
+    DATA,
+    jobgen,
+    local_receivers,
+    run_spec,
+    submit,
+    submitted_job_id,
+    train_spec,
+    wait_for,
+    wait_until_gone,
+)
 from jobgen import slurm
 from watchdogs.probe import rank_processes
 
@@ -103,6 +113,40 @@ def test_install_starts_one_chain_per_interval_and_a_second_install_does_not_dou
     assert second.stdout.count("already running") == 3, second.stdout
     for interval in ("1m", "hourly", "daily"):
         assert len(chain_jobs(watched["home"], interval)) == 1, interval
+
+
+def test_install_without_a_run_watches_every_active_run_and_the_runs_root(watched, tmp_path, tiny_model):
+    """`jobgen watchdog install` as the mission types it: the active runs of the runs root
+    (each in its own home), the runs root's filesystem, and a sweep for runs submitted later."""
+    root = tmp_path / "runs2"
+    name = f"wd2-{uuid.uuid4().hex[:6]}"
+    job = submit(train_spec(tmp_path, tiny_model, name, runs_root=root))
+    wait_for(lambda: slurm.queue([job]), 30, "the second run queued")
+    env = {"JOBGEN_RUNS_ROOT": str(root)}
+    out = jobgen("watchdog", "install", env=env, check=True).stdout
+    home = root / ".watchdogs"
+    assert f"run {name}:" in out and "runs root" in out, out
+    for check in ("disk", "running", "hang", "memory"):
+        assert list(home.glob(f"cron.*/{name}.{check}")), check
+    disk, sweep = home / "cron.hourly" / "runs-root.disk", home / "cron.10m" / "runs-root.sweep"
+    assert os.access(disk, os.X_OK) and os.access(sweep, os.X_OK)
+    for interval in ("10m", "hourly", "daily"):
+        assert len(chain_jobs(home, interval)) == 1, interval
+    # Each job file does its work as the chain runs it: the root's disk check, and a sweep
+    # that finds nothing new to install (the run has its job files).
+    checked = subprocess.run(["sh", str(disk)], capture_output=True, text=True, timeout=120)
+    # Exit 1 is an alert: this machine's own disk may be below the 20 % default.
+    assert checked.returncode in (0, 1) and f"{root}: " in checked.stdout and " free of " in checked.stdout, (
+        checked.stdout + checked.stderr
+    )
+    swept = subprocess.run(["sh", str(sweep)], capture_output=True, text=True, timeout=120)
+    assert swept.returncode == 0 and name not in swept.stdout, swept.stdout + swept.stderr
+    # A second install adds nothing; list without a run shows every home the user has.
+    again = jobgen("watchdog", "install", env=env, check=True).stdout
+    assert "started" not in again, again
+    listing = jobgen("watchdog", "list", env=env, check=True).stdout
+    assert f"home {home}" in listing and f"home {watched['home']}" in listing, listing
+    assert "runs-root.disk" in listing and f"{name}.running" in listing
 
 
 def _check(watched, name: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -196,3 +240,19 @@ def test_remove_ends_the_chains(watched):
     )
     assert not list((watched["home"] / "chains").glob("*.json"))
     assert not list((watched["home"] / "cron.1m").iterdir())
+
+
+def test_remove_without_a_run_stops_the_chains_of_every_home(watched):
+    others = {p.resolve() for p in watched["home"].parents[2].glob("*/runs2/.watchdogs")}
+    homes = [watched["home"], *others]
+    assert len(homes) == 2, homes  # this module's run's home, and the runs root the test above watched
+    out = jobgen("watchdog", "remove", check=True).stdout
+    for home in homes:
+        assert f"home {home}" in out, out
+    assert "removed" in out and "runs-root.sweep" in out, out
+    wait_for(
+        lambda: not any(chain_jobs(home, i) for home in homes for i in ("1m", "10m", "hourly", "daily")),
+        90,
+        "every chain of every home gone from the queue",
+        interval=2,
+    )

@@ -136,12 +136,19 @@ def test_stop_request_saves_and_exits(tmp_path, tiny_model, how):
         # only the workers (torchrun's children): torchrun itself dies of SIGUSR1.
         subprocess.run(["pkill", "-USR1", "-P", str(proc.pid)], check=True)
     else:
-        (run / "switches" / "stop.4242.0").touch()  # what the batch shell's trap writes (job 4242, attempt 0)
+        # What the batch shell's trap writes (job 4242, attempt 0) on Slurm's lead-time signal.
+        (run / "switches" / "stop.4242.0").write_text("USR1\n")
     out, _ = proc.communicate(timeout=180)
     info = summary(run)
     assert info["exit_code"] == ExitCode.SIGNALLED, out
     assert checkpoints(run) == [f"step-{info['end_step']:08d}"]
     assert not (run / "switches" / "stop.4242.0").exists()
+    # The reason names what happened: the signal that reached the program, or the time limit
+    # whose lead-time signal the batch shell caught. The batch script reads both lines.
+    words = "SIGUSR1 (scancel --signal)" if how == "signal" else "time limit (USR1 300 s before the limit)"
+    assert info["exit_reason"] == f"{words}: saving and exiting"
+    exit_file = (run / "logs" / "exit-code.4242.0").read_text().splitlines()
+    assert exit_file == [str(int(ExitCode.SIGNALLED)), info["exit_reason"]]
 
 
 def test_deadline_saves_and_exits(tmp_path, tiny_model):

@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     startup.mark("imports")
     attempt = Attempt.from_environ()
     env = distributed.init_distributed(spec.run.train.collective_timeout, None)
+    record_ranks(run, attempt, env)
     lease = WriterLease(run.writer_lease)
     code, reason = ExitCode.OK, ""
     try:
@@ -111,6 +112,32 @@ class Attempt:
     @classmethod
     def from_environ(cls) -> Attempt:
         return cls(os.environ.get("SLURM_JOB_ID"), int(os.environ.get("SLURM_RESTART_COUNT") or 0))
+
+
+def record_ranks(run, attempt: Attempt, env) -> None:
+    """Where each global rank runs (node, local rank), for ``jobgen logs --rank``: torchrun's
+    per-rank log directories name only the node and the local rank."""
+    import torch.distributed as dist
+
+    from jobgen.atomic import write_json_atomic
+
+    mine = {"node": os.environ.get("SLURMD_NODENAME") or "local", "local_rank": int(os.environ.get("LOCAL_RANK", 0))}
+    # One line from every rank (the others log only warnings): where each one runs, in its own log.
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    print(
+        f"{stamp} trainer[{env.rank}] INFO rank {env.rank} of {env.world_size} on {mine['node']} "
+        f"(local rank {mine['local_rank']}), pid {os.getpid()}",
+        flush=True,
+    )
+    if not attempt.job_id:
+        return
+    everyone: list = [None] * env.world_size
+    dist.all_gather_object(everyone, mine)
+    if env.is_main:
+        try:
+            write_json_atomic(run.rank_map(attempt.job_id, attempt.restart), dict(enumerate(everyone)))
+        except OSError as exc:  # a log aid: never a reason not to train
+            logging.getLogger("trainer").warning("could not record the rank map: %s", exc)
 
 
 def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None) -> tuple[ExitCode, str] | None:
@@ -164,6 +191,8 @@ def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
             spec.run.train.max_host_memory_percent,
             spec.run.train.min_gpu_free_memory_mib,
             check_files=env.is_main,
+            lead_signal=spec.site.slurm.signal,
+            exit_grace=spec.run.job.exit_grace,
         )
     )
     if graceful:
@@ -202,7 +231,10 @@ def record_exit(run, attempt: Attempt, code: ExitCode, reason: str) -> None:
     from jobgen.atomic import write_json_atomic, write_text_atomic
 
     if attempt.job_id:
-        write_text_atomic(run.exit_code_file(attempt.job_id, attempt.restart), f"{int(code)}\n")
+        # The code, then the reason on one line: the batch script exits with the one and
+        # sets the job's Slurm comment to the other.
+        words = " ".join((reason or code.reason).split())[:400]
+        write_text_atomic(run.exit_code_file(attempt.job_id, attempt.restart), f"{int(code)}\n{words}\n")
     if code.repeats:
         write_json_atomic(
             run.failed_marker,

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from jobgen.atomic import write_json_atomic
 from jobgen.exit_codes import ExitCode
 from jobgen.loader import ResolvedSpec
+from jobgen.rundir import RunDir
 from trainer.batches import DataPipeline, to_device
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistEnv, reduce_max, reduce_sum
@@ -46,6 +47,7 @@ from trainer.offload import make_offloader, offload_activations
 from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler, clip_per_parameter
 from trainer.packing import count_targets
 from trainer.stopping import Action, StopMonitor
+from trainer.tracking import Trackers, open_trackers
 
 log = logging.getLogger("trainer")
 
@@ -109,6 +111,8 @@ class Trainer:
             async_save=self.cfg.async_save,
         )
         self.metrics = MetricsWriter(run_dir, enabled=env.is_main)
+        self.run_dir = run_dir
+        self.trackers = Trackers([])  # train.report_to, opened by fit()
         self.startup.mark("model")  # weights, wrapping, optimizer
         # Per-rank streams for dropout and friends; restored from checkpoints on resume.
         torch.manual_seed(self.cfg.seed * 1000 + env.rank)
@@ -305,12 +309,27 @@ class Trainer:
             self._finish()
             return ExitCode.OK, f"already at step {self.step} of {self.cfg.max_steps}: finished"
         self.model.train()
+        self.trackers = self._open_trackers()
         try:
             return self._train_until_stop()
         finally:
+            self.trackers.close()
             self.checkpointer.close()
             self.memory_peaks.end_phase("steady")
             self.summary = self._exit_summary()
+
+    def _open_trackers(self) -> Trackers:
+        """train.report_to, on rank 0, from the step this job starts at."""
+        if not self.env.is_main or not self.cfg.report_to:
+            return Trackers([])
+        return open_trackers(
+            self.cfg.report_to,
+            RunDir(self.run_dir),
+            name=self.spec.run.job.name,
+            project=self.cfg.wandb_project,
+            start_step=self.step,
+            config=self.spec.run.model_dump(mode="json", exclude={"env"}),
+        )
 
     def _train_until_stop(self) -> tuple[ExitCode, str]:
         """Step, record, and act on the ranks' step-boundary decision, until max_steps or a stop."""
@@ -366,17 +385,17 @@ class Trainer:
         """A ``metrics.jsonl`` line for this step (and a log line on rank 0); tokens/s are over
         the steps since the previous one."""
         tokens_per_s = window.tokens_per_s()
-        self.metrics.log_step(
-            {
-                "step": self.step,
-                **step_metrics,
-                "step_seconds": round(self.step_seconds[-1], 4),
-                "tokens": self.tokens_seen,
-                "target_tokens": self.target_tokens_seen,
-                "tokens_per_s": tokens_per_s,
-                **memory_snapshot(),
-            }
-        )
+        record = {
+            "step": self.step,
+            **step_metrics,
+            "step_seconds": round(self.step_seconds[-1], 4),
+            "tokens": self.tokens_seen,
+            "target_tokens": self.target_tokens_seen,
+            "tokens_per_s": tokens_per_s,
+            **memory_snapshot(),
+        }
+        self.metrics.log_step(record)
+        self.trackers.log(self.step, {k: v for k, v in record.items() if k != "step"})
         if self.env.is_main:
             log.info(
                 "step %d loss %.4f lr %.3g grad_norm %.3f",

@@ -65,6 +65,11 @@ class MetricsWriter:
         self.job_id = os.environ.get("SLURM_JOB_ID")
         # A requeued job keeps its id; the restart count tells its runs apart.
         self.restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        # Slurm's name of the task (ARRAY_TASK), for status after Slurm forgot the job.
+        self.array = {
+            "array_job_id": os.environ.get("SLURM_ARRAY_JOB_ID"),
+            "array_task": os.environ.get("SLURM_ARRAY_TASK_ID"),
+        }
 
     def _append(self, name: str, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -81,7 +86,8 @@ class MetricsWriter:
 
     def log_task(self, record: dict[str, Any]) -> None:
         self._append(
-            "tasks.jsonl", {"time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart, **record}
+            "tasks.jsonl",
+            {"time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart, **self.array, **record},
         )
 
     def write_summary(self, summary: dict[str, Any]) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from jobgen.exit_codes import ExitCode
+from jobgen.exit_codes import ExitCode, signal_stop_words
 from jobgen.rundir import ABORT_SWITCH, KILL_SWITCH, SAVE_SWITCH
 
 
@@ -78,6 +78,10 @@ class StopSettings:
     # Only one rank looks at the switch files: thousands of ranks stat-ing a shared
     # filesystem every step is a metadata storm; the all-reduce spreads the answer.
     check_files: bool = True
+    # Slurm's lead-time signal (site slurm.signal) and job.exit_grace: to say "time limit"
+    # when the stop request came from that signal.
+    lead_signal: str | None = None
+    exit_grace: int = 0
 
 
 def job_end_time(job_id: str | None) -> float | None:
@@ -114,6 +118,8 @@ class StopMonitor:
     def __init__(self, settings: StopSettings):
         self.settings = settings
         self.signal_received: int | None = None
+        # What the batch shell wrote into the stop request: the signal it caught.
+        self.requested_by: str | None = None
         self._previous = {}
 
     def install_signal_handlers(self) -> None:
@@ -133,6 +139,8 @@ class StopMonitor:
         if s.check_files and (s.switches / KILL_SWITCH).exists():
             found = max(found, Action.KILL)
         stop_file = s.check_files and s.stop_request is not None and s.stop_request.exists()
+        if stop_file and self.requested_by is None:
+            self.requested_by = _read_request(s.stop_request)
         if self.signal_received is not None or stop_file:
             found = max(found, Action.SIGNAL)
         if s.deadline is not None and now >= s.deadline:
@@ -150,19 +158,31 @@ class StopMonitor:
     def describe(self, action: Action) -> str:
         s = self.settings
         if action is Action.SIGNAL:
-            name = (
-                signal.Signals(self.signal_received).name
-                if self.signal_received
-                else f"{s.stop_request.name if s.stop_request else 'stop'} request"
-            )
-            return f"stop requested ({name}): saving and exiting"
+            return f"{self._signal_words()}: saving and exiting"
         return {
             Action.ABORT: f"abort switch {s.switches / ABORT_SWITCH}: exiting without saving",
             Action.KILL: f"kill switch {s.switches / KILL_SWITCH}: saving and exiting",
-            Action.DEADLINE: "job deadline (end time minus exit_grace) reached: saving and exiting",
+            Action.DEADLINE: (
+                f"time limit near (deadline: the job's end minus exit_grace, {s.exit_grace} s): saving and exiting"
+            ),
             Action.MEMORY: "memory guard: saving and exiting so the next job starts with clean memory",
             Action.SAVE: f"save switch {s.switches / SAVE_SWITCH}: saving and continuing",
         }.get(action, "continuing")
+
+    def _signal_words(self) -> str:
+        s = self.settings
+        if self.requested_by:
+            return signal_stop_words(
+                self.requested_by, from_batch_shell=True, lead_signal=s.lead_signal, exit_grace=s.exit_grace
+            )
+        if self.signal_received:
+            return signal_stop_words(
+                signal.Signals(self.signal_received).name,
+                from_batch_shell=False,
+                lead_signal=s.lead_signal,
+                exit_grace=s.exit_grace,
+            )
+        return f"stop request {s.stop_request.name if s.stop_request else ''}".strip()
 
     def consume_save_switch(self) -> None:
         try:
@@ -176,6 +196,15 @@ class StopMonitor:
                 os.unlink(self.settings.stop_request)
             except FileNotFoundError:
                 pass
+
+
+def _read_request(path: Path) -> str:
+    """The signal named in a stop request ("" for a request written by hand or by a jobgen
+    before requests named their signal)."""
+    try:
+        return path.read_text(errors="replace").strip()[:16]
+    except OSError:
+        return ""
 
 
 def startup_switch(switches: Path) -> Action:

@@ -178,13 +178,7 @@ def running_jobs(run: RunDir) -> list[RunningJob]:
     from jobgen.status import run_status
 
     out = []
-    for task in run_status(run).tasks:
-        if task.state not in slurm.JOB_RUNNING:
-            continue
-        records = [r for r in slurm.show_job(task.job_id) if r.get("JobId") == str(task.job_id)]
-        record = records[0] if records else {}
-        start = None
-        if record.get("StartTime", "").strip() not in ("", "Unknown", "None"):
-            start = time.mktime(time.strptime(record["StartTime"], "%Y-%m-%dT%H:%M:%S"))
-        out.append(RunningJob(task.job_id, slurm.hostnames(record.get("NodeList") or task.nodes or ""), start))
+    for task in run_status(run, details=False).tasks:
+        if task.state in slurm.JOB_RUNNING:
+            out.append(RunningJob(task.job_id, slurm.hostnames(task.nodes or ""), task.start_time))
     return out

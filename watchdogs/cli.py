@@ -1,8 +1,12 @@
 """``jobgen watchdog``: install, list and remove the scheduler chains; run a check by hand.
 
-jobgen watchdog install RUN [--partition P]
+jobgen watchdog install [RUN] [--partition P]
 jobgen watchdog list [RUN | --home DIR] [--json]
 jobgen watchdog remove [RUN | --home DIR]
+
+Without RUN: install covers every active run under the runs root, the runs root's
+filesystem, and runs that become active later (watchdogs.runs_root); list and remove
+cover every watchdog home the user has.
 jobgen watchdog run NAME [RUN] [--path P]... [--notify] [--json]
 """
 
@@ -37,21 +41,24 @@ def _run(ref: str):
         raise click.ClickException(str(exc)) from None
 
 
-def _home_and_run(run_ref: str | None, home_path: str | None):
-    """The watchdog home to act on (``--home``, else RUN's, else the runs root's) and RUN's run dir."""
+def _homes_and_run(run_ref: str | None, home_path: str | None):
+    """The watchdog homes to act on (``--home``, else RUN's, else every home the user has)
+    and RUN's run dir."""
     from jobgen.rundir import default_runs_root
     from watchdogs.base import watchdog_home
+    from watchdogs.runs_root import known_homes
     from watchdogs.scheduler import WatchdogHome
 
     if home_path:
-        return WatchdogHome(Path(home_path).absolute()), None
+        return [WatchdogHome(Path(home_path).absolute())], None
     if run_ref:
         run = _run(run_ref)
-        return WatchdogHome(watchdog_home(run.load_spec())), run
+        return [WatchdogHome(watchdog_home(run.load_spec()))], run
     root = default_runs_root()
-    if root is None:
-        raise click.ClickException("no runs root known: give RUN or --home")
-    return WatchdogHome(root / ".watchdogs"), None
+    homes = known_homes(root)
+    if not homes and root is None:
+        raise click.ClickException("no runs root known and no watchdog home installed: give RUN or --home")
+    return homes or [WatchdogHome(root / ".watchdogs")], None
 
 
 def _when(epoch: float | None) -> str:
@@ -64,13 +71,20 @@ def watchdog() -> None:
 
 
 @watchdog.command()
-@click.argument("run_ref", metavar="RUN")
+@click.argument("run_ref", metavar="[RUN]", required=False)
 @click.option("--partition", help="partition for the scheduler jobs (default [watchdogs] partition, else the run's)")
-def install(run_ref: str, partition: str | None) -> None:
-    """Write RUN's check job files and start the chains that run them. Idempotent."""
+def install(run_ref: str | None, partition: str | None) -> None:
+    """Write RUN's check job files and start the chains that run them. Idempotent.
+
+    Without RUN: every active run under the runs root, the runs root's filesystem, and a
+    sweep that installs the runs that become active later."""
     from watchdogs.base import watchdog_home
+    from watchdogs.runs_root import remember_home
     from watchdogs.scheduler import WatchdogHome, install_run
 
+    if run_ref is None:
+        _install_root(partition)
+        return
     run = _run(run_ref)
     spec = run.load_spec()
     home = WatchdogHome(watchdog_home(spec))
@@ -78,9 +92,28 @@ def install(run_ref: str, partition: str | None) -> None:
         lines = install_run(home, run.path, spec, partition)
     except Exception as exc:  # noqa: BLE001 - sbatch's refusal, as submitit reports it
         raise click.ClickException(f"nothing installed: {str(exc).strip()}") from None
+    remember_home(home.path)
     for line in lines:
         click.echo(line)
     click.echo(f"home {home.path}")
+
+
+def _install_root(partition: str | None) -> None:
+    from jobgen.rundir import default_runs_root
+    from watchdogs.runs_root import install_root
+
+    root = default_runs_root()
+    if root is None or not root.is_dir():
+        raise click.ClickException(
+            f"no runs root to watch ({root or 'none configured'}): give RUN, or set JOBGEN_RUNS_ROOT"
+        )
+    try:
+        lines = install_root(root.absolute(), partition)
+    except Exception as exc:  # noqa: BLE001 - sbatch's refusal, as submitit reports it
+        raise click.ClickException(f"not everything was installed: {str(exc).strip()}") from None
+    for line in lines:
+        click.echo(line)
+    click.echo(f"runs root {root} (its home {root / '.watchdogs'})")
 
 
 @watchdog.command(name="list")
@@ -90,10 +123,23 @@ def install(run_ref: str, partition: str | None) -> None:
 )
 @click.option("--json", "as_json", is_flag=True)
 def list_command(run_ref: str | None, home_path: str | None, as_json: bool) -> None:
-    """The chains (job, state, next start) and the last result of every job file."""
+    """The chains (job, state, next start) and the last result of every job file; without
+    RUN or --home, of every watchdog home the user has."""
+    homes, _ = _homes_and_run(run_ref, home_path)
+    listing = [_home_listing(home) for home in homes]
+    if as_json:
+        # One home (RUN or --home): the object as before; several: a list of them.
+        click.echo(json.dumps(listing[0] if len(listing) == 1 and (run_ref or home_path) else listing, indent=2))
+        return
+    for i, entry in enumerate(listing):
+        if i:
+            click.echo("")
+        _echo_home(entry)
+
+
+def _home_listing(home) -> dict:
     from jobgen import slurm
 
-    home, _ = _home_and_run(run_ref, home_path)
     chains = []
     for chain in home.chains():
         try:
@@ -118,16 +164,18 @@ def list_command(run_ref: str | None, home_path: str | None, as_json: bool) -> N
                 "job_files": files,
             }
         )
-    if as_json:
-        click.echo(json.dumps({"home": str(home.path), "chains": chains}, indent=2))
-        return
-    click.echo(f"home {home.path}")
+    return {"home": str(home.path), "chains": chains}
+
+
+def _echo_home(entry: dict) -> None:
+    click.echo(f"home {entry['home']}")
+    chains = entry["chains"]
     if not chains:
-        click.echo("no chains: `jobgen watchdog install RUN` starts them")
+        click.echo("no chains: `jobgen watchdog install [RUN]` starts them")
     for chain in chains:
         state = ", ".join(f"job {j['job_id']} {j['state']} (start {j['start']})" for j in chain["jobs"])
         if not chain["alive"]:
-            state = f"DEAD: recorded job {chain['recorded_job']} is gone; `jobgen watchdog install RUN` restarts it"
+            state = f"DEAD: recorded job {chain['recorded_job']} is gone; `jobgen watchdog install` restarts it"
         click.echo(
             f"\ncron.{chain['name']}: {state}; last tick {_when(chain['last_start'])} (job {chain['last_link'] or '-'})"
         )
@@ -149,23 +197,34 @@ def list_command(run_ref: str | None, home_path: str | None, as_json: bool) -> N
     "--home", "home_path", type=click.Path(file_okay=False), help="watchdog home (default: RUN's, else the site's)"
 )
 def remove(run_ref: str | None, home_path: str | None) -> None:
-    """With RUN: delete its job files, and stop chains left with none. Without: stop every chain."""
+    """With RUN: delete its job files, and stop chains left with none. Without: stop every
+    chain of every watchdog home the user has (or of --home) and delete the runs root's
+    own job files; runs' job files stay for a later install."""
+    from watchdogs.runs_root import root_job_files
     from watchdogs.scheduler import stop_chain
 
-    home, run = _home_and_run(run_ref, home_path)
-    if run is not None:
-        name = run.load_spec().run.job.name
-        for path in sorted(home.job_files_of_run(name)):
-            path.unlink()
-            click.echo(f"removed {path}")
-    for chain in home.chains():
-        if run is not None and home.job_files(chain.name):
-            click.echo(f"chain {chain.name} kept: {len(home.job_files(chain.name))} job file(s) left")
-            continue
-        cancelled = stop_chain(home, chain.name)
-        click.echo(
-            f"chain {chain.name} stopped" + (f" (cancelled job {', '.join(map(str, cancelled))})" if cancelled else "")
-        )
+    homes, run = _homes_and_run(run_ref, home_path)
+    for home in homes:
+        if len(homes) > 1:
+            click.echo(f"home {home.path}")
+        if run is not None:
+            name = run.load_spec().run.job.name
+            for path in sorted(home.job_files_of_run(name)):
+                path.unlink()
+                click.echo(f"removed {path}")
+        else:
+            for path in sorted(root_job_files(home)):
+                path.unlink()
+                click.echo(f"removed {path}")
+        for chain in home.chains():
+            if run is not None and home.job_files(chain.name):
+                click.echo(f"chain {chain.name} kept: {len(home.job_files(chain.name))} job file(s) left")
+                continue
+            cancelled = stop_chain(home, chain.name)
+            click.echo(
+                f"chain {chain.name} stopped"
+                + (f" (cancelled job {', '.join(map(str, cancelled))})" if cancelled else "")
+            )
 
 
 # Options of `python -m watchdogs.NAME` that take a value (watchdogs.base.parser).

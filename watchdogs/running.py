@@ -34,7 +34,7 @@ def check(target: Target) -> CheckResult:
         "state": status.state,
         "step": status.step,
         "max_steps": status.max_steps,
-        "jobs": [f"{t.job_id}:{t.state}" for t in status.tasks],
+        "jobs": [f"{t.slurm_id}:{t.state}" for t in status.tasks],
     }
     queued = [t for t in status.tasks if t.state in slurm.JOB_ACTIVE]
     if status.slurm_unreachable:
@@ -47,7 +47,7 @@ def check(target: Target) -> CheckResult:
             "running",
             target.name,
             True,
-            f"job {t.job_id} is pending with reason {t.reason}: it will not start by itself ({step})",
+            f"task {t.slurm_id} is pending with reason {t.reason}: it will not start by itself ({step})",
             [f"inspect: scontrol show job {t.job_id}"],
             data,
         )
@@ -55,9 +55,7 @@ def check(target: Target) -> CheckResult:
         running = [t for t in queued if t.state not in slurm.JOB_PENDING]
         pending = [t for t in queued if t.state in slurm.JOB_PENDING]
         parts = [f"{len(running)} running" if running else "", f"{len(pending)} pending" if pending else ""]
-        jobs = ", ".join(
-            f"{t.job_id}{'_' + t.array_task if t.array_task not in ('N/A', '') else ''} {t.state}" for t in queued
-        )
+        jobs = ", ".join(f"{t.slurm_id} {t.state}" for t in queued)
         return CheckResult(
             "running", target.name, False, f"{' and '.join(p for p in parts if p)} ({jobs}); {step}", [], data
         )
@@ -71,7 +69,7 @@ def check(target: Target) -> CheckResult:
         return CheckResult("running", target.name, True, "never submitted: no job in jobs.json", [], data)
     last = status.tasks[-1] if status.tasks else None
     ended = (
-        f"last job {last.job_id} {last.state}" + (f" ({last.exit_reason})" if last and last.exit_reason else "")
+        f"last task {last.slurm_id} {last.state}" + (f" ({last.exit_reason})" if last and last.exit_reason else "")
         if last
         else "no job known"
     )

@@ -1,0 +1,115 @@
+"""``jobgen status`` as text: one run's view with its tasks, and the one-line-per-run listing.
+
+Pure functions of :class:`jobgen.status.RunStatus`; the JSON form is ``RunStatus.to_json``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from jobgen import slurm
+from jobgen.durations import format_human
+from jobgen.status import RunStatus
+from jobgen.task_table import TaskStatus
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else format_human(max(0, int(seconds)))
+
+
+def _clock(epoch: float | None) -> str:
+    return time.strftime("%m-%d %H:%M", time.localtime(epoch)) if epoch else ""
+
+
+def _why(task: TaskStatus) -> str:
+    """Why the task waits, or how it ended, in words."""
+    if task.state in slurm.JOB_PENDING:
+        return task.reason or ""
+    if task.state in slurm.JOB_ACTIVE:
+        return ""
+    words = task.exit_reason or task.reason or ""
+    if task.jobgen_exit is not None:
+        words = f"exit {task.jobgen_exit}: {words}" if words else f"exit {task.jobgen_exit}"
+    return words
+
+
+def task_lines(tasks: list[TaskStatus]) -> list[str]:
+    header = (
+        f"{'task':<12} {'state':<10} {'nodes':<14} {'started':<11}  {'elapsed/limit':>15}  "
+        f"{'steps':<11} {'redone':>6} {'1st step':>8}  why"
+    )
+    lines = [header]
+    for t in tasks:
+        name = t.slurm_id + (f" #{t.restart}" if t.restart else "")
+        nodes = t.nodes if t.state not in slurm.JOB_PENDING else ""
+        limit = _age(t.time_limit_seconds) if t.time_limit_seconds else "-"
+        elapsed = f"{_age(t.elapsed_seconds) if t.elapsed_seconds is not None else '-'}/{limit}"
+        steps = f"{t.start_step}->{'' if t.end_step is None else t.end_step}" if t.start_step is not None else ""
+        redone = "" if t.recomputed_steps is None or t.start_step is None else str(t.recomputed_steps)
+        first = f"{t.seconds_to_first_step:.0f}s" if t.seconds_to_first_step is not None else ""
+        lines.append(
+            f"{name:<12} {t.state:<10} {(nodes or ''):<14} {_clock(t.start_time):<11}  {elapsed:>15}  "
+            f"{steps:<11} {redone:>6} {first:>8}  {_why(t)}".rstrip()
+        )
+    return lines
+
+
+def format_status(status: RunStatus) -> str:
+    """One run: its state and progress, then a line per task (``ARRAYID_TASK``, ``#N`` for a
+    requeued job's later attempts), notes and warnings."""
+    lines = [
+        f"run      {status.name}  ({status.program})",
+        f"dir      {status.run_dir}",
+        f"state    {status.state}",
+    ]
+    if status.max_steps is not None:
+        progress = f"step     {status.step if status.step is not None else '-'} / {status.max_steps}"
+        if status.loss is not None:
+            progress += f"   loss {status.loss:.4f}"
+        if status.tokens_per_s is not None:
+            progress += f"   {status.tokens_per_s:,.0f} tokens/s"
+        if status.eta_seconds is not None and status.state in ("running", "pending"):
+            progress += f"   ETA {_age(status.eta_seconds)} of training"
+        lines.append(progress)
+    if status.last_checkpoint:
+        lines.append(f"saved    {status.last_checkpoint}, {_age(status.last_checkpoint_age_seconds)} ago")
+    if status.goodput is not None:
+        lines.append(f"goodput  {status.goodput:.1%} (time in steps that were kept / time the jobs held)")
+    if status.switches:
+        lines.append(f"switches {', '.join(status.switches)}")
+    if status.tasks:
+        lines.append("")
+        lines.extend(task_lines(status.tasks))
+    lines.extend(f"note     {n}" for n in status.notes)
+    lines.extend(f"WARNING  {w}" for w in status.warnings)
+    return "\n".join(lines)
+
+
+def format_listing(statuses: list[RunStatus]) -> str:
+    """Every run on one line: name, state, step/total, loss, tokens/s, ETA, goodput, the
+    newest checkpoint's age, and its warnings (the first, and how many more)."""
+    rows = [("RUN", "STATE", "STEP", "LOSS", "TOKENS/S", "ETA", "GOODPUT", "SAVED", "ALERTS")]
+    for s in statuses:
+        step = f"{s.step if s.step is not None else '-'}/{s.max_steps}" if s.max_steps else "-"
+        alerts = "-"
+        if s.warnings:
+            first = s.warnings[0] if len(s.warnings[0]) <= 60 else s.warnings[0][:57] + "..."
+            alerts = first + (f" (+{len(s.warnings) - 1})" if len(s.warnings) > 1 else "")
+        rows.append(
+            (
+                s.name,
+                s.state,
+                step,
+                f"{s.loss:.4f}" if s.loss is not None else "-",
+                f"{s.tokens_per_s:,.0f}" if s.tokens_per_s is not None else "-",
+                _age(s.eta_seconds) if s.eta_seconds is not None and s.state in ("running", "pending") else "-",
+                f"{s.goodput:.0%}" if s.goodput is not None else "-",
+                f"{_age(s.last_checkpoint_age_seconds)} ago" if s.last_checkpoint else "-",
+                alerts,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
+    # A run that cannot be read says why in full: the file and the error.
+    lines += [f"{s.name}: {s.warnings[0]}" for s in statuses if s.state == "unreadable" and s.warnings]
+    return "\n".join(lines)

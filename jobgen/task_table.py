@@ -1,0 +1,253 @@
+"""A run's array tasks as ``jobgen status`` shows them: Slurm's view merged with what the
+run directory recorded, so that every task keeps its steps, times and reason after Slurm
+has forgotten it (MinJobAge, a restarted controller, no accounting).
+
+Sources, each read once:
+
+- ``jobs.json``: every submission (the array's id, its size);
+- Slurm's queue (one ``squeue`` for every run the caller looks at): tasks pending or running;
+- the batch script's record of each attempt's end (``RunDir.task_record``): ids, nodes,
+  start, end, jobgen's exit code, what Slurm was told, the reason in words;
+- the trainer's reports (:mod:`jobgen.goodput`): steps, recomputed steps, first step;
+- what Slurm remembers of ended jobs (``slurm.ended_jobs``), asked only for submissions
+  the records above leave unexplained (a task cancelled while pending, one killed outright
+  at its limit or with its node).
+
+A task is one attempt of one job: a requeued job runs again under the same id, and the
+restart count tells the attempts apart.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from jobgen import slurm
+from jobgen.durations import parse_slurm_limit
+from jobgen.exit_codes import ExitCode
+from jobgen.goodput import TaskReport
+from jobgen.rundir import RunDir
+
+# What Slurm's own end states mean, for a task that left no words of its own.
+_SLURM_ENDS = {
+    "TIMEOUT": "killed at the time limit",
+    "CANCELLED": "cancelled",
+    "NODE_FAIL": "a node failed",
+    "OUT_OF_MEMORY": "out of memory (killed by Slurm)",
+    "BOOT_FAIL": "its nodes failed to boot",
+    "PREEMPTED": "preempted",
+    "DEADLINE": "past its --deadline",
+}
+
+
+@dataclass
+class TaskStatus:
+    job_id: int
+    array_job_id: int
+    array_task: str  # task index, or "N/A" outside an array
+    state: str  # Slurm's state; for tasks Slurm forgot, COMPLETED or FAILED as the script told it
+    exit_code: str | None = None  # Slurm's "N:S", when Slurm still says
+    reason: str | None = None  # Slurm's reason (why pending, why it ended)
+    nodes: str | None = None
+    # From the trainer's own records (jobgen.goodput); None for tasks that did not train.
+    start_step: int | None = None
+    end_step: int | None = None
+    recomputed_steps: int | None = None
+    seconds_to_first_step: float | None = None
+    exit_reason: str | None = None  # why it ended, in words
+    restart: int = 0
+    start_time: float | None = None  # epoch seconds
+    elapsed_seconds: float | None = None
+    time_limit_seconds: int | None = None
+    jobgen_exit: int | None = None  # jobgen's exit code (jobgen.exit_codes), before planned stops became 0
+    comment: str | None = None  # Slurm's comment, which the batch script sets as it exits
+
+    @property
+    def slurm_id(self) -> str:
+        """Slurm's name for it: ``ARRAYID_TASK`` (``2_1``), or the job id outside an array."""
+        return f"{self.array_job_id}_{self.array_task}" if self.array_task.isdigit() else str(self.job_id)
+
+
+def read_task_records(run: RunDir) -> dict[tuple[int, int], dict[str, Any]]:
+    """The batch script's end records, by (job id, restart); unreadable ones are skipped (a
+    node that died mid-write leaves only the temporary file, which is not matched)."""
+    out = {}
+    for path in run.task_records():
+        try:
+            record = json.loads(path.read_text())
+            out[(int(record["job_id"]), int(record.get("restart") or 0))] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def _int(value: Any, default: int) -> int:
+    text = "" if value is None else str(value)
+    return int(text) if text.isdigit() else default
+
+
+def unexplained_submissions(
+    run: RunDir, queue: list[slurm.QueueEntry], records: dict[tuple[int, int], dict[str, Any]]
+) -> list[int]:
+    """The submissions whose tasks the queue and the run directory do not all account for:
+    the only ones worth asking Slurm about (ended jobs)."""
+    seen: dict[int, set[int]] = {}
+    for entry in queue:
+        if entry.array_task.isdigit():
+            seen.setdefault(entry.array_job_id, set()).add(int(entry.array_task))
+        else:
+            seen.setdefault(entry.array_job_id, set()).add(0)
+    for (job_id, _restart), record in records.items():
+        array_job = _int(record.get("array_job_id"), job_id)
+        seen.setdefault(array_job, set()).add(_int(record.get("array_task"), 0))
+    unexplained = []
+    for sub in run.jobs():
+        if sub.get("local"):
+            continue
+        array = sub.get("array")
+        wanted = set(range(1, int(array) + 1)) if array else {0}
+        if not wanted <= seen.get(int(sub["job_id"]), set()):
+            unexplained.append(int(sub["job_id"]))
+    return unexplained
+
+
+def build_tasks(
+    run: RunDir,
+    name: str,
+    queue: list[slurm.QueueEntry],
+    ended: list[slurm.JobRecord],
+    reports: list[TaskReport],
+    records: dict[tuple[int, int], dict[str, Any]],
+    time_limit: int | None,
+    *,
+    slurm_answered: bool = True,
+) -> list[TaskStatus]:
+    """Every attempt of every task of the run, oldest first. ``queue`` and ``ended`` may
+    hold other runs' jobs: only jobs called ``name`` are taken (job ids are unique only for
+    one controller's lifetime, so a recycled id cannot pass another job off as the run's)."""
+    rows: dict[tuple[int, int], TaskStatus] = {}
+
+    def row(job_id: int, restart: int, array_job_id: int | None = None, array_task: str | None = None) -> TaskStatus:
+        task = rows.get((job_id, restart))
+        if task is None:
+            task = rows[(job_id, restart)] = TaskStatus(job_id, job_id, "N/A", "ENDED", restart=restart)
+            task.time_limit_seconds = time_limit
+        if array_job_id is not None and array_task and array_task.isdigit():
+            task.array_job_id, task.array_task = array_job_id, array_task
+        return task
+
+    for (job_id, restart), record in sorted(records.items()):
+        array_task = str(record.get("array_task") or "")
+        task = row(job_id, restart, _int(record.get("array_job_id"), job_id), array_task)
+        task.nodes = record.get("nodes") or None
+        task.start_time = record.get("job_start")
+        if record.get("exit_code") is None:
+            continue  # started, no end recorded: running, or killed before it could say
+        task.jobgen_exit = _int(record.get("exit_code"), -1)
+        task.state = "COMPLETED" if record.get("slurm_exit") == 0 else "FAILED"
+        task.exit_reason = record.get("reason") or None
+        if record.get("job_start") and record.get("end"):
+            task.elapsed_seconds = float(record["end"]) - float(record["job_start"])
+    for report in reports:
+        if not report.job_id.isdigit():
+            continue  # a run by hand outside Slurm
+        array_job = _int(report.array_job_id, int(report.job_id))
+        task = row(int(report.job_id), report.restart, array_job, report.array_task)
+        task.start_step, task.end_step = report.start_step, report.end_step
+        task.recomputed_steps = report.recomputed_steps
+        task.seconds_to_first_step = report.seconds_to_first_step
+        if report.exit_reason:
+            task.exit_reason = report.exit_reason
+        if report.exit_code is not None and (task.jobgen_exit is None):
+            task.jobgen_exit = report.exit_code
+            task.state = "COMPLETED" if ExitCode(report.exit_code).planned else "FAILED"
+    _apply_slurm_memory(rows, row, [r for r in ended if r.name == name])
+    ours = [e for e in queue if e.name == name]
+    # An array's tasks that never started share the array's id until they start: a row each.
+    waiting = [e for e in ours if _never_started(e, rows.values())]
+    _apply_queue(rows, row, [e for e in ours if e not in waiting], time_limit)
+    # An earlier attempt of a job that ran again was requeued.
+    latest: dict[int, int] = {}
+    for job_id, restart in rows:
+        latest[job_id] = max(latest.get(job_id, 0), restart)
+    for (job_id, restart), task in rows.items():
+        if restart < latest[job_id] and task.state == "ENDED":
+            task.state = "REQUEUED"
+    tasks = list(rows.values())
+    if slurm_answered:
+        tasks += _tasks_never_seen(run, tasks, waiting)
+    for entry in waiting:
+        task = TaskStatus(entry.job_id, entry.array_job_id, entry.array_task, entry.state, reason=entry.reason or None)
+        task.time_limit_seconds = parse_slurm_limit(entry.time_limit) or time_limit
+        tasks.append(task)
+    return sorted(tasks, key=lambda t: (t.array_job_id, _int(t.array_task, 0), t.restart, t.job_id))
+
+
+def _tasks_never_seen(run: RunDir, tasks: list[TaskStatus], waiting: list[slurm.QueueEntry]) -> list[TaskStatus]:
+    """A row for each submitted task that nothing knows of: Slurm forgot it and it left no
+    record in the run directory (it never ran: cancelled while pending, or the whole
+    submission is older than Slurm's memory and never reached the trainer)."""
+    seen = {(t.array_job_id, t.array_task) for t in tasks} | {(e.array_job_id, e.array_task) for e in waiting}
+    seen |= {(t.job_id, "N/A") for t in tasks}
+    out = []
+    for sub in run.jobs():
+        if sub.get("local"):
+            continue
+        job_id, size = int(sub["job_id"]), int(sub.get("array") or 0)
+        siblings = any(t.array_job_id == job_id for t in tasks)
+        for index in [str(i) for i in range(1, size + 1)] if size else ["N/A"]:
+            if (job_id, index) not in seen:
+                task = TaskStatus(job_id, job_id, index, "ENDED")
+                task.exit_reason = (
+                    "never ran (cancelled while pending), and Slurm no longer remembers it"
+                    if siblings
+                    else "no record: Slurm forgot the job and it left none in the run directory"
+                )
+                out.append(task)
+    return out
+
+
+def _never_started(entry: slurm.QueueEntry, known) -> bool:
+    """A pending array task that never ran (it carries the array's id until it starts),
+    not a requeued one waiting to run again."""
+    if entry.state not in slurm.JOB_PENDING or entry.job_id != entry.array_job_id or not entry.array_task.isdigit():
+        return False
+    return not any(t.job_id == entry.job_id and t.array_task == entry.array_task for t in known)
+
+
+def _apply_slurm_memory(rows, row, ended: list[slurm.JobRecord]) -> None:
+    """Slurm's record describes a job's latest attempt: its state wins over the run
+    directory's guess (TIMEOUT, CANCELLED and NODE_FAIL leave no record of their own)."""
+    for record in ended:
+        task = row(record.job_id, record.restarts, record.array_job_id, record.array_task)
+        if record.state not in slurm.JOB_ACTIVE:
+            task.state = record.state
+        task.exit_code = record.exit_code or None
+        task.reason = record.reason if record.reason not in ("", "None") else task.reason
+        task.nodes = record.nodes if record.nodes not in ("", "(null)") else task.nodes
+        task.comment = record.comment or None
+        task.start_time = task.start_time or record.start
+        if task.elapsed_seconds is None and record.start and record.end:
+            task.elapsed_seconds = record.end - record.start
+        task.time_limit_seconds = record.time_limit or task.time_limit_seconds
+        if not task.exit_reason:
+            task.exit_reason = record.comment.removeprefix("jobgen: ") or _SLURM_ENDS.get(record.state)
+
+
+def _apply_queue(rows, row, queue: list[slurm.QueueEntry], time_limit: int | None) -> None:
+    """Pending and running tasks. A job id that ended before and is queued again was
+    requeued: its new attempt is the one after the last recorded."""
+    for entry in queue:
+        # The attempt Slurm runs now: the newest one that has not ended by any record (no
+        # exit code from the batch script or the trainer), else the one after the newest.
+        attempts = sorted(r for (j, r) in rows if j == entry.job_id)
+        newest_open = bool(attempts) and rows[(entry.job_id, attempts[-1])].jobgen_exit is None
+        restart = (attempts[-1] if newest_open else attempts[-1] + 1) if attempts else 0
+        task = row(entry.job_id, restart, entry.array_job_id, entry.array_task)
+        task.state = entry.state
+        task.reason = entry.reason if entry.reason not in ("", "None") else None
+        task.nodes = entry.nodes or None
+        task.start_time = entry.start or task.start_time
+        task.elapsed_seconds = parse_slurm_limit(entry.elapsed) if entry.elapsed else None
+        task.time_limit_seconds = parse_slurm_limit(entry.time_limit) or time_limit
