@@ -113,14 +113,26 @@ def _print_findings(findings) -> None:
     is_flag=True,
     help="submit even when `jobgen plan` predicts the run does not fit in site slurm.device_memory",
 )
+@click.option("--wait", is_flag=True, help="then wait until the job's first training step, showing where it stands")
 def submit(
-    spec_file: str, array: int | None, after: int | None, dry_run: bool, local: bool, ignore_memory_plan: bool
+    spec_file: str,
+    array: int | None,
+    after: int | None,
+    dry_run: bool,
+    local: bool,
+    ignore_memory_plan: bool,
+    wait: bool,
 ) -> None:
     """Preflight against the cluster, write the run directory, sbatch --array=1-N%1.
 
     A training run that `jobgen plan` predicts will not fit in the memory of one device
     (site slurm.device_memory) is refused (exit status 2) with the changes that would make
-    it fit; --ignore-memory-plan submits it anyway."""
+    it fit; --ignore-memory-plan submits it anyway.
+
+    --wait then follows the job until its first optimizer step (on a terminal, one line:
+    pending and why, Slurm's expected start, then the start-up with the time earlier tasks
+    took as its ETA) and exits 0, or 1 if it ended without one. Ctrl-C stops the waiting,
+    not the job."""
     from jobgen.rundir import RunDirError
     from jobgen.slurm import SlurmError, SlurmUnavailable
     from jobgen.submit import SubmitError, run_local
@@ -162,6 +174,17 @@ def submit(
         return
     verb = "created" if result.created else "continuing"
     click.echo(f"submitted job {result.job_id} ({verb} {result.run_dir})")
+    if wait and spec.run.job.program == "train":
+        from jobgen.first_step import wait_for_first_step
+        from jobgen.rundir import RunDir
+
+        try:
+            outcome = wait_for_first_step(RunDir(result.run_dir), result.job_id)
+        except KeyboardInterrupt:
+            click.echo(f"stopped waiting; job {result.job_id} stays queued (jobgen status {spec.run.job.name})")
+            sys.exit(130)
+        click.echo(outcome.message)
+        sys.exit(0 if outcome.trained or outcome.finished else 1)
 
 
 @main.command()
@@ -406,8 +429,15 @@ def make_tiny_model_command(
 def export(run_ref: str, target: str, checkpoint: str | None, merge_lora: bool) -> None:
     """A consolidated Hugging Face model (and tokenizer) from the run's checkpoint."""
     run = _find_run(run_ref)
+    from jobgen.progress import Progress
     from trainer.export import ExportError
     from trainer.export import export as do_export
+
+    bar = Progress("export", unit="B")  # on a terminal only
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done)
 
     try:
         source = do_export(
@@ -417,9 +447,12 @@ def export(run_ref: str, target: str, checkpoint: str | None, merge_lora: bool) 
             checkpoint=checkpoint,
             merge_lora=merge_lora,
             report=lambda line: click.echo(f"jobgen export: {line}", err=True),
+            progress=progress,
         )
     except ExportError as exc:
+        bar.close()
         _fail(f"jobgen export: {exc}", 2)
+    bar.close()
     click.echo(f"exported {source.name} of {run.path} to {target}")
 
 

@@ -200,6 +200,7 @@ class QueueEntry:
     nodes: str
     name: str
     start: float | None = None  # when it started (epoch seconds); None while pending
+    expected_start: float | None = None  # while pending: the scheduler's estimate, when it has one
 
 
 # The name (%j) last: it may hold the separator.
@@ -228,6 +229,7 @@ def parse_squeue(text: str) -> list[QueueEntry]:
                 name=name,
                 # A pending job's %S is the scheduler's estimate, not a start.
                 start=parse_time(start) if state not in JOB_PENDING else None,
+                expected_start=parse_time(start) if state in JOB_PENDING else None,
             )
         )
     return entries

@@ -393,3 +393,19 @@ def test_the_number_of_tokenizing_processes():
     import os
 
     assert tokenizer_processes(10**9, None) == len(os.sched_getaffinity(0))
+
+
+def test_a_long_tokenization_says_how_far_it_got(tokenizer, tmp_path, monkeypatch, caplog):
+    """Every PROGRESS_LOG_SECONDS the process with the first shard logs rows, rate and ETA."""
+    import logging
+
+    import trainer.data as data_module
+
+    monkeypatch.setattr(data_module, "PROGRESS_LOG_SECONDS", 0.0)
+    monkeypatch.setattr(data_module, "MAP_BATCH_SIZE", 2)
+    with caplog.at_level(logging.INFO, logger="trainer.data"):
+        encode(tokenizer, ALPACA_ROWS * 4, tmp_path, format="alpaca", max_length=512)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizing: ")]
+    rows = len(ALPACA_ROWS) * 4
+    assert lines and lines[-1].startswith(f"tokenizing: {rows:,}/{rows:,} rows (100%), ") and "ETA 0s" in lines[-1]
+    assert all(" rows/s, ETA " in line for line in lines), lines

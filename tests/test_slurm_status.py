@@ -17,7 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from helpers import VENV_BIN, jobgen, last_step, running_task, submit, train_spec, wait_for, wait_until_gone
+from helpers import (
+    VENV_BIN,
+    jobgen,
+    last_step,
+    running_task,
+    submit,
+    submitted_job_id,
+    train_spec,
+    wait_for,
+    wait_until_gone,
+)
 from jobgen import slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
@@ -120,7 +130,9 @@ def test_status_and_logs_of_every_kind_of_task_and_after_slurm_forgot(cluster, t
     with slurm_forgets_ended_jobs():
         # A run that finishes, while Slurm forgets the array.
         done = tmp_path / "runs" / "fin"
-        finished = submit(train_spec(tmp_path, tiny_model, "fin", max_steps=6, save_every_steps=3))
+        waited = jobgen("submit", str(train_spec(tmp_path, tiny_model, "fin", max_steps=6)), "--wait", timeout=240)
+        finished = submitted_job_id(waited.stdout)
+        assert waited.returncode == 0 and f"{finished}_1: first step " in waited.stdout, waited.stdout + waited.stderr
         wait_until_gone([finished], timeout=180)
         (fin,) = rows(done).values()
         assert (fin["slurm_id"], fin["state"], fin["jobgen_exit"], fin["end_step"]) == (

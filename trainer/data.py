@@ -28,7 +28,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -187,10 +189,25 @@ def check_columns(raw: datasets.Dataset, spec: DataSpec, source: str) -> None:
         )
 
 
-class Encoder:
-    """The ``datasets.map`` function: a batch of rows → input_ids, labels and bookkeeping columns."""
+log = logging.getLogger("trainer.data")
 
-    def __init__(self, spec: DataSpec, tokenizer, source: str):
+# How often tokenization says how far it got: a large set takes minutes, and a job log
+# that says nothing for that long looks hung.
+PROGRESS_LOG_SECONDS = 30.0
+
+
+class Encoder:
+    """The ``datasets.map`` function: a batch of rows → input_ids, labels and bookkeeping columns.
+
+    ``rows`` and ``processes``: the whole set's size and how many processes share it. The
+    process with the first shard logs how far it got every PROGRESS_LOG_SECONDS (the shards
+    are equal and go at the same pace): rows, rate and ETA."""
+
+    def __init__(self, spec: DataSpec, tokenizer, source: str, *, rows: int = 0, processes: int = 1):
+        self.rows, self.processes = rows, max(1, processes)
+        self.shard_start: int | None = None
+        self.done = 0
+        self.started = self.logged = 0.0
         self.spec = spec
         self.tokenizer = tokenizer
         self.source = source
@@ -213,7 +230,30 @@ class Encoder:
             return chat_segments(row.get("messages"), self.render, where)
         return [(row_text(row, self.spec.text_column, where), TARGET)]
 
+    def _progress(self, indices: Sequence[int]) -> None:
+        now = time.monotonic()
+        if self.shard_start is None:
+            self.shard_start, self.started, self.logged = (indices[0] if len(indices) else 0), now, now
+        self.done += len(indices)
+        if self.shard_start != 0 or not self.rows or now - self.logged < PROGRESS_LOG_SECONDS:
+            return
+        self.logged = now
+        shard = -(-self.rows // self.processes)
+        rate = self.done / max(now - self.started, 1e-9)
+        where = f"{self.done:,}/{shard:,} rows" + (
+            f" of the first of {self.processes} shards" if self.processes > 1 else ""
+        )
+        log.info(
+            "tokenizing: %s (%.0f%%), %.0f rows/s%s, ETA %ds",
+            where,
+            100 * self.done / shard,
+            rate,
+            " per process" if self.processes > 1 else "",
+            max(0, shard - self.done) / max(rate, 1e-9),
+        )
+
     def __call__(self, batch: dict[str, list[Any]], indices: Sequence[int]) -> dict[str, list[Any]]:
+        self._progress(indices)
         columns = list(batch)
         per_row = [self.segments({c: batch[c][k] for c in columns}, index) for k, index in enumerate(indices)]
         # One tokenizer call for the whole batch: the Rust tokenizer parallelises it.
@@ -300,7 +340,7 @@ def tokenize_dataset(
     num_proc = max(1, min(num_proc, len(raw)))
     with _tokenizer_threads(off=num_proc > 1):
         encoded = raw.map(
-            Encoder(spec, tokenizer, source),
+            Encoder(spec, tokenizer, source, rows=len(raw), processes=num_proc),
             batched=True,
             batch_size=MAP_BATCH_SIZE,
             with_indices=True,

@@ -88,12 +88,14 @@ def export(
     checkpoint: str | None = None,
     merge_lora: bool = False,
     report: Callable[[str], None] = print,
+    progress: Callable[[int, int], None] | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     batch_bytes: int = READ_BATCH_BYTES,
 ) -> Path:
     """Export the newest checkpoint that loads (or the one named); ``report`` is told about
-    every checkpoint skipped and why. Returns the checkpoint exported. At most about
-    ``batch_bytes`` of weights are held at a time; files are at most ``max_shard_bytes``."""
+    every checkpoint skipped and why, ``progress`` (bytes of weights written, bytes in all)
+    after every batch. Returns the checkpoint exported. At most about ``batch_bytes`` of
+    weights are held at a time; files are at most ``max_shard_bytes``."""
     model_spec = spec.run.model
     if model_spec is None:
         raise ExportError(f"{run_dir} is not a training run (no [model])")
@@ -110,7 +112,17 @@ def export(
         weights = _adapter_weights(skeleton)
 
     def write(path: Path, staging: Path) -> None:
-        plans, read = weights(_open(path), dtype)
+        plans, read_batch = weights(_open(path), dtype)
+        total, written = sum(plan.nbytes for plan in plans), 0
+
+        def read(batch: list[TensorPlan]) -> Mapping[str, torch.Tensor]:
+            nonlocal written
+            tensors = read_batch(batch)
+            written += sum(plan.nbytes for plan in batch)
+            if progress is not None:
+                progress(written, total)
+            return tensors
+
         if model_spec.lora is not None and not merge_lora:
             write_safetensors(staging / "adapter_model.safetensors", plans, read, batch_bytes=batch_bytes)
         else:
