@@ -73,7 +73,21 @@ def report(run: RunDir, job_id: int) -> int:
     verdict = json.loads(verdict_file.read_text())
     if verdict.get("table"):
         click.echo("\n".join(["jobgen doctor:", *verdict["table"]]))
+    bad = bad_nodes(verdict)
+    if bad:
+        click.echo(
+            f"jobgen doctor: to keep jobs off the failing nodes: --exclude={','.join(bad)}"
+            f"  (in run.toml: [job] exclude = [{', '.join(json.dumps(n) for n in bad)}])"
+        )
     return int(ExitCode.OK if verdict.get("ok") else ExitCode.DOCTOR_FAILED)
+
+
+def bad_nodes(verdict: dict) -> list[str]:
+    """The nodes a doctor verdict finds at fault: a failed check, or versions that differ
+    from the other nodes'."""
+    if verdict.get("ok"):
+        return []
+    return sorted(set(verdict.get("failed_nodes") or {}) | set(verdict.get("version_mismatch") or {}))
 
 
 def run_doctor(

@@ -38,6 +38,21 @@ def test_report_prints_the_table_of_doctor_json(tmp_path: Path, capsys, ok, code
     assert out.out.splitlines() == ["jobgen doctor:", *TABLE] and out.err == ""
 
 
+def test_report_names_the_failing_nodes_as_an_exclude_line(tmp_path: Path, capsys):
+    verdict = {
+        "ok": False,
+        "table": TABLE,
+        "failed_nodes": {"node3": ["all_reduce: timed out"]},
+        "version_mismatch": {"node1": ["torch 2.12.0 (others 2.13.0)"]},
+    }
+    assert report(_run(tmp_path, verdict, log=""), 7) == int(ExitCode.DOCTOR_FAILED)
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == (
+        "jobgen doctor: to keep jobs off the failing nodes: --exclude=node1,node3"
+        '  (in run.toml: [job] exclude = ["node1", "node3"])'
+    )
+
+
 def test_report_without_doctor_json_shows_the_end_of_the_log(tmp_path: Path, capsys):
     lines = [f"line {i}" for i in range(40)]
     run = _run(tmp_path, None, log="\n".join(lines) + "\n")
