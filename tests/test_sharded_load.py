@@ -44,6 +44,9 @@ CHECK = textwrap.dedent(
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     if len(sys.argv) > 4:  # memory only
         json.dump({"grown": grown}, open(f"{out}.{env.rank}", "w"))
+        # Exiting with the process group alive lets gloo's threads outlive the interpreter
+        # ("terminate called without an active exception", SIGABRT) now and then.
+        dist.destroy_process_group()
         raise SystemExit
     sharded = type(model.get_input_embeddings().weight).__name__  # before a forward unshards the root
     from transformers import AutoModelForCausalLM
