@@ -174,7 +174,7 @@ def submit(
         return
     verb = "created" if result.created else "continuing"
     click.echo(f"submitted job {result.job_id} ({verb} {result.run_dir})")
-    if wait and spec.run.job.program == "train":
+    if wait and spec.run.job.resumable:
         from jobgen.first_step import wait_for_first_step
         from jobgen.rundir import RunDir
 
@@ -378,23 +378,40 @@ def plot(run_ref: str, output: Path | None) -> None:
 @click.option("--partition", help="partition (default: the site's)")
 @click.option("--time", "time_limit", default="10m", show_default=True)
 @click.option("--wait/--no-wait", default=True, show_default=True, help="wait for the job and print its report")
+@click.option(
+    "--clear",
+    "clear_run",
+    metavar="RUN",
+    help="check the nodes RUN quarantined (with its site) and release those that pass",
+)
 def doctor(
-    nodes: int, procs_per_node: int | None, site_ref: str, partition: str | None, time_limit: str, wait: bool
+    nodes: int,
+    procs_per_node: int | None,
+    site_ref: str,
+    partition: str | None,
+    time_limit: str,
+    wait: bool,
+    clear_run: str | None,
 ) -> None:
     """Node health job: every rank inits the process group, all-reduces, allocates
-    memory and reports versions; names the nodes that fail."""
-    from jobgen.doctor import run_doctor
+    memory and reports versions; names the nodes that fail.
 
-    sys.exit(
-        run_doctor(
-            nodes=nodes,
-            procs_per_node=procs_per_node,
-            site_ref=site_ref,
-            partition=partition,
-            time_limit=time_limit,
-            wait=wait,
-        )
+    \b
+    jobgen doctor --nodes 2
+    jobgen doctor --clear RUN     # release the nodes RUN quarantined once they pass"""
+    from jobgen.doctor import clear_quarantine, run_doctor
+
+    if clear_run is not None:
+        sys.exit(clear_quarantine(_find_run(clear_run), time_limit=time_limit))
+    code, _ = run_doctor(
+        nodes=nodes,
+        procs_per_node=procs_per_node,
+        site_ref=site_ref,
+        partition=partition,
+        time_limit=time_limit,
+        wait=wait,
     )
+    sys.exit(code)
 
 
 @main.command(name="make-tiny-model")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from jobgen import slurm
+from jobgen import quarantine, slurm
 from jobgen.durations import parse_duration
 from jobgen.exit_codes import ExitCode
 from jobgen.loader import SpecError, resolve
@@ -31,7 +31,15 @@ from jobgen.submit import SubmitError, submit
 POLL_SECONDS = 2.0
 
 
-def doctor_spec(*, nodes: int, procs_per_node: int | None, site_ref: str, partition: str | None, time_limit: str):
+def doctor_spec(
+    *,
+    nodes: int,
+    procs_per_node: int | None,
+    site_ref: str,
+    partition: str | None,
+    time_limit: str,
+    nodelist: list[str] | None = None,
+):
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     job: dict[str, object] = {
         "name": f"doctor-{stamp}",
@@ -40,6 +48,8 @@ def doctor_spec(*, nodes: int, procs_per_node: int | None, site_ref: str, partit
         "time": time_limit,
         "exit_grace": "30s",
     }
+    if nodelist:
+        job["nodelist"] = nodelist
     if procs_per_node is not None:
         job["procs_per_node"] = procs_per_node
     if partition:
@@ -91,24 +101,78 @@ def bad_nodes(verdict: dict) -> list[str]:
 
 
 def run_doctor(
-    *, nodes: int, procs_per_node: int | None, site_ref: str, partition: str | None, time_limit: str, wait: bool
-) -> int:
+    *,
+    nodes: int,
+    procs_per_node: int | None,
+    site_ref: str,
+    partition: str | None,
+    time_limit: str,
+    wait: bool,
+    nodelist: list[str] | None = None,
+) -> tuple[int, dict | None]:
+    """Submit the doctor job; with ``wait``, print its report. Returns the exit code and the
+    verdict (None when not waited for or when the job wrote none)."""
     try:
         spec = doctor_spec(
-            nodes=nodes, procs_per_node=procs_per_node, site_ref=site_ref, partition=partition, time_limit=time_limit
+            nodes=nodes,
+            procs_per_node=procs_per_node,
+            site_ref=site_ref,
+            partition=partition,
+            time_limit=time_limit,
+            nodelist=nodelist,
         )
         result = submit(spec)
     except SpecError as exc:
         click.echo("jobgen doctor: " + "\n  ".join(["invalid request:", *map(str, exc.issues)]), err=True)
-        return 2
+        return 2, None
     except SubmitError as exc:
         click.echo("jobgen doctor: not submitted:\n  " + "\n  ".join(map(str, exc.findings)), err=True)
-        return 2
+        return 2, None
     assert result.job_id is not None
     click.echo(
         f"submitted doctor job {result.job_id}: {nodes} node(s) x {spec.procs_per_node}, run dir {result.run_dir}"
     )
     if not wait:
-        return 0
+        return 0, None
     wait_for(result.job_id, timeout=parse_duration(time_limit) + 120)
-    return report(RunDir(result.run_dir), result.job_id)
+    doctor_run = RunDir(result.run_dir)
+    verdict_file = doctor_run.path / "doctor.json"
+    code = report(doctor_run, result.job_id)
+    return code, json.loads(verdict_file.read_text()) if verdict_file.is_file() else None
+
+
+def clear_quarantine(run: RunDir, *, time_limit: str) -> int:
+    """``jobgen doctor --clear RUN``: the health check on the nodes the run quarantined, with
+    the run's site, partition and processes per node; those it passes on are released and
+    the run's pending jobs may use them again. A node the check fails on, or a check that
+    produced no report, keeps its quarantine."""
+    held = sorted(quarantine.read(run))
+    if not held:
+        click.echo(f"jobgen doctor: run {run.path.name} has no quarantined nodes")
+        return 0
+    spec = run.load_spec()
+    click.echo(f"jobgen doctor: checking the quarantined node(s) {', '.join(held)} of run {run.path.name}")
+    code, verdict = run_doctor(
+        nodes=len(held),
+        procs_per_node=spec.procs_per_node,
+        site_ref=spec.site_file or "local",
+        partition=spec.partition,
+        time_limit=time_limit,
+        wait=True,
+        nodelist=held,
+    )
+    if verdict is None:
+        click.echo("jobgen doctor: no report: every node stays quarantined", err=True)
+        return code or int(ExitCode.DOCTOR_FAILED)
+    passed = [n for n in held if n not in bad_nodes(verdict)]
+    released = quarantine.release(run, passed)
+    still = sorted(quarantine.read(run))
+    updated = quarantine.exclude_from_pending(run, spec.run.job.name, list(spec.run.job.exclude)) if released else []
+    if released:
+        click.echo(
+            f"jobgen doctor: released {', '.join(released)}"
+            + (f"; pending job(s) {', '.join(updated)} may use them again" if updated else "")
+        )
+    if still:
+        click.echo(f"jobgen doctor: still quarantined: {', '.join(still)}")
+    return code

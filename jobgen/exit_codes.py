@@ -32,6 +32,9 @@ class ExitCode(IntEnum):
     RESUME_MISMATCH = 17
     DATA_ERROR = 18  # the data or the tokenizer cannot be used (file and key in the log)
     RUN_BUSY = 19  # another process holds the run directory's writer lease: nothing touched
+    # A node of the task was at fault (silent ranks, Slurm marked it down): it is quarantined
+    # and the run's pending tasks exclude it (jobgen.quarantine).
+    NODE_FAILURE = 20
 
     @property
     def reason(self) -> str:
@@ -76,6 +79,7 @@ _REASONS = {
     ExitCode.RESUME_MISMATCH: "the checkpoint belongs to other data or another seed",
     ExitCode.DATA_ERROR: "the data or the tokenizer cannot be used",
     ExitCode.RUN_BUSY: "another process is writing this run: did nothing",
+    ExitCode.NODE_FAILURE: "node failure: the node is quarantined and later tasks exclude it",
 }
 
 _PLANNED = frozenset({ExitCode.OK, ExitCode.KILL_SWITCH, ExitCode.SIGNALLED, ExitCode.DEADLINE, ExitCode.NOT_STARTED})

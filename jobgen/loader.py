@@ -326,6 +326,14 @@ def _check_paths(raw: dict[str, Any], base_dir: Path, run_label: str) -> list[Sp
         local = _local_path(value, base_dir)
         if not local.exists() and (value.startswith(("/", "./", "../", "~")) or not _HUB_ID.match(value)):
             issues.append(SpecIssue(run_label, f"{table}.path", f"'{value}' does not exist (resolved to {local})"))
+    command = raw.get("command")
+    for key, kind in (("script", "file"), ("workdir", "directory")):
+        value = command.get(key) if isinstance(command, dict) else None
+        if not isinstance(value, str):
+            continue
+        local = _local_path(value, base_dir)
+        if not (local.is_file() if kind == "file" else local.is_dir()):
+            issues.append(SpecIssue(run_label, f"command.{key}", f"'{value}' is no {kind} (resolved to {local})"))
     return issues
 
 
@@ -356,6 +364,13 @@ def _absolute_paths(run: RunSpec, base_dir: Path) -> RunSpec:
             updates[table] = section.model_copy(update={"path": str(local.resolve())})
     if run.job.runs_root:
         updates["job"] = run.job.model_copy(update={"runs_root": absolute_path(run.job.runs_root, base_dir)})
+    if run.command is not None:
+        # The program starts in run.toml's directory unless told otherwise: a module of the
+        # project that holds run.toml is found from there (torchrun -m puts the cwd on sys.path).
+        command = {"workdir": absolute_path(run.command.workdir or ".", base_dir)}
+        if run.command.script:
+            command["script"] = absolute_path(run.command.script, base_dir)
+        updates["command"] = run.command.model_copy(update=command)
     return run.model_copy(update=updates) if updates else run
 
 

@@ -51,8 +51,9 @@ def _gres_count(gres: str, name: str) -> int:
     return total
 
 
-def check_cluster(spec: ResolvedSpec) -> list[Finding]:
-    """Partition, node count, time limit, CPUs and GPUs against what the cluster has."""
+def check_cluster(spec: ResolvedSpec, quarantined: list[str] = ()) -> list[Finding]:
+    """Partition, node count, time limit, CPUs and GPUs against what the cluster has, without
+    the spec's excluded nodes and the run's ``quarantined`` ones."""
     findings: list[Finding] = []
     job, slurm_site = spec.run.job, spec.site.slurm
     ver = slurm.version()
@@ -95,6 +96,7 @@ def check_cluster(spec: ResolvedSpec) -> list[Finding]:
 
     in_partition = set(slurm.hostnames(part.get("Nodes", "")))
     excluded = set(slurm.hostnames(",".join(job.exclude))) if job.exclude else set()
+    excluded |= set(quarantined)
     wanted = set(slurm.hostnames(",".join(job.nodelist))) if job.nodelist else set()
     all_nodes = {n.get("NodeName", ""): n for n in slurm.nodes()}
     for node in sorted(wanted - in_partition):
@@ -163,9 +165,11 @@ def kill_window(spec: ResolvedSpec, conf: dict[str, str] | None = None) -> KillW
     return KillWindow(kill_wait, slurm.parse_seconds(part.get("GraceTime", "0")) or 0, preempts)
 
 
-def preflight(spec: ResolvedSpec, script: Path, sbatch_options: list[str]) -> list[Finding]:
+def preflight(
+    spec: ResolvedSpec, script: Path, sbatch_options: list[str], quarantined: list[str] = ()
+) -> list[Finding]:
     """All cluster checks, then ``sbatch --test-only`` when the cluster checks passed."""
-    findings = check_cluster(spec)
+    findings = check_cluster(spec, quarantined)
     if not any(f.level == "error" for f in findings):
         try:
             estimate = slurm.sbatch_test_only(script, sbatch_options)

@@ -34,6 +34,8 @@ from jobgen.rundir import STARTUP_SWITCHES, RunDir
 
 # Programs the launch template can start under torchrun, by spec value.
 PROGRAMS = {"train": "trainer", "doctor": "trainer.doctor"}
+# How long the start probe waits for every node's answer (site.health_check's budget).
+PROBE_TIMEOUT_SECONDS = 60
 # What sbatch's #SBATCH parser (src/sbatch/opt.c, get_argument) reads as one argument
 # as it stands: no whitespace, quote or backslash, and no '#', which starts a comment there.
 _SBATCH_BARE = re.compile(r"^[A-Za-z0-9_.:/@+=,\[\]&|()*!~%^-]+$")
@@ -203,7 +205,9 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
         "site_name": site.name,
         "site_file": spec.site_file,
         "program": job.program,
-        "entry_module": PROGRAMS[job.program],
+        "lifecycle": job.resumable,
+        "entry_words": entry_words(spec),
+        "command_workdir": spec.run.command.workdir if spec.run.command else None,
         "script_name": script_name(spec),
         "sbatch_directives": sbatch_directives(spec),
         "nodes": job.nodes,
@@ -255,10 +259,26 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
         "env": sorted(env.items()),
         "repro_env": env_record_patterns([*env, *net.env]),
         "exit": {code.name.lower(): int(code) for code in ExitCode},
+        # The start probe (a training task's nodes, before the launch): what it checks.
+        "health_check": site.health_check,
+        "probe_gpus": slurm.gpus_per_node,
+        "probe_timeout_seconds": PROBE_TIMEOUT_SECONDS,
         # How Slurm records each code (jobgen.exit_codes): planned stops exit 0 (COMPLETED).
         "planned_exit_codes": Trusted(" ".join(str(int(code)) for code in ExitCode if code.planned)),
         "exit_words": [(int(code), code.reason) for code in ExitCode],
     }
+
+
+def entry_words(spec: ResolvedSpec) -> Trusted:
+    """What torchrun starts on every node, after its own options: jobgen's program with the
+    run directory, or the user's module or script with their arguments, each word quoted."""
+    command = spec.run.command
+    if spec.run.job.program != "command" or command is None:
+        module = PROGRAMS[spec.run.job.program]
+        return Trusted(f'-m {module} --run-dir "$JOBGEN_RUN_DIR" --expected-world-size {spec.world_size}')
+    words = ["-m", _single_quoted(command.module)] if command.module else [_single_quoted(command.script)]
+    words += [_single_quoted(arg) for arg in command.args]
+    return Trusted(" ".join(words))
 
 
 def render(spec: ResolvedSpec) -> str:

@@ -15,9 +15,11 @@ Layout::
                      stop.<job>.<restart>: a stop request from the batch shell's trap
     logs/            <job name>-<job>.out (the batch log), <job name>-<job>-<node>.out,
                      exit-code.<job>.<restart>, task.<job>.<restart>.json (how it ended),
-                     ranks/<job>/<node>/ (torchrun's), nccl-*.log
+                     ranks/<job>/<node>/ (torchrun's), ranks/<job>/ranks.<restart>.json
+                     (rank map), ranks/<job>/ends.<restart>/ (failed ranks), nccl-*.log
     checkpoints/     step-<step>/, .tmp-*, broken-* (see trainer.checkpoint)
     repro/<job>/ history/ failed done writer.lock
+    quarantine.json  nodes kept off the run's later tasks (jobgen.quarantine)
     tensorboard/ wandb/ wandb-id   experiment tracking (train.report_to)
 
 A new run directory is assembled under a temporary name in the runs root and
@@ -143,6 +145,11 @@ class RunDir:
         return self.path / "wandb-id"
 
     @property
+    def quarantine(self) -> Path:
+        """Nodes a task of this run found at fault, kept off its later tasks (jobgen.quarantine)."""
+        return self.path / "quarantine.json"
+
+    @property
     def writer_lease(self) -> Path:
         """flock'ed by the one process that trains this run (jobgen.lease)."""
         return self.path / "writer.lock"
@@ -226,6 +233,13 @@ class RunDir:
 
     def rank_maps(self, job_id: str | int) -> list[Path]:
         return sorted((self.logs / "ranks" / str(job_id)).glob("ranks.*.json"))
+
+    def rank_end(self, job_id: str | int, restart: str | int, rank: int) -> Path:
+        """What one rank of one attempt left as it failed (jobgen.quarantine.RankEnd)."""
+        return self.logs / "ranks" / str(job_id) / f"ends.{restart}" / f"rank{rank}.json"
+
+    def rank_ends(self, job_id: str | int, restart: str | int) -> list[Path]:
+        return sorted((self.logs / "ranks" / str(job_id) / f"ends.{restart}").glob("rank*.json"))
 
     def nccl_debug_log(self, job_id: str | int, host: str, pid: str) -> Path:
         """NCCL_DEBUG_FILE of one process, when the site's network.debug is on."""

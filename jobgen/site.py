@@ -220,3 +220,13 @@ class SiteProfile(StrictModel):
             "Team-wide watchdog defaults (partition, mail relay, webhook); a run's [watchdogs] wins key by key."
         ),
     )
+    health_check: EnvValue | None = Field(
+        None,
+        max_length=1000,
+        description=(
+            "A command run on every node before each training task launches (bash -c, on the host, e.g. "
+            "'/usr/sbin/nhc -t 50'). A node where it exits non-zero or takes over 60 s is quarantined for the "
+            "run: the task ends FAILED naming it, and the run's later tasks exclude it (jobgen status, "
+            "jobgen doctor --clear). GPU sites also check that each node shows gpus_per_node GPUs."
+        ),
+    )

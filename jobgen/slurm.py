@@ -202,6 +202,14 @@ class QueueEntry:
     start: float | None = None  # when it started (epoch seconds); None while pending
     expected_start: float | None = None  # while pending: the scheduler's estimate, when it has one
 
+    @property
+    def slurm_id(self) -> str:
+        """How scontrol and scancel name it: ``ARRAYID_TASK`` for an array task (a task's own
+        job id does not work for them, see :func:`cancel`), else the job id."""
+        if self.array_task.isdigit():
+            return f"{self.array_job_id}_{self.array_task}"
+        return str(self.job_id)
+
 
 # The name (%j) last: it may hold the separator.
 SQUEUE_FORMAT = "%A|%F|%K|%T|%r|%M|%l|%N|%S|%j"
@@ -419,6 +427,12 @@ def jobs_named(name: str) -> list[NamedJob]:
     return parse_named_jobs(proc.stdout)
 
 
+def queue_named(name: str) -> list[QueueEntry]:
+    """This user's pending and running jobs called ``name``, one entry per array task."""
+    args = ["squeue", "--noheader", "--me", "--array", f"--name={name}", f"--format={SQUEUE_FORMAT}"]
+    return parse_squeue(run(args).stdout)
+
+
 MY_JOBS_FORMAT = "%i|%T|%S|%u|%j|%k"
 
 
@@ -481,6 +495,11 @@ def show_job(job_id: int) -> list[dict[str, str]]:
     if proc.returncode != 0:
         return []
     return parse_records(proc.stdout)
+
+
+def update_job(job_id: int | str, **fields: str) -> None:
+    """``scontrol update JobId=<id> Key=value ...`` (a pending job's ExcNodeList, a comment)."""
+    run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())])
 
 
 def cancel(job_id: int | str, *, signal: str | None = None, batch_only: bool = False) -> None:

@@ -7,9 +7,9 @@ resolution and error reporting live in :mod:`jobgen.loader`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from jobgen.durations import format_human
 from jobgen.fields import (
@@ -33,9 +33,12 @@ class JobSpec(StrictModel):
     """What to ask Slurm for. Keys here override the site profile's."""
 
     name: JobName = Field(description="Job name; also the run directory's name under runs_root.")
-    program: Literal["train", "doctor"] = Field(
+    program: Literal["train", "doctor", "command"] = Field(
         "train",
-        description="'train' runs the bundled trainer; 'doctor' runs the node health check (no model or data needed).",
+        description=(
+            "'train' runs the bundled trainer; 'doctor' runs the node health check (no model or data needed); "
+            "'command' runs your own program from [command] under the same launch and lifecycle."
+        ),
     )
     nodes: int = Field(1, ge=1, le=4096, description="Number of nodes.")
     procs_per_node: int | None = Field(
@@ -77,6 +80,13 @@ class JobSpec(StrictModel):
         default_factory=list, description="Nodes never to run on (--exclude), e.g. ['gpu017', 'gpu[20-22]']."
     )
     nodelist: list[HostList] = Field(default_factory=list, description="Nodes to run on (--nodelist).")
+
+    @property
+    def resumable(self) -> bool:
+        """A program that saves, resumes and stops on request (the trainer, your own program
+        through jobgen.runtime): it runs as a chained array, with the switches, the failed
+        and done markers, stop requests and node quarantine."""
+        return self.program in ("train", "command")
 
     @field_validator("exit_grace")
     @classmethod
@@ -343,6 +353,38 @@ class TrainSpec(StrictModel):
         return self
 
 
+# A dotted Python module name: my_project.train
+PythonModule = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")]
+
+
+class CommandSpec(StrictModel):
+    """Your own program (job.program = 'command'), started by torchrun on every node as the
+    bundled trainer is. It reaches the run directory, the switches and the deadline through
+    ``jobgen.runtime`` (README, "Your own program")."""
+
+    module: PythonModule | None = Field(
+        None, description="Run as `torchrun ... -m MODULE`, e.g. 'my_project.train' (found from workdir)."
+    )
+    script: SafePath | None = Field(
+        None, description="A Python script run as `torchrun ... SCRIPT`; relative to run.toml's directory."
+    )
+    args: list[EnvValue] = Field(
+        default_factory=list,
+        description="Arguments after the module or script; each entry reaches the program as one argument, quoted.",
+    )
+    workdir: SafePath | None = Field(
+        None, description="Directory the program starts in; relative to run.toml's directory (default: that directory)."
+    )
+
+    @model_validator(mode="after")
+    def _module_or_script(self) -> CommandSpec:
+        if (self.module is None) == (self.script is None):
+            raise ValueError(
+                "give exactly one of command.module (run as torchrun -m MODULE) and command.script (a .py path)"
+            )
+        return self
+
+
 class RunSpec(StrictModel):
     """A whole run.toml after the site reference has been taken out."""
 
@@ -350,6 +392,7 @@ class RunSpec(StrictModel):
     model: ModelSpec | None = Field(None, description="Model; required for program = 'train'.")
     data: DataSpec | None = Field(None, description="Data; required for program = 'train'.")
     train: TrainSpec = Field(default_factory=TrainSpec, description="Training loop settings.")
+    command: CommandSpec | None = Field(None, description="Your own program; required for program = 'command'.")
     env: dict[EnvName, EnvValue] = Field(default_factory=dict, description="Variables exported in the job.")
     watchdogs: WatchdogSettings = Field(
         default_factory=WatchdogSettings,
@@ -362,6 +405,10 @@ class RunSpec(StrictModel):
             missing = [t for t in ("model", "data") if getattr(self, t) is None]
             if missing:
                 raise ValueError(f"program = 'train' needs the table(s) {', '.join('[' + m + ']' for m in missing)}")
+        if self.job.program == "command" and self.command is None:
+            raise ValueError("program = 'command' needs a [command] table with module or script")
+        if self.job.program != "command" and self.command is not None:
+            raise ValueError(f"[command] is only used with job.program = 'command' (program is '{self.job.program}')")
         return self
 
     @model_validator(mode="after")

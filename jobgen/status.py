@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from jobgen import slurm
+from jobgen import quarantine, slurm
 from jobgen.goodput import goodput, kill_window_warning, lead_time_warning, read_jsonl, run_reports
 from jobgen.loader import ResolvedSpec
 from jobgen.preflight import kill_window
@@ -55,6 +55,8 @@ class RunStatus:
     eta_seconds: float | None = None  # the steps left at the recent step time (training time only)
     last_checkpoint: str | None = None
     last_checkpoint_age_seconds: float | None = None
+    # Nodes the run keeps its tasks off (jobgen.quarantine): node, since, job, reason.
+    quarantined: list[dict[str, Any]] = field(default_factory=list)
     # Slurm could not be asked (SlurmUnavailable): the note that says so, for callers that act
     # on it (the running watchdog) without reading notes. Not in the JSON, where the note is.
     slurm_unreachable: str | None = None
@@ -209,6 +211,17 @@ def run_status(
         "delete it once inspected"
         for p in run.broken_checkpoints()
     )
+    try:
+        held = quarantine.read(run)
+    except (OSError, ValueError) as exc:
+        held = {}
+        status.warnings.append(f"{run.quarantine} is unreadable ({exc}): the nodes it held may be used again")
+    status.quarantined = quarantine.to_json(held)
+    if held:
+        status.warnings.append(
+            f"quarantined node(s) {', '.join(held)}: later tasks exclude them "
+            f"(jobgen doctor --clear {job.name} releases those that pass)"
+        )
     failed = run.failure()
     doctor = run.path / "doctor.json"
     doctor_ok = bool(json.loads(doctor.read_text()).get("ok")) if job.program == "doctor" and doctor.is_file() else None

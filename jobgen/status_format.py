@@ -71,12 +71,17 @@ def format_status(status: RunStatus) -> str:
         if status.eta_seconds is not None and status.state in ("running", "pending"):
             progress += f"   ETA {_age(status.eta_seconds)} of training"
         lines.append(progress)
+    elif status.step is not None:  # your own program: the steps it reported, no total known
+        lines.append(f"step     {status.step}" + (f"   loss {status.loss:.4f}" if status.loss is not None else ""))
     if status.last_checkpoint:
         lines.append(f"saved    {status.last_checkpoint}, {_age(status.last_checkpoint_age_seconds)} ago")
     if status.goodput is not None:
         lines.append(f"goodput  {status.goodput:.1%} (time in steps that were kept / time the jobs held)")
     if status.switches:
         lines.append(f"switches {', '.join(status.switches)}")
+    for entry in status.quarantined:
+        stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry["since"]))
+        lines.append(f"quarantined {entry['node']} since {stamp} (job {entry['job']}): {entry['reason']}")
     if status.tasks:
         lines.append("")
         lines.extend(task_lines(status.tasks))

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobgen import lease, slurm
+from jobgen import lease, quarantine, slurm
 from jobgen.goodput import kill_window_warning, lead_time_warning, run_reports
 from jobgen.loader import ResolvedSpec
 from jobgen.preflight import Finding, kill_window, memory_findings, preflight
@@ -46,10 +46,17 @@ class SubmitResult:
     findings: list[Finding] = field(default_factory=list)
 
 
-def sbatch_options(spec: ResolvedSpec, *, array: int | None = None, after: int | None = None) -> list[str]:
-    """Options given on the sbatch command line (the script's #SBATCH lines carry the rest)."""
+def sbatch_options(
+    spec: ResolvedSpec, *, array: int | None = None, after: int | None = None, quarantined: list[str] = ()
+) -> list[str]:
+    """Options given on the sbatch command line (the script's #SBATCH lines carry the rest).
+    Nodes the run has quarantined (jobgen.quarantine) join the spec's ``--exclude`` here, on
+    the command line, so the rendered script stays a function of the spec alone."""
     options = []
-    if spec.run.job.program == "train":
+    if quarantined:
+        exclude = [*spec.run.job.exclude, *(n for n in quarantined if n not in spec.run.job.exclude)]
+        options.append("--exclude=" + ",".join(exclude))
+    if spec.run.job.resumable:
         # %1: one task at a time; each continues from the previous task's checkpoint.
         options.append(f"--array=1-{array or spec.run.job.array}%1")
     if after is not None:
@@ -75,7 +82,8 @@ def submit(
 ) -> SubmitResult:
     script = render(spec)
     name = script_name(spec)
-    options = sbatch_options(spec, array=array, after=after)
+    quarantined = sorted(quarantine.read(RunDir(spec.run_dir))) if spec.run_dir.is_dir() else []
+    options = sbatch_options(spec, array=array, after=after, quarantined=quarantined)
     script_path = spec.run_dir / name
     result = SubmitResult(
         run_dir=spec.run_dir, script=script_path, command=["sbatch", "--parsable", *options, str(script_path)]
@@ -90,12 +98,21 @@ def submit(
             candidate = Path(tmp) / name
             candidate.write_text(script)
             try:
-                findings = preflight(spec, candidate, options)
+                findings = preflight(spec, candidate, options, quarantined)
             except slurm.SlurmUnavailable:
                 if any(f.level == "error" for f in memory):
                     raise SubmitError(memory) from None
                 raise
     findings = memory + findings
+    if quarantined:
+        findings.append(
+            Finding(
+                "info",
+                "",
+                f"excluding the node(s) this run quarantined: {', '.join(quarantined)} "
+                f"(jobgen status {spec.run.job.name}; jobgen doctor --clear {spec.run.job.name} releases them)",
+            )
+        )
     run = RunDir(spec.run_dir)
     if run.exists() and spec.run.job.graceful_stop:  # else no save races a time limit or a SIGKILL
         reports = run_reports(run.path, spec.run.job.time)
@@ -134,7 +151,7 @@ def submit(
         if created:
             remove_new(run)
         raise
-    tasks = (array or spec.run.job.array) if spec.run.job.program == "train" else None
+    tasks = (array or spec.run.job.array) if spec.run.job.resumable else None
     run.record_job({"job_id": result.job_id, "options": options, "array": tasks, "after": after})
     return result
 

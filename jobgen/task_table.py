@@ -157,7 +157,9 @@ def build_tasks(
         task.start_step, task.end_step = report.start_step, report.end_step
         task.recomputed_steps = report.recomputed_steps
         task.seconds_to_first_step = report.seconds_to_first_step
-        if report.exit_reason:
+        # The program's own words win, but not goodput's guess for a program that left no
+        # exit record ("killed?") over what the batch script recorded (a node failure, ...).
+        if report.exit_reason and (report.exit_code is not None or not task.exit_reason):
             task.exit_reason = report.exit_reason
         if report.exit_code is not None and (task.jobgen_exit is None):
             task.jobgen_exit = report.exit_code

@@ -250,6 +250,7 @@ def train_spec(
     grace: str = "1m",
     array: int = 1,
     runs_root: Path | None = None,
+    site: str | dict[str, object] = "local",
     **train: object,
 ) -> Path:
     """A training run for the dev cluster (``directory/NAME.toml``) that trains until it is
@@ -268,6 +269,7 @@ def train_spec(
     return run_spec(
         directory,
         name,
+        site=site,
         filename=f"{name}.toml",
         job={
             "nodes": nodes,

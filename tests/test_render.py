@@ -192,7 +192,8 @@ def test_planned_stops_exit_0_and_every_end_sets_the_comment(tmp_path: Path, cod
     assert proc.returncode == exits, proc.stderr
     assert "not reached" not in proc.stdout
     args = (tmp_path / "scontrol.args").read_text().splitlines()
-    assert args[:2] == ["update", "JobId=42"]
+    # ARRAYID_TASK: the last task's own id is the array's id, and JobId=<it> names every task.
+    assert args[:2] == ["update", "JobId=41_2"]
     told = words or ExitCode(code).reason if code in ExitCode._value2member_map_ else words
     expected = comment or f"jobgen: {told} (exit {code})"
     assert args[2].startswith(f"Comment={expected}"), args
@@ -238,7 +239,8 @@ def test_context_is_pure_and_complete():
         render(spec)
     finally:
         subprocess.Popen = orig  # type: ignore[misc]
-    assert ctx["world_size"] == 4 and ctx["omp_threads"] == 1 and ctx["entry_module"] == "trainer.doctor"
+    assert ctx["world_size"] == 4 and ctx["omp_threads"] == 1
+    assert ctx["entry_words"].startswith("-m trainer.doctor --run-dir")
 
 
 def test_render_cli_writes_files(tmp_path: Path):

@@ -184,3 +184,16 @@ def test_sacct_lines_of_jobs_not_steps():
     assert slurm.accounting_enabled({"AccountingStorageType": "accounting_storage/slurmdbd"})
     assert not slurm.accounting_enabled({"AccountingStorageType": "accounting_storage/none"})
     assert not slurm.accounting_enabled({})
+
+
+def test_a_crash_the_batch_script_blamed_on_a_node_keeps_the_scripts_words(tmp_path):
+    """The trainer crashed (no exit record: goodput can only guess "killed?"); the batch
+    script found the node at fault and recorded it: status says so."""
+    run = make_run(tmp_path, (5, 1))
+    blamed = "node failure: node2 quarantined (its ranks 2,3 went silent while ranks 0,1 waited out the 20 s ...)"
+    end_record(run, 6, 1, 20, 20, blamed)
+    records = trainer_records(6, 1, 0, 5, 0, "")[:1]  # first_step only: it crashed
+    metrics = [{"job_id": "6", "restart": 0, "step": 5, "time": T0 + 60, "step_seconds": 1.0}]
+    reports = task_reports(records, metrics)
+    row = build_tasks(run, "demo", [], [], reports, read_task_records(run), 600)[0]
+    assert (row.state, row.jobgen_exit, row.exit_reason, row.end_step) == ("FAILED", 20, blamed, 5)

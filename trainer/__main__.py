@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(code)
     except BaseException as exc:
         code, reason = ExitCode.CRASHED, f"crashed: {type(exc).__name__}: {str(exc)[:300]}"
+        record_rank_end(run, attempt, env, exc)
         raise
     finally:
         if env.is_main:
@@ -140,11 +141,29 @@ def record_ranks(run, attempt: Attempt, env) -> None:
             logging.getLogger("trainer").warning("could not record the rank map: %s", exc)
 
 
+def record_rank_end(run, attempt: Attempt, env, exc: BaseException) -> None:
+    """Every rank an error reaches says so, with how long it had gone without progress: the
+    batch script's node check (jobgen.quarantine) blames the nodes whose ranks said nothing
+    while others waited out a collective timeout."""
+    from jobgen.quarantine import RankEnd
+    from jobgen.runtime.stopping import first_signal_caught
+    from trainer.distributed import seconds_since_progress
+
+    if not attempt.job_id:
+        return
+    node = os.environ.get("SLURMD_NODENAME") or "local"
+    end = RankEnd(env.rank, node, round(seconds_since_progress(), 1), type(exc).__name__, first_signal_caught())
+    try:
+        end.write(run, attempt.job_id, attempt.restart)
+    except OSError as write_error:  # the run directory itself may be what failed
+        logging.getLogger("trainer").warning("could not record how rank %d ended: %s", env.rank, write_error)
+
+
 def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None) -> tuple[ExitCode, str] | None:
     """Rank 0: why this process must not train, or None. Takes the writer lease first, so a
     second writer leaves before it reads or writes anything of the run."""
     from jobgen.lease import RunBusy
-    from trainer.stopping import Action, startup_switch
+    from jobgen.runtime.stopping import Action, startup_switch
 
     try:
         lease.acquire()
@@ -171,13 +190,13 @@ def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None
 def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
     """Build the trainer and fit; failures that every later task would repeat come back as
     their exit codes (typed exceptions, never matched on message text)."""
+    from jobgen.runtime.stopping import StopMonitor, StopSettings, job_end_time
     from trainer import distributed
     from trainer.checkpoint import ResumeFailed
     from trainer.data import DataError
     from trainer.data_cache import DataCacheError
     from trainer.model import ModelError
     from trainer.sampler import ResumeMismatch
-    from trainer.stopping import StopMonitor, StopSettings, job_end_time
 
     graceful = spec.run.job.graceful_stop
     end = distributed.broadcast_object(env, job_end_time(attempt.job_id) if env.is_main and graceful else None)
@@ -193,6 +212,7 @@ def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
             check_files=env.is_main,
             lead_signal=spec.site.slurm.signal,
             exit_grace=spec.run.job.exit_grace,
+            gpu_free_bytes=distributed.gpu_free_bytes if env.device.type == "cuda" else None,
         )
     )
     if graceful:
@@ -228,13 +248,11 @@ def record_exit(run, attempt: Attempt, code: ExitCode, reason: str) -> None:
     """Rank 0, however the process ends short of SIGKILL: the exit code for the batch script
     (this attempt's own file), and the ``failed`` marker when every later task would fail
     the same way."""
-    from jobgen.atomic import write_json_atomic, write_text_atomic
+    from jobgen.atomic import write_json_atomic
+    from jobgen.runtime.records import write_exit_code
 
     if attempt.job_id:
-        # The code, then the reason on one line: the batch script exits with the one and
-        # sets the job's Slurm comment to the other.
-        words = " ".join((reason or code.reason).split())[:400]
-        write_text_atomic(run.exit_code_file(attempt.job_id, attempt.restart), f"{int(code)}\n{words}\n")
+        write_exit_code(run, attempt.job_id, attempt.restart, code, reason)
     if code.repeats:
         write_json_atomic(
             run.failed_marker,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +45,33 @@ def init_distributed(timeout_seconds: int, expected_world_size: int | None) -> D
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=dt.timedelta(seconds=timeout_seconds))
     env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+    mark_progress()  # the rendezvous may have waited long for the other nodes
     if expected_world_size is not None and env.world_size != expected_world_size:
         raise WorldSizeError(
             f"world size is {env.world_size}, the spec asks for {expected_world_size} (nodes x procs_per_node)"
         )
     return env
+
+
+# When this rank last got something done (its start, the process group, a step, a save).
+# An error that reaches a rank after it went a whole collective timeout without progress
+# is one that waited for a silent peer: jobgen.quarantine blames that peer's node.
+_last_progress = time.monotonic()
+
+
+def mark_progress() -> None:
+    global _last_progress
+    _last_progress = time.monotonic()
+
+
+def seconds_since_progress() -> float:
+    return time.monotonic() - _last_progress
+
+
+def gpu_free_bytes() -> int:
+    """Free memory on this rank's GPU (the memory guard's train.min_gpu_free_mib)."""
+    free, _total = torch.cuda.mem_get_info()
+    return free
 
 
 def cap_device_memory(env: DistEnv, limit_bytes: int) -> float | None:

@@ -36,17 +36,18 @@ from jobgen.atomic import write_json_atomic
 from jobgen.exit_codes import ExitCode
 from jobgen.loader import ResolvedSpec
 from jobgen.rundir import RunDir
+from jobgen.runtime.records import MetricsWriter
+from jobgen.runtime.stopping import Action, StopMonitor
 from trainer.batches import DataPipeline, to_device
 from trainer.checkpoint import Checkpointer
-from trainer.distributed import DistEnv, reduce_max, reduce_sum
+from trainer.distributed import DistEnv, mark_progress, reduce_max, reduce_sum
 from trainer.loss import ChunkedLoss, LossHeadError, install_chunked_loss
 from trainer.memory_peaks import MemoryPeaks, combine_ranks
-from trainer.metrics import MetricsWriter, StartupClock, memory_snapshot
+from trainer.metrics import StartupClock, memory_snapshot
 from trainer.model import build_model, load_tokenizer, trainable_parameters
 from trainer.offload import make_offloader, offload_activations
 from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler, clip_per_parameter
 from trainer.packing import count_targets
-from trainer.stopping import Action, StopMonitor
 from trainer.tracking import Trackers, open_trackers
 
 log = logging.getLogger("trainer")
@@ -291,6 +292,7 @@ class Trainer:
     def fit(self) -> tuple[ExitCode, str]:
         """Train until max_steps or a stop; returns the exit code and a one-line reason."""
         resumed = self.resume()
+        mark_progress()
         self.startup.mark("resume")
         self.start_step = self.step
         self.resumed_from = resumed.name if resumed else None
@@ -349,6 +351,7 @@ class Trainer:
                 return self._stop(action)
             self._save_if_asked(action, save_due)
             self.checkpointer.poll()
+            mark_progress()
         self._finish()
         return ExitCode.OK, f"reached step {self.step} of {max_steps}: finished"
 
@@ -359,6 +362,7 @@ class Trainer:
         self.step_seconds.append(time.time() - step_started)
         self.step += 1
         self.steps_this_job += 1
+        mark_progress()
         return step_metrics
 
     def _record_first_step(self) -> None:

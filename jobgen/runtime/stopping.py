@@ -16,8 +16,11 @@ directory can create them (``jobgen stop RUN`` or plain ``touch``):
   name: a request an earlier attempt never consumed (SIGKILL after KillWait) cannot
   stop a later attempt, and the batch script deletes such leftovers before it starts.
 
-This module owns when to stop and how ranks agree on it; the switch files' names are
-the run directory's layout (jobgen.rundir: ``*_SWITCH``, ``RunDir.stop_request``).
+This module owns when to stop; the switch files' names are the run directory's layout
+(jobgen.rundir: ``*_SWITCH``, ``RunDir.stop_request``). It imports no torch: the bundled
+trainer (``Trainer.step_boundary``) and a user's own program (:mod:`jobgen.runtime`) use
+this one implementation, each combining the ranks' actions with its own all-reduce, and
+the trainer supplies the GPU's free memory (``StopSettings.gpu_free_bytes``).
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-import torch
 
 from jobgen.exit_codes import ExitCode, signal_stop_words
 from jobgen.rundir import ABORT_SWITCH, KILL_SWITCH, SAVE_SWITCH
@@ -82,17 +85,20 @@ class StopSettings:
     # when the stop request came from that signal.
     lead_signal: str | None = None
     exit_grace: int = 0
+    # The GPU's free memory in bytes, for min_gpu_free_mib (None: no GPU, or not measured).
+    gpu_free_bytes: Callable[[], int] | None = None
 
 
-def job_end_time(job_id: str | None) -> float | None:
+def job_end_time(job_id: str | None, environ: Mapping[str, str] | None = None) -> float | None:
     """The job's scheduled end (epoch seconds), or None when there is no limit to honour.
 
     ``JOBGEN_JOB_END_TIME`` (epoch seconds) wins: it lets runs outside Slurm (``--local``,
     another scheduler) have a deadline. Then ``SLURM_JOB_END_TIME`` (Slurm 23.02+), then
     ``squeue``'s end time for the job (Slurm 22.05 sets no variable for it).
     """
+    environ = os.environ if environ is None else environ
     for variable in ("JOBGEN_JOB_END_TIME", "SLURM_JOB_END_TIME"):
-        value = os.environ.get(variable, "")
+        value = environ.get(variable, "")
         if value.isdigit():
             return float(value)
     if not job_id or not job_id.isdigit():
@@ -108,6 +114,16 @@ def job_end_time(job_id: str | None) -> float | None:
         return dt.datetime.strptime(out.splitlines()[0], "%Y-%m-%dT%H:%M:%S").timestamp()
     except (ValueError, IndexError):
         return None
+
+
+# The first signal a StopMonitor of this process caught. A rank's end report carries it
+# (jobgen.quarantine): a rank whose error came only after the job's teardown signalled it
+# had not been waiting in the collective that timed out elsewhere.
+_first_signal: list[str] = []
+
+
+def first_signal_caught() -> str | None:
+    return _first_signal[0] if _first_signal else None
 
 
 class StopMonitor:
@@ -129,6 +145,8 @@ class StopMonitor:
     def _on_signal(self, signum: int, _frame) -> None:
         # Only a flag: the loop acts on it at the next step boundary.
         self.signal_received = signum
+        if not _first_signal:
+            _first_signal.append(signal.Signals(signum).name)
 
     def local_action(self, now: float | None = None) -> Action:
         now = time.time() if now is None else now
@@ -147,10 +165,9 @@ class StopMonitor:
             found = max(found, Action.DEADLINE)
         if psutil.virtual_memory().percent > s.max_host_memory_percent:
             found = max(found, Action.MEMORY)
-        if s.min_gpu_free_mib and torch.cuda.is_available():
-            free, _ = torch.cuda.mem_get_info()
-            if free < s.min_gpu_free_mib * 1024 * 1024:
-                found = max(found, Action.MEMORY)
+        gpu_low = s.min_gpu_free_mib and s.gpu_free_bytes is not None
+        if gpu_low and s.gpu_free_bytes() < s.min_gpu_free_mib * 1024 * 1024:
+            found = max(found, Action.MEMORY)
         if s.check_files and (s.switches / SAVE_SWITCH).exists():
             found = max(found, Action.SAVE)
         return found

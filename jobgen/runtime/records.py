@@ -1,0 +1,68 @@
+"""The run's records of progress, one implementation for the bundled trainer and for a
+user's own program (:mod:`jobgen.runtime`): one JSON line per logging step in
+``metrics.jsonl``, a line per array task's first step and exit in ``tasks.jsonl``, a
+summary in ``metrics.json``. ``jobgen status``, goodput, the lead-time check, ``jobgen
+plot`` and the hang watchdog read them (jobgen.goodput).
+
+Only rank 0 writes. ``metrics.jsonl`` and ``tasks.jsonl`` are append-only, each line
+flushed and fsynced (a reader tolerates a cut last line); ``metrics.json`` is replaced
+atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from jobgen.atomic import write_json_atomic, write_text_atomic
+from jobgen.exit_codes import ExitCode
+from jobgen.rundir import RunDir
+
+
+def write_exit_code(run: RunDir, job_id: str, restart: int, code: ExitCode, reason: str) -> None:
+    """This attempt's exit code and its reason on one line, for the batch script: it exits
+    with the one (0 for planned stops) and sets the job's Slurm comment to the other."""
+    words = " ".join((reason or code.reason).split())[:400]
+    write_text_atomic(run.exit_code_file(job_id, restart), f"{int(code)}\n{words}\n")
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.run_dir = run_dir
+        self.enabled = enabled
+        self.job_id = os.environ.get("SLURM_JOB_ID")
+        # A requeued job keeps its id; the restart count tells its runs apart.
+        self.restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        # Slurm's name of the task (ARRAY_TASK), for status after Slurm forgot the job.
+        self.array = {
+            "array_job_id": os.environ.get("SLURM_ARRAY_JOB_ID"),
+            "array_task": os.environ.get("SLURM_ARRAY_TASK_ID"),
+        }
+
+    def _append(self, name: str, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with (self.run_dir / name).open("a") as fh:
+            fh.write(json.dumps(record, sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        self._append(
+            "metrics.jsonl", {"time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart, **record}
+        )
+
+    def log_task(self, record: dict[str, Any]) -> None:
+        self._append(
+            "tasks.jsonl",
+            {"time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart, **self.array, **record},
+        )
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        if self.enabled:
+            write_json_atomic(
+                self.run_dir / "metrics.json", {"job_id": self.job_id, "restart": self.restart, **summary}
+            )

@@ -1,0 +1,68 @@
+"""[command] (job.program = "command"): every mistake is refused with its key, before
+anything is written; a good table renders the exact torchrun line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import write_spec
+from jobgen.loader import SpecError, load_run
+from jobgen.render import render
+
+HEAD = """
+    site = "local"
+    [job]
+    name = "own"
+    program = "command"
+    time = "1h"
+    array = 3
+"""
+
+
+def issues_of(path: Path) -> dict[str, str]:
+    with pytest.raises(SpecError) as info:
+        load_run(path)
+    return {i.key: i.message for i in info.value.issues}
+
+
+@pytest.mark.parametrize(
+    "table, key, words",
+    [
+        pytest.param("", "", "needs a [command] table", id="no-table"),
+        pytest.param('[command]\nargs = ["--x"]\n', "command", "exactly one of command.module", id="missing-module"),
+        pytest.param(
+            '[command]\nmodule = "a.b"\nscript = "train.py"\n', "command", "exactly one of", id="module-and-script"
+        ),
+        pytest.param('[command]\nscript = "nope.py"\n', "command.script", "'nope.py' is no file", id="no-such-script"),
+        pytest.param('[command]\nmodule = "a.b"\nargs = "--lr 1"\n', "command.args", "valid list", id="args-string"),
+        pytest.param('[command]\nmodule = "a.b"\nargs = ["--lr", 1]\n', "command.args[1]", "valid string", id="int"),
+        pytest.param('[command]\nmodule = "a b"\n', "command.module", "should match pattern", id="bad-module"),
+        pytest.param('[command]\nmodule = "a.b"\nworkdir = "nowhere"\n', "command.workdir", "no directory", id="wd"),
+        pytest.param('[command]\nmodule = "a.b"\nmodle = "x"\n', "command.modle", "Extra inputs", id="typo"),
+        pytest.param('[command]\nmodule = "a.b"\nargs = ["a\\nb"]\n', "command.args[0]", "control", id="newline"),
+    ],
+)
+def test_a_bad_command_table_is_refused_with_its_key(tmp_path: Path, table: str, key: str, words: str):
+    found = issues_of(write_spec(tmp_path, HEAD + table))
+    assert key in found and words in found[key], found
+
+
+def test_command_with_another_program_is_refused(tmp_path: Path):
+    spec = HEAD.replace('program = "command"', 'program = "doctor"') + '[command]\nmodule = "a.b"\n'
+    found = issues_of(write_spec(tmp_path, spec))
+    assert "only used with job.program = 'command'" in " ".join(found.values()), found
+
+
+def test_a_script_is_found_from_run_toml_and_its_arguments_stay_words(tmp_path: Path):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "train.py").write_text("print('hi')\n")
+    spec = load_run(
+        write_spec(tmp_path, HEAD + '[command]\nscript = "scripts/train.py"\nargs = ["--out", "a b", "$(id)"]\n')
+    )
+    assert spec.run.command.script == str(tmp_path / "scripts" / "train.py")
+    assert spec.run.command.workdir == str(tmp_path)
+    text = render(spec)
+    assert f"  '{tmp_path}/scripts/train.py' '--out' 'a b' '$(id)'\n" in text
+    assert f"cd {tmp_path}\n" in text and "--array=1-3%1" in text
