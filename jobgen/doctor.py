@@ -24,7 +24,7 @@ import click
 from jobgen import quarantine, slurm
 from jobgen.durations import parse_duration
 from jobgen.exit_codes import ExitCode
-from jobgen.loader import SpecError, resolve
+from jobgen.loader import SpecError, read_toml, resolve
 from jobgen.rundir import RunDir
 from jobgen.submit import SubmitError, submit
 
@@ -35,10 +35,11 @@ def doctor_spec(
     *,
     nodes: int,
     procs_per_node: int | None,
-    site_ref: str,
+    site_ref: str | dict,
     partition: str | None,
     time_limit: str,
     nodelist: list[str] | None = None,
+    base_dir: Path | None = None,
 ):
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     job: dict[str, object] = {
@@ -54,11 +55,12 @@ def doctor_spec(
         job["procs_per_node"] = procs_per_node
     if partition:
         job["partition"] = partition
-    spec = resolve({"site": site_ref, "job": job}, spec_file=None, base_dir=Path.cwd())
+    base_dir = base_dir or Path.cwd()
+    spec = resolve({"site": site_ref, "job": job}, spec_file=None, base_dir=base_dir)
     if procs_per_node is None and not spec.site.slurm.gpus_per_node:
         # A CPU site has no natural process count; two per node exercises intra-node traffic too.
         job["procs_per_node"] = min(2, spec.site.slurm.cpus_per_node)
-        spec = resolve({"site": site_ref, "job": job}, spec_file=None, base_dir=Path.cwd())
+        spec = resolve({"site": site_ref, "job": job}, spec_file=None, base_dir=base_dir)
     return spec
 
 
@@ -104,11 +106,12 @@ def run_doctor(
     *,
     nodes: int,
     procs_per_node: int | None,
-    site_ref: str,
+    site_ref: str | dict,
     partition: str | None,
     time_limit: str,
     wait: bool,
     nodelist: list[str] | None = None,
+    base_dir: Path | None = None,
 ) -> tuple[int, dict | None]:
     """Submit the doctor job; with ``wait``, print its report. Returns the exit code and the
     verdict (None when not waited for or when the job wrote none)."""
@@ -120,6 +123,7 @@ def run_doctor(
             partition=partition,
             time_limit=time_limit,
             nodelist=nodelist,
+            base_dir=base_dir,
         )
         result = submit(spec)
     except SpecError as exc:
@@ -141,6 +145,16 @@ def run_doctor(
     return code, json.loads(verdict_file.read_text()) if verdict_file.is_file() else None
 
 
+def _site_of(run: RunDir, spec) -> str | dict:
+    """The run's site as its run.toml gave it (a profile, or a [site] table with overrides
+    such as health_check), so the doctor checks the nodes as the run's tasks do."""
+    try:
+        site = read_toml(run.path / "run.toml").get("site")
+    except SpecError:
+        site = None
+    return site if isinstance(site, (str, dict)) else spec.site_file or "local"
+
+
 def clear_quarantine(run: RunDir, *, time_limit: str) -> int:
     """``jobgen doctor --clear RUN``: the health check on the nodes the run quarantined, with
     the run's site, partition and processes per node; those it passes on are released and
@@ -155,16 +169,17 @@ def clear_quarantine(run: RunDir, *, time_limit: str) -> int:
     code, verdict = run_doctor(
         nodes=len(held),
         procs_per_node=spec.procs_per_node,
-        site_ref=spec.site_file or "local",
+        site_ref=_site_of(run, spec),
         partition=spec.partition,
         time_limit=time_limit,
         wait=True,
         nodelist=held,
+        base_dir=Path(spec.spec_file).parent if spec.spec_file else None,
     )
     if verdict is None:
         click.echo("jobgen doctor: no report: every node stays quarantined", err=True)
-        return code or int(ExitCode.DOCTOR_FAILED)
-    passed = [n for n in held if n not in bad_nodes(verdict)]
+        code = code or int(ExitCode.DOCTOR_FAILED)
+    passed = [n for n in held if verdict is not None and n not in bad_nodes(verdict)]
     released = quarantine.release(run, passed)
     still = sorted(quarantine.read(run))
     updated = quarantine.exclude_from_pending(run, spec.run.job.name, list(spec.run.job.exclude)) if released else []

@@ -259,7 +259,9 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
         "env": sorted(env.items()),
         "repro_env": env_record_patterns([*env, *net.env]),
         "exit": {code.name.lower(): int(code) for code in ExitCode},
-        # The start probe (a training task's nodes, before the launch): what it checks.
+        # The start probe (every node, before the launch): what it checks. The doctor runs it
+        # too, so that `jobgen doctor --clear` releases a node only if the site's check passes.
+        "probe": bool(site.health_check or slurm.gpus_per_node),
         "health_check": site.health_check,
         "probe_gpus": slurm.gpus_per_node,
         "probe_timeout_seconds": PROBE_TIMEOUT_SECONDS,

@@ -224,7 +224,7 @@ class SiteProfile(StrictModel):
         None,
         max_length=1000,
         description=(
-            "A command run on every node before each training task launches (bash -c, on the host, e.g. "
+            "A command run on every node before each training task or doctor job launches (bash -c, on the host, e.g. "
             "'/usr/sbin/nhc -t 50'). A node where it exits non-zero or takes over 60 s is quarantined for the "
             "run: the task ends FAILED naming it, and the run's later tasks exclude it (jobgen status, "
             "jobgen doctor --clear). GPU sites also check that each node shows gpus_per_node GPUs."

@@ -36,6 +36,7 @@ from jobgen.rundir import complete_checkpoints_in
 pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.lifecycle]
 
 
+@pytest.mark.full
 def test_a_stop_request_left_before_the_attempt_started_is_ignored(cluster, tmp_path, tiny_model):
     spec = train_spec(tmp_path, tiny_model, "stale-stop")
     run = tmp_path / "runs" / "stale-stop"

@@ -41,6 +41,7 @@ def task_nodes(array_job_id: int, index: int) -> list[str]:
     return slurm.hostnames(entry.nodes)
 
 
+@pytest.mark.full  # CI: the start-probe test below quarantines a node and releases it by doctor
 def test_a_node_whose_ranks_go_silent_is_quarantined_and_released_by_doctor(cluster, tmp_path, tiny_model):
     run = tmp_path / "runs" / "qn"
     array = submit(train_spec(tmp_path, tiny_model, "qn", nodes=2, array=2, collective_timeout="20s"))
@@ -84,9 +85,10 @@ def test_a_node_whose_ranks_go_silent_is_quarantined_and_released_by_doctor(clus
     assert "quarantined" not in jobgen("status", str(run), check=True).stdout
 
 
-def test_a_node_that_fails_the_start_probe_is_quarantined_before_anything_launches(cluster, tmp_path, tiny_model):
+def test_a_node_that_fails_the_start_probe_is_quarantined_until_the_doctor_passes(cluster, tmp_path, tiny_model):
     """site.health_check fails on one node (a marker file stands for what a site's NHC finds):
-    task 1 ends FAILED before torchrun starts, and task 2 trains on the nodes left."""
+    task 1 ends FAILED before torchrun starts, task 2 trains on the nodes left, and
+    ``jobgen doctor --clear`` releases node2 only once the check passes there again."""
     markers = tmp_path / "unhealthy"
     markers.mkdir()
     check = f"test ! -e {markers}/$SLURMD_NODENAME || {{ echo 'ECC errors'; false; }}"
@@ -110,3 +112,12 @@ def test_a_node_that_fails_the_start_probe_is_quarantined_before_anything_launch
     assert list(json.loads((run / "quarantine.json").read_text())["nodes"]) == ["node2"]
     slurm.cancel(array)
     wait_until_gone([array], timeout=120)
+
+    # The doctor runs the site's check too: node2 stays quarantined until it passes.
+    still = jobgen("doctor", "--clear", str(run), "--time", "3m")
+    assert still.returncode != 0 and "start probe failed: node2=site.health_check failed: ECC errors" in still.stderr
+    assert "still quarantined: node2" in still.stdout, still.stdout + still.stderr
+    (markers / "node2").unlink()  # repaired
+    cleared = jobgen("doctor", "--clear", str(run), "--time", "3m")
+    assert cleared.returncode == 0 and "released node2" in cleared.stdout, cleared.stdout + cleared.stderr
+    assert json.loads((run / "quarantine.json").read_text())["nodes"] == {}

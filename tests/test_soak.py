@@ -16,7 +16,7 @@ rank. At the end:
 
 ``pytest -m soak tests/test_soak.py -s`` runs the 30-minute soak
 (``JOBGEN_SOAK_MINUTES`` changes its length, ``JOBGEN_SOAK_SEED`` replays a schedule);
-the default test command (and CI) runs a quick variant: each quick fault once (a task's
+``pytest -m full tests/test_soak.py`` runs a quick variant: each quick fault once (a task's
 time limit first, then USR1, the save switch, SIGKILL and the kill switch in random
 order) at shorter random moments. Both print their figures.
 """
@@ -241,7 +241,7 @@ LONG_MINUTES = float(os.environ.get("JOBGEN_SOAK_MINUTES", "30"))
 @pytest.mark.parametrize(
     "minutes",
     [
-        pytest.param(None, id="quick", marks=pytest.mark.timeout(1200)),
+        pytest.param(None, id="quick", marks=[pytest.mark.full, pytest.mark.timeout(1200)]),
         pytest.param(LONG_MINUTES, id="long", marks=[pytest.mark.soak, pytest.mark.timeout(LONG_MINUTES * 60 + 1800)]),
     ],
 )

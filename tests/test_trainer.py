@@ -224,6 +224,7 @@ def test_world_size_mismatch_is_refused(tmp_path, tiny_model):
     assert not (run / "metrics.json").exists()
 
 
+@pytest.mark.full  # CI: tests/test_export_streaming.py checks merged LoRA exports against peft
 def test_lora_with_gradient_checkpointing_under_ddp_then_merged_export(tmp_path, tiny_model):
     pytest.importorskip("peft")
     run = make_run(
