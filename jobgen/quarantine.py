@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import logging
 import os
 import sys
 import time
@@ -148,6 +149,20 @@ class RankEnd:
         path = run.rank_end(job_id, restart, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, asdict(self))
+
+
+def record_rank_failure(
+    run: RunDir, job_id: str, restart: int | str, rank: int, waited_seconds: float, exc: BaseException,
+    signalled: str | None,
+) -> None:  # fmt: skip
+    """What a rank leaves as an error reaches it (the bundled trainer's ranks and a program's
+    under jobgen.runtime alike). A write that fails is logged, never raised: the run
+    directory itself may be what failed, and the error on its way out matters more."""
+    node = os.environ.get("SLURMD_NODENAME") or "local"
+    try:
+        RankEnd(rank, node, round(waited_seconds, 1), type(exc).__name__, signalled).write(run, job_id, restart)
+    except OSError as write_error:
+        logging.getLogger("jobgen").warning("could not record how rank %d ended: %s", rank, write_error)
 
 
 def read_rank_ends(run: RunDir, job_id: str, restart: int | str) -> list[RankEnd]:

@@ -18,6 +18,7 @@ from helpers import REPO
 from jobgen.exit_codes import ExitCode
 from jobgen.goodput import read_jsonl
 from jobgen.loader import resolve
+from jobgen.quarantine import read_rank_ends
 from jobgen.rundir import RunDir
 from jobgen.runtime import Action, Job, NotUnderJobgen, lifecycle
 
@@ -131,6 +132,9 @@ def test_an_exception_is_a_crash_and_the_save_switch_is_consumed(tmp_path: Path)
         raise ValueError("boom")
     code, words = run.exit_code_file("77", 0).read_text().splitlines()
     assert int(code) == ExitCode.CRASHED and words == "crashed: ValueError: boom"
+    # The rank's end report, for the batch script's node check (jobgen.quarantine).
+    (end,) = read_rank_ends(run, "77", 0)
+    assert (end.rank, end.error, end.signalled) == (0, "ValueError", None) and end.waited_seconds < 60
 
 
 def test_a_signal_only_sets_a_flag_read_at_the_next_step(tmp_path: Path):

@@ -145,18 +145,14 @@ def record_rank_end(run, attempt: Attempt, env, exc: BaseException) -> None:
     """Every rank an error reaches says so, with how long it had gone without progress: the
     batch script's node check (jobgen.quarantine) blames the nodes whose ranks said nothing
     while others waited out a collective timeout."""
-    from jobgen.quarantine import RankEnd
+    from jobgen.quarantine import record_rank_failure
     from jobgen.runtime.stopping import first_signal_caught
     from trainer.distributed import seconds_since_progress
 
-    if not attempt.job_id:
-        return
-    node = os.environ.get("SLURMD_NODENAME") or "local"
-    end = RankEnd(env.rank, node, round(seconds_since_progress(), 1), type(exc).__name__, first_signal_caught())
-    try:
-        end.write(run, attempt.job_id, attempt.restart)
-    except OSError as write_error:  # the run directory itself may be what failed
-        logging.getLogger("trainer").warning("could not record how rank %d ended: %s", env.rank, write_error)
+    if attempt.job_id:
+        record_rank_failure(
+            run, attempt.job_id, attempt.restart, env.rank, seconds_since_progress(), exc, first_signal_caught()
+        )
 
 
 def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None) -> tuple[ExitCode, str] | None:

@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from jobgen.exit_codes import ExitCode
-from jobgen.quarantine import RankEnd
+from jobgen.quarantine import record_rank_failure
 from jobgen.rundir import RunDir
 from jobgen.runtime.records import MetricsWriter, write_exit_code
 from jobgen.runtime.stopping import Action, StopMonitor, StopSettings, first_signal_caught, job_end_time
@@ -262,16 +262,11 @@ class Life:
         the batch script blames the node of a rank that went silent while others waited out
         a collective timeout (jobgen.quarantine; train.collective_timeout is the timeout it
         compares with: set it to your program's)."""
-        if not self.job.job_id:
-            return
-        node = os.environ.get("SLURMD_NODENAME") or "local"
-        waited = round(time.time() - self._last, 1)
-        try:
-            RankEnd(self.job.rank, node, waited, type(exc).__name__, first_signal_caught()).write(
-                self.job.run, self.job.job_id, self.job.restart
+        if self.job.job_id:
+            waited = time.time() - self._last
+            record_rank_failure(
+                self.job.run, self.job.job_id, self.job.restart, self.job.rank, waited, exc, first_signal_caught()
             )
-        except OSError:
-            pass  # the run directory itself may be what failed; the exit record still says why
 
     def outcome(self) -> tuple[ExitCode, str]:
         """The exit code and reason of a task that left its loop without an exception."""
