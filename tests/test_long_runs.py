@@ -267,7 +267,12 @@ def test_a_save_slower_than_torchruns_default_grace_survives_sigterm(tmp_path, t
 
 
 @pytest.mark.parametrize(
-    "cause", ["world-size", pytest.param("seed", marks=pytest.mark.full), "no-loadable-checkpoint"]
+    "cause",
+    [
+        "world-size",
+        pytest.param("seed", marks=pytest.mark.full),
+        pytest.param("no-loadable-checkpoint", marks=pytest.mark.full),
+    ],
 )
 def test_a_failure_that_would_repeat_stops_the_run(tmp_path, tiny_model, cause):
     run = make_run(tmp_path, tiny_model, max_steps=2, save_every_steps=1, keep_checkpoints=2)

@@ -461,6 +461,7 @@ def test_chunked_loss_under_ddp_resumes_exactly_and_matches_the_full_loss(tmp_pa
 
 
 @pytest.mark.torch
+@pytest.mark.full  # CI: the chunked-loss equivalence tests above cover the same loss path
 def test_target_positions_only_trains_like_every_positions_logits(tmp_path, tiny_model):
     """The default output layer (target positions only) against every position's logits, 2
     DDP ranks with packing and gradient accumulation: the same loss and gradient norm at

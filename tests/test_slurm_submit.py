@@ -26,6 +26,7 @@ def final_state(job_id: int) -> dict[str, str]:
     return record
 
 
+@pytest.mark.full  # CI: test_doctor_command_reports_every_rank runs the same doctor job
 def test_doctor_example_runs_world_size_four_on_two_hosts(cluster, tmp_path: Path):
     env = {"HOME": str(tmp_path)}  # examples/doctor.toml keeps its runs under ~/jobgen-runs
     proc = jobgen("submit", str(REPO / "examples" / "doctor.toml"), env=env, check=True)
