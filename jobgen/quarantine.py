@@ -7,7 +7,7 @@ Python environment; it never imports torch)::
 
 and by the start probe for the nodes that failed it::
 
-    python -m jobgen.quarantine probe-failed --run-dir RUN --job 42 --restart 0 --failed node2
+    python -m jobgen.quarantine probe-failed --run-dir RUN --job 42 --failed node2=WHY
 
 A node is quarantined when
 
@@ -54,10 +54,6 @@ class Quarantined:
     since: float  # epoch seconds
     job: str  # the task that found it at fault: ARRAYID_TASK where known, else the job id
     reason: str
-
-    def describe(self) -> str:
-        stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.since))
-        return f"{self.node} since {stamp} (job {self.job}): {self.reason}"
 
 
 def read(run: RunDir) -> dict[str, Quarantined]:
@@ -273,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in (after, probe):
         p.add_argument("--run-dir", type=Path, required=True)
         p.add_argument("--job", required=True, help="SLURM_JOB_ID")
-        p.add_argument("--restart", default="0", help="SLURM_RESTART_COUNT")
+    after.add_argument("--restart", default="0", help="SLURM_RESTART_COUNT")
     after.add_argument("--nodes", required=True, help="SLURM_JOB_NODELIST")
     probe.add_argument("--failed", action="append", default=[], metavar="NODE=WHY", help="a node and what failed")
     args = parser.parse_args(argv)
