@@ -442,11 +442,22 @@ def make_tiny_model_command(
 @click.argument("run_ref", metavar="RUN")
 @click.option("--to", "target", required=True, type=click.Path(file_okay=False), help="output directory (new or empty)")
 @click.option("--checkpoint", help="checkpoint name, e.g. step-00000120 (default: the newest complete one)")
+@click.option("--best", is_flag=True, help="the checkpoint with the lowest eval loss (checkpoints/best.json)")
+@click.option("--step", type=click.IntRange(0), help="the checkpoint of this step")
 @click.option("--merge-lora", is_flag=True, help="merge LoRA adapters into the base weights")
-def export(run_ref: str, target: str, checkpoint: str | None, merge_lora: bool) -> None:
-    """A consolidated Hugging Face model (and tokenizer) from the run's checkpoint."""
+def export(run_ref: str, target: str, checkpoint: str | None, best: bool, step: int | None, merge_lora: bool) -> None:
+    """A consolidated Hugging Face model (and tokenizer) from the run's checkpoint: the newest
+    that loads, the best by eval loss (--best) or a given step (--step N)."""
     run = _find_run(run_ref)
     from jobgen.progress import Progress
+    from jobgen.rundir import RunDirError
+
+    if checkpoint and (best or step is not None):
+        _fail("jobgen export: --checkpoint names one already; leave out --best and --step", 2)
+    try:
+        checkpoint = checkpoint or run.checkpoint_for(best=best, step=step)
+    except RunDirError as exc:
+        _fail(f"jobgen export: {exc}", 2)
     from trainer.export import ExportError
     from trainer.export import export as do_export
 

@@ -83,3 +83,45 @@ def data_path_problem(path: str | Path) -> str | None:
     if is_empty_file(p):
         return f"{p} is empty (0 rows)"
     return None
+
+
+class PromptsFileError(ValueError):
+    """An ``[eval] prompts_file`` that gives no usable prompt; the message names the line."""
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of an ``[eval] prompts_file``: JSONL with a string ``prompt`` per line
+    (``.jsonl``/``.json``), else plain text with one prompt per non-blank line."""
+    import json
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PromptsFileError(f"{p}: cannot be read as UTF-8 text ({exc})") from None
+    prompts = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if p.suffix not in (".jsonl", ".json"):
+            prompts.append(line.strip())
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PromptsFileError(f"{p} line {number}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise PromptsFileError(f"{p} line {number}: expected an object with a non-empty string 'prompt'")
+        prompts.append(row["prompt"])
+    if not prompts:
+        raise PromptsFileError(f"{p} holds no prompt")
+    return prompts
+
+
+def prompts_file_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot serve as ``[eval] prompts_file``, or None."""
+    try:
+        read_prompts(path)
+    except PromptsFileError as exc:
+        return str(exc)
+    return None

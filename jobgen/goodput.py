@@ -43,6 +43,9 @@ class TaskReport:
     step_seconds_total: float | None = None
     step_seconds_max: float | None = None
     save_seconds_max: float | None = None
+    # The longest round of an evaluation's micro-batches: a stop during an evaluation waits
+    # for the round in flight before it saves.
+    eval_round_seconds_max: float | None = None
     allocated_seconds: float | None = None
     useful_seconds: float | None = None
     # Slurm's array id and task index, as the trainer's records name them (None before
@@ -148,6 +151,7 @@ def _apply_exit(report: TaskReport, record: dict[str, Any]) -> None:
     report.step_seconds_total = record.get("step_seconds_total")
     report.step_seconds_max = record.get("step_seconds_max")
     report.save_seconds_max = max(record.get("save_seconds") or [0.0]) or None
+    report.eval_round_seconds_max = record.get("eval_round_seconds_max")
     if record.get("job_start") is not None:
         report.allocated_seconds = round(float(record["time"]) - float(record["job_start"]), 3)
 
@@ -213,12 +217,15 @@ def goodput(reports: list[TaskReport]) -> float | None:
 
 
 def required_lead_seconds(reports: list[TaskReport]) -> float | None:
-    """The exit_grace the observed steps and saves call for; None before any save was timed."""
+    """The exit_grace the observed steps and saves call for (plus the round of an evaluation a
+    stop may arrive in: it is abandoned after that round); None before any save was timed."""
     saves = [r.save_seconds_max for r in reports if r.save_seconds_max]
     steps = [r.step_seconds_max for r in reports if r.step_seconds_max]
+    rounds = [r.eval_round_seconds_max for r in reports if r.eval_round_seconds_max]
     if not saves:
         return None
-    return round(LEAD_FACTOR * (max(saves) + max(steps, default=0.0)) + LEAD_SLACK_SECONDS, 1)
+    slowest = max(saves) + max(steps, default=0.0) + max(rounds, default=0.0)
+    return round(LEAD_FACTOR * slowest + LEAD_SLACK_SECONDS, 1)
 
 
 def lead_time_warning(exit_grace: int, reports: list[TaskReport]) -> str | None:

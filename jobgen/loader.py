@@ -326,6 +326,12 @@ def _check_paths(raw: dict[str, Any], base_dir: Path, run_label: str) -> list[Sp
         local = _local_path(value, base_dir)
         if not local.exists() and (value.startswith(("/", "./", "../", "~")) or not _HUB_ID.match(value)):
             issues.append(SpecIssue(run_label, f"{table}.path", f"'{value}' does not exist (resolved to {local})"))
+    section = raw.get("eval")
+    for key in ("path", "prompts_file"):
+        value = section.get(key) if isinstance(section, dict) else None
+        local = _local_path(value, base_dir) if isinstance(value, str) else None
+        if local is not None and not local.exists() and (key == "prompts_file" or not _HUB_ID.match(value)):
+            issues.append(SpecIssue(run_label, f"eval.{key}", f"'{value}' does not exist (resolved to {local})"))
     command = raw.get("command")
     for key, kind in (("script", "file"), ("workdir", "directory")):
         value = command.get(key) if isinstance(command, dict) else None
@@ -343,15 +349,23 @@ def _check_data_contents(run: RunSpec, run_label: str) -> list[SpecIssue]:
     fail the same way, only after its wait in the queue. Names and sizes only (and the
     first bytes of small text files), so this stays instant and needs no ``datasets``;
     what needs the rows or the tokenizer is checked in the trainer's first seconds."""
-    from jobgen.datafiles import data_path_problem
+    from jobgen.datafiles import data_path_problem, prompts_file_problem
 
-    if run.data is None:
-        return []
-    path = Path(run.data.path)
-    if not (path.is_absolute() and path.exists()):
-        return []  # a hub id, or a missing path that _check_paths reports
-    problem = data_path_problem(path)
-    return [SpecIssue(run_label, "data.path", problem)] if problem else []
+    issues = []
+    sources = [("data.path", run.data.path if run.data else None), ("eval.path", run.eval.path if run.eval else None)]
+    for key, value in sources:
+        path = Path(value) if value else None
+        if path is None or not (path.is_absolute() and path.exists()):
+            continue  # a hub id, or a missing path that _check_paths reports
+        problem = data_path_problem(path)
+        if problem:
+            issues.append(SpecIssue(run_label, key, problem))
+    prompts = Path(run.eval.prompts_file) if run.eval and run.eval.prompts_file else None
+    if prompts is not None and prompts.is_absolute() and prompts.exists():
+        problem = prompts_file_problem(prompts)
+        if problem:
+            issues.append(SpecIssue(run_label, "eval.prompts_file", problem))
+    return issues
 
 
 def _absolute_paths(run: RunSpec, base_dir: Path) -> RunSpec:
@@ -362,6 +376,14 @@ def _absolute_paths(run: RunSpec, base_dir: Path) -> RunSpec:
         local = _local_path(section.path, base_dir) if section is not None else None
         if local is not None and local.exists():
             updates[table] = section.model_copy(update={"path": str(local.resolve())})
+    if run.eval is not None:
+        files = {}
+        for key in ("path", "prompts_file"):
+            value = getattr(run.eval, key)
+            local = _local_path(value, base_dir) if value else None
+            if local is not None and local.exists():
+                files[key] = str(local.resolve())
+        updates["eval"] = run.eval.model_copy(update=files)
     if run.job.runs_root:
         updates["job"] = run.job.model_copy(update={"runs_root": absolute_path(run.job.runs_root, base_dir)})
     if run.command is not None:

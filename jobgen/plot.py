@@ -51,7 +51,7 @@ class Series:
 @dataclass
 class PlotData:
     name: str
-    metrics: dict[str, Series]  # loss, lr, tokens_per_s
+    metrics: dict[str, Series]  # loss, lr, tokens_per_s, eval_loss (drawn on the loss panel)
     resumes: list[tuple[int, float]]  # (step resumed from, time of that task's first step)
     waits: list[tuple[float, float]]  # (start, end) of spans with no job running
 
@@ -68,7 +68,7 @@ def read_plot_data(run: RunDir) -> PlotData:
     if not lines:
         raise PlotError(f"{run.path / 'metrics.jsonl'}: no logged steps yet, nothing to plot")
     metrics = {}
-    for key in ("loss", "lr", "tokens_per_s"):
+    for key in ("loss", "lr", "tokens_per_s", "eval_loss"):
         rows = [x for x in lines if x.get(key) is not None and x.get("step") is not None and x.get("time")]
         metrics[key] = Series(
             [x["step"] for x in rows],
@@ -147,6 +147,14 @@ def draw(data: PlotData, output: Path) -> Path:
         for steps, times, values in series.segments():
             by_step.plot(steps, values, lw=1.2, color="C0")
             by_time.plot([dt.datetime.fromtimestamp(t) for t in times], values, lw=1.2, color="C0")
+        if key == "loss" and data.metrics["eval_loss"].steps:
+            evals = data.metrics["eval_loss"]
+            # Points joined by a line: evaluations are sparse, and each is its own measurement.
+            by_step.plot(evals.steps, evals.values, "o-", ms=4, lw=1, color="C1", label="eval loss")
+            when = [dt.datetime.fromtimestamp(t) for t in evals.times]
+            by_time.plot(when, evals.values, "o-", ms=4, lw=1, color="C1")
+            by_step.plot([], [], lw=1.2, color="C0", label="training loss")
+            by_step.legend(loc="upper right", fontsize=8)
         by_step.set_ylabel(LABELS[key])
         for ax in (by_step, by_time):
             ax.ticklabel_format(axis="y", useOffset=False, style="sci" if key == "lr" else "plain", scilimits=(-3, 4))
@@ -164,6 +172,10 @@ def draw(data: PlotData, output: Path) -> Path:
     axes[2][1].xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
     last = data.metrics["loss"]
     summary = f"step {last.steps[-1]}, loss {last.values[-1]:.4f}" if last.steps else "no loss logged"
+    evals = data.metrics["eval_loss"]
+    if evals.steps:
+        best = min(range(len(evals.values)), key=evals.values.__getitem__)
+        summary += f", eval loss {evals.values[-1]:.4f} (best {evals.values[best]:.4f} at step {evals.steps[best]})"
     fig.suptitle(
         f"{data.name}: {summary}; {len(data.resumes)} resume(s) (dotted), time without a running job shaded",
         fontsize=11,

@@ -131,6 +131,17 @@ class RunDir:
         return self.path / "failed"
 
     @property
+    def best_checkpoint(self) -> Path:
+        """``checkpoints/best.json``: the checkpoint with the lowest eval loss ([eval]), agreed by
+        all ranks and written atomically; never pruned by keep_checkpoints."""
+        return self.checkpoints / "best.json"
+
+    @property
+    def samples(self) -> Path:
+        """``samples.jsonl``: the generations of ``[eval] prompts``, a line per prompt per evaluation."""
+        return self.path / "samples.jsonl"
+
+    @property
     def tensorboard(self) -> Path:
         """TensorBoard event files (train.report_to), one file per job."""
         return self.path / "tensorboard"
@@ -153,6 +164,41 @@ class RunDir:
     def writer_lease(self) -> Path:
         """flock'ed by the one process that trains this run (jobgen.lease)."""
         return self.path / "writer.lock"
+
+    def best(self) -> dict[str, Any] | None:
+        """``best.json`` (step, checkpoint, eval_loss, time), or None without a readable one."""
+        try:
+            best = json.loads(self.best_checkpoint.read_text())
+        except (OSError, ValueError):
+            return None
+        return best if isinstance(best, dict) else None
+
+    def checkpoint_for(self, *, best: bool = False, step: int | None = None) -> str | None:
+        """The checkpoint ``--best`` or ``--step N`` selects, by name; None for neither (the
+        newest that loads). Raises RunDirError naming what is missing."""
+        if best and step is not None:
+            raise RunDirError("choose --best or --step, not both")
+        if step is not None:
+            name = checkpoint_name(step)
+            if not (self.checkpoints / name).is_dir():
+                have = ", ".join(str(s) for s, _ in self.complete_checkpoints()) or "none"
+                raise RunDirError(f"{self.checkpoints} has no checkpoint of step {step} (complete ones: {have})")
+            return name
+        if not best:
+            return None
+        chosen = self.best()
+        if chosen is None or not isinstance(chosen.get("checkpoint"), str):
+            raise RunDirError(
+                f"{self.best_checkpoint} is missing or unreadable: the run has no [eval], or no evaluation has "
+                "finished yet"
+            )
+        name = chosen["checkpoint"]
+        if checkpoint_step(name) is None or not (self.checkpoints / name).is_dir():
+            raise RunDirError(
+                f"{self.best_checkpoint} names {name}, which is not a complete checkpoint of {self.checkpoints} "
+                "(set aside as broken?); the trainer names the best one again at its next start"
+            )
+        return name
 
     def broken_checkpoints(self) -> list[Path]:
         return broken_checkpoints_in(self.checkpoints)

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from jobgen.durations import format_human
+from jobgen.eval_spec import EvalSpec
 from jobgen.fields import (
     Constraint,
     Duration,
@@ -393,6 +394,9 @@ class RunSpec(StrictModel):
     data: DataSpec | None = Field(None, description="Data; required for program = 'train'.")
     train: TrainSpec = Field(default_factory=TrainSpec, description="Training loop settings.")
     command: CommandSpec | None = Field(None, description="Your own program; required for program = 'command'.")
+    eval: EvalSpec | None = Field(
+        None, description="Held-out evaluation, the best checkpoint, early stopping and samples (program = 'train')."
+    )
     env: dict[EnvName, EnvValue] = Field(default_factory=dict, description="Variables exported in the job.")
     watchdogs: WatchdogSettings = Field(
         default_factory=WatchdogSettings,
@@ -409,6 +413,8 @@ class RunSpec(StrictModel):
             raise ValueError("program = 'command' needs a [command] table with module or script")
         if self.job.program != "command" and self.command is not None:
             raise ValueError(f"[command] is only used with job.program = 'command' (program is '{self.job.program}')")
+        if self.job.program != "train" and self.eval is not None:
+            raise ValueError(f"[eval] is only used with job.program = 'train' (program is '{self.job.program}')")
         return self
 
     @model_validator(mode="after")

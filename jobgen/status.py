@@ -30,6 +30,7 @@ from jobgen.goodput import goodput, kill_window_warning, lead_time_warning, read
 from jobgen.loader import ResolvedSpec
 from jobgen.preflight import kill_window
 from jobgen.rundir import RunDir
+from jobgen.runtime.records import is_eval_line, training_lines
 from jobgen.task_table import TaskStatus, build_tasks, read_task_records, unexplained_submissions
 
 # What the run's watchdogs alert about right now, one line each (supplied by jobgen/cli.py).
@@ -55,6 +56,9 @@ class RunStatus:
     eta_seconds: float | None = None  # the steps left at the recent step time (training time only)
     last_checkpoint: str | None = None
     last_checkpoint_age_seconds: float | None = None
+    # [eval]: the newest evaluation and the best (step, eval_loss; the best from best.json).
+    eval_last: dict[str, Any] | None = None
+    eval_best: dict[str, Any] | None = None
     # Nodes the run keeps its tasks off (jobgen.quarantine): node, since, job, reason.
     quarantined: list[dict[str, Any]] = field(default_factory=list)
     # Slurm could not be asked (SlurmUnavailable): the note that says so, for callers that act
@@ -149,7 +153,8 @@ def run_status(
     """
     spec = run.load_spec()
     job = spec.run.job
-    lines = read_jsonl(run.path / "metrics.jsonl")
+    every_line = read_jsonl(run.path / "metrics.jsonl")
+    lines = training_lines(every_line)
     metrics = lines[-1] if lines else None
     switches = sorted(p.name for p in run.switches.iterdir()) if run.switches.is_dir() else []
     notes = []
@@ -192,6 +197,7 @@ def run_status(
         tokens_per_s=metrics.get("tokens_per_s") if metrics else None,
     )
     _progress(status, run, lines)
+    status.eval_last, status.eval_best = eval_progress(every_line, run.best())
     # Without graceful stops no save races a time limit or a SIGKILL: nothing to warn about.
     warning = lead_time_warning(job.exit_grace, reports) if job.graceful_stop else None
     if warning:
@@ -272,6 +278,21 @@ def _progress(status: RunStatus, run: RunDir, lines: list[dict[str, Any]]) -> No
             )
         except OSError:
             pass
+
+
+def eval_progress(
+    lines: list[dict[str, Any]], best: dict[str, Any] | None
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the newest evaluation, the best one) as {step, eval_loss[, eval_ppl]}: the best is the
+    checkpoint ``best.json`` names, else the lowest eval loss logged."""
+    evals = [x for x in lines if is_eval_line(x) and x.get("eval_loss") is not None and x.get("step") is not None]
+    if not evals:
+        return None, None
+    last = {"step": evals[-1]["step"], "eval_loss": evals[-1]["eval_loss"], "eval_ppl": evals[-1].get("eval_ppl")}
+    if best is not None and best.get("eval_loss") is not None:
+        return last, {"step": best.get("step"), "eval_loss": best["eval_loss"], "checkpoint": best.get("checkpoint")}
+    lowest = min(evals, key=lambda x: x["eval_loss"])
+    return last, {"step": lowest["step"], "eval_loss": lowest["eval_loss"], "checkpoint": None}
 
 
 def unreadable(run: RunDir) -> str | None:

@@ -73,6 +73,13 @@ def format_status(status: RunStatus) -> str:
         lines.append(progress)
     elif status.step is not None:  # your own program: the steps it reported, no total known
         lines.append(f"step     {status.step}" + (f"   loss {status.loss:.4f}" if status.loss is not None else ""))
+    if status.eval_last is not None:
+        line = f"eval     loss {status.eval_last['eval_loss']:.4f} at step {status.eval_last['step']}"
+        if status.eval_best is not None:
+            best = status.eval_best
+            line += f"   best {best['eval_loss']:.4f} at step {best['step']}"
+            line += f" ({best['checkpoint']})" if best.get("checkpoint") else ""
+        lines.append(line)
     if status.last_checkpoint:
         lines.append(f"saved    {status.last_checkpoint}, {_age(status.last_checkpoint_age_seconds)} ago")
     if status.goodput is not None:

@@ -211,11 +211,12 @@ def make_run(
     *,
     model: dict[str, object] | None = None,
     data: dict[str, object] | None = None,
+    eval: dict[str, object] | None = None,
     **train: object,
 ) -> Path:
     """A run directory as ``jobgen submit`` writes it (spec ``directory/NAME.toml``, runs under
     ``directory/runs``), for ``torchrun``: the tiny model, the example data, TRAINER_SETTINGS
-    overridden by ``train``; ``model``/``data`` add keys to those tables."""
+    overridden by ``train``; ``model``/``data`` add keys to those tables, ``eval`` writes [eval]."""
     from jobgen.loader import load_run
     from jobgen.render import render
     from jobgen.rundir import materialize
@@ -228,6 +229,7 @@ def make_run(
         model={"path": tiny_model, **(model or {})},
         data={"path": DATA, "max_length": 256, **(data or {})},
         train={**TRAINER_SETTINGS, **train},
+        eval=eval,
     )
     spec = load_run(spec_file)
     run, _ = materialize(spec, render(spec), spec_file.read_text())
@@ -296,8 +298,13 @@ def cancel_submitted() -> None:
 
 
 def losses(run: Path) -> dict[int, float]:
-    """Step -> loss, from metrics.jsonl."""
-    return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl")}
+    """Step -> training loss, from metrics.jsonl (evaluation lines left out)."""
+    return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if r.get("event") != "eval"}
+
+
+def eval_losses(run: Path) -> dict[int, float]:
+    """Step -> eval loss, from metrics.jsonl's evaluation lines (the last one of a step)."""
+    return {r["step"]: r["eval_loss"] for r in read_jsonl(run / "metrics.jsonl") if r.get("event") == "eval"}
 
 
 def last_step(run: Path, job_id: int | None = None, restart: int | None = None) -> int:
@@ -478,3 +485,15 @@ def local_receivers(host: str):
     finally:
         smtp.stop()
         http.shutdown()
+
+
+def checkpoint_tensors(checkpoint: Path, prefix: str = "model.") -> dict:
+    """Every tensor of the checkpoint under ``prefix``, read with DCP as the trainer wrote it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    return {k.removeprefix(prefix): v for k, v in state.items()}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, make_run, torchrun
+from helpers import REPO, checkpoint_tensors, make_run, torchrun
 
 pytestmark = [pytest.mark.torch]
 
@@ -38,18 +38,6 @@ def _export(run: Path, target: Path, **kwargs):
     lines: list[str] = []
     source = export(RunDir(run).load_spec(), run, target, report=lines.append, **kwargs)
     return source, lines
-
-
-def _checkpoint_tensors(checkpoint: Path, prefix: str = "model.") -> dict:
-    """Every tensor of the checkpoint under ``prefix``, read with DCP as the trainer wrote it."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    meta = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
 def _shards(target: Path) -> list[str]:
@@ -89,7 +77,7 @@ def test_full_export_is_sharded_and_equals_the_checkpoint(tmp_path, tiny_model, 
     model = AutoModelForCausalLM.from_pretrained(target)
     assert model.dtype == torch.bfloat16
     exported = model.state_dict()
-    trained = _checkpoint_tensors(source)
+    trained = checkpoint_tensors(source)
     assert set(exported) == set(trained)
     for name, tensor in trained.items():
         assert torch.equal(exported[name], tensor.to(torch.bfloat16)), name
@@ -121,7 +109,7 @@ def _peft_with_checkpoint(tiny_model: Path, checkpoint: Path):
         r=LORA["r"], lora_alpha=LORA["alpha"], target_modules=LORA["target_modules"], task_type="CAUSAL_LM"
     )
     model = get_peft_model(base, config)
-    adapters = _checkpoint_tensors(checkpoint)
+    adapters = checkpoint_tensors(checkpoint)
     params = dict(model.named_parameters())
     assert adapters and all("lora_" in name for name in adapters)
     for name, tensor in adapters.items():
@@ -143,7 +131,7 @@ def test_lora_adapter_export_loads_with_peft_and_equals_the_trained_adapters(tmp
 
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), target)
     params = dict(loaded.named_parameters())
-    adapters = _checkpoint_tensors(source)
+    adapters = checkpoint_tensors(source)
     for name, tensor in adapters.items():
         assert torch.equal(params[name], tensor), name
     assert any(float(t.abs().max()) > 0 for n, t in adapters.items() if "lora_B" in n)  # trained, not the zero init
@@ -204,7 +192,7 @@ def test_tied_embeddings_are_written_once(tmp_path, tiny_model):
     assert "model.embed_tokens.weight" in index["weight_map"] and "lm_head.weight" not in index["weight_map"]
     model = AutoModelForCausalLM.from_pretrained(target)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    trained = _checkpoint_tensors(run / "checkpoints" / "step-00000001")
+    trained = checkpoint_tensors(run / "checkpoints" / "step-00000001")
     assert torch.equal(model.model.embed_tokens.weight, trained["model.embed_tokens.weight"].to(torch.bfloat16))
 
 
@@ -235,7 +223,7 @@ def test_a_checkpoint_that_breaks_mid_export_leaves_nothing_of_itself(tmp_path, 
     files = _shards(target)
     index = json.loads((target / "model.safetensors.index.json").read_text())
     assert all(name.endswith(f"-of-{len(files):05d}.safetensors") for name in files)  # no file of the other plan
-    trained = _checkpoint_tensors(run / "checkpoints" / "step-00000001")
+    trained = checkpoint_tensors(run / "checkpoints" / "step-00000001")
     written = {name: t for file in files for name, t in load_file(target / file).items()}
     assert set(written) == set(index["weight_map"])
     for name, tensor in written.items():

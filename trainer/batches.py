@@ -18,8 +18,9 @@ import torch.distributed as dist
 from jobgen.loader import ResolvedSpec
 from trainer.data_cache import prepare_dataset
 from trainer.distributed import DistEnv
+from trainer.eval_data import EvalSet, load_eval_path, split_off_eval
 from trainer.packing import build_rows, collate, fetch_rows, fill_ratio, model_inputs, token_loss_sum
-from trainer.sampler import ResumableSampler
+from trainer.sampler import ResumableSampler, ResumeMismatch
 
 log = logging.getLogger("trainer.data")
 
@@ -56,15 +57,27 @@ class DataPipeline:
 
         try:
             self.dataset, self.stats, self.entry = prepare_dataset(
-                data_spec,
-                tokenizer,
-                model_spec.path,
-                cache_root(spec),
-                rank=env.rank,
-                share=share,
+                data_spec, tokenizer, model_spec.path, cache_root(spec), rank=env.rank, share=share
             )
+            # [eval] path: read like the training data (format, template, masks, max_length), cached alike.
+            eval_source = load_eval_path(spec, tokenizer, env.rank, share)
         finally:
             dist.destroy_process_group(group)
+        self.dataset, eval_dataset, self.split = split_off_eval(spec, self.dataset, eval_source)
+        self.eval_set = (
+            EvalSet(
+                eval_dataset,
+                max_length=data_spec.max_length,
+                packing=self.packing,
+                pad_token_id=tokenizer.pad_token_id,
+                micro_batch_size=spec.run.eval.micro_batch_size or train.micro_batch_size,
+                max_batches=spec.run.eval.max_batches,
+                world_size=env.world_size,
+                rank=env.rank,
+            )
+            if spec.run.eval is not None and eval_dataset is not None
+            else None
+        )
         lengths = self.dataset["length"]
         self.rows = build_rows(lengths, data_spec.max_length, self.packing)
         self.sampler = ResumableSampler(
@@ -83,6 +96,8 @@ class DataPipeline:
                     self.stats.examples_in,
                     data_spec.max_length,
                 )
+            if self.eval_set is not None:
+                log.info("eval: %s", self.eval_set.describe())
             if self.packing:
                 log.info(
                     "data: %d examples packed into %d rows (%.0f%% full)",
@@ -106,9 +121,18 @@ class DataPipeline:
     loss_sum = staticmethod(token_loss_sum)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        state = self.sampler.state_dict()
+        if self.split is not None:
+            state["eval_split"] = self.split
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        recorded = state.get("eval_split")
+        if recorded is not None and recorded != self.split:
+            raise ResumeMismatch(
+                f"the checkpoint held out {recorded} for evaluation, this run holds out {self.split}: "
+                "the data, eval.split or the seed changed, so it would train on other examples"
+            )
         self.sampler.load_state_dict(state)
 
     def stats_dict(self) -> dict[str, Any]:

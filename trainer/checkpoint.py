@@ -12,7 +12,8 @@ Layout under ``<run_dir>/checkpoints/``::
 
 A save writes everything into ``.tmp-step-N`` (every file fsynced), waits until
 every rank is done, then rank 0 renames it to ``step-N``, then updates ``latest``,
-then renames the oldest beyond ``keep`` to ``.tmp-deleting-*`` and deletes them in a
+then renames the oldest beyond ``keep`` (but never the best by eval loss, ``protected``)
+to ``.tmp-deleting-*`` and deletes them in a
 background thread (unlinking gigabytes takes seconds that training need not wait for;
 one cut short is a ``.tmp-*`` like any other and goes at the next start). Loading walks complete checkpoints from
 the newest; one that fails to load on any rank is reported and the previous one is
@@ -177,6 +178,8 @@ class Checkpointer:
         self.blocking_seconds: list[float] = []  # how long training was held up by each save
         self._pending: _Pending | None = None
         self._deleting: threading.Thread | None = None
+        # The best checkpoint by eval loss ([eval]): kept whatever its age, besides the newest `keep`.
+        self.protected: str | None = None
         # Background saves talk on their own gloo group, never interleaving with training collectives.
         self._group = dist.new_group(backend="gloo") if async_save else None
         # One writer for every background save, so that its staging buffers are reused.
@@ -278,6 +281,8 @@ class Checkpointer:
     def _prune(self) -> None:
         doomed = []
         for old in complete_checkpoints(self.root)[self.keep :]:
+            if old.name == self.protected:
+                continue
             # Renamed first, so a deletion cut short can never look like a complete checkpoint.
             doomed.append(old.with_name(f"{CHECKPOINT_TMP_PREFIX}deleting-{old.name}"))
             os.rename(old, doomed[-1])

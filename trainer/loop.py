@@ -41,32 +41,18 @@ from jobgen.runtime.stopping import Action, StopMonitor
 from trainer.batches import DataPipeline, to_device
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistEnv, mark_progress, reduce_max, reduce_sum
-from trainer.loss import ChunkedLoss, LossHeadError, install_chunked_loss
+from trainer.eval_loop import RunEvaluation
+from trainer.evaluation import Evaluator
+from trainer.loss import loss_head_for
 from trainer.memory_peaks import MemoryPeaks, combine_ranks
-from trainer.metrics import StartupClock, memory_snapshot
+from trainer.metrics import StartupClock, ThroughputWindow, memory_snapshot
 from trainer.model import build_model, load_tokenizer, trainable_parameters
 from trainer.offload import make_offloader, offload_activations
 from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler, clip_per_parameter
 from trainer.packing import count_targets
-from trainer.tracking import Trackers, open_trackers
+from trainer.tracking import Trackers, trackers_for_run
 
 log = logging.getLogger("trainer")
-
-
-class ThroughputWindow:
-    """Tokens and wall time since the last logged step: the tokens/s of a metrics line."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.started, self.tokens = time.time(), 0
-
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
-
-    def tokens_per_s(self) -> float:
-        return round(self.tokens / max(time.time() - self.started, 1e-9), 2)
 
 
 class Trainer:
@@ -99,7 +85,7 @@ class Trainer:
         self.data = DataPipeline(spec, self.tokenizer, env, run_dir)
         self.startup.mark("data")  # tokenizer, and the tokenized data (from the cache, or built)
         self.model = build_model(spec.run.model, self.cfg, env, packing=spec.run.data.packing)
-        self.chunked_loss = self._install_loss_head()
+        self.chunked_loss = loss_head_for(self.model, self.cfg.loss_chunk_tokens, self.cfg.target_logits_only)
         self.offloader = make_offloader(env.device, spec.run.model.activation_offloading)
         self.optimizer = build_optimizer(trainable_parameters(self.model), self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
@@ -113,6 +99,7 @@ class Trainer:
         )
         self.metrics = MetricsWriter(run_dir, enabled=env.is_main)
         self.run_dir = run_dir
+        self.evaluation = self._build_evaluation()
         self.trackers = Trackers([])  # train.report_to, opened by fit()
         self.startup.mark("model")  # weights, wrapping, optimizer
         # Per-rank streams for dropout and friends; restored from checkpoints on resume.
@@ -126,6 +113,27 @@ class Trainer:
         self.resumed_from: str | None = None  # the checkpoint's name, when this job resumed from one
         self.seconds_to_first_step: float | None = None  # job start to the end of this job's first step
         self.summary: dict[str, Any] = {}  # filled when fit() ends, however it ends
+
+    def _build_evaluation(self) -> RunEvaluation | None:
+        """[eval]: the evaluator over the data pipeline's evaluation set, or None without one."""
+        eval_spec = self.spec.run.eval
+        if eval_spec is None or self.data.eval_set is None:
+            return None
+        evaluator = Evaluator(
+            self.model,
+            self.data.eval_set,
+            self.env,
+            self.monitor,
+            self._forward_loss_sum,
+            self.data.model_inputs,
+            every_steps=eval_spec.every_steps,
+            every_seconds=eval_spec.every,
+        )
+
+        def protect(name: str | None) -> None:
+            self.checkpointer.protected = name
+
+        return RunEvaluation(eval_spec, evaluator, self.env, RunDir(self.run_dir), self.metrics, protect)
 
     @property
     def checkpoint_optimizers(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
@@ -147,6 +155,7 @@ class Trainer:
             "seed": self.cfg.seed,
             "world_size": self.env.world_size,
             "saved_at": time.time(),
+            "evals": self.evaluation.history.state_dict() if self.evaluation else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -157,35 +166,16 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if isinstance(self.optimizer, OptimizerInBackward):
             self.optimizer.set_lr(self.scheduler.get_last_lr()[0])
+        if self.evaluation:
+            self.evaluation.history.load_state_dict(state.get("evals"))
 
     def resume(self) -> Path | None:
         loaded = self.checkpointer.load_latest(self.model, self.checkpoint_optimizers)
-        if loaded is None:
-            return None
-        state, path = loaded
-        self.load_state_dict(state)
-        return path
-
-    def _install_loss_head(self) -> ChunkedLoss | None:
-        """The loss computed inside the output layer (chunked, or at target positions only), or
-        None for the plain path (every position's logits). Asked for chunking, a model that
-        cannot have it is refused; target positions only falls back to the plain path."""
-        chunk, targets_only = self.cfg.loss_chunk_tokens, self.cfg.target_logits_only
-        if not chunk and not targets_only:
-            return None
-        try:
-            loss = install_chunked_loss(self.model, chunk, targets_only=targets_only)
-        except LossHeadError as exc:
-            if chunk:
-                raise
-            log.info("output layer: every position's logits (%s)", exc)
-            return None
-        log.info(
-            "output layer: the loss inside it, %s, %s",
-            "at target positions only" if targets_only else "at every position",
-            f"{chunk} tokens at a time" if chunk else "all at once",
-        )
-        return loss
+        if loaded is not None:
+            self.load_state_dict(loaded[0])
+        if self.evaluation:  # the best checkpoint as the history and the disk now say
+            self.evaluation.sync_best()
+        return loaded[1] if loaded is not None else None
 
     def save(self, *, blocking: bool) -> Path:
         return self.checkpointer.save(
@@ -272,22 +262,59 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def step_boundary(self) -> tuple[Action, bool]:
+    def step_boundary(self) -> tuple[Action, bool, bool]:
         """What every rank does after this step: one all-reduce (max) of each rank's stop
-        action and of its view of a periodic save being due. Both depend on rank-local
-        things (switch files, signals, clocks); combined, every rank takes the same branch."""
-        action, save_due = reduce_max(
-            self.env, [int(self.monitor.local_action()), int(self.checkpointer.wants_save(self.step))]
+        action and of its view of a periodic save and of an evaluation being due. All depend
+        on rank-local things (switch files, signals, clocks); combined, every rank takes the
+        same branch."""
+        eval_due = self.evaluation is not None and self.evaluation.wants_eval(self.step)
+        action, save_due, eval_due = reduce_max(
+            self.env,
+            [int(self.monitor.local_action()), int(self.checkpointer.wants_save(self.step)), int(eval_due)],
         )
-        return Action(action), bool(save_due)
+        return Action(action), bool(save_due), bool(eval_due)
 
-    def _finish(self) -> None:
-        """max_steps reached: the final checkpoint, then the run's ``done`` marker."""
+    def _evaluate(self) -> Action:
+        """Evaluate now; a new best is saved at once and named in best.json. Returns the stop
+        action that abandoned the evaluation, or CONTINUE."""
+        assert self.evaluation is not None
+        action, new_best = self.evaluation.evaluate(self.step, self.trackers.log)
+        if new_best:
+            self.evaluation.before_best_save(self.step)
+            self.save(blocking=True)
+            self.evaluation.after_best_save(self.step)
+        return action
+
+    def _evaluate_or_end(self) -> tuple[ExitCode, str] | None:
+        """Evaluate; the exit code and reason when the run ends here (a stop during the
+        evaluation, or early stopping), None to go on training."""
+        assert self.evaluation is not None
+        stop = self._evaluate()
+        if stop.exits:
+            return self._stop(stop)
+        early = self.evaluation.early_stop_reason()
+        if early:
+            if self.env.is_main:
+                log.warning("step %d: %s", self.step, early)
+            return self._finish(early)
+        return None
+
+    def _finish(self, reason: str | None = None) -> tuple[ExitCode, str]:
+        """The run is done (max_steps, or early stopping's ``reason``): the final evaluation when
+        due, the final checkpoint, then the run's ``done`` marker. A stop request during that
+        evaluation saves and exits instead, and the next task finishes."""
+        if reason is None and self.evaluation is not None and self.evaluation.due_at_end(self.step):
+            action = self._evaluate()
+            if action.exits:
+                return self._stop(action)
+        reason = reason or f"reached step {self.step} of {self.cfg.max_steps}: finished"
         self.save(blocking=True)
         if self.env.is_main:
             write_json_atomic(
-                self.run_dir / "done", {"step": self.step, "finished_at": time.time(), "tokens_seen": self.tokens_seen}
+                self.run_dir / "done",
+                {"step": self.step, "finished_at": time.time(), "tokens_seen": self.tokens_seen, "reason": reason},
             )
+        return ExitCode.OK, reason
 
     def fit(self) -> tuple[ExitCode, str]:
         """Train until max_steps or a stop; returns the exit code and a one-line reason."""
@@ -307,12 +334,14 @@ class Trainer:
                 self.cfg.parallelism,
                 self.cfg.seed,
             )
-        if self.step >= self.cfg.max_steps:
-            self._finish()
-            return ExitCode.OK, f"already at step {self.step} of {self.cfg.max_steps}: finished"
         self.model.train()
-        self.trackers = self._open_trackers()
+        # train.report_to, on rank 0, from the step this job starts at.
+        self.trackers = trackers_for_run(self.spec, RunDir(self.run_dir), self.step, enabled=self.env.is_main)
         try:
+            if self.step >= self.cfg.max_steps:
+                code, reason = self._finish()
+                finished = f"already at step {self.step} of {self.cfg.max_steps}: finished"
+                return code, finished if code is ExitCode.OK else reason
             return self._train_until_stop()
         finally:
             self.trackers.close()
@@ -320,23 +349,14 @@ class Trainer:
             self.memory_peaks.end_phase("steady")
             self.summary = self._exit_summary()
 
-    def _open_trackers(self) -> Trackers:
-        """train.report_to, on rank 0, from the step this job starts at."""
-        if not self.env.is_main or not self.cfg.report_to:
-            return Trackers([])
-        return open_trackers(
-            self.cfg.report_to,
-            RunDir(self.run_dir),
-            name=self.spec.run.job.name,
-            project=self.cfg.wandb_project,
-            start_step=self.step,
-            config=self.spec.run.model_dump(mode="json", exclude={"env"}),
-        )
-
     def _train_until_stop(self) -> tuple[ExitCode, str]:
         """Step, record, and act on the ranks' step-boundary decision, until max_steps or a stop."""
         max_steps = self.cfg.max_steps
         window = ThroughputWindow()
+        if self.evaluation is not None and self.evaluation.missed(self.step):
+            ended = self._evaluate_or_end()  # a stop came where this step's evaluation was due
+            if ended:
+                return ended
         while self.step < max_steps:
             step_metrics = self._timed_step()
             window.add(step_metrics["step_tokens"])
@@ -346,14 +366,17 @@ class Trainer:
                 self._log_step(step_metrics, window)
             if self.step >= max_steps:
                 break
-            action, save_due = self.step_boundary()
+            action, save_due, eval_due = self.step_boundary()
             if action.exits:
                 return self._stop(action)
+            if eval_due:
+                ended = self._evaluate_or_end()
+                if ended:
+                    return ended
             self._save_if_asked(action, save_due)
             self.checkpointer.poll()
             mark_progress()
-        self._finish()
-        return ExitCode.OK, f"reached step {self.step} of {max_steps}: finished"
+        return self._finish()
 
     def _timed_step(self) -> dict[str, float]:
         """One optimizer step, with its wall time recorded and the step counters advanced."""
@@ -444,6 +467,7 @@ class Trainer:
             "step_seconds_max": round(max(self.step_seconds, default=0.0), 3),
             "save_seconds": [round(s, 3) for s in self.checkpointer.save_seconds],
             "save_blocking_seconds": [round(s, 3) for s in self.checkpointer.blocking_seconds],
+            **(self.evaluation.evaluator.summary() if self.evaluation else {}),
         }
 
     def write_summary(self, code: ExitCode, reason: str) -> None:

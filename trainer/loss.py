@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -240,3 +241,25 @@ def install_chunked_loss(model: nn.Module, chunk_tokens: int, *, targets_only: b
     head.last_loss = None
     head.model_name = name
     return ChunkedLoss(head)
+
+
+def loss_head_for(model: nn.Module, chunk: int, targets_only: bool) -> ChunkedLoss | None:
+    """The loss computed inside the output layer (chunked, or at target positions only), or
+    None for the plain path (every position's logits). Asked for chunking, a model that
+    cannot have it is refused; target positions only falls back to the plain path."""
+    log = logging.getLogger("trainer")
+    if not chunk and not targets_only:
+        return None
+    try:
+        loss = install_chunked_loss(model, chunk, targets_only=targets_only)
+    except LossHeadError as exc:
+        if chunk:
+            raise
+        log.info("output layer: every position's logits (%s)", exc)
+        return None
+    log.info(
+        "output layer: the loss inside it, %s, %s",
+        "at target positions only" if targets_only else "at every position",
+        f"{chunk} tokens at a time" if chunk else "all at once",
+    )
+    return loss

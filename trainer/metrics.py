@@ -50,3 +50,19 @@ class StartupClock:
 
     def summary(self) -> str:
         return ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in self.seconds.items())
+
+
+class ThroughputWindow:
+    """Tokens and wall time since the last logged step: the tokens/s of a metrics line."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.started, self.tokens = time.time(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def tokens_per_s(self) -> float:
+        return round(self.tokens / max(time.time() - self.started, 1e-9), 2)

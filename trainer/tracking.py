@@ -175,3 +175,18 @@ def open_trackers(
         except Exception as exc:  # noqa: BLE001 - a missing package or a server error must not stop training
             log.warning("%s logging is off for this job: %s: %s", backend, type(exc).__name__, exc)
     return Trackers(out)
+
+
+def trackers_for_run(spec, run: RunDir, start_step: int, *, enabled: bool) -> Trackers:
+    """The trackers ``train.report_to`` asks for (none where not ``enabled``: ranks but 0)."""
+    train = spec.run.train
+    if not enabled or not train.report_to:
+        return Trackers([])
+    return open_trackers(
+        train.report_to,
+        run,
+        name=spec.run.job.name,
+        project=train.wandb_project,
+        start_step=start_step,
+        config=spec.run.model_dump(mode="json", exclude={"env"}),
+    )

@@ -16,6 +16,7 @@ import sys
 
 from jobgen import slurm
 from jobgen.goodput import read_jsonl
+from jobgen.runtime.records import training_lines
 from watchdogs.base import CheckResult, Target, running_jobs
 from watchdogs.base import main as check_main
 
@@ -34,7 +35,11 @@ def node_memory(job_id: int, nodes: int) -> list[dict]:
 
 
 def from_metrics(target: Target, job_id: int) -> list[dict]:
-    lines = [m for m in read_jsonl(target.run.path / "metrics.jsonl") if str(m.get("job_id")) == str(job_id)]
+    lines = [
+        m
+        for m in training_lines(read_jsonl(target.run.path / "metrics.jsonl"))
+        if str(m.get("job_id")) == str(job_id)
+    ]
     if not lines or "host_used_percent" not in lines[-1]:
         return []
     return [{"node": "rank 0's node (from metrics.jsonl)", "used_percent": lines[-1]["host_used_percent"]}]

@@ -21,6 +21,19 @@ from jobgen.atomic import write_json_atomic, write_text_atomic
 from jobgen.exit_codes import ExitCode
 from jobgen.rundir import RunDir
 
+# ``metrics.jsonl`` holds training steps and, with ``[eval]``, evaluations: an evaluation's
+# line has ``event = "eval"`` (and eval_loss, eval_ppl, eval_tokens, eval_seconds), a step's none.
+EVAL_EVENT = "eval"
+
+
+def is_eval_line(line: dict[str, Any]) -> bool:
+    return line.get("event") == EVAL_EVENT
+
+
+def training_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The training steps' lines of ``metrics.jsonl``, evaluations left out."""
+    return [line for line in lines if not is_eval_line(line)]
+
 
 def write_exit_code(run: RunDir, job_id: str, restart: int, code: ExitCode, reason: str) -> None:
     """This attempt's exit code and its reason on one line, for the batch script: it exits

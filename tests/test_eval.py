@@ -1,0 +1,141 @@
+"""Held-out evaluation in the trainer, under torchrun on gloo: it leaves the training as it
+was, resumes exactly, gives the same loss at every world size, keeps the best checkpoint,
+is abandoned for a stop, and names ``eval.path`` when the file is unusable.
+
+Early stopping on the dev cluster (2 nodes, COMPLETED with the reason as the comment) is
+in tests/test_slurm_eval.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import (
+    DATA,
+    checkpoints,
+    eval_losses,
+    losses,
+    make_run,
+    read_jsonl,
+    summary,
+    torchrun,
+    wait_for,
+    wait_for_step,
+)
+from jobgen.exit_codes import ExitCode
+
+pytestmark = pytest.mark.torch
+
+
+def _eval_file(directory: Path, rows: int, repeat: int = 1) -> Path:
+    """The first ``rows`` rows of the example data (``repeat`` times over) as a validation file."""
+    lines = DATA.read_text().splitlines()[:rows] * repeat
+    path = directory / f"valid-{rows}x{repeat}.jsonl"
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def test_evaluation_leaves_training_unchanged_keeps_the_best_and_resumes_exactly(tmp_path, tiny_model):
+    settings = {"parallelism": "fsdp", "max_steps": 10, "data": {"packing": True}, "keep_checkpoints": 1}
+    valid = _eval_file(tmp_path, 48)
+    with_eval = {"path": str(valid), "every_steps": 2, "micro_batch_size": 3}
+
+    plain = make_run(tmp_path / "plain", tiny_model, **settings)
+    _ok(torchrun(plain))
+    evaluated = make_run(tmp_path / "eval", tiny_model, eval=with_eval, **settings)
+    _ok(torchrun(evaluated))
+
+    # The same training, step by step, with or without evaluations (and the saves of new bests).
+    assert losses(evaluated) == pytest.approx(losses(plain), abs=1e-6)
+    evals = [r for r in read_jsonl(evaluated / "metrics.jsonl") if r.get("event") == "eval"]
+    assert [r["step"] for r in evals] == [2, 4, 6, 8, 10]  # at_end falls on step 10, evaluated once
+    for record in evals:  # the whole validation set every time
+        assert record["eval_tokens"] > 0 and record["eval_all_tokens"] > record["eval_tokens"]
+        assert record["eval_ppl"] == pytest.approx(2.718281828 ** record["eval_loss"], rel=1e-6)
+        assert (record["eval_tokens"], record["eval_batches"]) == (evals[0]["eval_tokens"], evals[0]["eval_batches"])
+    curve = eval_losses(evaluated)
+    best_step = min(curve, key=curve.get)
+    best = json.loads((evaluated / "checkpoints" / "best.json").read_text())
+    assert best["step"] == best_step and best["checkpoint"] == f"step-{best_step:08d}"
+    assert best["eval_loss"] == pytest.approx(curve[best_step])
+    # keep_checkpoints = 1: the newest plus the best.
+    assert checkpoints(evaluated) == sorted({f"step-{best_step:08d}", "step-00000010"})
+    assert summary(evaluated)["eval_seconds"] and summary(evaluated)["eval_round_seconds_max"] > 0
+
+    # Stopped by the kill switch and resumed: the same training and evaluation losses.
+    resumed = make_run(tmp_path / "resumed", tiny_model, eval=with_eval, **settings)
+    proc = torchrun(resumed, background=True)
+    wait_for_step(resumed, proc, 3)
+    (resumed / "switches" / "kill").touch()
+    out, _ = proc.communicate(timeout=180)
+    assert summary(resumed)["exit_code"] == ExitCode.KILL_SWITCH, out
+    stopped_at = summary(resumed)["end_step"]
+    assert 3 <= stopped_at < 10
+    (resumed / "switches" / "kill").unlink()
+    _ok(torchrun(resumed))
+    assert summary(resumed)["start_step"] == stopped_at
+    assert losses(resumed) == pytest.approx(losses(evaluated), abs=1e-6)
+    assert eval_losses(resumed) == pytest.approx(curve, abs=1e-6)
+    assert json.loads((resumed / "checkpoints" / "best.json").read_text())["step"] == best_step
+
+
+def test_eval_loss_is_the_same_on_one_two_and_four_ranks(tmp_path, tiny_model):
+    # One global batch of 8 rows per step on every world size, so the weights evaluated agree
+    # too; padded rows (no packing) make the batches' padding differ as little as it can.
+    results = {}
+    for ranks in (1, 2, 4):
+        run = make_run(
+            tmp_path / f"w{ranks}",
+            tiny_model,
+            max_steps=2,
+            micro_batch_size=2,
+            grad_accum=4 // ranks,
+            eval={"split": 0.1, "every_steps": 2},
+        )
+        _ok(torchrun(run, nproc=ranks))
+        (record,) = [r for r in read_jsonl(run / "metrics.jsonl") if r.get("event") == "eval"]
+        results[ranks] = record
+    assert {r["eval_tokens"] for r in results.values()} == {results[1]["eval_tokens"]}
+    assert {r["eval_batches"] for r in results.values()} == {20}  # 40 held-out rows in batches of 2
+    for ranks in (2, 4):
+        assert results[ranks]["eval_loss"] == pytest.approx(results[1]["eval_loss"], abs=2e-5), results
+
+
+def test_a_stop_during_an_evaluation_abandons_it_and_saves(tmp_path, tiny_model):
+    # A validation set much larger than a step, evaluated after every step: the kill switch,
+    # set as soon as step 2 is logged, lands in the evaluation of step 2.
+    valid = _eval_file(tmp_path, 400, repeat=8)
+    run = make_run(tmp_path / "run", tiny_model, max_steps=50, eval={"path": str(valid), "every_steps": 1})
+    proc = torchrun(run, background=True)
+    wait_for(lambda: 2 in losses(run), 240, "step 2", interval=0.02, process=proc)
+    (run / "switches" / "kill").touch()
+    out, _ = proc.communicate(timeout=240)
+    assert summary(run)["exit_code"] == ExitCode.KILL_SWITCH, out
+    assert "evaluation abandoned for a stop request" in out
+    assert summary(run)["end_step"] == 2
+    assert sorted(eval_losses(run)) == [1]  # step 2's evaluation was never recorded
+    assert "step-00000002" in checkpoints(run)
+    assert not (run / "done").exists()
+
+
+def test_an_unusable_validation_file_is_named_at_the_trainers_start(tmp_path, tiny_model):
+    # A chat file where [data] says alpaca: validate cannot see columns, the trainer's first seconds do.
+    chat = Path(DATA).with_name("chat.jsonl")
+    run = make_run(tmp_path, tiny_model, eval={"path": str(chat), "every_steps": 2})
+    started = time.monotonic()
+    proc = torchrun(run)
+    out = proc.stdout + proc.stderr
+    assert f"exit {int(ExitCode.DATA_ERROR)}" in out, out[-3000:]
+    assert "eval.path (read as [data] format 'alpaca')" in out and "needs column(s)" in out
+    assert checkpoints(run) == [] and not (run / "metrics.jsonl").exists()
+    assert json.loads((run / "failed").read_text())["exit_code"] == ExitCode.DATA_ERROR
+    assert time.monotonic() - started < 120
