@@ -20,6 +20,7 @@ wiring them into the subcommands. Every other jobgen module uses neither
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -482,6 +483,23 @@ def export(run_ref: str, target: str, checkpoint: str | None, best: bool, step: 
         _fail(f"jobgen export: {exc}", 2)
     bar.close()
     click.echo(f"exported {source.name} of {run.path} to {target}")
+
+
+@main.command()
+@click.argument("run_ref", metavar="RUN")
+@click.option("--step", type=click.IntRange(0), help="only the samples of this step")
+@click.option("--json", "as_json", is_flag=True, help="a JSON list: each prompt with its completions by step")
+def samples(run_ref: str, step: int | None, as_json: bool) -> None:
+    """The answers to [eval] prompts at each evaluation, side by side across steps."""
+    from jobgen.samples import NoSamples, format_samples, read_samples, samples_json
+
+    run = _find_run(run_ref)
+    try:
+        table = read_samples(run, step)
+    except NoSamples as exc:
+        _fail(f"jobgen samples: {exc}")
+    width = shutil.get_terminal_size((100, 24)).columns
+    click.echo(json.dumps(samples_json(table), indent=2) if as_json else format_samples(table, width).rstrip("\n"))
 
 
 def _register_groups() -> None:

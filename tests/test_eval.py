@@ -18,6 +18,7 @@ from helpers import (
     DATA,
     checkpoints,
     eval_losses,
+    jobgen,
     losses,
     make_run,
     read_jsonl,
@@ -139,3 +140,63 @@ def test_an_unusable_validation_file_is_named_at_the_trainers_start(tmp_path, ti
     assert checkpoints(run) == [] and not (run / "metrics.jsonl").exists()
     assert json.loads((run / "failed").read_text())["exit_code"] == ExitCode.DATA_ERROR
     assert time.monotonic() - started < 120
+
+
+def test_samples_answer_the_prompts_as_generate_would_and_reach_jobgen_samples(tmp_path, tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(json.dumps({"prompt": "Give me a | pipe and\na newline."}) + "\n")
+    run = make_run(
+        tmp_path,
+        tiny_model,
+        parallelism="fsdp",
+        max_steps=4,
+        lr=1e-6,  # near the random start, the model answers with tokens, not the end of turn at once
+        model={"dtype": "float32"},  # the export below is then the very weights that answered
+        report_to=["tensorboard"],
+        eval={
+            "split": 0.05,
+            "every_steps": 2,
+            "prompts": ["Name three colors.", "What is 2+2?"],
+            "prompts_file": str(prompts_file),
+            "max_new_tokens": 8,
+        },
+    )
+    _ok(torchrun(run))
+    lines = read_jsonl(run / "samples.jsonl")
+    prompts = ["Name three colors.", "What is 2+2?", "Give me a | pipe and\na newline."]
+    assert [(x["step"], x["prompt"]) for x in lines] == [(s, p) for s in (2, 4) for p in prompts]
+    assert all(0 <= x["tokens"] <= 8 for x in lines)
+    assert any(x["tokens"] for x in lines if x["step"] == 2), lines  # something to compare below
+
+    # The answers at step 2 are greedy generate()'s from the exported step-2 weights.
+    target = tmp_path / "export"
+    proc = jobgen("export", str(run), "--to", str(target), "--step", "2")
+    assert proc.returncode == 0, proc.stderr
+    model = AutoModelForCausalLM.from_pretrained(target)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    for line in (x for x in lines if x["step"] == 2):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": line["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        assert line["completion"] == expected, (line, expected)
+
+    shown = jobgen("samples", str(run))
+    assert shown.returncode == 0, shown.stderr
+    for number, prompt in enumerate(prompts, start=1):
+        assert f"prompt {number}: {prompt}" in shown.stdout
+    assert shown.stdout.count("step 2 |") == 3 and shown.stdout.count("step 4 |") == 3
+    missing = jobgen("samples", str(run), "--step", "3")
+    assert missing.returncode == 1 and "no samples at step 3 (steps with samples: [2, 4])" in missing.stderr
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    assert [e.step for e in events.Scalars("eval/loss")] == [2, 4]
+    texts = events.Tensors("samples/text_summary")
+    assert [e.step for e in texts] == [2, 4]
+    assert "pipe and<br>a newline" in texts[-1].tensor_proto.string_val[0].decode()

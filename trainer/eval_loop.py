@@ -28,7 +28,10 @@ from jobgen.rundir import RunDir, checkpoint_name, complete_checkpoints_in
 from jobgen.runtime.records import MetricsWriter
 from jobgen.runtime.stopping import Action
 from trainer.distributed import DistEnv, broadcast_object
-from trainer.evaluation import EvalHistory, EvalResult, Evaluator
+from trainer.eval_data import EvalSet
+from trainer.evaluation import EvalHistory, EvalResult, Evaluator, eval_prompts
+from trainer.samples import SampleGenerator
+from trainer.tracking import Trackers
 
 log = logging.getLogger("trainer.eval")
 
@@ -44,8 +47,11 @@ class RunEvaluation:
         run: RunDir,
         metrics: MetricsWriter,
         protect: Callable[[str | None], None],
+        samples: SampleGenerator | None = None,
     ):
-        """``protect(name)`` tells the checkpointer which checkpoint its pruning must keep."""
+        """``protect(name)`` tells the checkpointer which checkpoint its pruning must keep;
+        ``samples`` answers the prompts after each evaluation."""
+        self.samples = samples
         self.spec = spec
         self.evaluator = evaluator
         self.env = env
@@ -73,22 +79,33 @@ class RunEvaluation:
 
     # ------------------------------------------------------------------ doing it
 
-    def evaluate(self, step: int, log_to: Callable[[int, dict[str, Any]], None]) -> tuple[Action, bool]:
-        """Evaluate now (collective). Returns (CONTINUE, whether it is the new best), or (the
-        stop action, False) when a stop arrived during it: then nothing was recorded."""
+    def evaluate(self, step: int, trackers: Trackers) -> tuple[Action, bool]:
+        """Evaluate now, then answer the prompts (collective). Returns (CONTINUE or a stop that
+        came during the samples, whether it is the new best), or (the stop action, False) when
+        a stop came during the evaluation itself: then nothing was recorded."""
         result, action = self.evaluator.run(step)
         if result is None:
             if self.env.is_main:
                 log.warning("step %d: evaluation abandoned for a stop request", step)
             return action, False
         new_best = self.history.add(step, result.loss)
-        self._record(result, new_best, log_to)
-        return Action.CONTINUE, new_best
+        self._record(result, new_best, trackers)
+        if self.samples is None:
+            return Action.CONTINUE, new_best
+        records, action = self.samples.generate(step)
+        if records is None:
+            if self.env.is_main:
+                log.warning("step %d: samples abandoned for a stop request", step)
+        elif self.env.is_main:
+            trackers.table(step, "samples", [(r["prompt"], r["completion"]) for r in records])
+            first = records[0]
+            log.info("sample at step %d: %r -> %r", step, first["prompt"][:80], first["completion"][:200])
+        return action, new_best
 
-    def _record(self, result: EvalResult, new_best: bool, log_to: Callable[[int, dict[str, Any]], None]) -> None:
+    def _record(self, result: EvalResult, new_best: bool, trackers: Trackers) -> None:
         record = result.record()
         self.metrics.log_step(record)
-        log_to(result.step, {"eval_loss": result.loss, "eval_ppl": result.perplexity})
+        trackers.log(result.step, {"loss": result.loss, "ppl": result.perplexity}, section="eval")
         if self.env.is_main:
             best = self.history.best()
             assert best is not None
@@ -151,3 +168,32 @@ class RunEvaluation:
         if current is None or current.get("step") != choice[0]:
             log.info("best checkpoint: %s (eval loss %.4f)", checkpoint_name(choice[0]), choice[1])
             self._write_best(*choice)
+
+
+def build_run_evaluation(trainer: Any, spec: EvalSpec | None, eval_set: EvalSet | None) -> RunEvaluation | None:
+    """The trainer's evaluations (None without ``[eval]``): its model, the same loss path as
+    training, its stop monitor; the prompts' sampler; the checkpointer told what to keep."""
+    if spec is None or eval_set is None:
+        return None
+    evaluator = Evaluator(
+        trainer.model,
+        eval_set,
+        trainer.env,
+        trainer.monitor,
+        trainer._forward_loss_sum,
+        trainer.data.model_inputs,
+        every_steps=spec.every_steps,
+        every_seconds=spec.every,
+    )
+
+    def protect(name: str | None) -> None:
+        trainer.checkpointer.protected = name
+
+    run = RunDir(trainer.run_dir)
+    prompts = eval_prompts(spec)
+    samples = None
+    if prompts:
+        samples = SampleGenerator(
+            trainer.model, trainer.tokenizer, prompts, spec.max_new_tokens, trainer.env, trainer.monitor, run.samples
+        )
+    return RunEvaluation(spec, evaluator, trainer.env, run, trainer.metrics, protect, samples)

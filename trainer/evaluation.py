@@ -207,3 +207,18 @@ def release_gathered(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def eval_prompts(spec) -> list[str]:
+    """``[eval] prompts`` followed by those of ``prompts_file`` (checked by ``jobgen validate``;
+    read again here, on the node, where a changed file is a DataError naming the key)."""
+    from jobgen.datafiles import PromptsFileError, read_prompts
+    from trainer.formats import DataError
+
+    prompts = list(spec.prompts)
+    if spec.prompts_file:
+        try:
+            prompts += read_prompts(spec.prompts_file)
+        except PromptsFileError as exc:
+            raise DataError(f"eval.prompts_file: {exc}") from None
+    return prompts

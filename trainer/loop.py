@@ -41,8 +41,7 @@ from jobgen.runtime.stopping import Action, StopMonitor
 from trainer.batches import DataPipeline, to_device
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistEnv, mark_progress, reduce_max, reduce_sum
-from trainer.eval_loop import RunEvaluation
-from trainer.evaluation import Evaluator
+from trainer.eval_loop import build_run_evaluation
 from trainer.loss import loss_head_for
 from trainer.memory_peaks import MemoryPeaks, combine_ranks
 from trainer.metrics import StartupClock, ThroughputWindow, memory_snapshot
@@ -99,7 +98,8 @@ class Trainer:
         )
         self.metrics = MetricsWriter(run_dir, enabled=env.is_main)
         self.run_dir = run_dir
-        self.evaluation = self._build_evaluation()
+        # [eval]: evaluations over the pipeline's evaluation set, samples, the best checkpoint.
+        self.evaluation = build_run_evaluation(self, self.spec.run.eval, self.data.eval_set)
         self.trackers = Trackers([])  # train.report_to, opened by fit()
         self.startup.mark("model")  # weights, wrapping, optimizer
         # Per-rank streams for dropout and friends; restored from checkpoints on resume.
@@ -113,27 +113,6 @@ class Trainer:
         self.resumed_from: str | None = None  # the checkpoint's name, when this job resumed from one
         self.seconds_to_first_step: float | None = None  # job start to the end of this job's first step
         self.summary: dict[str, Any] = {}  # filled when fit() ends, however it ends
-
-    def _build_evaluation(self) -> RunEvaluation | None:
-        """[eval]: the evaluator over the data pipeline's evaluation set, or None without one."""
-        eval_spec = self.spec.run.eval
-        if eval_spec is None or self.data.eval_set is None:
-            return None
-        evaluator = Evaluator(
-            self.model,
-            self.data.eval_set,
-            self.env,
-            self.monitor,
-            self._forward_loss_sum,
-            self.data.model_inputs,
-            every_steps=eval_spec.every_steps,
-            every_seconds=eval_spec.every,
-        )
-
-        def protect(name: str | None) -> None:
-            self.checkpointer.protected = name
-
-        return RunEvaluation(eval_spec, evaluator, self.env, RunDir(self.run_dir), self.metrics, protect)
 
     @property
     def checkpoint_optimizers(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
@@ -278,7 +257,7 @@ class Trainer:
         """Evaluate now; a new best is saved at once and named in best.json. Returns the stop
         action that abandoned the evaluation, or CONTINUE."""
         assert self.evaluation is not None
-        action, new_best = self.evaluation.evaluate(self.step, self.trackers.log)
+        action, new_best = self.evaluation.evaluate(self.step, self.trackers)
         if new_best:
             self.evaluation.before_best_save(self.step)
             self.save(blocking=True)

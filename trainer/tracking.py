@@ -41,8 +41,12 @@ class Tracker:
     def __init__(self) -> None:
         self.failed = False
 
-    def log(self, step: int, values: dict[str, float]) -> None:
-        self._guard(self._log, step, values)
+    def log(self, step: int, values: dict[str, float], section: str = "train") -> None:
+        self._guard(self._log, step, values, section)
+
+    def table(self, step: int, tag: str, rows: list[tuple[str, str]]) -> None:
+        """(prompt, completion) rows, e.g. the samples of an evaluation."""
+        self._guard(self._table, step, tag, rows)
 
     def close(self) -> None:
         self._guard(self._close)
@@ -56,7 +60,10 @@ class Tracker:
             self.failed = True
             log.warning("%s logging switched off for this job: %s: %s", self.name, type(exc).__name__, exc)
 
-    def _log(self, step: int, values: dict[str, float]) -> None:
+    def _log(self, step: int, values: dict[str, float], section: str) -> None:
+        raise NotImplementedError
+
+    def _table(self, step: int, tag: str, rows: list[tuple[str, str]]) -> None:
         raise NotImplementedError
 
     def _close(self) -> None:
@@ -75,9 +82,18 @@ class TensorBoardTracker(Tracker):
         # checkpoint, are discarded; this job logs those steps again.
         self.writer = SummaryWriter(log_dir=str(run.tensorboard), purge_step=start_step + 1)
 
-    def _log(self, step: int, values: dict[str, float]) -> None:
+    def _log(self, step: int, values: dict[str, float], section: str) -> None:
         for key, value in values.items():
-            self.writer.add_scalar(f"train/{key}", value, step)
+            self.writer.add_scalar(f"{section}/{key}", value, step)
+        self.writer.flush()
+
+    def _table(self, step: int, tag: str, rows: list[tuple[str, str]]) -> None:
+        # The text tab renders Markdown: one table, each cell's pipes and newlines escaped.
+        def cell(text: str) -> str:
+            return text.replace("|", "\\|").replace("\n", "<br>") or " "
+
+        lines = ["| prompt | completion |", "|---|---|", *(f"| {cell(p)} | {cell(c)} |" for p, c in rows)]
+        self.writer.add_text(tag, "\n".join(lines), step)
         self.writer.flush()
 
     def _close(self) -> None:
@@ -138,8 +154,13 @@ class WandbTracker(Tracker):
                 run.path,
             )
 
-    def _log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
+    def _log(self, step: int, values: dict[str, float], section: str) -> None:
+        self.run.log(values if section == "train" else {f"{section}/{k}": v for k, v in values.items()}, step=step)
+
+    def _table(self, step: int, tag: str, rows: list[tuple[str, str]]) -> None:
+        import wandb
+
+        self.run.log({tag: wandb.Table(columns=["prompt", "completion"], data=[list(r) for r in rows])}, step=step)
 
     def _close(self) -> None:
         self.run.finish()
@@ -151,10 +172,14 @@ class Trackers:
     def __init__(self, trackers: list[Tracker]):
         self.trackers = trackers
 
-    def log(self, step: int, values: dict[str, Any]) -> None:
+    def log(self, step: int, values: dict[str, Any], section: str = "train") -> None:
         numbers = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         for tracker in self.trackers:
-            tracker.log(step, numbers)
+            tracker.log(step, numbers, section)
+
+    def table(self, step: int, tag: str, rows: list[tuple[str, str]]) -> None:
+        for tracker in self.trackers:
+            tracker.table(step, tag, rows)
 
     def close(self) -> None:
         for tracker in self.trackers:

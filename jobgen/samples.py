@@ -1,0 +1,57 @@
+"""``jobgen samples RUN``: the answers the trainer gave to ``[eval] prompts``, side by side
+across evaluations, read from the run's ``samples.jsonl`` (a line per prompt per evaluation).
+
+A step evaluated twice (a job that got past its last checkpoint, then the next job that
+redid those steps) shows the newest answer: the one the kept weights gave.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+from jobgen.goodput import read_jsonl
+from jobgen.rundir import RunDir
+
+
+class NoSamples(RuntimeError):
+    """The run has no samples (yet), or none at the step asked for."""
+
+
+def read_samples(run: RunDir, step: int | None = None) -> dict[str, dict[int, str]]:
+    """prompt -> step -> completion, prompts in the order first answered, steps ascending."""
+    lines = [x for x in read_jsonl(run.samples) if isinstance(x.get("prompt"), str) and isinstance(x.get("step"), int)]
+    if not lines:
+        raise NoSamples(f"{run.samples}: no samples yet (they come with [eval] prompts, at each evaluation)")
+    table: dict[str, dict[int, str]] = {}
+    for line in lines:
+        if step is None or line["step"] == step:
+            table.setdefault(line["prompt"], {})[line["step"]] = str(line.get("completion", ""))
+    if not table:
+        steps = sorted({x["step"] for x in lines})
+        raise NoSamples(f"{run.samples}: no samples at step {step} (steps with samples: {steps})")
+    return {prompt: dict(sorted(by_step.items())) for prompt, by_step in table.items()}
+
+
+def format_samples(table: dict[str, dict[int, str]], width: int = 100) -> str:
+    """Each prompt, then its answer at every step, one under the other, wrapped to ``width``."""
+    steps = sorted({s for by_step in table.values() for s in by_step})
+    label = max(len(f"step {s}") for s in steps)
+    out: list[str] = []
+    for number, (prompt, by_step) in enumerate(table.items(), start=1):
+        out.append(f"prompt {number}: {prompt}")
+        for step, completion in by_step.items():
+            head = f"  {f'step {step}':>{label}} | "
+            text = " ".join(completion.split()) or "(nothing: the end of turn came first)"
+            wrapped = textwrap.wrap(text, width=max(20, width - len(head))) or [""]
+            out.append(head + wrapped[0])
+            out.extend(" " * (len(head) - 2) + "| " + line for line in wrapped[1:])
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def samples_json(table: dict[str, dict[int, str]]) -> list[dict[str, Any]]:
+    return [
+        {"prompt": prompt, "completions": [{"step": step, "completion": text} for step, text in by_step.items()]}
+        for prompt, by_step in table.items()
+    ]
