@@ -3,7 +3,8 @@
 # cluster with every node as its own host on the network, build a tiny model and
 # tokenizer locally, submit the example fine-tuning run (2 nodes x 2 processes, FSDP2,
 # a 2-task job array), stop it half-way with the kill switch, continue it from its
-# checkpoint until it finishes, then export the model and plot the run.
+# checkpoint until it finishes, then print a sample, export the best checkpoint by eval loss
+# and plot the run (training and eval loss).
 #   bash examples/quickstart.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +34,9 @@ else
   "$jobgen" status "$run" --watch
 fi
 "$jobgen" status "$run"
-"$jobgen" logs "$run" --rank 0 --grep 'resumed|first step|exit [0-9]+:|checkpoint step' | tail -n 12
+"$jobgen" logs "$run" --rank 0 --grep 'resumed|first step|eval at|exit [0-9]+:|checkpoint step' | tail -n 14
+# The answer to the [eval] prompt at the last evaluation (every one: jobgen samples tiny-sft).
+"$jobgen" samples "$run" --step 60
 rm -rf examples/tiny-sft-export
-"$jobgen" export "$run" --to examples/tiny-sft-export
-"$jobgen" plot "$run" -o examples/tiny-sft.png
+"$jobgen" export "$run" --best --to examples/tiny-sft-export
+"$jobgen" plot "$run" -o examples/tiny-sft.png   # the eval loss is drawn on the loss panel

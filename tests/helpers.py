@@ -253,10 +253,11 @@ def train_spec(
     array: int = 1,
     runs_root: Path | None = None,
     site: str | dict[str, object] = "local",
+    eval: dict[str, object] | None = None,
     **train: object,
 ) -> Path:
     """A training run for the dev cluster (``directory/NAME.toml``) that trains until it is
-    stopped (max_steps 1e6); ``train`` overrides or adds [train] keys."""
+    stopped (max_steps 1e6); ``train`` overrides or adds [train] keys, ``eval`` writes [eval]."""
     SUBMITTED_NAMES.append(name)
     settings = {
         "micro_batch_size": 4,
@@ -284,6 +285,7 @@ def train_spec(
         model={"path": tiny_model},
         data={"path": DATA, "max_length": 256},
         train=settings,
+        eval=eval,
     )
 
 

@@ -1,7 +1,8 @@
 """The main job through the whole chain on the dev cluster: sbatch → srun → torchrun → trainer.
 
 examples/sft.toml as a user runs it: 2 nodes x 2 processes (each node its own host,
---netns), FSDP2 with packing, a 2-task array whose second task finds the run done.
+--netns), FSDP2 with packing and held-out evaluation, a 2-task array whose second task
+finds the run done.
 """
 
 from __future__ import annotations
@@ -12,7 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, checkpoints, jobgen, losses, submitted_job_id, summary, wait_until_gone
+from helpers import (
+    REPO,
+    checkpoints,
+    eval_losses,
+    jobgen,
+    losses,
+    read_jsonl,
+    submitted_job_id,
+    summary,
+    wait_until_gone,
+)
 from jobgen import slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
@@ -34,7 +45,15 @@ def test_example_sft_trains_to_the_end_on_two_hosts(cluster, tmp_path: Path, tin
     assert json.loads((run / "done").read_text())["step"] == 60
     curve = losses(run)
     assert curve[60] < curve[5] * 0.7, curve
-    assert checkpoints(run) == ["step-00000040", "step-00000060"]
+    # [eval]: every 10 steps; each new best is saved, and kept besides the two newest.
+    evals = eval_losses(run)
+    assert sorted(evals) == [10, 20, 30, 40, 50, 60] and evals[60] < evals[10], evals
+    best = json.loads((run / "checkpoints" / "best.json").read_text())
+    assert best["eval_loss"] == min(evals.values()) and best["step"] == min(evals, key=evals.get)
+    kept = checkpoints(run)
+    assert kept[-1] == "step-00000060" and best["checkpoint"] in kept and len(kept) <= 3, kept
+    samples = read_jsonl(run / "samples.jsonl")
+    assert [x["step"] for x in samples] == [10, 20, 30, 40, 50, 60]
 
     tasks = sorted(slurm.show_job(job_id), key=lambda r: int(r["ArrayTaskId"]))
     assert [(t["ArrayTaskId"], t["JobState"], t["ExitCode"]) for t in tasks] == [
