@@ -36,6 +36,9 @@ from trainer.packing import count_targets
 
 log = logging.getLogger("trainer.eval")
 
+# Seconds between the progress lines of a long evaluation.
+PROGRESS_EVERY_S = 60.0
+
 
 @dataclass(frozen=True)
 class EvalResult:
@@ -166,7 +169,7 @@ class Evaluator:
         self.model.eval()
         try:
             with torch.no_grad():
-                round_started = time.monotonic()
+                round_started = reported = time.monotonic()
                 for item in self.eval_set.batches():
                     inputs = self.model_inputs(item.batch, device)
                     with autocast:
@@ -181,6 +184,12 @@ class Evaluator:
                     now = time.monotonic()
                     self.round_seconds_max = max(self.round_seconds_max, now - round_started)
                     round_started = now
+                    if self.env.is_main and now - reported >= PROGRESS_EVERY_S:
+                        # A long evaluation writes no metrics line: show it is alive (the hang
+                        # watchdog reads the log's age too).
+                        reported = now
+                        done = min(batches * self.env.world_size, self.eval_set.num_batches)
+                        log.info("eval at step %d: %d of %d batches", step, done, self.eval_set.num_batches)
                     if Action(action).exits:
                         return None, Action(action)
         finally:
