@@ -148,11 +148,10 @@ def draw(data: PlotData, output: Path) -> Path:
             by_step.plot(steps, values, lw=1.2, color="C0")
             by_time.plot([dt.datetime.fromtimestamp(t) for t in times], values, lw=1.2, color="C0")
         if key == "loss" and data.metrics["eval_loss"].steps:
-            evals = data.metrics["eval_loss"]
-            # Points joined by a line: evaluations are sparse, and each is its own measurement.
-            by_step.plot(evals.steps, evals.values, "o-", ms=4, lw=1, color="C1", label="eval loss")
-            when = [dt.datetime.fromtimestamp(t) for t in evals.times]
-            by_time.plot(when, evals.values, "o-", ms=4, lw=1, color="C1")
+            # Each job's evaluations as points joined by a line, like its training loss.
+            for i, (steps, times, values) in enumerate(data.metrics["eval_loss"].segments()):
+                by_step.plot(steps, values, "o-", ms=4, lw=1, color="C1", label=None if i else "eval loss")
+                by_time.plot([dt.datetime.fromtimestamp(t) for t in times], values, "o-", ms=4, lw=1, color="C1")
             by_step.plot([], [], lw=1.2, color="C0", label="training loss")
             by_step.legend(loc="upper right", fontsize=8)
         by_step.set_ylabel(LABELS[key])

@@ -352,6 +352,7 @@ class Trainer:
                 ended = self._evaluate_or_end()
                 if ended:
                     return ended
+                window.reset()  # tokens/s are training's: the evaluation's time is not in them
             self._save_if_asked(action, save_due)
             self.checkpointer.poll()
             mark_progress()
