@@ -30,6 +30,7 @@ from jobgen.runtime.stopping import Action
 from trainer.distributed import DistEnv, broadcast_object
 from trainer.eval_data import EvalSet
 from trainer.evaluation import EvalHistory, EvalResult, Evaluator, eval_prompts
+from trainer.formats import DataError
 from trainer.samples import SampleGenerator
 from trainer.tracking import Trackers
 
@@ -190,10 +191,24 @@ def build_run_evaluation(trainer: Any, spec: EvalSpec | None, eval_set: EvalSet 
         trainer.checkpointer.protected = name
 
     run = RunDir(trainer.run_dir)
-    prompts = eval_prompts(spec)
+    # Rank 0 reads prompts_file and every rank follows: under FSDP each prompt is a series of
+    # collectives, so two ranks reading different files (NFS caches, an edit) would hang.
+    outcome = broadcast_object(trainer.env, _read_prompts(spec) if trainer.env.is_main else None)
+    assert isinstance(outcome, tuple)
+    prompts, problem = outcome
+    if problem:
+        raise DataError(problem)
     samples = None
     if prompts:
         samples = SampleGenerator(
             trainer.model, trainer.tokenizer, prompts, spec.max_new_tokens, trainer.env, trainer.monitor, run.samples
         )
     return RunEvaluation(spec, evaluator, trainer.env, run, trainer.metrics, protect, samples)
+
+
+def _read_prompts(spec: EvalSpec) -> tuple[list[str], str | None]:
+    """(the prompts, None), or ([], why not) for every rank to raise the same DataError."""
+    try:
+        return eval_prompts(spec), None
+    except DataError as exc:
+        return [], str(exc)
