@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,46 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from throughput_cpu import SHAPE, env, make_data, single_token_words
+from throughput_cpu import SHAPE, make_data, run_trainer, single_token_words
 
-from helpers import VENV_BIN, read_jsonl, run_spec
-
-
-def run(work: Path, model: Path, data: Path, valid: Path, args) -> Path:
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
-
-    spec_file = run_spec(
-        work,
-        "eval-speed",
-        filename="eval-speed.toml",
-        job={"time": "2h", "runs_root": "runs", "procs_per_node": args.procs},
-        model={"path": model},
-        data={"path": data, "max_length": args.max_length, "packing": True},
-        train={
-            "micro_batch_size": args.micro_batch,
-            "lr": 1e-4,
-            "max_steps": args.steps + args.warmup,
-            "save_every_steps": 0,
-            "log_every_steps": 1,
-            "seed": 1,
-        },
-        eval={"path": valid, "every_steps": args.every, "at_end": False},
-    )
-    spec = load_run(spec_file)
-    shutil.rmtree(spec.run_dir, ignore_errors=True)  # the data cache beside it stays
-    run_dir, _ = materialize(spec, render(spec), spec_file.read_text())
-    cmd = [
-        str(VENV_BIN / "torchrun"),
-        "--standalone",
-        f"--nproc-per-node={args.procs}",
-        *("-m", "trainer", "--run-dir", str(run_dir.path), "--expected-world-size", str(args.procs)),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(args), check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"the run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return run_dir.path
+from helpers import read_jsonl
 
 
 def main() -> None:
@@ -95,7 +56,23 @@ def main() -> None:
         make_data(data, words, args.examples, seed=7)
     if not valid.exists():
         make_data(valid, words, args.eval_examples, seed=8)
-    lines = read_jsonl(run(work, model, data, valid, args) / "metrics.jsonl")
+    run = run_trainer(
+        work,
+        "eval-speed",
+        args,
+        model={"path": model},
+        data={"path": data, "max_length": args.max_length, "packing": True},
+        train={
+            "micro_batch_size": args.micro_batch,
+            "lr": 1e-4,
+            "max_steps": args.steps + args.warmup,
+            "save_every_steps": 0,
+            "log_every_steps": 1,
+            "seed": 1,
+        },
+        eval={"path": valid, "every_steps": args.every, "at_end": False},
+    )
+    lines = read_jsonl(run / "metrics.jsonl")
     steps = [m for m in lines if m.get("event") != "eval" and m["step"] > args.warmup]
     evals = [m for m in lines if m.get("event") == "eval"]
     train_rate = sum(m["step_target_tokens"] for m in steps) / sum(m["step_seconds"] for m in steps)

@@ -103,17 +103,44 @@ def env(args) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 
 
-def ours(work: Path, model: Path, data: Path, packing: bool, args, extra_train: dict | None = None) -> dict:
+def run_trainer(work: Path, name: str, args, **tables: dict) -> Path:
+    """One run of jobgen's trainer under torchrun with ``args.procs`` ranks, from a spec of the
+    given tables ([model], [data], [train], [eval]...); returns its run directory."""
     from jobgen.loader import load_run
     from jobgen.render import render
     from jobgen.rundir import materialize
 
-    name = "jobgen-packed" if packing else "jobgen-unpacked"
     spec_file = run_spec(
         work,
         name,
         filename=f"{name}.toml",
         job={"time": "2h", "runs_root": "runs", "procs_per_node": args.procs},
+        **tables,
+    )
+    spec = load_run(spec_file)
+    # A run directory left by an earlier invocation would only say "already finished"; the
+    # data cache beside it (runs/.cache) stays, as it would for a user's second run.
+    shutil.rmtree(spec.run_dir, ignore_errors=True)
+    run, _ = materialize(spec, render(spec), spec_file.read_text())
+    cmd = [
+        str(VENV_BIN / "torchrun"),
+        "--standalone",
+        f"--nproc-per-node={args.procs}",
+        *("-m", "trainer", "--run-dir", str(run.path), "--expected-world-size", str(args.procs)),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(args), check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return run.path
+
+
+def ours(work: Path, model: Path, data: Path, packing: bool, args, extra_train: dict | None = None) -> dict:
+    name = "jobgen-packed" if packing else "jobgen-unpacked"
+    before = child_peak_mib()
+    path = run_trainer(
+        work,
+        name,
+        args,
         model={"path": model},
         data={"path": data, "max_length": args.max_length, "packing": packing},
         train={
@@ -128,25 +155,10 @@ def ours(work: Path, model: Path, data: Path, packing: bool, args, extra_train: 
             **(extra_train or {}),
         },
     )
-    spec = load_run(spec_file)
-    # A run directory left by an earlier invocation would only say "already finished"; the
-    # data cache beside it (runs/.cache) stays, as it would for a user's second run.
-    shutil.rmtree(spec.run_dir, ignore_errors=True)
-    run, _ = materialize(spec, render(spec), spec_file.read_text())
-    cmd = [
-        str(VENV_BIN / "torchrun"),
-        "--standalone",
-        f"--nproc-per-node={args.procs}",
-        *("-m", "trainer", "--run-dir", str(run.path), "--expected-world-size", str(args.procs)),
-    ]
-    before = child_peak_mib()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(args), check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    lines = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
     timed = [m for m in lines if m["step"] > args.warmup]
-    assert len(timed) == args.steps, f"{name}: {len(timed)} timed steps in {run.path}, expected {args.steps}"
-    peaks = json.loads((run.path / "metrics.json").read_text()).get("memory_peaks", {}).get("max_over_ranks", {})
+    assert len(timed) == args.steps, f"{name}: {len(timed)} timed steps in {path}, expected {args.steps}"
+    peaks = json.loads((path / "metrics.json").read_text()).get("memory_peaks", {}).get("max_over_ranks", {})
     peak = max((v.get("host_rss_peak_mib", 0.0) for v in peaks.values()), default=max(before, child_peak_mib()))
     return {
         "steps": len(timed),
