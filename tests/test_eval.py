@@ -200,3 +200,30 @@ def test_samples_answer_the_prompts_as_generate_would_and_reach_jobgen_samples(t
     texts = events.Tensors("samples/text_summary")
     assert [e.step for e in texts] == [2, 4]
     assert "pipe and<br>a newline" in texts[-1].tensor_proto.string_val[0].decode()
+
+
+def test_a_broken_best_checkpoint_is_set_aside_and_the_best_named_again(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model, max_steps=6, keep_checkpoints=2, eval={"split": 0.1, "every_steps": 2})
+    _ok(torchrun(run))
+    curve = eval_losses(run)
+    assert curve[6] < curve[4] < curve[2], curve  # every evaluation a new best: step 6 is the best
+    best = run / "checkpoints" / "best.json"
+    assert json.loads(best.read_text())["checkpoint"] == "step-00000006"
+    assert checkpoints(run) == ["step-00000004", "step-00000006"]
+
+    # The best (and newest) checkpoint is cut short; the run is asked for two more steps.
+    (run / "done").unlink()
+    shard = sorted((run / "checkpoints" / "step-00000006").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    spec = json.loads((run / "spec.json").read_text())
+    spec["run"]["train"]["max_steps"] = 8
+    (run / "spec.json").write_text(json.dumps(spec))
+    proc = torchrun(run)
+    out = proc.stdout + proc.stderr
+    _ok(proc)
+    assert "step-00000006 is unusable; falling back to the previous one" in out
+    assert "best checkpoint: step-00000004" in out  # named again from the history, before training on
+    assert any(p.name.startswith("broken-step-00000006-") for p in (run / "checkpoints").iterdir())
+    evals = eval_losses(run)  # steps 6 and 8 evaluated again by the resumed job
+    final = json.loads(best.read_text())
+    assert final["step"] == min(evals, key=evals.get) and (run / "checkpoints" / final["checkpoint"]).is_dir()
