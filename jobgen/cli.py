@@ -6,6 +6,7 @@
     jobgen plan run.toml [--json]
     jobgen status [RUN] [--json]  |  stop / save / abort RUN  |  logs RUN [-f]
     jobgen doctor [--nodes N]     |  schema  |  cluster up|down|status
+    jobgen serve RUN|DIR [--best|--step N] [--local] [--status|--stop]  |  chat RUN
     jobgen watchdog install|list|remove|run
 
 Every command imports what it needs inside its function: ``jobgen --help`` must
@@ -502,12 +503,47 @@ def samples(run_ref: str, step: int | None, as_json: bool) -> None:
     click.echo(json.dumps(samples_json(table), indent=2) if as_json else format_samples(table, width).rstrip("\n"))
 
 
+def _export_for_serve(run, checkpoint: str | None, target: Path) -> str:
+    """``jobgen serve``'s exporter (jobgen.serve.Exporter): trainer.export, wired in here because
+    only the composition root may use trainer/. A LoRA run is merged: servers load whole models."""
+    from jobgen.progress import Progress
+    from jobgen.serve import ServeError
+    from trainer.export import ExportError
+    from trainer.export import export as do_export
+
+    spec = run.load_spec()
+    bar = Progress("export", unit="B")  # on a terminal only
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done)
+
+    try:
+        source = do_export(
+            spec,
+            run.path,
+            target,
+            checkpoint=checkpoint,
+            merge_lora=spec.run.model is not None and spec.run.model.lora is not None,
+            report=lambda line: click.echo(f"jobgen serve: {line}", err=True),
+            progress=progress,
+        )
+    except ExportError as exc:
+        raise ServeError(f"cannot export a checkpoint of {run.path}: {exc}") from None
+    finally:
+        bar.close()
+    return source.name
+
+
 def _register_groups() -> None:
     from jobgen.devcluster.cli import cluster
+    from jobgen.serve_cli import chat, serve_command
     from watchdogs.cli import watchdog
 
     main.add_command(cluster)
     main.add_command(watchdog)
+    main.add_command(serve_command(_export_for_serve))
+    main.add_command(chat)
 
 
 _register_groups()

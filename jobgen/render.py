@@ -11,7 +11,7 @@ does that. Every number in the script (nodes, processes, ports, thread counts) i
 derived here from the one spec, and every value interpolated into the script is
 shell-quoted by the Jinja environment's ``finalize`` hook unless it is a
 :class:`Trusted` literal built below. ``#SBATCH`` lines are parsed by sbatch, not
-by a shell, so their values are quoted the way sbatch reads them (:func:`_sbatch_arg`);
+by a shell, so their values are quoted the way sbatch reads them (:func:`sbatch_arg`);
 comment lines take text through the ``comment`` filter.
 """
 
@@ -57,7 +57,7 @@ def _finalize(value: Any) -> str:
     return shlex.quote(str(value))
 
 
-def _sbatch_arg(value: Any) -> Trusted:
+def sbatch_arg(value: Any) -> Trusted:
     """One argument of an #SBATCH line: bare when sbatch would read it as is, else in double
     quotes with backslash, double quote and '#' escaped. sbatch (22.05 and the older parsers
     that knew only double quotes) reads ``"--comment=my run"`` as the one argument
@@ -92,7 +92,7 @@ def _single_quoted(value: Any) -> Trusted:
     return Trusted("'" + str(value).replace("'", "'\"'\"'") + "'")
 
 
-def _environment() -> jinja2.Environment:
+def template_environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
         undefined=jinja2.StrictUndefined,
@@ -115,12 +115,12 @@ def script_name(spec: ResolvedSpec) -> str:
 
 def sbatch_directives(spec: ResolvedSpec) -> list[Trusted]:
     """The script's ``#SBATCH`` options, in order, one argument each, quoted as sbatch reads
-    them (:func:`_sbatch_arg`); ``_header.j2`` prints one ``#SBATCH`` line per entry."""
+    them (:func:`sbatch_arg`); ``_header.j2`` prints one ``#SBATCH`` line per entry."""
     job, slurm = spec.run.job, spec.site.slurm
     run = RunDir(spec.run_dir)
 
     def option(name: str, value: Any = None) -> Trusted:
-        return Trusted(f"--{name}" if value is None else f"--{name}={_sbatch_arg(value)}")
+        return Trusted(f"--{name}" if value is None else f"--{name}={sbatch_arg(value)}")
 
     directives = [
         option("job-name", job.name),
@@ -131,7 +131,7 @@ def sbatch_directives(spec: ResolvedSpec) -> list[Trusted]:
     gpus = slurm.gpus_per_node
     if gpus:
         gpu_request = f"--gres={slurm.gres_name}:{gpus}" if slurm.gpu_request == "gres" else f"--gpus-per-node={gpus}"
-        directives.append(_sbatch_arg(gpu_request))
+        directives.append(sbatch_arg(gpu_request))
     if slurm.mem:
         directives.append(option("mem", slurm.mem))
     directives.append(option("time", format_slurm(job.time)))
@@ -163,7 +163,7 @@ def sbatch_directives(spec: ResolvedSpec) -> list[Trusted]:
     directives += [
         option("requeue" if slurm.requeue else "no-requeue"),
     ]
-    directives += [_sbatch_arg(extra) for extra in slurm.extra_sbatch]
+    directives += [sbatch_arg(extra) for extra in slurm.extra_sbatch]
     return directives
 
 
@@ -285,4 +285,4 @@ def entry_words(spec: ResolvedSpec) -> Trusted:
 
 def render(spec: ResolvedSpec) -> str:
     """The batch script for ``spec`` (train or doctor), as text."""
-    return _environment().get_template("torchrun.sbatch.j2").render(**build_context(spec))
+    return template_environment().get_template("torchrun.sbatch.j2").render(**build_context(spec))

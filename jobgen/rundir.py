@@ -21,6 +21,7 @@ Layout::
     repro/<job>/ history/ failed done writer.lock
     quarantine.json  nodes kept off the run's later tasks (jobgen.quarantine)
     tensorboard/ wandb/ wandb-id   experiment tracking (train.report_to)
+    serve.json serve-job.json served/ logs/serve/   jobgen serve (the address, the job, the exports)
 
 A new run directory is assembled under a temporary name in the runs root and
 renamed into place, so an error at any point leaves either no directory or a
@@ -164,6 +165,28 @@ class RunDir:
     def writer_lease(self) -> Path:
         """flock'ed by the one process that trains this run (jobgen.lease)."""
         return self.path / "writer.lock"
+
+    # `jobgen serve` (jobgen.serve). A model directory served as it is (`jobgen serve DIR`)
+    # gets the same names under it.
+    @property
+    def served(self) -> Path:
+        """``served/<checkpoint>/``: the checkpoints exported for serving; each appears by rename, complete."""
+        return self.path / "served"
+
+    @property
+    def serve_address(self) -> Path:
+        """``serve.json``: where the server answers (host, port, model, engine, job), written atomically by
+        the serve job as soon as the server answers; removed when it stops."""
+        return self.path / "serve.json"
+
+    @property
+    def serve_job(self) -> Path:
+        """``serve-job.json``: the serve job `jobgen serve` started last (job id, model, checkpoint)."""
+        return self.path / "serve-job.json"
+
+    def serve_log(self, job_id: str | int) -> Path:
+        """The serve job's output: its batch script, the supervisor and the server."""
+        return self.logs / "serve" / f"{job_id}.out"
 
     def best(self) -> dict[str, Any] | None:
         """``best.json`` (step, checkpoint, eval_loss, time), or None without a readable one."""

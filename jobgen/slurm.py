@@ -63,6 +63,8 @@ JOB_PENDING = frozenset({"PENDING"})
 JOB_STARTED = frozenset({"CONFIGURING", "RUNNING", "COMPLETING"})
 # Its processes run now: a step can join it (srun --jobid --overlap) and look at them.
 JOB_RUNNING = frozenset({"RUNNING"})
+# Ended or cancelled, its processes being cleaned up (KillWait, epilog): nothing in it answers any more.
+JOB_ENDING = frozenset({"COMPLETING"})
 # Ended by a failure of the program or of its nodes (not a time limit, a cancel or a preemption).
 JOB_FAILED = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
 

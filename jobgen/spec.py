@@ -24,6 +24,7 @@ from jobgen.fields import (
     SlurmName,
     StrictModel,
 )
+from jobgen.serve_spec import ServeSpec
 from jobgen.watchdog_settings import WatchdogSettings
 
 # Slurm's default MaxArraySize is 1001, so the highest index is 1000.
@@ -401,6 +402,10 @@ class RunSpec(StrictModel):
     watchdogs: WatchdogSettings = Field(
         default_factory=WatchdogSettings,
         description="Watchdog checks for this run (jobgen watchdog install); merged over the site's [watchdogs].",
+    )
+    serve: ServeSpec = Field(
+        default_factory=ServeSpec,
+        description="`jobgen serve RUN`: an OpenAI-compatible server for an export of the run's checkpoint.",
     )
 
     @model_validator(mode="after")

@@ -463,3 +463,110 @@ def test_without_graceful_stop_no_lead_time_signal_is_asked_for(tmp_path: Path):
     assert not any(arg.startswith("--signal") for arg in sbatch_arguments(text))
     assert "# job.graceful_stop = false" in text
     check_shell(text, tmp_path)
+
+
+# --- The serve job (jobgen serve): its own script on the same environment parts ----------------------------
+
+SERVE_SPECS = [
+    GOLDEN / "serve-specs" / "local-serve.toml",  # every [serve] key
+    GOLDEN / "specs" / "h100-ib-train.toml",  # the defaults on a GPU site with modules
+    GOLDEN / "specs" / "cloud-ethernet-train.toml",  # a pyxis container
+]
+
+
+def serve_job_of(spec_path: Path):
+    from jobgen.serve_render import serve_job_for_run
+
+    spec = load_run(spec_path)
+    return serve_job_for_run(spec, spec.run_dir / "served" / "step-00000040", "step-00000040")
+
+
+def rendered_serve(spec_path: Path) -> str:
+    from jobgen.serve_render import render_serve
+
+    return render_serve(serve_job_of(spec_path))
+
+
+@pytest.mark.parametrize("spec_path", SERVE_SPECS, ids=lambda p: p.stem)
+def test_serve_script_matches_golden(spec_path: Path, update_golden: bool):
+    text = normalised(rendered_serve(spec_path))
+    golden = GOLDEN / f"serve-{spec_path.stem}.sbatch"
+    if update_golden or not golden.exists():
+        if not update_golden:
+            pytest.fail(f"{golden} missing: run pytest --update-golden and review it")
+        golden.write_text(text)
+    assert text == golden.read_text(), f"{golden} differs; review and run pytest --update-golden"
+
+
+@pytest.mark.parametrize("spec_path", SERVE_SPECS, ids=lambda p: p.stem)
+def test_serve_script_syntax_shellcheck_and_directives(spec_path: Path, tmp_path: Path):
+    from jobgen.serve_render import serve_directives
+
+    text = rendered_serve(spec_path)
+    check_shell(text, tmp_path)
+    assert directives(text) == serve_directives(serve_job_of(spec_path))
+
+
+def test_serve_script_is_pure():
+    """Rendering the serve script runs no subprocess (the engine is chosen on the node)."""
+    job = serve_job_of(SERVE_SPECS[1])
+    orig = subprocess.Popen
+    try:
+        subprocess.Popen = None  # type: ignore[assignment,misc]
+        from jobgen.serve_render import render_serve
+
+        text = render_serve(job)
+    finally:
+        subprocess.Popen = orig  # type: ignore[misc]
+    assert "--engine auto" in text and "--gpus 1" in text
+
+
+def test_serve_header_is_one_node_with_the_serve_tables_resources():
+    local = sbatch_arguments(rendered_serve(SERVE_SPECS[0]))
+    for expected in ("--job-name=llama-sft-serve", "--nodes=1", "--ntasks=1", "--cpus-per-task=2", "--mem=8G"):
+        assert expected in local
+    assert option(local, "time") == "00:30:00" and option(local, "partition") == "short"
+    assert option(local, "exclude") == "node3" and "--no-requeue" in local
+    assert not any(a.startswith(("--gres", "--gpus", "--signal", "--array")) for a in local)
+    assert option(local, "chdir") == "/shared/runs/llama-sft"
+    assert batch_filename(option(local, "output"), "llama-sft-serve", 42) == "/shared/runs/llama-sft/logs/serve/42.out"
+    gpu = sbatch_arguments(rendered_serve(SERVE_SPECS[1]))
+    assert "--gres=gpu:1" in gpu and option(gpu, "time") == "04:00:00" and option(gpu, "partition") == "gpu"
+    assert "--cpus-per-task=96" in gpu and "--gpu-bind=none" in gpu  # the site's, and its extra options
+    container = rendered_serve(SERVE_SPECS[2])
+    assert '"${SRUN_CONTAINER[@]}" "${SERVE[@]}" &' in container
+    assert "--container-mounts=/shared/runs/qwen-sft:/shared/runs/qwen-sft," in container
+
+
+def test_serve_arguments_reach_the_supervisor_verbatim(tmp_path: Path):
+    """Run the script's SERVE=(...) lines in bash: each value arrives as one argument, as typed,
+    whatever the run directory is called; nothing executes."""
+    from jobgen.serve_render import render_serve, serve_job_for_run
+
+    marker = tmp_path / "pwned"
+    home = tmp_path / "my 'odd' dir"
+    args = ["--log-level", "info", f'it\'s $(touch {marker}) `touch {marker}`; "x"']
+    spec_file = run_spec(
+        home,
+        "llm",
+        job={"time": "1h", "runs_root": "runs"},
+        model={"path": "org/model"},
+        data={"path": "org/data"},
+        serve={"engine": "transformers", "port": 8123, "model_name": "team/llm", "args": args},
+    )
+    spec = load_run(spec_file)
+    model_dir = spec.run_dir / "served" / "step-00000040"
+    text = render_serve(serve_job_for_run(spec, model_dir, "step-00000040"))
+    check_shell(text, tmp_path)
+    block = text[text.index("\nSERVE=(\n") : text.index("\n)\n", text.index("\nSERVE=(\n")) + 3]
+    run_dir_line = next(line for line in text.splitlines() if line.startswith("RUN_DIR="))
+    probe = f'{run_dir_line}\n{block}\nprintf "%s\\0" "${{SERVE[@]}}"'
+    env = {"SLURM_JOB_ID": "7", "JOBGEN_IFNAME": "eth0", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(["bash", "-c", probe], capture_output=True, check=True, env=env).stdout.decode()
+    assert out.split("\0")[:-1] == [
+        *("python", "-m", "jobgen.serve_node", "--state-dir", str(spec.run_dir), "--job-id", "7"),
+        *("--model-dir", str(model_dir), "--model-name", "team/llm", "--checkpoint", "step-00000040"),
+        *("--engine", "transformers", "--gpus", "0", "--dtype", "auto", "--interface", "eth0", "--port", "8123"),
+        *("--ready-timeout", "900", "--stop-grace", "20", "--", *args),
+    ]
+    assert not marker.exists()

@@ -36,9 +36,7 @@ def node_memory(job_id: int, nodes: int) -> list[dict]:
 
 def from_metrics(target: Target, job_id: int) -> list[dict]:
     lines = [
-        m
-        for m in training_lines(read_jsonl(target.run.path / "metrics.jsonl"))
-        if str(m.get("job_id")) == str(job_id)
+        m for m in training_lines(read_jsonl(target.run.path / "metrics.jsonl")) if str(m.get("job_id")) == str(job_id)
     ]
     if not lines or "host_used_percent" not in lines[-1]:
         return []
