@@ -451,7 +451,6 @@ def export(run_ref: str, target: str, checkpoint: str | None, best: bool, step: 
     """A consolidated Hugging Face model (and tokenizer) from the run's checkpoint: the newest
     that loads, the best by eval loss (--best) or a given step (--step N)."""
     run = _find_run(run_ref)
-    from jobgen.progress import Progress
     from jobgen.rundir import RunDirError
 
     if checkpoint and (best or step is not None):
@@ -461,29 +460,12 @@ def export(run_ref: str, target: str, checkpoint: str | None, best: bool, step: 
     except RunDirError as exc:
         _fail(f"jobgen export: {exc}", 2)
     from trainer.export import ExportError
-    from trainer.export import export as do_export
-
-    bar = Progress("export", unit="B")  # on a terminal only
-
-    def progress(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done)
 
     try:
-        source = do_export(
-            run.load_spec(),
-            run.path,
-            Path(target),
-            checkpoint=checkpoint,
-            merge_lora=merge_lora,
-            report=lambda line: click.echo(f"jobgen export: {line}", err=True),
-            progress=progress,
-        )
+        source = _export_checkpoint(run, Path(target), checkpoint, merge_lora, "jobgen export")
     except ExportError as exc:
-        bar.close()
         _fail(f"jobgen export: {exc}", 2)
-    bar.close()
-    click.echo(f"exported {source.name} of {run.path} to {target}")
+    click.echo(f"exported {source} of {run.path} to {target}")
 
 
 @main.command()
@@ -503,15 +485,12 @@ def samples(run_ref: str, step: int | None, as_json: bool) -> None:
     click.echo(json.dumps(samples_json(table), indent=2) if as_json else format_samples(table, width).rstrip("\n"))
 
 
-def _export_for_serve(run, checkpoint: str | None, target: Path) -> str:
-    """``jobgen serve``'s exporter (jobgen.serve.Exporter): trainer.export, wired in here because
-    only the composition root may use trainer/. A LoRA run is merged: servers load whole models."""
+def _export_checkpoint(run, target: Path, checkpoint: str | None, merge_lora: bool, who: str) -> str:
+    """trainer.export with a progress bar on a terminal (only the composition root may use
+    trainer/); returns the checkpoint's name. Raises trainer.export.ExportError."""
     from jobgen.progress import Progress
-    from jobgen.serve import ServeError
-    from trainer.export import ExportError
     from trainer.export import export as do_export
 
-    spec = run.load_spec()
     bar = Progress("export", unit="B")  # on a terminal only
 
     def progress(done: int, total: int) -> None:
@@ -520,19 +499,30 @@ def _export_for_serve(run, checkpoint: str | None, target: Path) -> str:
 
     try:
         source = do_export(
-            spec,
+            run.load_spec(),
             run.path,
             target,
             checkpoint=checkpoint,
-            merge_lora=spec.run.model is not None and spec.run.model.lora is not None,
-            report=lambda line: click.echo(f"jobgen serve: {line}", err=True),
+            merge_lora=merge_lora,
+            report=lambda line: click.echo(f"{who}: {line}", err=True),
             progress=progress,
         )
-    except ExportError as exc:
-        raise ServeError(f"cannot export a checkpoint of {run.path}: {exc}") from None
     finally:
         bar.close()
     return source.name
+
+
+def _export_for_serve(run, checkpoint: str | None, target: Path) -> str:
+    """``jobgen serve``'s exporter (jobgen.serve.Exporter). A LoRA run is merged: servers load
+    whole models."""
+    from jobgen.serve import ServeError
+    from trainer.export import ExportError
+
+    model = run.load_spec().run.model
+    try:
+        return _export_checkpoint(run, target, checkpoint, model is not None and model.lora is not None, "jobgen serve")
+    except ExportError as exc:
+        raise ServeError(f"cannot export a checkpoint of {run.path}: {exc}") from None
 
 
 def _register_groups() -> None:

@@ -499,3 +499,14 @@ def checkpoint_tensors(checkpoint: Path, prefix: str = "model.") -> dict:
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     return {k.removeprefix(prefix): v for k, v in state.items()}
+
+
+def cut_short_and_extend(run: Path, checkpoint: str, max_steps: int) -> None:
+    """A finished run asked for more steps, its ``checkpoint`` cut short (a third of its first
+    shard): the next start must fall back to the previous one."""
+    (run / "done").unlink()
+    shard = sorted((run / "checkpoints" / checkpoint).glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    spec = json.loads((run / "spec.json").read_text())
+    spec["run"]["train"]["max_steps"] = max_steps
+    (run / "spec.json").write_text(json.dumps(spec))

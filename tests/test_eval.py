@@ -17,6 +17,7 @@ import pytest
 from helpers import (
     DATA,
     checkpoints,
+    cut_short_and_extend,
     eval_losses,
     jobgen,
     losses,
@@ -212,12 +213,7 @@ def test_a_broken_best_checkpoint_is_set_aside_and_the_best_named_again(tmp_path
     assert checkpoints(run) == ["step-00000004", "step-00000006"]
 
     # The best (and newest) checkpoint is cut short; the run is asked for two more steps.
-    (run / "done").unlink()
-    shard = sorted((run / "checkpoints" / "step-00000006").glob("*.distcp"))[0]
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
-    spec = json.loads((run / "spec.json").read_text())
-    spec["run"]["train"]["max_steps"] = 8
-    (run / "spec.json").write_text(json.dumps(spec))
+    cut_short_and_extend(run, "step-00000006", max_steps=8)
     proc = torchrun(run)
     out = proc.stdout + proc.stderr
     _ok(proc)

@@ -18,6 +18,7 @@ import pytest
 from helpers import (
     VENV_BIN,
     checkpoints,
+    cut_short_and_extend,
     last_step,
     losses,
     make_run,
@@ -204,12 +205,7 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path, tiny_model):
     run = make_run(tmp_path, tiny_model, max_steps=6, save_every_steps=2, keep_checkpoints=3)
     assert torchrun(run).returncode == 0
     assert checkpoints(run) == ["step-00000002", "step-00000004", "step-00000006"]
-    (run / "done").unlink()
-    shard = sorted((run / "checkpoints" / "step-00000006").glob("*.distcp"))[0]
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
-    spec = json.loads((run / "spec.json").read_text())
-    spec["run"]["train"]["max_steps"] = 8
-    (run / "spec.json").write_text(json.dumps(spec))
+    cut_short_and_extend(run, "step-00000006", max_steps=8)
     proc = torchrun(run)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
