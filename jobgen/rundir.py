@@ -54,10 +54,12 @@ SWITCHES = (KILL_SWITCH, SAVE_SWITCH, ABORT_SWITCH)
 STARTUP_SWITCHES = (KILL_SWITCH, ABORT_SWITCH)
 # switches/ is the team's one shared surface, whatever the owner's umask: group members
 # flip switches (also with plain `touch`), setgid keeps the files in the run's group, and
-# a switch file is group-writable so a teammate may touch or remove it again. Everything
-# else follows the umask: a teammate who could replace spec.json or plant a checkpoint
-# (resume loads it) would run code as the owner.
-SWITCHES_MODE = 0o2775
+# a switch file is group-writable so a teammate may touch it again. The sticky bit keeps
+# one member from deleting or replacing another's file (a stop request the batch shell
+# wrote, a switch): only its maker and the run's owner may. Everything else follows the
+# umask: a teammate who could replace spec.json or plant a checkpoint (resume loads it)
+# would run code as the owner.
+SWITCHES_MODE = 0o3775
 SWITCH_FILE_MODE = 0o664
 # Checkpoint directories under checkpoints/: only a rename ever gives a directory its
 # final name, so a name is a promise about the content.
@@ -66,6 +68,16 @@ CHECKPOINT_TMP_PREFIX = ".tmp-"  # a save in progress, or one cut short
 CHECKPOINT_BROKEN_PREFIX = "broken-"  # failed to load while an older one loaded: set aside for a person
 # Keys whose change would make the checkpoints in an existing run meaningless.
 IDENTITY_KEYS = ("model", "data")
+
+
+def switch_is_set(path: Path) -> bool:
+    """Whether a switch (or a stop request) is set: a regular file at its name, as ``touch`` or
+    jobgen leaves it. A symbolic link, dangling or not, is not a switch. The one rule for
+    ``jobgen stop``, the trainer and the batch script (whose test is ``-f X && ! -L X``)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def checkpoint_name(step: int) -> str:
@@ -339,14 +351,21 @@ class RunDir:
     def set_switch(self, name: str) -> tuple[Path, bool]:
         """Set a switch as `touch` would: a file already there, whoever made it, is the
         same request, so it is left alone (a teammate may not write into the owner's file).
-        Returns the path and whether this call created it."""
+        Returns the path and whether this call created it. Anything else at the switch's name
+        (a symbolic link, dangling or not) is not a switch: it is removed, or the call fails
+        saying so, never reported as "already set" while the run would not see it."""
         target = self.switch(name)
+        if switch_is_set(target):
+            return target, False
         try:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, SWITCH_FILE_MODE)
-        except FileExistsError:
+            if os.path.lexists(target):
+                os.unlink(target)  # a link is no switch (switch_is_set); O_EXCL below never follows one
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, SWITCH_FILE_MODE)
+        except FileExistsError:  # someone set it between the look and the create: the same request
             return target, False
         except OSError as exc:
-            raise RunDirError(f"cannot set the {name} switch: {_why_not_writable(self.switches, exc)}") from None
+            what = "replace the link at" if os.path.islink(target) else "set"
+            raise RunDirError(f"cannot {what} the {name} switch: {_why_not_writable(self.switches, exc)}") from None
         try:
             os.fchmod(fd, SWITCH_FILE_MODE)  # the umask took group-write off; the team needs it
             os.write(fd, f"{_now()} by uid {os.getuid()}\n".encode())

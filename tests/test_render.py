@@ -123,7 +123,8 @@ def test_kill_switch_is_checked_before_anything_else():
     text = by_name("local-doctor")
     body = text.split("set -euo pipefail", 1)[1]
     check = body.index("for switch in kill abort; do")
-    assert check < body.index('[[ -e "$SWITCHES/$switch" ]]') < body.index("srun") and check < body.index("source ")
+    test = body.index('[[ -f "$SWITCHES/$switch" && ! -L "$SWITCHES/$switch" ]]')  # a link is no switch
+    assert check < test < body.index("srun") and check < body.index("source ")
     train = by_name("h100-ib-train")
     # kill/abort, then a failure that would repeat, then done: all before the environment.
     switches, failed, done = (
@@ -430,7 +431,7 @@ def test_names_the_script_builds_are_the_run_directorys(tmp_path: Path):
         line("export NCCL_DEBUG_FILE="),
         "LOG_DIR=" + line("--log-dir=").removeprefix("--log-dir=").removesuffix(" \\"),
         "NODE_LOG=" + line('--output="$RUN_DIR').removeprefix("--output=").removesuffix(" \\"),
-        line("rm -f "),
+        line('rm -f "$SWITCHES/stop.'),  # the clean-up of earlier attempts' requests
         'printf "%s\\n" "$STOP_REQUEST" "$EXIT_CODE_FILE" "$REPRO_DIR" "$LOG_DIR" "$NODE_LOG" "$NCCL_DEBUG_FILE"',
     ]
     out = subprocess.run(

@@ -11,6 +11,7 @@ import contextlib
 import grp
 import os
 import pwd
+import shlex
 import shutil
 import stat
 import subprocess
@@ -65,7 +66,7 @@ def test_the_run_directory_follows_the_umask_but_switches_are_shared(tmp_path: P
     assert mode(run.spec_file) == files and mode(run.jobs_file) == files
     assert mode(run.script("doctor")) == scripts
     # The team's one shared surface, whatever the umask.
-    assert mode(run.switches) == 0o2775
+    assert mode(run.switches) == 0o3775
 
 
 def test_continuing_a_run_repairs_its_switches_and_tightens_an_old_group_writable_root(tmp_path: Path):
@@ -74,7 +75,7 @@ def test_continuing_a_run_repairs_its_switches_and_tightens_an_old_group_writabl
         run.switches.chmod(0o755)  # as an older jobgen or a careful user left it
         run.path.chmod(0o2775)  # as jobgen left every run before it respected the umask
         make_run(tmp_path, tmp_path / "runs")
-    assert mode(run.switches) == 0o2775
+    assert mode(run.switches) == 0o3775
     assert mode(run.path) & 0o022 == 0, oct(mode(run.path))
 
 
@@ -82,7 +83,9 @@ def test_switch_files_are_group_writable_and_setting_twice_is_no_error(tmp_path:
     with umask(0o022):
         run = make_run(tmp_path, tmp_path / "runs")
         path, created = run.set_switch("kill")
-        assert created and mode(path) == 0o664  # a teammate may touch or remove it
+        assert (
+            created and mode(path) == 0o664
+        )  # a teammate may touch it; only its maker and the owner remove it (sticky)
         assert run.set_switch("kill") == (path, False)
 
 
@@ -150,3 +153,61 @@ def test_someone_outside_the_team_gets_a_clean_error(team: Path, tmp_path: Path)
     assert not (run.switches / "abort").exists()
     # Nor can the team touch what is not theirs: spec.json and checkpoints are the owner's.
     assert run.spec_file.read_bytes() == spec_before and mode(run.path) & 0o022 == 0
+
+
+def _shell_function(text: str, name: str) -> str:
+    """A function of the rendered script, from its ``name() {`` line to its closing brace."""
+    lines = text.splitlines()
+    start = lines.index(f"{name}() {{")
+    end = lines.index("}", start)
+    return "\n".join(lines[start : end + 1])
+
+
+def test_the_stop_request_replaces_a_planted_link_instead_of_writing_through_it(tmp_path: Path):
+    # A teammate plants switches/stop.<job>.<restart> -> a file of the owner's after the start-up
+    # clean-up; then Slurm's lead-time signal arrives and the batch shell leaves its request.
+    with umask(0o022):
+        run = make_run(tmp_path, tmp_path / "runs")
+    text = render(load_run(tmp_path / "run.toml"))
+    victim = tmp_path / "owners-file"
+    victim.write_text("precious\n")
+    planted = run.stop_request(7, 0)
+    planted.symlink_to(victim)
+    stop_line = next(x for x in text.splitlines() if x.startswith("STOP_REQUEST="))
+    probe = "\n".join(
+        [
+            'log() { printf "%s\\n" "$*"; }',
+            f"SWITCHES={shlex.quote(str(run.switches))}",
+            stop_line,
+            _shell_function(text, "request_stop"),
+            "request_stop USR1",
+        ]
+    )
+    env = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert victim.read_text() == "precious\n"  # nothing written through the link
+    assert not planted.is_symlink() and planted.read_text() == "USR1\n"
+    assert [p.name for p in run.switches.iterdir()] == [planted.name]  # no temporary file left
+    assert mode(run.switches) & stat.S_ISVTX  # the sticky bit: a member cannot swap another's file
+
+
+@pytest.mark.parametrize("target", ["nowhere", "spec.json"], ids=["dangling", "to-a-file"])
+def test_a_link_at_a_switch_is_not_a_switch_for_anyone(tmp_path: Path, target: str):
+    from jobgen.runtime.stopping import Action, startup_switch
+
+    with umask(0o022):
+        run = make_run(tmp_path, tmp_path / "runs")
+    kill = run.switches / "kill"
+    kill.symlink_to(run.path / target)
+    # The trainer, the batch script and `jobgen stop` agree: a link is not a set switch...
+    assert startup_switch(run.switches) is Action.CONTINUE
+    text = render(load_run(tmp_path / "run.toml"))
+    (check,) = [x.strip() for x in text.splitlines() if x.strip().startswith('if [[ -f "$SWITCHES/$switch"')]
+    probe = f"SWITCHES={shlex.quote(str(run.switches))}; switch=kill; {check} echo set; else echo unset; fi"
+    assert subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout == "unset\n"
+    # ...so `jobgen stop` sets the switch, and then all of them see it.
+    _path, created = run.set_switch("kill")
+    assert created and not kill.is_symlink() and kill.is_file()
+    assert startup_switch(run.switches) is Action.KILL
+    assert subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout == "set\n"

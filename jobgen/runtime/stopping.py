@@ -38,7 +38,7 @@ from pathlib import Path
 import psutil
 
 from jobgen.exit_codes import ExitCode, signal_stop_words
-from jobgen.rundir import ABORT_SWITCH, KILL_SWITCH, SAVE_SWITCH
+from jobgen.rundir import ABORT_SWITCH, KILL_SWITCH, SAVE_SWITCH, switch_is_set
 
 
 class Action(enum.IntEnum):
@@ -152,11 +152,11 @@ class StopMonitor:
         now = time.time() if now is None else now
         s = self.settings
         found = Action.CONTINUE
-        if s.check_files and (s.switches / ABORT_SWITCH).exists():
+        if s.check_files and switch_is_set(s.switches / ABORT_SWITCH):
             return Action.ABORT
-        if s.check_files and (s.switches / KILL_SWITCH).exists():
+        if s.check_files and switch_is_set(s.switches / KILL_SWITCH):
             found = max(found, Action.KILL)
-        stop_file = s.check_files and s.stop_request is not None and s.stop_request.exists()
+        stop_file = s.check_files and s.stop_request is not None and switch_is_set(s.stop_request)
         if stop_file and self.requested_by is None:
             self.requested_by = _read_request(s.stop_request)
         if self.signal_received is not None or stop_file:
@@ -168,7 +168,7 @@ class StopMonitor:
         gpu_low = s.min_gpu_free_mib and s.gpu_free_bytes is not None
         if gpu_low and s.gpu_free_bytes() < s.min_gpu_free_mib * 1024 * 1024:
             found = max(found, Action.MEMORY)
-        if s.check_files and (s.switches / SAVE_SWITCH).exists():
+        if s.check_files and switch_is_set(s.switches / SAVE_SWITCH):
             found = max(found, Action.SAVE)
         return found
 
@@ -219,15 +219,17 @@ def _read_request(path: Path) -> str:
     """The signal named in a stop request ("" for a request written by hand or by a jobgen
     before requests named their signal)."""
     try:
-        return path.read_text(errors="replace").strip()[:16]
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link planted after the check is not read
     except OSError:
         return ""
+    with os.fdopen(fd, "rb") as fh:
+        return fh.read(64).decode(errors="replace").strip()[:16]
 
 
 def startup_switch(switches: Path) -> Action:
     """A kill or abort switch present before anything is loaded."""
-    if (switches / ABORT_SWITCH).exists():
+    if switch_is_set(switches / ABORT_SWITCH):
         return Action.ABORT
-    if (switches / KILL_SWITCH).exists():
+    if switch_is_set(switches / KILL_SWITCH):
         return Action.KILL
     return Action.CONTINUE
