@@ -20,6 +20,8 @@ loss) leaves no exit record; its last metrics line stands in. From these:
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,154 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+# --------------------------------------------------------------------------- typed records
+#
+# metrics.jsonl and tasks.jsonl are appended by the trainer or a user's program (through
+# jobgen.runtime) and may be edited by hand; every reader computes with their fields (int(),
+# float(), a date from a time). A line that is JSON but not a record would raise in each of
+# them, so lines are checked once, here, as they are read. A hand-written check rather than a
+# pydantic model per line: the files reach 100k lines and status reads them on every call.
+# Only the fields the readers use are checked; the others (a program's own metrics) pass.
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    # NaN and infinity stay allowed in values: a diverged loss is logged as it was.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    # Times become dates and plot axes; 1e400 parses as infinity and overflows both.
+    return _number(value) and math.isfinite(value)
+
+
+def _job_id(value: Any) -> bool:
+    return isinstance(value, str) or _int(value)
+
+
+def _numbers(value: Any) -> bool:
+    return isinstance(value, list) and all(_number(v) for v in value)
+
+
+_Check = tuple[Callable[[Any], bool], str]
+_INT: _Check = (_int, "an integer")
+_NUMBER: _Check = (_number, "a number")
+_FINITE: _Check = (_finite, "a finite number")
+_JOB_ID: _Check = (_job_id, "a job id (string or integer)")
+
+# (required fields, optional fields: None is allowed for those)
+METRICS_FIELDS: tuple[dict[str, _Check], dict[str, _Check]] = (
+    {"time": _FINITE, "step": _INT},
+    {
+        "job_id": _JOB_ID,
+        "restart": _INT,
+        "event": (lambda v: isinstance(v, str), "a string"),
+        **dict.fromkeys(("loss", "lr", "tokens_per_s", "step_seconds", "eval_loss", "eval_ppl"), _NUMBER),
+        "host_used_percent": _NUMBER,
+    },
+)
+TASKS_FIELDS: tuple[dict[str, _Check], dict[str, _Check]] = (
+    {"time": _FINITE},
+    {
+        "job_id": _JOB_ID,
+        "restart": _INT,
+        "event": (lambda v: isinstance(v, str), "a string"),
+        "array_job_id": _JOB_ID,
+        "array_task": _JOB_ID,
+        "step": _INT,
+        "start_step": _INT,
+        "end_step": _INT,
+        "exit_code": _INT,
+        "job_start": _FINITE,
+        **dict.fromkeys(
+            ("seconds_to_first_step", "step_seconds_total", "step_seconds_max", "eval_round_seconds_max"), _NUMBER
+        ),
+        "save_seconds": (_numbers, "a list of numbers"),
+    },
+)
+
+
+def record_problem(record: Any, fields: tuple[dict[str, _Check], dict[str, _Check]]) -> str | None:
+    """What makes one decoded line no record of its file, or None when it is one."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    required, optional = fields
+    for key, (ok, what) in required.items():
+        if key not in record:
+            return f"no {key!r}"
+        if not ok(record[key]):
+            return f"{key!r} is {record[key]!r}, not {what}"
+    for key, (ok, what) in optional.items():
+        value = record.get(key)
+        if value is not None and not ok(value):
+            return f"{key!r} is {value!r}, not {what}"
+    return None
+
+
+class Records(list):
+    """The records of one JSONL file, with how many lines were skipped as not records and
+    why the first of them was."""
+
+    def __init__(self, path: Path, kind: str):
+        super().__init__()
+        self.path = path
+        self.kind = kind
+        self.skipped = 0
+        self.first_problem = ""
+
+    def skip(self, number: int, problem: str) -> None:
+        if not self.skipped:
+            self.first_problem = f"line {number}: {problem}"
+        self.skipped += 1
+
+    def warning(self) -> str | None:
+        """One line for the tools to show, naming the file and what was wrong; None when
+        every line was a record."""
+        if not self.skipped:
+            return None
+        return (
+            f"{self.path}: skipped {self.skipped} line(s) that are not {self.kind} records "
+            f"(first at {self.first_problem})"
+        )
+
+
+def read_records(path: Path, fields: tuple[dict[str, _Check], dict[str, _Check]], kind: str) -> Records:
+    """The lines of ``path`` that are records (checked against ``fields``); the others are
+    skipped and counted. A last line that is no JSON is a write cut by a crash, not a bad
+    record: skipped without counting, as :func:`read_jsonl` does."""
+    out = Records(path, kind)
+    if not path.is_file():
+        return out
+    lines = path.read_text(errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number < len(lines) and line.strip():
+                out.skip(number, f"not JSON ({exc.msg})")
+            continue
+        problem = record_problem(record, fields)
+        if problem is None:
+            out.append(record)
+        else:
+            out.skip(number, problem)
+    return out
+
+
+def read_metrics(path: Path) -> Records:
+    """``metrics.jsonl``: training steps and evaluations (``event = "eval"``), each with a
+    time and a step."""
+    return read_records(path, METRICS_FIELDS, "metrics")
+
+
+def read_tasks(path: Path) -> Records:
+    """``tasks.jsonl``: the trainer's first-step and exit records."""
+    return read_records(path, TASKS_FIELDS, "task")
 
 
 TaskKey = tuple[str, int]  # (job id, Slurm restart count): one run of one job
@@ -289,8 +439,8 @@ def run_reports(run_dir: Path, time_limit: float | None = None) -> list[TaskRepo
 
     saved = complete_checkpoints_in(RunDir(run_dir).checkpoints)
     return task_reports(
-        read_jsonl(run_dir / "tasks.jsonl"),
-        read_jsonl(run_dir / "metrics.jsonl"),
+        read_tasks(run_dir / "tasks.jsonl"),
+        read_metrics(run_dir / "metrics.jsonl"),
         time_limit=time_limit,
         now=time.time(),
         saved_step=saved[-1][0] if saved else None,

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobgen.goodput import read_jsonl
+from jobgen.goodput import read_metrics, read_tasks
 from jobgen.rundir import RunDir
 from jobgen.task_table import read_task_records
 
@@ -63,8 +65,18 @@ def _iso(value: str) -> float | None:
         return None
 
 
-def read_plot_data(run: RunDir) -> PlotData:
-    lines = read_jsonl(run.path / "metrics.jsonl")
+def _warn(message: str) -> None:
+    print(f"jobgen plot: warning: {message}", file=sys.stderr)
+
+
+def read_plot_data(run: RunDir, warn: Callable[[str], None] = _warn) -> PlotData:
+    """What the plot shows. Lines of metrics.jsonl and tasks.jsonl that are no records are
+    left out, and ``warn`` is told once per file how many."""
+    lines = read_metrics(run.path / "metrics.jsonl")
+    tasks = read_tasks(run.path / "tasks.jsonl")
+    for records in (lines, tasks):
+        if records.warning():
+            warn(records.warning())
     if not lines:
         raise PlotError(f"{run.path / 'metrics.jsonl'}: no logged steps yet, nothing to plot")
     metrics = {}
@@ -76,12 +88,12 @@ def read_plot_data(run: RunDir) -> PlotData:
             [x[key] for x in rows],
             [(str(x.get("job_id")), int(x.get("restart") or 0)) for x in rows],
         )
-    firsts = [r for r in read_jsonl(run.path / "tasks.jsonl") if r.get("event") == "first_step"]
+    firsts = [r for r in tasks if r.get("event") == "first_step"]
     resumes = [(int(r["start_step"]), float(r["time"])) for r in firsts if r.get("start_step")]
-    return PlotData(run.path.name, metrics, sorted(resumes), _waits(run, lines))
+    return PlotData(run.path.name, metrics, sorted(resumes), _waits(run, lines, tasks))
 
 
-def _waits(run: RunDir, lines: list[dict[str, Any]]) -> list[tuple[float, float]]:
+def _waits(run: RunDir, lines: list[dict[str, Any]], tasks: list[dict[str, Any]]) -> list[tuple[float, float]]:
     """Spans with no job of the run running: submission to the first start, and each gap
     between one job's end and the next one's start. A job's end is the batch script's
     record of it, else the trainer's exit record, else its last logged step (killed)."""
@@ -93,7 +105,7 @@ def _waits(run: RunDir, lines: list[dict[str, Any]]) -> list[tuple[float, float]
     last_line: dict[tuple[str, int], float] = {}
     for line in lines:
         last_line[(str(line.get("job_id")), int(line.get("restart") or 0))] = float(line["time"])
-    for record in read_jsonl(run.path / "tasks.jsonl"):
+    for record in tasks:
         key = (str(record.get("job_id")), int(record.get("restart") or 0))
         if key in ends or not record.get("job_start"):
             continue

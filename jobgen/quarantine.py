@@ -43,8 +43,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field, ValidationError
+
 from jobgen import slurm
 from jobgen.atomic import write_json_atomic
+from jobgen.fields import SlurmName, StrictModel
 from jobgen.rundir import RunDir
 
 
@@ -56,14 +59,47 @@ class Quarantined:
     reason: str
 
 
+class QuarantineError(ValueError):
+    """``quarantine.json`` is no quarantine record: the message names the file and what is
+    wrong. A ValueError, so callers that took a bad file as ``(OSError, ValueError)`` still do."""
+
+    def __init__(self, path: Path, problem: str):
+        self.path = path
+        self.problem = problem
+        super().__init__(f"{path} is not a quarantine record ({problem}); fix or delete it")
+
+
+class _Entry(StrictModel):
+    # allow_inf_nan=False: 1e400 parses as infinity, which no date can show.
+    since: float = Field(allow_inf_nan=False)
+    job: str
+    reason: str
+
+
+class _File(StrictModel):
+    """The file's structure, checked once as it is read: every reader (status, submit's
+    --exclude, doctor --clear, the batch script's merge) then works on checked entries.
+    Node names are Slurm names: they go onto --exclude and ExcNodeList."""
+
+    nodes: dict[SlurmName, _Entry]
+
+
 def read(run: RunDir) -> dict[str, Quarantined]:
-    """The quarantined nodes by name; an unreadable file is an error, never an empty set: it
-    would let a run back onto a node it had found broken."""
+    """The quarantined nodes by name; an unreadable file is an error (:class:`QuarantineError`
+    when it is no quarantine record), never an empty set: it would let a run back onto a node
+    it had found broken."""
     try:
-        raw = json.loads(run.quarantine.read_text())
+        text = run.quarantine.read_bytes()
     except FileNotFoundError:
         return {}
-    return {node: Quarantined(node=node, **entry) for node, entry in raw.get("nodes", {}).items()}
+    try:
+        parsed = _File.model_validate_json(text)
+    except ValidationError as exc:
+        first, more = exc.errors()[0], len(exc.errors()) - 1
+        where = ".".join(str(part) for part in first["loc"]) or "the file"
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise QuarantineError(run.quarantine, f"{where}: {message}" + (f", and {more} more" if more else "")) from None
+    return {node: Quarantined(node=node, **entry.model_dump()) for node, entry in parsed.nodes.items()}
 
 
 @contextmanager

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from jobgen import quarantine, slurm
-from jobgen.goodput import goodput, kill_window_warning, lead_time_warning, read_jsonl, run_reports
+from jobgen.goodput import goodput, kill_window_warning, lead_time_warning, read_metrics, read_tasks, run_reports
 from jobgen.loader import ResolvedSpec
 from jobgen.preflight import kill_window
 from jobgen.rundir import RunDir
@@ -153,7 +153,7 @@ def run_status(
     """
     spec = run.load_spec()
     job = spec.run.job
-    every_line = read_jsonl(run.path / "metrics.jsonl")
+    every_line = read_metrics(run.path / "metrics.jsonl")
     lines = training_lines(every_line)
     metrics = lines[-1] if lines else None
     switches = sorted(p.name for p in run.switches.iterdir()) if run.switches.is_dir() else []
@@ -196,6 +196,12 @@ def run_status(
         loss=metrics.get("loss") if metrics else None,
         tokens_per_s=metrics.get("tokens_per_s") if metrics else None,
     )
+    # Lines that are no records are left out of everything above (run_reports reads them
+    # the same way); said once here, with the file, so a hand edit or a program's bad line
+    # is found rather than silently changing the numbers.
+    for records in (every_line, read_tasks(run.path / "tasks.jsonl")):
+        if records.warning():
+            status.warnings.append(records.warning())
     _progress(status, run, lines)
     status.eval_last, status.eval_best = eval_progress(every_line, run.best())
     # Without graceful stops no save races a time limit or a SIGKILL: nothing to warn about.
@@ -219,7 +225,10 @@ def run_status(
     )
     try:
         held = quarantine.read(run)
-    except (OSError, ValueError) as exc:
+    except quarantine.QuarantineError as exc:
+        held = {}
+        status.warnings.append(f"{exc}: the nodes it held may be used again")
+    except OSError as exc:
         held = {}
         status.warnings.append(f"{run.quarantine} is unreadable ({exc}): the nodes it held may be used again")
     status.quarantined = quarantine.to_json(held)

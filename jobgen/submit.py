@@ -70,6 +70,20 @@ def active_jobs(run: RunDir) -> list[slurm.QueueEntry]:
     return slurm.queue(ids) if ids else []
 
 
+def _quarantined(spec: ResolvedSpec) -> list[str]:
+    """The nodes the run quarantined, for --exclude. A file that cannot be read refuses the
+    submission (one error line naming it): submitting without it could land on a node the
+    run found broken."""
+    if not spec.run_dir.is_dir():
+        return []
+    try:
+        return sorted(quarantine.read(RunDir(spec.run_dir)))
+    except quarantine.QuarantineError as exc:
+        raise SubmitError([Finding("error", "", str(exc))]) from None
+    except OSError as exc:
+        raise SubmitError([Finding("error", "", f"cannot read {exc.filename}: {exc.strerror}")]) from None
+
+
 def submit(
     spec: ResolvedSpec,
     *,
@@ -82,7 +96,7 @@ def submit(
 ) -> SubmitResult:
     script = render(spec)
     name = script_name(spec)
-    quarantined = sorted(quarantine.read(RunDir(spec.run_dir))) if spec.run_dir.is_dir() else []
+    quarantined = _quarantined(spec)
     options = sbatch_options(spec, array=array, after=after, quarantined=quarantined)
     script_path = spec.run_dir / name
     result = SubmitResult(

@@ -23,8 +23,16 @@ def metrics_lines(job: str, steps: range, start_time: float, step_seconds: float
 
 
 TASKS = [
-    # A: steps 1-30, stopped by the kill switch with a checkpoint at 30.
-    {"event": "first_step", "job_id": "11", "start_step": 0, "seconds_to_first_step": 8.0, "job_start": T0},
+    # A: steps 1-30, stopped by the kill switch with a checkpoint at 30. Every record has its time
+    # (MetricsWriter.log_task writes it; a line without one is no record, test_bad_files.py).
+    {
+        "event": "first_step",
+        "job_id": "11",
+        "start_step": 0,
+        "seconds_to_first_step": 8.0,
+        "job_start": T0,
+        "time": T0 + 8,
+    },
     {
         "event": "exit",
         "job_id": "11",
@@ -39,9 +47,23 @@ TASKS = [
         "time": T0 + 40,
     },
     # B: resumed at 30, SIGKILLed at 47 (last checkpoint 40): no exit record.
-    {"event": "first_step", "job_id": "12", "start_step": 30, "seconds_to_first_step": 9.0, "job_start": T0 + 100},
+    {
+        "event": "first_step",
+        "job_id": "12",
+        "start_step": 30,
+        "seconds_to_first_step": 9.0,
+        "job_start": T0 + 100,
+        "time": T0 + 109,
+    },
     # C: resumed at 40, finished at 60.
-    {"event": "first_step", "job_id": "13", "start_step": 40, "seconds_to_first_step": 7.5, "job_start": T0 + 200},
+    {
+        "event": "first_step",
+        "job_id": "13",
+        "start_step": 40,
+        "seconds_to_first_step": 7.5,
+        "job_start": T0 + 200,
+        "time": T0 + 207.5,
+    },
     {
         "event": "exit",
         "job_id": "13",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobgen.durations import format_human
-from jobgen.goodput import read_jsonl
+from jobgen.goodput import read_metrics
 from jobgen.watchdog_settings import parse_threshold
 from watchdogs.base import CheckResult, Target
 from watchdogs.base import main as check_main
@@ -129,7 +129,7 @@ def save_interval(
         gaps = [b[1] - a[1] for a, b in itertools.pairwise(steps) if b[1] > a[1]]
         if gaps:
             return statistics.median(gaps), "observed"
-    lines = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "time" in m and "step" in m][-50:]
+    lines = read_metrics(run_dir / "metrics.jsonl")[-50:]  # every record has a time and a step
     candidates = [float(save_every)] if save_every else []
     if len(lines) >= 2 and lines[-1]["step"] > lines[0]["step"] and save_every_steps:
         per_step = (lines[-1]["time"] - lines[0]["time"]) / (lines[-1]["step"] - lines[0]["step"])

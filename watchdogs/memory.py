@@ -15,7 +15,7 @@ import json
 import sys
 
 from jobgen import slurm
-from jobgen.goodput import read_jsonl
+from jobgen.goodput import read_metrics
 from jobgen.runtime.records import training_lines
 from watchdogs.base import CheckResult, Target, running_jobs
 from watchdogs.base import main as check_main
@@ -35,9 +35,8 @@ def node_memory(job_id: int, nodes: int) -> list[dict]:
 
 
 def from_metrics(target: Target, job_id: int) -> list[dict]:
-    lines = [
-        m for m in training_lines(read_jsonl(target.run.path / "metrics.jsonl")) if str(m.get("job_id")) == str(job_id)
-    ]
+    every_line = read_metrics(target.run.path / "metrics.jsonl")
+    lines = [m for m in training_lines(every_line) if str(m.get("job_id")) == str(job_id)]
     if not lines or "host_used_percent" not in lines[-1]:
         return []
     return [{"node": "rank 0's node (from metrics.jsonl)", "used_percent": lines[-1]["host_used_percent"]}]
