@@ -199,13 +199,20 @@ def plan(spec_file: str, as_json: bool) -> None:
     one rank, from the model's safetensors headers and config.json, against the site's
     slurm.device_memory; the cheapest changes that would make it fit. With a run
     directory whose metrics.json holds measured peaks, they are shown beside the plan.
-    Exit status 0 when it fits or no verdict is possible, 1 when it does not fit."""
+    Without safetensors, a Llama-like model (Llama, Mistral, Qwen2/3, Gemma 1-3) is counted
+    from config.json. Exit status 0 when it fits or no verdict is possible (a hub id, no
+    device memory in the site), 1 when it does not fit, 2 when the model's files are
+    malformed or a local model's size cannot be worked out."""
     from jobgen.memory_plan import plan_run
+    from jobgen.model_files import ModelFileError, UnsizedModel
 
     spec = _load(spec_file)
     if spec.run.job.program != "train":
         _fail(f"{spec_file}: program = '{spec.run.job.program}' trains nothing; no memory plan", 2)
-    result = plan_run(spec)
+    try:
+        result = plan_run(spec)
+    except (ModelFileError, UnsizedModel) as exc:
+        _fail(f"jobgen plan: {exc}", 2)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.format())
     sys.exit(1 if result.fits is False else 0)
 

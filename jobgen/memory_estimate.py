@@ -260,7 +260,8 @@ def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
     # FSDP ranks read only their slices of the safetensors (trainer.sharded_load): a 374M model's
     # rank measured 1375 MiB while loading on 2 ranks, its shard plus runtime plus this transient.
     load = params + overhead + load_transient
-    if inputs.device == "cpu" and not inputs.fsdp and not lora and all(t.dtype == "F32" for t in model.tensors):
+    mapped = model.counted_from == "safetensors" and all(t.dtype == "F32" for t in model.tensors)
+    if inputs.device == "cpu" and not inputs.fsdp and not lora and mapped:
         # from_pretrained maps float32 safetensors and reads a page when it is first touched:
         # the weights become resident in the first step (measured: 483 MiB at the end of loading
         # the 374M model in one process, the runtime alone).

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from jobgen.memory_estimate import CUDA_CONTEXT_RESERVE, PlanInputs, estimate
-from jobgen.model_files import ModelInfo, PlanError, read_model
+from jobgen.model_files import ModelFileError, ModelInfo, PlanError, UnsizedModel, read_model
 from jobgen.sizes import MIB, format_bytes, parse_size
 
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations", "logits", "buffers", "overhead")
@@ -46,6 +46,7 @@ class MemoryPlan:
     suggestions: list[Suggestion] = field(default_factory=list)
     host_offload_bytes: int = 0
     param_count: int = 0
+    param_source: str = ""  # "safetensors" (the headers) or "config.json" (its dimensions)
     trainable_params: int = 0
     unavailable: str | None = None  # why no estimate could be made
     notes: list[str] = field(default_factory=list)
@@ -76,6 +77,7 @@ class MemoryPlan:
             "device": self.device,
             "world_size": self.world_size,
             "param_count": self.param_count,
+            "param_source": self.param_source,
             "trainable_params": self.trainable_params,
             "components": dict(self.components),
             "phases": dict(self.phases),
@@ -123,7 +125,8 @@ class MemoryPlan:
         kind = "GPU, max_memory_allocated" if self.device == "cuda" else "CPU, peak RSS of a rank"
         lines = [
             f"model {self.model_path}: {self.param_count / 1e6:.1f}M parameters"
-            f" ({self.trainable_params / 1e6:.1f}M trainable)",
+            f" ({self.trainable_params / 1e6:.1f}M trainable)"
+            + (", counted from config.json (no safetensors)" if self.param_source == "config.json" else ""),
             f"{i.parallelism} on {i.world_size} rank(s), {kind}; micro-batch {i.micro_batch_size} x "
             f"{i.seq_len} tokens, {i.optimizer}"
             + (", checkpointing" if i.gradient_checkpointing else "")
@@ -325,7 +328,10 @@ def read_measured(run_dir: Path) -> dict[str, Any] | None:
 
 
 def plan_run(spec: Any) -> MemoryPlan:
-    """The plan for a ResolvedSpec of a training run (see :class:`MemoryPlan`)."""
+    """The plan for a ResolvedSpec of a training run (see :class:`MemoryPlan`). A model that
+    cannot be looked at (a hub id) gives a plan that cannot estimate; malformed model files
+    (ModelFileError) and a local model whose size cannot be worked out (UnsizedModel) raise,
+    for the caller to report as it sees fit."""
     run = spec.run
     device = "cuda" if spec.site.slurm.gpus_per_node > 0 else "cpu"
     path = run.model.path if run.model else ""
@@ -335,6 +341,8 @@ def plan_run(spec: Any) -> MemoryPlan:
         return plan
     try:
         model = read_model(path)
+    except (ModelFileError, UnsizedModel):
+        raise
     except PlanError as exc:
         plan.unavailable = str(exc)
         return plan
@@ -344,6 +352,7 @@ def plan_run(spec: Any) -> MemoryPlan:
     plan.components, plan.phases, plan.peak = est.components, est.phases, est.peak
     plan.host_offload_bytes = est.host_offload_bytes
     plan.param_count, plan.trainable_params = model.param_count, est.trainable_params
+    plan.param_source = model.counted_from
     plan.notes = est.notes
     plan.reserve = CUDA_CONTEXT_RESERVE if device == "cuda" else 0
     plan.budget, plan.budget_source = budget_for(spec)

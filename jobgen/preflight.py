@@ -182,12 +182,20 @@ def preflight(
 def memory_findings(spec: ResolvedSpec, *, ignore: bool = False) -> list[Finding]:
     """``jobgen plan``'s verdict as findings: an error (a warning with ``ignore``) when the run
     is predicted not to fit, naming the numbers and the changes that would make it fit; a
-    warning when no estimate can be made (a hub id, no safetensors); otherwise an info line."""
+    warning when no estimate can be made (a hub id, a .bin checkpoint); an error, whatever
+    ``ignore`` says, for malformed model files, on which training would fail too; otherwise an
+    info line."""
     from jobgen.memory_plan import plan_run
+    from jobgen.model_files import ModelFileError, UnsizedModel
 
     if spec.run.job.program != "train":
         return []
-    plan = plan_run(spec)
+    try:
+        plan = plan_run(spec)
+    except ModelFileError as exc:
+        return [Finding("error", "model.path", f"memory plan: {exc}")]
+    except UnsizedModel as exc:  # from_pretrained may still load it (a .bin checkpoint)
+        return [Finding("warning", "model.path", f"memory plan: cannot estimate: {exc}")]
     if plan.unavailable:
         return [Finding("warning", "model.path", plan.summary())]
     if plan.fits is not False:
