@@ -254,6 +254,7 @@ def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> R
     if run is not None and site is not None:
         issues.extend(_cross_check(run, site, run_label))
         issues.extend(_check_run_dir(run, site, run_label, site_path, overrides))
+        issues.extend(_check_script_paths(run, site, run_label, site_path, overrides))
         try:
             run = run.model_copy(update={"watchdogs": _merge_watchdogs(site, site_path, run, base_dir)})
         except ValidationError as exc:
@@ -450,6 +451,30 @@ def _check_run_dir(
             )
         ]
     return []
+
+
+def _check_script_paths(
+    run: RunSpec, site: SiteProfile, run_label: str, site_path: Path | None, overrides: dict[str, Any]
+) -> list[SpecIssue]:
+    """Paths the batch script holds, as resolved: the key as typed is validated (SafePath),
+    but the directory it is joined to (run.toml's, the site file's) may hold anything, and a
+    newline in a quoted word still ends the here-document it sits in (what follows would run
+    as commands). Such a path is refused with its key, like the run directory."""
+    issues = []
+    command = run.command
+    for key in ("workdir", "script"):
+        value = getattr(command, key) if command is not None else None
+        if value and _CONTROL.search(value):
+            issues.append(SpecIssue(run_label, f"command.{key}", f"{value!r} has a control character (newline, ...)"))
+    overridden = _leaf_paths(overrides)
+    for table, key in _SITE_PATH_KEYS:
+        value = getattr(getattr(site, table), key)
+        if value and _CONTROL.search(value):
+            file, name = (
+                (run_label, f"site.{table}.{key}") if (table, key) in overridden else (str(site_path), f"{table}.{key}")
+            )
+            issues.append(SpecIssue(file, name, f"{value!r} has a control character (newline, ...)"))
+    return issues
 
 
 def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:

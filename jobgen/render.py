@@ -47,6 +47,16 @@ class Trusted(str):
     """Text built by jobgen itself that must reach the script verbatim."""
 
 
+def _one_line(text: str) -> str:
+    """``text``, which goes into the script as one quoted word. No quoting keeps a newline in
+    its place: a line of it equal to a here-document's delimiter ends the document, and the
+    lines after it run as commands. The loader refuses such values with their key; reaching
+    here is a jobgen bug, and the script is not written."""
+    if _CONTROL.search(text):
+        raise ValueError(f"refusing to put {text!r} into the batch script: it holds a control character")
+    return text
+
+
 def _finalize(value: Any) -> str:
     if value is None:
         raise jinja2.UndefinedError("a template printed None; guard optional values with {% if %}")
@@ -54,7 +64,7 @@ def _finalize(value: Any) -> str:
         return value
     if isinstance(value, bool):
         raise jinja2.UndefinedError("a template printed a boolean; use it in {% if %}")
-    return shlex.quote(str(value))
+    return shlex.quote(_one_line(str(value)))
 
 
 def sbatch_arg(value: Any) -> Trusted:
@@ -89,7 +99,7 @@ def slurm_filename_literal(path: str) -> str:
 def _single_quoted(value: Any) -> Trusted:
     """Always single-quoted, even when shlex would leave it bare (shellcheck reads a bare
     comma inside an array as a mistaken separator)."""
-    return Trusted("'" + str(value).replace("'", "'\"'\"'") + "'")
+    return Trusted("'" + _one_line(str(value)).replace("'", "'\"'\"'") + "'")
 
 
 def template_environment() -> jinja2.Environment:

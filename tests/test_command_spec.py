@@ -3,6 +3,7 @@ anything is written; a good table renders the exact torchrun line."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,21 @@ def test_a_script_is_found_from_run_toml_and_its_arguments_stay_words(tmp_path: 
     text = render(spec)
     assert f"  '{tmp_path}/scripts/train.py' '--out' 'a b' '$(id)'\n" in text
     assert f"cd {tmp_path}\n" in text and "--array=1-3%1" in text
+
+
+def test_a_newline_in_run_tomls_directory_never_reaches_the_script(tmp_path: Path):
+    # The directory's name closes the node script's here-document and runs a command.
+    hostile = tmp_path / "x\nNODE\ntouch /tmp/jobgen-pwned\necho '"
+    hostile.mkdir(parents=True)  # its "/" make it three directories, as in the audit
+    (hostile / "train.py").write_text("print('hi')\n")
+    spec = write_spec(hostile, HEAD + '[command]\nscript = "train.py"\n')
+    found = issues_of(spec)
+    assert "control character" in found.get("command.workdir", ""), found
+    assert "control character" in found.get("command.script", ""), found
+    # And render itself refuses such a word, should one ever get past the loader.
+    good = write_spec(tmp_path, HEAD + '[command]\nmodule = "a.b"\n')
+    spec = load_run(good)
+    command = spec.run.command.model_copy(update={"workdir": str(hostile)})
+    smuggled = dataclasses.replace(spec, run=spec.run.model_copy(update={"command": command}))
+    with pytest.raises(ValueError, match="control character"):
+        render(smuggled)
