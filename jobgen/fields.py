@@ -96,3 +96,35 @@ def sbatch_option(value: str) -> str:
 
 
 SbatchOption = Annotated[str, AfterValidator(sbatch_option)]
+
+# Words of a variable's name (split at '_') that make it a credential: HF_TOKEN, WANDB_API_KEY,
+# MY_PASSWORD, AWS_SECRET_ACCESS_KEY. Whole words, so TOKENIZERS_PARALLELISM is not one
+# (jobgen.repro's deny list for env.txt matches substrings instead: hiding too much there
+# costs nothing, refusing a harmless setting here would).
+SECRET_WORDS = frozenset(
+    {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASS", "PASSPHRASE", "KEY", "APIKEY", "CREDENTIAL", "CREDENTIALS"}
+    | {"AUTH", "PRIVATE", "COOKIE", "WEBHOOK"}
+)
+
+
+def looks_secret(name: str) -> bool:
+    return any(word in SECRET_WORDS for word in name.upper().split("_"))
+
+
+def _refuse_literal_secrets(env: dict[str, str]) -> dict[str, str]:
+    """A credential's value written in a spec or site file would be copied in plain text into
+    the run directory (run.toml, spec.json, the batch script), which the group may read."""
+    secrets = sorted(name for name in env if looks_secret(name))
+    if secrets:
+        names = ", ".join(secrets)
+        raise ValueError(
+            f"{names} looks like a secret: its value would be written in plain text into the run directory "
+            f"(run.toml, spec.json, the batch script). Export it in the shell you submit from and list it in "
+            f"job.pass_env = {secrets!r}: sbatch passes it to the job and jobgen never writes it"
+        )
+    return env
+
+
+# The variables a spec or site exports in the job: names as the shell allows them, values
+# printable, and no credential given as a literal value.
+JobEnv = Annotated[dict[EnvName, EnvValue], AfterValidator(_refuse_literal_secrets)]

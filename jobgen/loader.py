@@ -293,7 +293,8 @@ def _validate_site(
         issues = []
         for err in exc.errors():
             loc = tuple(str(p) for p in err["loc"])
-            from_run = any(loc[: len(o)] == o for o in overridden)
+            # An error on a table the run overrode part of (a validator of the whole table) is the run's too.
+            from_run = any(loc[: len(o)] == o or o[: len(loc)] == loc for o in overridden)
             if from_run:
                 issues.append(SpecIssue(run_label, "site." + key_path(err["loc"]), _message(err)))
             else:

@@ -11,6 +11,8 @@ means comes from the Slurm client's table (``jobgen.slurm.NODE_UNUSABLE``).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,6 +179,23 @@ def preflight(
         except slurm.SlurmError as exc:
             findings.append(Finding("error", "", f"sbatch --test-only refused the script: {exc.stderr}"))
     return findings
+
+
+def pass_env_findings(spec: ResolvedSpec, environ: Mapping[str, str] | None = None) -> list[Finding]:
+    """``job.pass_env``: every name must be set where the job is submitted from, since sbatch
+    exports that environment to the job (and only it: jobgen never writes the values). A
+    missing one is an error now rather than a job that fails at its first download."""
+    environ = os.environ if environ is None else environ
+    missing = [name for name in spec.run.job.pass_env if not environ.get(name)]
+    if not missing:
+        return []
+    return [
+        Finding(
+            "error",
+            "job.pass_env",
+            f"{', '.join(missing)} not set in this shell: export it before submitting (the job gets it from here)",
+        )
+    ]
 
 
 def memory_findings(spec: ResolvedSpec, *, ignore: bool = False) -> list[Finding]:

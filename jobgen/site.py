@@ -18,9 +18,9 @@ from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
 from jobgen.fields import (
     Constraint,
-    EnvName,
     EnvValue,
     InterfaceName,
+    JobEnv,
     ModuleName,
     SafePath,
     SbatchOption,
@@ -138,9 +138,7 @@ class NetworkSettings(StrictModel):
         False,
         description="NCCL_DEBUG=INFO with one NCCL_DEBUG_FILE per host and process, TORCH_DISTRIBUTED_DEBUG=DETAIL.",
     )
-    env: dict[EnvName, EnvValue] = Field(
-        default_factory=dict, description="Extra NCCL/GLOO variables, e.g. {NCCL_IB_GID_INDEX = '3'}."
-    )
+    env: JobEnv = Field(default_factory=dict, description="Extra NCCL/GLOO variables, e.g. {NCCL_IB_GID_INDEX = '3'}.")
 
     @model_validator(mode="after")
     def _check_port(self) -> NetworkSettings:
@@ -211,7 +209,7 @@ class SiteProfile(StrictModel):
     python: PythonSettings = Field(
         default_factory=lambda: PythonSettings(kind="none"), description="Python environment activation."
     )
-    env: dict[EnvName, EnvValue] = Field(
+    env: JobEnv = Field(
         default_factory=dict, description="Variables exported in every job of this site (the run's [env] wins)."
     )
     watchdogs: WatchdogSettings = Field(

@@ -19,6 +19,7 @@ from jobgen.fields import (
     EnvName,
     EnvValue,
     HostList,
+    JobEnv,
     JobName,
     SafePath,
     SlurmName,
@@ -82,6 +83,14 @@ class JobSpec(StrictModel):
         default_factory=list, description="Nodes never to run on (--exclude), e.g. ['gpu017', 'gpu[20-22]']."
     )
     nodelist: list[HostList] = Field(default_factory=list, description="Nodes to run on (--nodelist).")
+    pass_env: list[EnvName] = Field(
+        default_factory=list,
+        description=(
+            "Variables the job takes from the environment you submit from, e.g. ['HF_TOKEN', 'WANDB_API_KEY']: "
+            "sbatch exports the submitting shell's environment to the job, submit checks each one is set, and "
+            "their values are never written to disk (secrets belong here, not in [env])."
+        ),
+    )
 
     @property
     def resumable(self) -> bool:
@@ -398,7 +407,13 @@ class RunSpec(StrictModel):
     eval: EvalSpec | None = Field(
         None, description="Held-out evaluation, the best checkpoint, early stopping and samples (program = 'train')."
     )
-    env: dict[EnvName, EnvValue] = Field(default_factory=dict, description="Variables exported in the job.")
+    env: JobEnv = Field(
+        default_factory=dict,
+        description=(
+            "Variables exported in the job, written into the batch script. A secret-looking name (HF_TOKEN, "
+            "WANDB_API_KEY, ...) is refused here: pass it with job.pass_env."
+        ),
+    )
     watchdogs: WatchdogSettings = Field(
         default_factory=WatchdogSettings,
         description="Watchdog checks for this run (jobgen watchdog install); merged over the site's [watchdogs].",

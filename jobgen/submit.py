@@ -23,7 +23,7 @@ from pathlib import Path
 from jobgen import lease, quarantine, slurm
 from jobgen.goodput import kill_window_warning, lead_time_warning, run_reports
 from jobgen.loader import ResolvedSpec
-from jobgen.preflight import Finding, kill_window, memory_findings, preflight
+from jobgen.preflight import Finding, kill_window, memory_findings, pass_env_findings, preflight
 from jobgen.render import render, script_name
 from jobgen.rundir import RunDir, materialize, remove_new
 
@@ -105,7 +105,7 @@ def submit(
 
     # The memory plan needs no cluster: a run predicted not to fit is refused even where
     # Slurm cannot be reached, before anything is written or queued.
-    memory = memory_findings(spec, ignore=ignore_memory_plan)
+    memory = memory_findings(spec, ignore=ignore_memory_plan) + pass_env_findings(spec)
     findings: list[Finding] = []
     if not skip_preflight:
         with tempfile.TemporaryDirectory(prefix="jobgen-preflight-") as tmp:
@@ -223,6 +223,7 @@ def run_local(
 ) -> tuple[RunDir, int]:
     """Run the rendered script on this machine as a one-node job, without Slurm."""
     problems = [f for f in memory_findings(spec, ignore=ignore_memory_plan) if f.level == "error"]
+    problems += pass_env_findings(spec)
     if spec.run.job.nodes != 1:
         problems.append(
             Finding(
