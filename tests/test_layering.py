@@ -99,3 +99,79 @@ def test_relative_imports_are_resolved(tmp_path: Path):
 def test_dependencies_point_one_way():
     problems = violations()
     assert not problems, "imports against the one-way layout (design.md, Architecture):\n" + "\n".join(problems)
+
+
+def module_name(path: Path, root: Path = REPO) -> str:
+    return path.relative_to(root).as_posix().removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
+def import_graph(paths: list[Path], root: Path = REPO) -> dict[str, set[str]]:
+    """Module -> the first-party modules it imports, at any depth (inside functions too).
+    ``from pkg import sub`` is an edge to ``pkg.sub`` alone when that is a module: Python then
+    imports the submodule, with no cycle through the package's own __init__."""
+    names = {module_name(p, root): p for p in paths}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        found = {m for _, m, _ in imports(path, root) if m in names and m != name}
+        graph[name] = {m for m in found if not any(other.startswith(m + ".") for other in found)}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_sees_function_level_cycles(tmp_path: Path):
+    pkg = tmp_path / "trainer"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from trainer.b import X\n")
+    (pkg / "b.py").write_text("def f():\n    from trainer.a import Y\n")
+    (pkg / "c.py").write_text("from trainer import a\n")
+    graph = import_graph(sorted(pkg.glob("*.py")), root=tmp_path)
+    assert cycles(graph) == [["trainer.a", "trainer.b"]] and graph["trainer.c"] == {"trainer.a"}
+
+
+def test_no_import_cycles():
+    """A cycle hidden behind an import inside a function still ties two modules together: each
+    can only be understood, tested and moved with the other. What both need goes below both."""
+    found = cycles(import_graph(modules()))
+    assert not found, "import cycles (move what both need below both):\n" + "\n".join(" <-> ".join(c) for c in found)

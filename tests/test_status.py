@@ -138,8 +138,8 @@ def test_watchdog_alerts_come_from_the_composition_root(run):
 
 
 def test_unreachable_slurm_is_a_field_not_a_note_to_match(run, monkeypatch: pytest.MonkeyPatch):
-    from watchdogs.base import Target
     from watchdogs.running import check
+    from watchdogs.target import Target
 
     run.record_job({"job_id": 4242})
 

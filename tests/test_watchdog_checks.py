@@ -20,8 +20,8 @@ import pytest
 from helpers import DATA, REPO, doctor_spec, jobgen, local_receivers, run_spec
 from jobgen.loader import SpecError, load_run
 from jobgen.watchdog_settings import WatchdogSettings, parse_threshold
-from watchdogs.base import CheckResult, Target
 from watchdogs.notify import ALERT, REMINDER, RESOLVED, AlertState, decide, deliver
+from watchdogs.target import CheckResult, Target
 
 # ---------------------------------------------------------------- settings
 

@@ -191,7 +191,7 @@ def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
     from trainer.checkpoint import ResumeFailed
     from trainer.data import DataError
     from trainer.data_cache import DataCacheError
-    from trainer.model import ModelError
+    from trainer.model_errors import ModelError
     from trainer.sampler import ResumeMismatch
 
     graceful = spec.run.job.graceful_stop

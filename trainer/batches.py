@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from jobgen.loader import ResolvedSpec
-from trainer.data_cache import prepare_dataset
+from trainer.data_cache import cache_root, prepare_dataset
 from trainer.distributed import DistEnv
 from trainer.eval_data import EvalSet, load_eval_path, split_off_eval
 from trainer.packing import build_rows, collate, fetch_rows, fill_ratio, model_inputs, token_loss_sum
@@ -35,10 +35,6 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
-
-
-def cache_root(spec: ResolvedSpec) -> Path:
-    return Path(spec.site.paths.data_cache) if spec.site.paths.data_cache else spec.runs_root / ".cache" / "data"
 
 
 class DataPipeline:

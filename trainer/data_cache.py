@@ -40,6 +40,7 @@ from pathlib import Path
 import datasets
 
 from jobgen.atomic import fsync_dir, fsync_tree
+from jobgen.loader import ResolvedSpec
 from jobgen.spec import DataSpec
 from trainer import data as data_mod
 from trainer.data import DataStats, is_hub_id, read_stats, write_stats
@@ -128,6 +129,11 @@ def cache_key(spec: DataSpec, data_hash: str, tokenizer_hash: str) -> tuple[str,
 
 
 # --------------------------------------------------------------------------- entries
+
+
+def cache_root(spec: ResolvedSpec) -> Path:
+    """Where the run's tokenized data is cached: the site's paths.data_cache, else under the runs root."""
+    return Path(spec.site.paths.data_cache) if spec.site.paths.data_cache else spec.runs_root / ".cache" / "data"
 
 
 def is_complete(entry: Path) -> bool:

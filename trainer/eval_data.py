@@ -52,8 +52,7 @@ def split_digest(indices: np.ndarray) -> str:
 def load_eval_path(spec: ResolvedSpec, tokenizer, rank: int, share) -> Any:
     """The tokenized ``[eval] path`` (collective, like the training data: rank 0 prepares it in
     the data cache, every rank loads it), or None without one. Its errors name ``eval.path``."""
-    from trainer.batches import cache_root as data_cache_root
-    from trainer.data_cache import prepare_dataset
+    from trainer.data_cache import cache_root, prepare_dataset
 
     eval_spec, data_spec = spec.run.eval, spec.run.data
     if eval_spec is None or eval_spec.path is None or data_spec is None or spec.run.model is None:
@@ -63,7 +62,7 @@ def load_eval_path(spec: ResolvedSpec, tokenizer, rank: int, share) -> Any:
             data_spec.model_copy(update={"path": eval_spec.path}),
             tokenizer,
             spec.run.model.path,
-            data_cache_root(spec),
+            cache_root(spec),
             rank=rank,
             share=share,
         )

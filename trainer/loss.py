@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.model import ModelError
+from trainer.model_errors import ModelError
 from trainer.packing import IGNORE_INDEX
 
 # Config keys of transformers models that post-process the output layer's logits.

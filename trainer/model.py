@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from jobgen.spec import ModelSpec, TrainSpec
 from trainer.distributed import DistEnv
+from trainer.model_errors import ModelError
 
 log = logging.getLogger("trainer.model")
 
@@ -24,10 +25,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def param_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
     # CPU runs train in float32: bf16 matmuls there are slow and numerically poorer.
     return DTYPES[spec.dtype] if device.type == "cuda" else torch.float32
-
-
-class ModelError(ValueError):
-    """The model or tokenizer at ``model.path`` cannot be trained as it is; the message says what to change."""
 
 
 def load_tokenizer(path: str):

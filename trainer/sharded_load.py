@@ -38,7 +38,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from jobgen.spec import ModelSpec
 from trainer.distributed import DistEnv
-from trainer.model import ModelError
+from trainer.model_errors import ModelError
 
 log = logging.getLogger("trainer.sharded_load")
 

@@ -45,9 +45,9 @@ def _homes_and_run(run_ref: str | None, home_path: str | None):
     """The watchdog homes to act on (``--home``, else RUN's, else every home the user has)
     and RUN's run dir."""
     from jobgen.rundir import default_runs_root
-    from watchdogs.base import watchdog_home
     from watchdogs.runs_root import known_homes
     from watchdogs.scheduler import WatchdogHome
+    from watchdogs.target import watchdog_home
 
     if home_path:
         return [WatchdogHome(Path(home_path).absolute())], None
@@ -78,9 +78,9 @@ def install(run_ref: str | None, partition: str | None) -> None:
 
     Without RUN: every active run under the runs root, the runs root's filesystem, and a
     sweep that installs the runs that become active later."""
-    from watchdogs.base import watchdog_home
     from watchdogs.runs_root import remember_home
     from watchdogs.scheduler import WatchdogHome, install_run
+    from watchdogs.target import watchdog_home
 
     if run_ref is None:
         _install_root(partition)

@@ -27,8 +27,8 @@ from pathlib import Path
 from jobgen.durations import format_human
 from jobgen.goodput import read_metrics
 from jobgen.watchdog_settings import parse_threshold
-from watchdogs.base import CheckResult, Target
 from watchdogs.base import main as check_main
+from watchdogs.target import CheckResult, Target
 
 
 @dataclass

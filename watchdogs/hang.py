@@ -25,8 +25,9 @@ from jobgen import slurm
 from jobgen.atomic import write_text_atomic
 from jobgen.durations import format_human
 from jobgen.rundir import RunDir
-from watchdogs.base import CheckResult, RunningJob, Target, running_jobs
+from watchdogs.base import RunningJob, running_jobs
 from watchdogs.base import main as check_main
+from watchdogs.target import CheckResult, Target
 
 
 def last_progress(run_dir: Path, job: RunningJob, job_name: str) -> tuple[float | None, str]:

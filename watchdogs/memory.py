@@ -17,8 +17,9 @@ import sys
 from jobgen import slurm
 from jobgen.goodput import read_metrics
 from jobgen.runtime.records import training_lines
-from watchdogs.base import CheckResult, Target, running_jobs
 from watchdogs.base import main as check_main
+from watchdogs.base import running_jobs
+from watchdogs.target import CheckResult, Target
 
 
 def node_memory(job_id: int, nodes: int) -> list[dict]:

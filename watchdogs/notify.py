@@ -36,7 +36,7 @@ from jobgen.atomic import write_json_atomic
 from jobgen.durations import format_human
 from jobgen.loader import ResolvedSpec
 from jobgen.watchdog_settings import EmailSettings, WebhookSettings
-from watchdogs.base import CheckResult, Target, watchdog_home
+from watchdogs.target import CheckResult, Target, watchdog_home
 
 ALERT, REMINDER, RESOLVED = "ALERT", "REMINDER", "RESOLVED"
 

@@ -20,8 +20,8 @@ import sys
 from jobgen import slurm
 from jobgen.rundir import STARTUP_SWITCHES
 from jobgen.status import run_status
-from watchdogs.base import CheckResult, Target
 from watchdogs.base import main as check_main
+from watchdogs.target import CheckResult, Target
 
 
 def check(target: Target) -> CheckResult:

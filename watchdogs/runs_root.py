@@ -30,8 +30,8 @@ from jobgen.atomic import write_json_atomic
 from jobgen.rundir import RunDir
 from jobgen.watchdog_settings import WatchdogSettings
 from watchdogs import CHECKS
-from watchdogs.base import watchdog_home
 from watchdogs.scheduler import ALWAYS, WatchdogHome, chain_job_name, ensure_chain, install_run, write_job_file
+from watchdogs.target import watchdog_home
 
 ROOT_PREFIX = "runs-root"  # job files of the root itself: runs-root.disk, runs-root.sweep
 # How often the sweep looks for newly active runs: the running check's default interval.

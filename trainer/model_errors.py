@@ -1,0 +1,8 @@
+"""Errors of the model the trainer is given, below every module that raises or catches them
+(trainer.model builds the model and calls trainer.sharded_load, which raises them too)."""
+
+from __future__ import annotations
+
+
+class ModelError(ValueError):
+    """The model or tokenizer at ``model.path`` cannot be trained as it is; the message says what to change."""
