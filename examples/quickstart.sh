@@ -16,6 +16,7 @@ run=tiny-sft
 "$jobgen" validate examples/sft.toml
 if "$jobgen" status "$run" --json 2>/dev/null | grep -q '"state": "finished"'; then
   echo "quickstart: $run already finished; move its run directory away to run it again"
+  "$jobgen" status "$run"
 else
   "$jobgen" submit examples/sft.toml
 
@@ -24,8 +25,8 @@ else
   step() { "$jobgen" status "$run" --json | .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["step"] or 0)'; }
   until (($(step) >= 20)); do sleep 2; done
   "$jobgen" stop "$run"
+  # The watch ends with the run's status block: no `jobgen status` after it to print it again.
   "$jobgen" status "$run" --watch || true
-  "$jobgen" status "$run"
 
   # Continue: lift the switch and submit again; the run resumes from its checkpoint.
   run_dir=$("$jobgen" status "$run" --json | .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["run_dir"])')
@@ -33,7 +34,6 @@ else
   "$jobgen" submit examples/sft.toml
   "$jobgen" status "$run" --watch
 fi
-"$jobgen" status "$run"
 "$jobgen" logs "$run" --rank 0 --grep 'resumed|first step|eval at|exit [0-9]+:|checkpoint step' | tail -n 14
 # The answer to the [eval] prompt at the last evaluation (every one: jobgen samples tiny-sft).
 "$jobgen" samples "$run" --step 60

@@ -219,8 +219,15 @@ def plan(spec_file: str, as_json: bool) -> None:
 
 @main.command()
 @click.option("--site", "site_profile", is_flag=True, help="the schema of a site profile instead of run.toml")
-def schema(site_profile: bool) -> None:
-    """JSON schema of run.toml (or of a site profile), for editors."""
+@click.option("--markdown", is_flag=True, help="the Markdown reference (docs/reference/) instead of the JSON schema")
+def schema(site_profile: bool, markdown: bool) -> None:
+    """JSON schema of run.toml (or of a site profile), for editors; with --markdown, the
+    reference documentation: every table and key with its type, default and description."""
+    if markdown:
+        from jobgen.reference import MARKDOWN
+
+        click.echo(MARKDOWN[site_profile](), nl=False)
+        return
     from jobgen.schema import run_schema, site_schema
 
     click.echo(json.dumps(site_schema() if site_profile else run_schema(), indent=2))
@@ -229,7 +236,9 @@ def schema(site_profile: bool) -> None:
 @main.command()
 @click.argument("run_ref", metavar="[RUN]", required=False)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object (a list without RUN)")
-@click.option("--watch", is_flag=True, help="with RUN: print a line at every change until the run ends")
+@click.option(
+    "--watch", is_flag=True, help="with RUN: print a line at every change until the run ends, then its status block"
+)
 def status(run_ref: str | None, as_json: bool, watch: bool) -> None:
     """Runs and their array tasks: Slurm state, step, switches.
 

@@ -43,7 +43,7 @@ class RunStatus:
     name: str
     program: str
     state: str  # pending, running, stopped, finished, failed, unknown; unreadable (unreadable_status)
-    step: int | None
+    step: int | None  # the newest step known: max(logged_step, saved_step)
     max_steps: int | None
     tasks: list[TaskStatus] = field(default_factory=list)
     switches: list[str] = field(default_factory=list)
@@ -55,6 +55,10 @@ class RunStatus:
     tokens_per_s: float | None = None
     eta_seconds: float | None = None  # the steps left at the recent step time (training time only)
     last_checkpoint: str | None = None
+    # The metrics line is written every log_every_steps while a save may come between two:
+    # the step of the last line (whose loss is shown) and of the newest complete checkpoint.
+    logged_step: int | None = None
+    saved_step: int | None = None
     last_checkpoint_age_seconds: float | None = None
     # [eval]: the newest evaluation and the best (step, eval_loss; the best from best.json).
     eval_last: dict[str, Any] | None = None
@@ -187,6 +191,7 @@ def run_status(
         program=job.program,
         state="unknown",
         step=metrics.get("step") if metrics else None,
+        logged_step=metrics.get("step") if metrics else None,
         max_steps=spec.run.train.max_steps if job.program == "train" else None,
         tasks=tasks,
         switches=switches,
@@ -272,13 +277,12 @@ ETA_WINDOW = 20
 
 
 def _progress(status: RunStatus, run: RunDir, lines: list[dict[str, Any]]) -> None:
-    """ETA from the recent step time, and the newest checkpoint's name and age."""
-    seconds = [float(x["step_seconds"]) for x in lines[-ETA_WINDOW:] if x.get("step_seconds")]
-    if status.max_steps and status.step is not None and seconds:
-        status.eta_seconds = max(0, status.max_steps - status.step) * sorted(seconds)[len(seconds) // 2]
+    """The newest checkpoint's step, name and age, the step (never behind what is saved), and
+    the ETA from the recent step time."""
     saved = run.complete_checkpoints()
     if saved:
-        _step, path = saved[-1]
+        status.saved_step, path = saved[-1]
+        status.step = max(status.step if status.step is not None else -1, status.saved_step)
         status.last_checkpoint = path.name
         marker = path / "trainer_state.json"
         try:
@@ -287,6 +291,9 @@ def _progress(status: RunStatus, run: RunDir, lines: list[dict[str, Any]]) -> No
             )
         except OSError:
             pass
+    seconds = [float(x["step_seconds"]) for x in lines[-ETA_WINDOW:] if x.get("step_seconds")]
+    if status.max_steps and status.step is not None and seconds:
+        status.eta_seconds = max(0, status.max_steps - status.step) * sorted(seconds)[len(seconds) // 2]
 
 
 def eval_progress(
@@ -362,15 +369,24 @@ def watch_run(
     last = None
     while True:
         current = run_status(run, watchdog_alerts)
-        line = (
-            f"{time.strftime('%H:%M:%S')} {current.state}"
-            + (f" step {current.step}/{current.max_steps}" if current.max_steps else "")
-            + "  "
-            + ", ".join(f"{t.slurm_id}:{t.state}" for t in current.tasks)
-        )
-        if line.split(" ", 1)[1] != (last or " ").split(" ", 1)[1]:
-            echo(line)
+        line = watch_line(current)
+        if line != last:
+            echo(f"{time.strftime('%H:%M:%S')} {line}")
             last = line
         if current.state not in {"pending", "running", "unknown"}:
             return current
         time.sleep(interval)
+
+
+def watch_line(status: RunStatus) -> str:
+    """The watch's line without its clock: state, step (with the logged and the saved one
+    when they differ) and one state per task, its latest attempt's (the task table's rows
+    are oldest first, so a later row of the same task replaces an earlier one)."""
+    line = status.state
+    if status.max_steps:
+        line += f" step {status.step if status.step is not None else '-'}/{status.max_steps}"
+        if status.saved_step is not None and status.saved_step != status.logged_step:
+            logged = status.logged_step if status.logged_step is not None else "-"
+            line += f" (logged {logged}, saved {status.saved_step})"
+    latest = {t.slurm_id: t.state for t in status.tasks}
+    return line + "  " + ", ".join(f"{task}:{state}" for task, state in latest.items())

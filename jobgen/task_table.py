@@ -245,6 +245,15 @@ def _apply_queue(rows, row, queue: list[slurm.QueueEntry], time_limit: int | Non
         # exit code from the batch script or the trainer), else the one after the newest.
         attempts = sorted(r for (j, r) in rows if j == entry.job_id)
         newest_open = bool(attempts) and rows[(entry.job_id, attempts[-1])].jobgen_exit is None
+        if attempts and not newest_open and (entry.state in slurm.JOB_ENDING or entry.state not in slurm.JOB_ACTIVE):
+            # No new attempt: the recorded one being cleaned up (COMPLETING), or squeue --jobs
+            # still listing how it ended (MinJobAge). The recorded end is final, Slurm's word
+            # on how it ended wins as in _apply_slurm_memory; a row of its own would show the
+            # task twice (COMPLETED and COMPLETING) and keep the run "running".
+            task = rows[(entry.job_id, attempts[-1])]
+            if entry.state not in slurm.JOB_ACTIVE:
+                task.state = entry.state
+            continue
         restart = (attempts[-1] if newest_open else attempts[-1] + 1) if attempts else 0
         task = row(entry.job_id, restart, entry.array_job_id, entry.array_task)
         task.state = entry.state
