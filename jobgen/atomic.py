@@ -14,6 +14,7 @@ team can read but not replace; one with umask 002 asked for group-write. (tempfi
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -23,6 +24,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+class TargetExists(FileExistsError):
+    """The name :func:`staged_directory` was to publish is already a non-empty directory:
+    someone had it first, or another process renamed its own staging into it meanwhile."""
 
 
 def _create_unique(directory: Path, prefix: str, suffix: str, create: Callable[[str], T]) -> tuple[T, str]:
@@ -113,17 +119,30 @@ def staged_directory(target: str | os.PathLike[str], mode: int = 0o777) -> Itera
     ``mode`` is before the umask, as for ``mkdir``."""
     target = Path(target)
     if target.exists() and any(target.iterdir()):
-        raise FileExistsError(f"{target} exists and is not empty")
+        raise TargetExists(f"{target} exists and is not empty")
     target.parent.mkdir(parents=True, exist_ok=True)
     _, name = _create_unique(target.parent, f".{target.name}.", ".staging", lambda name: os.mkdir(name, mode))
     staging = Path(name)
     try:
         yield staging
         fsync_tree(staging)
-        if target.exists():
-            target.rmdir()
-        staging.rename(target)
+        _publish(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     fsync_dir(target.parent)
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Rename ``staging`` to ``target``. A process that filled its own staging directory at
+    the same time may have renamed it in first: then the kernel refuses ours (ENOTEMPTY, or
+    EEXIST on some filesystems), and that is :class:`TargetExists`, not a bare OSError."""
+    try:
+        with contextlib.suppress(FileNotFoundError):  # an empty target someone removed: the rename needs none
+            if target.exists():
+                target.rmdir()
+        staging.rename(target)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise TargetExists(f"{target} was created by another process meanwhile") from None
+        raise

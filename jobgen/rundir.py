@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobgen.atomic import current_umask, staged_directory, write_json_atomic, write_text_atomic
+from jobgen.atomic import TargetExists, current_umask, staged_directory, write_json_atomic, write_text_atomic
 from jobgen.loader import ResolvedSpec
 
 SUBDIRS = ("switches", "logs", "checkpoints", "repro", "history")
@@ -105,6 +105,17 @@ def broken_checkpoints_in(directory: Path) -> list[Path]:
 
 class RunDirError(RuntimeError):
     """A run directory that cannot be created or continued; the message says why."""
+
+
+class RunDirTaken(RunDirError):
+    """Another submission of the same run created its directory while this one was
+    creating it, or after this one had found none (and so skipped the busy-run checks)."""
+
+    def __init__(self, path: Path, name: str):
+        super().__init__(
+            f"run {path} was created by another submission of {name} at the same moment: "
+            f"see what it started (jobgen status {name}), or stop it first (jobgen stop {name})"
+        )
 
 
 @dataclass(frozen=True)
@@ -404,9 +415,13 @@ def _identity(spec_json: dict[str, Any]) -> dict[str, Any]:
     return {key: spec_json["run"].get(key) for key in IDENTITY_KEYS}
 
 
-def materialize(spec: ResolvedSpec, script: str, source_text: str | None) -> tuple[RunDir, bool]:
+def materialize(
+    spec: ResolvedSpec, script: str, source_text: str | None, *, new_only: bool = False
+) -> tuple[RunDir, bool]:
     """Create the run directory, or update an existing one for a continued run, with
     ``script`` (the rendered batch script, jobgen.render.render) as ``<program>.sbatch``.
+    ``new_only``: the caller found no run directory and checked nothing about a running
+    one, so one that exists now is :class:`RunDirTaken`, as is losing the race to create it.
 
     Returns the run dir and whether it was newly created.
     """
@@ -418,6 +433,8 @@ def materialize(spec: ResolvedSpec, script: str, source_text: str | None) -> tup
     except OSError as exc:
         raise RunDirError(f"cannot create runs root {spec.runs_root}: {exc.strerror}") from None
     if run.path.exists():
+        if new_only and run.exists():
+            raise RunDirTaken(run.path, spec.run.job.name)
         if not run.exists():
             raise RunDirError(
                 f"{run.path} exists but is not a jobgen run directory (no spec.json); "
@@ -425,7 +442,11 @@ def materialize(spec: ResolvedSpec, script: str, source_text: str | None) -> tup
             )
         _update(run, spec_json, scripts, source_text)
         return run, False
-    _create(run, spec_json, scripts, source_text)
+    try:
+        _create(run, spec_json, scripts, source_text)
+    except TargetExists:
+        # Another submission's rename won: its directory is whole and is left alone.
+        raise RunDirTaken(run.path, spec.run.job.name) from None
     return run, True
 
 

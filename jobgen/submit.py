@@ -25,7 +25,7 @@ from jobgen.goodput import kill_window_warning, lead_time_warning, run_reports
 from jobgen.loader import ResolvedSpec
 from jobgen.preflight import Finding, kill_window, memory_findings, pass_env_findings, preflight
 from jobgen.render import render, script_name
-from jobgen.rundir import RunDir, materialize, remove_new
+from jobgen.rundir import RunDir, RunDirTaken, materialize, remove_new
 
 
 class SubmitError(RuntimeError):
@@ -128,7 +128,8 @@ def submit(
             )
         )
     run = RunDir(spec.run_dir)
-    if run.exists() and spec.run.job.graceful_stop:  # else no save races a time limit or a SIGKILL
+    existed = run.exists()
+    if existed and spec.run.job.graceful_stop:  # else no save races a time limit or a SIGKILL
         reports = run_reports(run.path, spec.run.job.time)
         warning = lead_time_warning(spec.run.job.exit_grace, reports)
         if warning:
@@ -137,7 +138,7 @@ def submit(
             warning = kill_window_warning(kill_window(spec), reports)
             if warning:
                 findings.append(Finding("warning", "train.async_save", warning))
-    if run.exists() and after is None:
+    if existed and after is None:
         findings.extend(_writer_busy(spec))
         busy = active_jobs(run)
         if busy:
@@ -156,7 +157,9 @@ def submit(
     if dry_run:
         return result
 
-    run, created = materialize(spec, script, source_text)
+    # A run found absent skipped the busy checks above: one that appears meanwhile (another
+    # submission of it) is refused, never continued as if it were idle.
+    run, created = _materialize(spec, script, source_text, new_only=not existed)
     result.created = created
     clear_failure(run)
     try:
@@ -168,6 +171,15 @@ def submit(
     tasks = (array or spec.run.job.array) if spec.run.job.resumable else None
     run.record_job({"job_id": result.job_id, "options": options, "array": tasks, "after": after})
     return result
+
+
+def _materialize(spec: ResolvedSpec, script: str, source_text: str | None, *, new_only: bool) -> tuple[RunDir, bool]:
+    """:func:`jobgen.rundir.materialize`; losing the race to create the run directory is
+    refused as a busy run is, with a sentence (exit status 2), not an OSError."""
+    try:
+        return materialize(spec, script, source_text, new_only=new_only)
+    except RunDirTaken as exc:
+        raise SubmitError([Finding("error", "", str(exc))]) from None
 
 
 def _writer_busy(spec: ResolvedSpec) -> list[Finding]:
@@ -234,10 +246,11 @@ def run_local(
         problems.append(
             Finding("error", "site.python.kind", "--local cannot start pyxis containers; use a venv or modules site")
         )
+    existed = RunDir(spec.run_dir).exists()
     problems.extend(_writer_busy(spec))
     if problems:
         raise SubmitError(problems)
-    run, _ = materialize(spec, render(spec), source_text)
+    run, _ = _materialize(spec, render(spec), source_text, new_only=not existed)
     clear_failure(run)
     job_id = int(time.time())
     run.record_job({"job_id": job_id, "local": True, "options": []})

@@ -43,7 +43,7 @@ from pathlib import Path
 from jobgen.exit_codes import ExitCode
 from jobgen.quarantine import record_rank_failure
 from jobgen.rundir import RunDir
-from jobgen.runtime.records import MetricsWriter, write_exit_code
+from jobgen.runtime.records import MetricsWriter, user_metrics, write_exit_code
 from jobgen.runtime.stopping import Action, StopMonitor, StopSettings, first_signal_caught, job_end_time
 
 __all__ = ["Action", "Job", "Life", "NotUnderJobgen", "current", "lifecycle"]
@@ -206,8 +206,8 @@ class Life:
                     "seconds_to_first_step": round(now - self.job.job_start, 3),
                 }
             )
-        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-        self._metrics.log_step({"step": step, "step_seconds": round(seconds, 4), **clean})
+        # The user's metrics first: a colliding name is renamed, and step/step_seconds are ours.
+        self._metrics.log_step({**user_metrics(metrics), "step": step, "step_seconds": round(seconds, 4)})
         action = self.job.agreed_action()
         if action.saves:
             self._save_started = time.time()

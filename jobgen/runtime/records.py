@@ -26,6 +26,27 @@ from jobgen.rundir import RunDir
 EVAL_EVENT = "eval"
 
 
+# The fields of a ``metrics.jsonl`` line that jobgen itself writes and its readers trust
+# (status, plot, goodput, the hang watchdog, the eval split): a user's metric never
+# replaces one. MetricsWriter stamps the first three; a step's line gets the rest from
+# the trainer or :meth:`jobgen.runtime.Life.step_done`.
+STAMP_FIELDS = ("time", "job_id", "restart")
+SYSTEM_FIELDS = frozenset((*STAMP_FIELDS, "step", "step_seconds", "event"))
+USER_PREFIX = "user/"
+
+
+def user_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """A user's numeric metrics as they go into a step's line: one named like a system
+    field is kept as ``user/<name>``. Renamed, not refused: a refusal would crash a
+    training loop hours in over a logging name the user may not even have chosen (a
+    Trainer's or a library's logs); the value still reaches ``metrics.jsonl``."""
+    numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    kept = {k: v for k, v in numeric.items() if k not in SYSTEM_FIELDS}
+    for key in SYSTEM_FIELDS & numeric.keys():
+        kept.setdefault(USER_PREFIX + key, numeric[key])  # an explicit user/<name> wins
+    return kept
+
+
 def is_eval_line(line: dict[str, Any]) -> bool:
     return line.get("event") == EVAL_EVENT
 
@@ -64,8 +85,9 @@ class MetricsWriter:
             os.fsync(fh.fileno())
 
     def log_step(self, record: dict[str, Any]) -> None:
+        # The stamp comes last: whatever ``record`` holds, these are the writer's own.
         self._append(
-            "metrics.jsonl", {"time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart, **record}
+            "metrics.jsonl", {**record, "time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart}
         )
 
     def log_task(self, record: dict[str, Any]) -> None:
