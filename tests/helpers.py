@@ -212,11 +212,13 @@ def make_run(
     model: dict[str, object] | None = None,
     data: dict[str, object] | None = None,
     eval: dict[str, object] | None = None,
+    site: str | dict[str, object] = "local",
     **train: object,
 ) -> Path:
     """A run directory as ``jobgen submit`` writes it (spec ``directory/NAME.toml``, runs under
     ``directory/runs``), for ``torchrun``: the tiny model, the example data, TRAINER_SETTINGS
-    overridden by ``train``; ``model``/``data`` add keys to those tables, ``eval`` writes [eval]."""
+    overridden by ``train``; ``model``/``data`` add keys to those tables, ``eval`` writes [eval],
+    ``site`` is the site profile or its overrides."""
     from jobgen.loader import load_run
     from jobgen.render import render
     from jobgen.rundir import materialize
@@ -224,6 +226,7 @@ def make_run(
     spec_file = run_spec(
         directory,
         name,
+        site=site,
         filename=f"{name}.toml",
         job={"time": "1h", "runs_root": "runs"},
         model={"path": tiny_model, **(model or {})},

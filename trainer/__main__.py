@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     attempt = Attempt.from_environ()
     env = distributed.init_distributed(spec.run.train.collective_timeout, None)
     record_ranks(run, attempt, env)
+    if env.is_main and attempt.job_id:
+        from jobgen.runtime.records import reserve_exit_code
+
+        reserve_exit_code(run, attempt.job_id, attempt.restart)  # the reason gets out of a full disk
     lease = WriterLease(run.writer_lease)
     code, reason = ExitCode.OK, ""
     try:
@@ -92,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         code, reason = train(spec, run, env, attempt, startup)
         return int(code)
     except BaseException as exc:
-        code, reason = ExitCode.CRASHED, f"crashed: {type(exc).__name__}: {str(exc)[:300]}"
+        from jobgen.runtime.records import crash_reason
+
+        code, reason = ExitCode.CRASHED, crash_reason(exc, run.path)
         record_rank_end(run, attempt, env, exc)
         raise
     finally:

@@ -43,7 +43,7 @@ from pathlib import Path
 from jobgen.exit_codes import ExitCode
 from jobgen.quarantine import record_rank_failure
 from jobgen.rundir import RunDir
-from jobgen.runtime.records import MetricsWriter, user_metrics, write_exit_code
+from jobgen.runtime.records import MetricsWriter, crash_reason, reserve_exit_code, user_metrics, write_exit_code
 from jobgen.runtime.stopping import Action, StopMonitor, StopSettings, first_signal_caught, job_end_time
 
 __all__ = ["Action", "Job", "Life", "NotUnderJobgen", "current", "lifecycle"]
@@ -284,11 +284,13 @@ def lifecycle(start_step: int = 0, job: Job | None = None) -> Iterator[Life]:
     if job is None:
         raise NotUnderJobgen("jobgen.runtime.lifecycle() needs the JOBGEN_RUN_DIR a jobgen batch script sets")
     job.install_signal_handlers()
+    if job.is_main and job.job_id:
+        reserve_exit_code(job.run, job.job_id, job.restart)  # the reason gets out of a full disk
     life = Life(job, start_step)
     try:
         yield life
     except BaseException as exc:
         life.rank_failed(exc)
-        life.finish(ExitCode.CRASHED, f"crashed: {type(exc).__name__}: {str(exc)[:300]}")
+        life.finish(ExitCode.CRASHED, crash_reason(exc, job.run_dir))
         raise
     life.finish(*life.outcome())

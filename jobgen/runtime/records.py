@@ -11,6 +11,7 @@ atomically.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -56,11 +57,84 @@ def training_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [line for line in lines if not is_eval_line(line)]
 
 
+# Bytes the exit record keeps from a job's start (reserve_exit_code): on a full disk the
+# record is written into them in place, which needs no new block, so the batch script (and
+# the job's comment) still learn why the job ended.
+EXIT_RECORD_RESERVE = 4096
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def reserve_exit_code(run: RunDir, job_id: str, restart: int) -> None:
+    """Keep room for this attempt's exit record while there is room: blank lines, which the
+    batch script reads as no record."""
+    write_text_atomic(run.exit_code_file(job_id, restart), "\n" * EXIT_RECORD_RESERVE)
+
+
 def write_exit_code(run: RunDir, job_id: str, restart: int, code: ExitCode, reason: str) -> None:
     """This attempt's exit code and its reason on one line, for the batch script: it exits
-    with the one (0 for planned stops) and sets the job's Slurm comment to the other."""
+    with the one (0 for planned stops) and sets the job's Slurm comment to the other. On a
+    full disk, into the room reserve_exit_code kept."""
     words = " ".join((reason or code.reason).split())[:400]
-    write_text_atomic(run.exit_code_file(job_id, restart), f"{int(code)}\n{words}\n")
+    path = run.exit_code_file(job_id, restart)
+    text = f"{int(code)}\n{words}\n"
+    try:
+        write_text_atomic(path, text)
+    except OSError as exc:
+        if exc.errno not in DISK_FULL_ERRNOS or not path.is_file():
+            raise
+        fd = os.open(path, os.O_WRONLY)  # the reserved blocks: overwriting them needs no new one
+        try:
+            room = os.fstat(fd).st_size
+            data = text.encode()[:room]
+            os.pwrite(fd, data + b"\n" * (room - len(data)), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def disk_full(exc: BaseException) -> OSError | None:
+    """The no-space (or quota) error behind ``exc``, however wrapped: causes, contexts, and the
+    per-rank failures of torch.distributed.checkpoint's CheckpointException."""
+    pending, seen = [exc], set()
+    while pending:
+        error = pending.pop()
+        if not isinstance(error, BaseException) or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+            return error
+        pending += [error.__cause__, error.__context__]
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict):  # rank -> (exception, traceback)
+            pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
+def mount_point(path: str | os.PathLike[str]) -> str:
+    """The mount point of the filesystem ``path`` is (or would be) on."""
+    current = os.path.abspath(path)
+    while not os.path.exists(current):
+        current = os.path.dirname(current)
+    while not os.path.ismount(current):
+        current = os.path.dirname(current)
+    return current
+
+
+def crash_reason(exc: BaseException, run_dir: str | os.PathLike[str] | None = None) -> str:
+    """The exit reason of a crash: for a full disk, which filesystem and what was being
+    written (the rank's own log may be on that disk and lose the traceback), else the
+    exception in one line. A write that names no file (a checkpoint writer's) is taken to be
+    the run directory's (``run_dir``), where everything a job writes goes."""
+    full = disk_full(exc)
+    if full is not None:
+        if full.filename:
+            where = f"{mount_point(full.filename)} (writing {full.filename})"
+        elif run_dir is not None:
+            where = f"{mount_point(run_dir)} (writing under {run_dir})"
+        else:
+            where = "a filesystem"
+        return f"crashed: no space left on {where}: {full.strerror or 'No space left on device'}"
+    return f"crashed: {type(exc).__name__}: {str(exc)[:300]}"
 
 
 class MetricsWriter:
