@@ -58,9 +58,7 @@ def complete_checkpoints(run: Path) -> list[Path]:
     return found
 
 
-# In CI the quick soak proves time limits (its first fault lets a task
-# reach its limit: exit 13, or 12 by the lead-time signal, never TIMEOUT, nothing redone).
-@pytest.mark.full
+# In CI (the README's guarantee: a time limit saves before Slurm kills, and --after chains).
 def test_time_limit_saves_before_slurm_and_an_array_chained_after_resumes(cluster, tmp_path, tiny_model):
     """A 2-minute job saves and exits on its own before its limit (deadline or the
     batch shell's lead-time signal); an array chained --after it resumes from that

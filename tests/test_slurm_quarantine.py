@@ -41,7 +41,6 @@ def task_nodes(array_job_id: int, index: int) -> list[str]:
     return slurm.hostnames(entry.nodes)
 
 
-@pytest.mark.full  # CI: the start-probe test below quarantines a node and releases it by doctor
 def test_a_node_whose_ranks_go_silent_is_quarantined_and_released_by_doctor(cluster, tmp_path, tiny_model):
     run = tmp_path / "runs" / "qn"
     array = submit(train_spec(tmp_path, tiny_model, "qn", nodes=2, array=2, collective_timeout="20s"))
