@@ -1,8 +1,8 @@
 """The run spec: tables ``[job]``, ``[model]``, ``[data]``, ``[train]``, ``[env]`` of ``run.toml``.
 
-Key names are part of the product contract (``../shared/design.md``); descriptions
-are the reference documentation and feed ``jobgen schema``. Loading, site
-resolution and error reporting live in :mod:`jobgen.loader`.
+Key names are part of the product contract (``docs/architecture.md``, "Where a new feature
+goes"); descriptions are the reference documentation and feed ``jobgen schema``. Loading,
+site resolution and error reporting live in :mod:`jobgen.loader`.
 """
 
 from __future__ import annotations
@@ -371,7 +371,7 @@ PythonModule = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]
 class CommandSpec(StrictModel):
     """Your own program (job.program = 'command'), started by torchrun on every node as the
     bundled trainer is. It reaches the run directory, the switches and the deadline through
-    ``jobgen.runtime`` (README, "Your own program")."""
+    ``jobgen.runtime`` (docs/own-program.md)."""
 
     module: PythonModule | None = Field(
         None, description="Run as `torchrun ... -m MODULE`, e.g. 'my_project.train' (found from workdir)."

@@ -1,6 +1,6 @@
-"""Dependencies point one way (design.md, "Architecture"): ``trainer/`` and ``watchdogs/``
-use ``jobgen/``; ``jobgen/`` uses neither, except ``jobgen/cli.py``, the composition root
-that wires every subcommand together; ``trainer/`` does not use ``watchdogs/``.
+"""Dependencies point one way (``docs/architecture.md``, "The dependency rule"): ``trainer/``
+and ``watchdogs/`` use ``jobgen/``; ``jobgen/`` uses neither, except ``jobgen/cli.py``, the
+composition root that wires every subcommand together; ``trainer/`` does not use ``watchdogs/``.
 
 Every module is parsed, not imported: imports at module level, inside functions and
 under ``if TYPE_CHECKING`` all count, and so do ``importlib.import_module`` /
@@ -98,7 +98,7 @@ def test_relative_imports_are_resolved(tmp_path: Path):
 
 def test_dependencies_point_one_way():
     problems = violations()
-    assert not problems, "imports against the one-way layout (design.md, Architecture):\n" + "\n".join(problems)
+    assert not problems, "imports against the one-way layout (docs/architecture.md):\n" + "\n".join(problems)
 
 
 def module_name(path: Path, root: Path = REPO) -> str:

@@ -7,7 +7,7 @@ task resumed at, and how much work was lost (recomputed steps).
 
 Slurm checks time limits about once a minute and a 2-node job takes ~20 s to start
 training here, so these take minutes. ``pytest -m lifecycle`` runs them all; CI runs
-the ones not marked ``full`` (see the README).
+the ones not marked ``full`` (see docs/testing.md).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def complete_checkpoints(run: Path) -> list[Path]:
     return found
 
 
-# In CI (the README's guarantee: a time limit saves before Slurm kills, and --after chains).
+# In CI (docs/testing.md's guarantee: a time limit saves before Slurm kills, and --after chains).
 def test_time_limit_saves_before_slurm_and_an_array_chained_after_resumes(cluster, tmp_path, tiny_model):
     """A 2-minute job saves and exits on its own before its limit (deadline or the
     batch shell's lead-time signal); an array chained --after it resumes from that
