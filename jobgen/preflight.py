@@ -19,7 +19,7 @@ from pathlib import Path
 from jobgen import slurm
 from jobgen.durations import format_human, parse_slurm_limit
 from jobgen.goodput import KillWindow
-from jobgen.loader import ResolvedSpec
+from jobgen.resolved import ResolvedSpec
 
 MIN_SLURM = (20, 11)
 

@@ -27,9 +27,9 @@ import jinja2
 from jobgen import __version__
 from jobgen.durations import format_slurm
 from jobgen.exit_codes import ExitCode
-from jobgen.loader import ResolvedSpec
 from jobgen.paths import PROJECT_ROOT, TEMPLATES_DIR
 from jobgen.repro import env_record_patterns
+from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import STARTUP_SWITCHES, RunDir
 
 # Programs the launch template can start under torchrun, by spec value.

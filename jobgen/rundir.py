@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from jobgen.atomic import TargetExists, current_umask, staged_directory, write_json_atomic, write_text_atomic
-from jobgen.loader import ResolvedSpec
+from jobgen.resolved import ResolvedSpec
 
 SUBDIRS = ("switches", "logs", "checkpoints", "repro", "history")
 # Switch files under switches/: kill saves and exits, save saves and goes on, abort exits

@@ -35,7 +35,8 @@ from pathlib import Path
 
 from jobgen import quarantine, slurm
 from jobgen.atomic import write_json_atomic, write_text_atomic
-from jobgen.loader import ResolvedSpec, resolve
+from jobgen.loader import resolve
+from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir, RunDirError, find_run
 from jobgen.serve_render import (
     SCRIPT_PROGRAM,

@@ -20,9 +20,9 @@ from typing import Any
 
 from jobgen import __version__
 from jobgen.durations import format_human, format_slurm
-from jobgen.loader import ResolvedSpec
 from jobgen.paths import PROJECT_ROOT
 from jobgen.render import Trusted, sbatch_arg, slurm_filename_literal, template_environment
+from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir
 from jobgen.serve_node import STOP_GRACE_SECONDS
 from jobgen.serve_spec import ServeSpec

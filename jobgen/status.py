@@ -27,8 +27,8 @@ from typing import Any
 
 from jobgen import quarantine, slurm
 from jobgen.goodput import goodput, kill_window_warning, lead_time_warning, read_metrics, read_tasks, run_reports
-from jobgen.loader import ResolvedSpec
 from jobgen.preflight import kill_window
+from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir
 from jobgen.runtime.records import is_eval_line, training_lines
 from jobgen.task_table import TaskStatus, build_tasks, read_task_records, unexplained_submissions

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from jobgen import lease, quarantine, slurm
 from jobgen.goodput import kill_window_warning, lead_time_warning, run_reports
-from jobgen.loader import ResolvedSpec
 from jobgen.preflight import Finding, kill_window, memory_findings, pass_env_findings, preflight
 from jobgen.render import render, script_name
+from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir, RunDirTaken, materialize, remove_new
 
 

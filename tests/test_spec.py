@@ -172,7 +172,7 @@ def test_train_program_needs_model_and_data(workdir):
 
 
 def test_resolved_spec_round_trips_through_json(workdir):
-    from jobgen.loader import ResolvedSpec
+    from jobgen.resolved import ResolvedSpec
 
     spec = load_run(write_spec(workdir, GOOD))
     again = ResolvedSpec.from_json(spec.to_json())

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from jobgen.loader import ResolvedSpec
+from jobgen.resolved import ResolvedSpec
 from trainer.data_cache import cache_root, prepare_dataset
 from trainer.distributed import DistEnv
 from trainer.eval_data import EvalSet, load_eval_path, split_off_eval

@@ -40,7 +40,7 @@ from pathlib import Path
 import datasets
 
 from jobgen.atomic import fsync_dir, fsync_tree
-from jobgen.loader import ResolvedSpec
+from jobgen.resolved import ResolvedSpec
 from jobgen.spec import DataSpec
 from trainer import data as data_mod
 from trainer.data import DataStats, is_hub_id, read_stats, write_stats

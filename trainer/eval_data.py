@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from jobgen.loader import ResolvedSpec
+from jobgen.resolved import ResolvedSpec
 from trainer.formats import DataError
 from trainer.packing import IGNORE_INDEX, build_rows, collate, fetch_rows
 

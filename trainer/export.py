@@ -38,7 +38,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from jobgen.atomic import staged_directory
-from jobgen.loader import ResolvedSpec
+from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir
 from jobgen.spec import ModelSpec
 from trainer.checkpoint import complete_checkpoints, describe_load_error

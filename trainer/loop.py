@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from jobgen.atomic import write_json_atomic
 from jobgen.exit_codes import ExitCode
-from jobgen.loader import ResolvedSpec
+from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir
 from jobgen.runtime.records import MetricsWriter
 from jobgen.runtime.stopping import Action, StopMonitor

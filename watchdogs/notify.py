@@ -34,7 +34,7 @@ from pathlib import Path
 
 from jobgen.atomic import write_json_atomic
 from jobgen.durations import format_human
-from jobgen.loader import ResolvedSpec
+from jobgen.resolved import ResolvedSpec
 from jobgen.watchdog_settings import EmailSettings, WebhookSettings
 from watchdogs.target import CheckResult, Target, watchdog_home
 

@@ -40,7 +40,7 @@ from typing import Any
 from jobgen import slurm
 from jobgen.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
 from jobgen.durations import format_human
-from jobgen.loader import ResolvedSpec
+from jobgen.resolved import ResolvedSpec
 from watchdogs import CHECKS
 from watchdogs.notify import append_line, locked
 

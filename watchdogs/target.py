@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobgen.loader import ResolvedSpec
+from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir, default_runs_root, find_run
 from jobgen.watchdog_settings import WatchdogSettings
 
