@@ -513,3 +513,14 @@ def cut_short_and_extend(run: Path, checkpoint: str, max_steps: int) -> None:
     spec = json.loads((run / "spec.json").read_text())
     spec["run"]["train"]["max_steps"] = max_steps
     (run / "spec.json").write_text(json.dumps(spec))
+
+
+def spec_issues(path: Path) -> dict[str, str]:
+    """Key -> message of every problem ``load_run`` finds in the spec at ``path`` (it must find one)."""
+    import pytest
+
+    from jobgen.loader import SpecError, load_run
+
+    with pytest.raises(SpecError) as info:
+        load_run(path)
+    return {i.key: i.message for i in info.value.issues}

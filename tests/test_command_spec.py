@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import write_spec
-from jobgen.loader import SpecError, load_run
+from helpers import spec_issues, write_spec
+from jobgen.loader import load_run
 from jobgen.render import render
 
 HEAD = """
@@ -20,12 +20,6 @@ HEAD = """
     time = "1h"
     array = 3
 """
-
-
-def issues_of(path: Path) -> dict[str, str]:
-    with pytest.raises(SpecError) as info:
-        load_run(path)
-    return {i.key: i.message for i in info.value.issues}
 
 
 @pytest.mark.parametrize(
@@ -46,13 +40,13 @@ def issues_of(path: Path) -> dict[str, str]:
     ],
 )
 def test_a_bad_command_table_is_refused_with_its_key(tmp_path: Path, table: str, key: str, words: str):
-    found = issues_of(write_spec(tmp_path, HEAD + table))
+    found = spec_issues(write_spec(tmp_path, HEAD + table))
     assert key in found and words in found[key], found
 
 
 def test_command_with_another_program_is_refused(tmp_path: Path):
     spec = HEAD.replace('program = "command"', 'program = "doctor"') + '[command]\nmodule = "a.b"\n'
-    found = issues_of(write_spec(tmp_path, spec))
+    found = spec_issues(write_spec(tmp_path, spec))
     assert "only used with job.program = 'command'" in " ".join(found.values()), found
 
 
@@ -75,7 +69,7 @@ def test_a_newline_in_run_tomls_directory_never_reaches_the_script(tmp_path: Pat
     hostile.mkdir(parents=True)  # its "/" make it three directories, as in the audit
     (hostile / "train.py").write_text("print('hi')\n")
     spec = write_spec(hostile, HEAD + '[command]\nscript = "train.py"\n')
-    found = issues_of(spec)
+    found = spec_issues(spec)
     assert "control character" in found.get("command.workdir", ""), found
     assert "control character" in found.get("command.script", ""), found
     # And render itself refuses such a word, should one ever get past the loader.

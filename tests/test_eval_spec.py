@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DATA, jobgen, write_spec
-from jobgen.loader import SpecError, load_run
+from helpers import DATA, jobgen, spec_issues, write_spec
+from jobgen.loader import load_run
 
 
 def head(tmp_path: Path) -> str:
@@ -24,12 +24,6 @@ def head(tmp_path: Path) -> str:
         [data]
         path = "{DATA}"
     """
-
-
-def issues_of(path: Path) -> dict[str, str]:
-    with pytest.raises(SpecError) as info:
-        load_run(path)
-    return {i.key: i.message for i in info.value.issues}
 
 
 @pytest.mark.parametrize(
@@ -57,14 +51,14 @@ def issues_of(path: Path) -> dict[str, str]:
 def test_a_bad_eval_table_is_refused_with_its_key(tmp_path: Path, table: str, key: str, words: str):
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n{oops\n')
-    found = issues_of(write_spec(tmp_path, head(tmp_path) + table))
+    found = spec_issues(write_spec(tmp_path, head(tmp_path) + table))
     assert key in found and words in found[key], found
 
 
 def test_eval_with_another_program_is_refused(tmp_path: Path):
     doctor = 'site = "local"\n[job]\nname = "d"\nprogram = "doctor"\ntime = "1h"\n'
     spec = write_spec(tmp_path, doctor + "[eval]\nsplit = 0.1\n")
-    found = issues_of(spec)
+    found = spec_issues(spec)
     assert "only used with job.program = 'train'" in " ".join(found.values()), found
 
 

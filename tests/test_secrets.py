@@ -9,22 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import jobgen, run_spec, write_spec
-from jobgen.loader import SpecError, load_run
+from helpers import jobgen, run_spec, spec_issues, write_spec
+from jobgen.loader import load_run
 
 TOKEN = "hf_jobgen_test_value_0123456789"
-
-
-def issues_of(path: Path) -> dict[str, str]:
-    with pytest.raises(SpecError) as info:
-        load_run(path)
-    return {i.key: i.message for i in info.value.issues}
 
 
 @pytest.mark.parametrize("name", ["HF_TOKEN", "WANDB_API_KEY", "MY_PASSWORD", "AWS_SECRET_ACCESS_KEY"])
 def test_a_literal_secret_in_env_is_refused_with_its_name(tmp_path: Path, name: str):
     spec = run_spec(tmp_path, "s", job={"program": "doctor", "time": "10m"}, env={name: "x", "OMP_NUM_THREADS": "2"})
-    found = issues_of(spec)
+    found = spec_issues(spec)
     assert f"{name} looks like a secret" in found["env"] and "job.pass_env" in found["env"], found
 
 
@@ -32,7 +26,7 @@ def test_a_literal_secret_in_a_site_profiles_env_is_refused(tmp_path: Path):
     spec = run_spec(
         tmp_path, "s", site={"profile": "local", "env": {"HF_TOKEN": "x"}}, job={"program": "doctor", "time": "10m"}
     )
-    found = issues_of(spec)
+    found = spec_issues(spec)
     assert "HF_TOKEN looks like a secret" in found.get("site.env", ""), found
 
 
