@@ -1,6 +1,6 @@
 """Markdown reference of run.toml and of a site profile (``jobgen schema --markdown``),
 generated from the pydantic models: the field descriptions are the one documentation,
-and ``docs/reference/*.md`` are this module's output (tests/test_reference_docs.py).
+and ``docs/reference/*.md`` are this module's output (tests/unit/test_reference_docs.py).
 
 Types are written as a user writes them in TOML (``duration like "30m"``, ``list of
 strings``), defaults as TOML values. The output depends on the models only.

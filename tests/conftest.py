@@ -14,18 +14,23 @@ from pathlib import Path
 
 import pytest
 
-# Helpers live in helpers.py; these names stay importable from conftest for the modules
-# that still do so.
-from helpers import (  # noqa: F401
-    REPO,
-    VENV_BIN,
-    cancel_submitted,
-    jobgen,
-    local_receivers,
-    submitted_job_id,
-    wait_until_gone,
-    write_spec,
-)
+from helpers import ClusterRun, cancel_submitted, train_spec
+
+# The folder says what a test needs: unit/ nothing but this checkout, distributed/ torchrun
+# with several processes on gloo, cluster/ and soak/ the dev Slurm cluster. The `slurm`
+# marker follows the folder, so `pytest -m "not slurm"` and `pytest tests/unit` agree.
+KINDS = ("unit", "distributed", "cluster", "soak")
+NEEDS_SLURM = ("cluster", "soak")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        kind = Path(item.fspath).resolve().relative_to(tests).parts[0]
+        if kind not in KINDS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lives in one of tests/{{{','.join(KINDS)}}}/")
+        if kind in NEEDS_SLURM:
+            item.add_marker(pytest.mark.slurm)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -88,3 +93,18 @@ def cluster():
     yield info
     if started and not os.environ.get("JOBGEN_KEEP_CLUSTER"):
         devcluster.down()
+
+
+@pytest.fixture()
+def cluster_run(cluster, tmp_path: Path, tiny_model: Path):
+    """The set-up of a training run on the dev cluster, for the scenarios that submit one:
+    ``spec, run = cluster_run("name", nodes=2, array=3, save_every_steps=5)`` writes the spec
+    (helpers.train_spec's keywords: it trains until stopped unless max_steps says otherwise)
+    under the test's directory and names its run directory; the run's jobs are cancelled
+    after the test."""
+
+    def make(name: str, *, runs_root: Path | None = None, **keys: object) -> ClusterRun:
+        root = runs_root or tmp_path / "runs"
+        return ClusterRun(train_spec(tmp_path, tiny_model, name, runs_root=root, **keys), root / name)
+
+    return make

@@ -35,13 +35,14 @@ import traceback
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from jobgen.goodput import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 DATA = REPO / "examples" / "data" / "instructions.jsonl"
+GOLDEN = REPO / "tests" / "golden"
 
 T = TypeVar("T")
 
@@ -66,6 +67,13 @@ def jobgen(
     if check and proc.returncode != 0:
         raise AssertionError(f"jobgen {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def python_checks(code: str, timeout: float = 300) -> None:
+    """Runs ``code``'s asserts in a fresh interpreter (what a user's own process loads from
+    an exported model, with nothing this test imported); fails with its traceback."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def jobgen_as(user: str, args: list[str], out: Path) -> tuple[int, str]:
@@ -131,6 +139,28 @@ def torchrun(
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def stopped_by_kill_switch(
+    run_dir: Path, step: int, *, nproc: int = 2, env: dict[str, str] | None = None
+) -> tuple[dict[str, Any], str]:
+    """Trains ``run_dir`` until ``step`` is logged, sets the kill switch, waits for the exit and
+    clears the switch again (the run can resume): the run's summary and torchrun's output."""
+    proc = torchrun(run_dir, nproc=nproc, env=env, background=True)
+    wait_for_step(run_dir, proc, step)
+    (run_dir / "switches" / "kill").touch()
+    out, _ = proc.communicate(timeout=180)
+    (run_dir / "switches" / "kill").unlink()
+    return summary(run_dir), out
+
+
+def llama(*, vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, tie: bool = False, **config: Any):
+    """A randomly initialised Llama of these dimensions (transformers' own class), in fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers)
+    heads_ = dict(num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tie)
+    return LlamaForCausalLM(LlamaConfig(**shape, **heads_, **config)).float()
+
+
 # ---------------------------------------------------------------- writing a run spec
 
 
@@ -179,14 +209,22 @@ def run_spec(
 
 
 def doctor_spec(
-    directory: Path, name: str = "doc", *, site: str | dict[str, object] = "local", extra: str = "", **job: object
+    directory: Path,
+    name: str = "doc",
+    *,
+    site: str | dict[str, object] = "local",
+    extra: str = "",
+    filename: str = "run.toml",
+    **job: object,
 ) -> Path:
-    """A node-health (``program = "doctor"``) run of 5 minutes with its runs under ``directory/runs``."""
+    """A node-health (``program = "doctor"``) run of 5 minutes with its runs under
+    ``directory/runs``; ``job`` adds or overrides [job] keys."""
     return run_spec(
         directory,
         name,
         site=site,
         extra=extra,
+        filename=filename,
         job={"program": "doctor", "time": "5m", "exit_grace": "1m", "runs_root": "runs", **job},
     )
 
@@ -237,6 +275,13 @@ def make_run(
     spec = load_run(spec_file)
     run, _ = materialize(spec, render(spec), spec_file.read_text())
     return run.path
+
+
+class ClusterRun(NamedTuple):
+    """A training run's spec file and its run directory (conftest's ``cluster_run``)."""
+
+    spec: Path
+    path: Path
 
 
 # Job names of the training runs a test submitted: conftest cancels them after the test, so

@@ -22,7 +22,7 @@ How packed examples are kept apart
     off: every token attends across example boundaries and the loss still goes
     down. Hence :func:`model_inputs`, which passes ``use_cache=False``; also set
     ``model.config.use_cache = False`` when loading a model for training.
-    ``tests/test_packing.py`` checks the equivalence with examples run one by one
+    ``tests/unit/test_packing.py`` checks the equivalence with examples run one by one
     and that each of these traps is real.
 
     The first token of every packed example is never a target (its label is

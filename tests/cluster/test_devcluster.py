@@ -1,0 +1,334 @@
+"""The dev cluster against real daemons: munged, slurmctld and two slurmd.
+
+Run alone with::
+
+    sudo .venv/bin/python -m pytest tests/cluster/test_devcluster.py -v
+
+Each class brings up one cluster of its own (loopback, then netns) and takes it
+down at the end.  When a cluster is already up (the shared session cluster of
+the other tests, or a developer's), a class reuses it for its read-only tests
+if it has the right mode and skips the tests that need their own cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import jobgen.devcluster as devcluster
+from helpers import wait_for
+from jobgen.devcluster import procs
+
+pytestmark = pytest.mark.slurm
+
+HOSTS_BEGIN = "# BEGIN jobgen-cluster"
+
+
+def _run(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _blocker() -> str | None:
+    """Why this module may not start a cluster of its own, or None."""
+    if os.geteuid() != 0:
+        return "the dev cluster needs root"
+    if os.path.lexists("/etc/slurm/slurm.conf"):
+        return "/etc/slurm/slurm.conf exists (another Slurm or dev cluster)"
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", devcluster.SLURMCTLD_PORT))
+        except OSError:
+            return f"port {devcluster.SLURMCTLD_PORT} is in use"
+    return None
+
+
+class Cluster:
+    """A cluster for one test class: ``owned`` when this module started it."""
+
+    def __init__(self, info: devcluster.ClusterInfo, owned: bool, up_seconds: float) -> None:
+        self.info, self.owned, self.up_seconds = info, owned, up_seconds
+
+    @property
+    def state_dir(self) -> str:
+        return self.info.state_dir
+
+    def require_owned(self) -> None:
+        if not self.owned:
+            pytest.skip("uses a cluster started elsewhere; this test needs its own")
+
+
+def _cluster(tmp_path_factory: pytest.TempPathFactory, netns: bool):
+    shared = devcluster.status()
+    if shared is not None:
+        if shared.netns != netns:
+            pytest.skip(f"a {'netns' if shared.netns else 'loopback'} dev cluster is already up in {shared.state_dir}")
+        yield Cluster(shared, owned=False, up_seconds=0.0)
+        return
+    reason = _blocker()
+    if reason:
+        pytest.skip(reason)
+    state_dir = tmp_path_factory.mktemp("netns-cluster" if netns else "lo-cluster")
+    started = time.monotonic()
+    info = devcluster.up(nodes=2, cpus_per_node=2, netns=netns, state_dir=state_dir)
+    cluster = Cluster(info, owned=True, up_seconds=time.monotonic() - started)
+    try:
+        yield cluster
+    finally:
+        devcluster.down(state_dir=state_dir)
+
+
+def _wait_job(job_id: str, timeout: float = 90) -> dict[str, str]:
+    """Poll `scontrol show job` (there is no sacct) until the job is finished."""
+
+    def finished() -> dict[str, str] | None:
+        out = _run("scontrol", "show", "job", "-o", job_id).stdout
+        fields = dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
+        ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+        return fields if fields.get("JobState") in ended else None
+
+    return wait_for(finished, timeout, f"job {job_id} to finish")
+
+
+def _kill_and_wait(pids: list[int]) -> None:
+    """SIGKILL and wait until they are gone: a signal is delivered asynchronously. One that is
+    gone already (a daemon that died on its own on a loaded machine) is as good as killed."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not any(procs.is_alive(p) for p in pids), 10, f"{pids} to be gone", interval=0.05)
+
+
+def _sleepers() -> list[int]:
+    """The live `sleep 613` processes of the job that test_down leaves running."""
+    out = _run("pgrep", "-x", "-f", "sleep 613", check=False).stdout
+    return [int(p) for p in out.split() if procs.is_alive(int(p))]
+
+
+def _idle_states() -> dict[str, str]:
+    out = _run("sinfo", "-h", "-N", "-o", "%N %t").stdout
+    return dict(line.split() for line in out.splitlines())
+
+
+def _sbatch_two_nodes(tmp_path: Path) -> list[str]:
+    """Nodes a 2-node batch job's `srun` ran on (sorted; two distinct ones expected)."""
+    out = tmp_path / "job.out"
+    job_id = (
+        _run(
+            "sbatch",
+            "--parsable",
+            "-N2",
+            "--ntasks-per-node=1",
+            "-t",
+            "2",
+            "-o",
+            str(out),
+            "--wrap",
+            'srun bash -c "echo NODE=\\$SLURMD_NODENAME"',
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
+    fields = _wait_job(job_id)
+    assert fields["JobState"] == "COMPLETED", fields
+    return sorted(line.split("=", 1)[1] for line in out.read_text().splitlines() if line.startswith("NODE="))
+
+
+# --- loopback mode ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="class")
+def mode_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The cluster of the test class's mode (its NETNS), for the tests of that class."""
+    yield from _cluster(tmp_path_factory, netns=request.cls.NETNS)
+
+
+class TestLoopback:
+    NETNS = False
+
+    def test_up_shows_idle_nodes(self, mode_cluster: Cluster) -> None:
+        info = mode_cluster.info
+        assert info.nodes == ["node1", "node2"]
+        assert info.nic == "lo" and not info.netns
+        assert set(info.node_addrs.values()) == {"127.0.0.1"}
+        assert {"debug", "short"} <= set(info.partitions)
+        assert Path(info.slurm_conf).is_file()
+        assert os.path.realpath("/etc/slurm/slurm.conf") == os.path.realpath(info.slurm_conf)
+        states = _idle_states()
+        if mode_cluster.owned:
+            assert states == {"node1": "idle", "node2": "idle"}
+            print(f"\nup (loopback) took {mode_cluster.up_seconds:.1f}s")
+
+    def test_status_readable_from_another_process(self, mode_cluster: Cluster) -> None:
+        code = (
+            "import json, dataclasses, jobgen.devcluster as d;"
+            f"print(json.dumps(d.status({mode_cluster.state_dir!r}).to_dict()))"
+        )
+        out = _run(sys.executable, "-c", code).stdout
+        data = json.loads(out)
+        assert data["nodes"] == ["node1", "node2"]
+        assert data["state_dir"] == mode_cluster.state_dir
+        assert set(data["node_states"]) == {"node1", "node2"}
+        cli = _run(sys.executable, "-m", "jobgen.devcluster.cli", "status", "--state-dir", mode_cluster.state_dir)
+        assert "node1" in cli.stdout and "node2" in cli.stdout
+
+    def test_two_node_batch_job_runs_on_both_nodes(self, mode_cluster: Cluster, tmp_path: Path) -> None:
+        ran_on = _sbatch_two_nodes(tmp_path)
+        assert len(set(ran_on)) == 2 and set(ran_on) <= set(mode_cluster.info.nodes)
+
+    def test_short_partition_rejects_long_time(self, mode_cluster: Cluster) -> None:
+        # The preflight tests rely on `short` having a small MaxTime.
+        ok = _run("sbatch", "--test-only", "-p", "short", "-t", "4", "--wrap", "true", check=False)
+        assert ok.returncode == 0, ok.stderr
+        bad = _run("sbatch", "--test-only", "-p", "short", "-t", "10", "--wrap", "true", check=False)
+        assert bad.returncode != 0
+        assert "time limit" in (bad.stdout + bad.stderr).lower()
+
+    def test_second_up_is_a_noop(self, mode_cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+        mode_cluster.require_owned()
+        before = devcluster.status(mode_cluster.state_dir)
+        capsys.readouterr()
+        again = devcluster.up(nodes=2, cpus_per_node=2, netns=False, state_dir=mode_cluster.state_dir)
+        assert "nothing to do" in capsys.readouterr().err  # found every daemon alive: started, waited for nothing
+        assert before is not None and again.daemons == before.daemons
+        with pytest.raises(devcluster.ClusterError, match="down"):
+            devcluster.up(nodes=3, cpus_per_node=2, netns=False, state_dir=mode_cluster.state_dir)
+
+    def test_up_restarts_a_dead_slurmd(self, mode_cluster: Cluster) -> None:
+        mode_cluster.require_owned()
+        before = devcluster.status(mode_cluster.state_dir)
+        assert before is not None
+        old = before.daemons["slurmd:node2"]
+        _kill_and_wait([old])
+        info = devcluster.up(nodes=2, cpus_per_node=2, netns=False, state_dir=mode_cluster.state_dir)
+        new = info.daemons["slurmd:node2"]
+        assert new != old and procs.is_alive(new)
+        assert info.daemons["slurmd:node1"] == before.daemons["slurmd:node1"]
+
+    def test_stale_record_is_cleaned_by_up(self, mode_cluster: Cluster) -> None:
+        mode_cluster.require_owned()
+        # As after a reboot or `kill -9` of everything: the pid files stay behind.
+        run_dir = Path(mode_cluster.state_dir) / "run"
+        pids = [procs.read_pidfile(p) for p in run_dir.glob("*.pid")]
+        assert len(pids) == 3
+        _kill_and_wait(pids)
+        info = devcluster.up(nodes=2, cpus_per_node=2, netns=False, state_dir=mode_cluster.state_dir)
+        assert not set(info.daemons.values()) & set(pids)
+        assert _idle_states() == {"node1": "idle", "node2": "idle"}
+
+
+# --- netns mode ----------------------------------------------------------------
+
+
+class TestNetns:
+    NETNS = True
+
+    def test_each_node_has_its_own_eth0(self, mode_cluster: Cluster) -> None:
+        info = mode_cluster.info
+        assert info.nic == "eth0" and info.netns
+        out = _run(
+            "srun",
+            "-N2",
+            "--ntasks-per-node=1",
+            "-t",
+            "1",
+            "bash",
+            "-c",
+            "echo $SLURMD_NODENAME $(ip -4 -o addr show eth0 | awk '{print $4}')",
+        ).stdout
+        seen = dict(line.split() for line in out.splitlines())
+        assert len(seen) == 2
+        assert seen == {n: f"{info.node_addrs[n]}/24" for n in seen}
+        assert len(set(info.node_addrs.values())) == len(info.nodes)
+        hosts = Path("/etc/hosts").read_text()
+        for node, addr in info.node_addrs.items():
+            assert f"{addr}\t{node}" in hosts
+        if mode_cluster.owned:
+            print(f"\nup (netns) took {mode_cluster.up_seconds:.1f}s")
+
+    def test_tcp_from_node2_to_node1(self, mode_cluster: Cluster) -> None:
+        addr1 = mode_cluster.info.node_addrs["node1"]
+        listener = subprocess.Popen(
+            [
+                "srun",
+                "-N1",
+                "-w",
+                "node1",
+                "-t",
+                "1",
+                sys.executable,
+                "-c",
+                "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
+                f"s.bind(({addr1!r}, 29517)); s.listen(); c, a = s.accept();"
+                "print('FROM', a[0], c.recv(16).decode(), flush=True)",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            client = _run(
+                "srun",
+                "-N1",
+                "-w",
+                "node2",
+                "-t",
+                "1",
+                sys.executable,
+                "-c",
+                "import socket, time\n"
+                "for _ in range(100):\n"
+                "    try:\n"
+                "        s = socket.create_connection(('node1', 29517), timeout=2); break\n"
+                "    except OSError: time.sleep(0.2)\n"
+                "s.sendall(b'hello'); print('SRC', s.getsockname()[0])\n",
+            )
+            out, err = listener.communicate(timeout=60)
+        finally:
+            if listener.poll() is None:
+                listener.kill()
+        addr2 = mode_cluster.info.node_addrs["node2"]
+        assert f"SRC {addr2}" in client.stdout
+        assert f"FROM {addr2} hello" in out, err
+
+    def test_two_node_batch_job(self, mode_cluster: Cluster, tmp_path: Path) -> None:
+        ran_on = _sbatch_two_nodes(tmp_path)
+        assert len(set(ran_on)) == 2 and set(ran_on) <= set(mode_cluster.info.nodes)
+
+    def test_down_removes_everything(self, mode_cluster: Cluster) -> None:
+        mode_cluster.require_owned()
+        info = mode_cluster.info
+        # A job left running (and ignoring SIGTERM) must not survive `down`.
+        _run("sbatch", "-N2", "-o", "/dev/null", "--wrap", "srun bash -c 'trap \"\" TERM; sleep 613'")
+        wait_for(lambda: len(_sleepers()) >= 2, 30, "the job's steps to start", interval=0.2)
+        assert len(_sleepers()) == 2, "the job's steps did not start"
+        started = time.monotonic()
+        assert devcluster.down(state_dir=info.state_dir) is True
+        print(f"\ndown (netns, with a running job) took {time.monotonic() - started:.1f}s")
+
+        assert devcluster.status(info.state_dir) is None
+        namespaces = _run("ip", "netns", "list").stdout
+        assert not any(ns in namespaces for ns in info.netns_names.values())
+        links = _run("ip", "-o", "link").stdout
+        assert "jgbr0" not in links and "jgv" not in links
+        assert HOSTS_BEGIN not in Path("/etc/hosts").read_text()
+        assert not os.path.lexists("/etc/slurm/slurm.conf")
+        assert not Path(info.state_dir).exists()
+        live = [int(p) for p in _run("pgrep", "^(slurmd|slurmctld|slurmstepd)$", check=False).stdout.split()]
+        assert not [p for p in live if procs.is_alive(p)]
+        assert not _run("pgrep", "-f", info.state_dir, check=False).stdout.strip()
+        assert not _sleepers()
+        # A second down (the fixture's) is harmless.
+        assert devcluster.down(state_dir=info.state_dir) is False

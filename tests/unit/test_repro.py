@@ -1,0 +1,86 @@
+"""The reproducibility record a job writes under ``repro/<jobid>/``: the rendered
+snippet runs in bash against a hostile environment, and no secret reaches env.txt."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import GOLDEN
+from jobgen.loader import load_run
+from jobgen.render import render
+
+# Everything here lives in a run directory the team reads for months: values must not.
+SECRETS = {
+    "SLACK_WEBHOOK_URL": "https://hooks.slack.com/services/T0/B0/slacksecret1",
+    "HTTPS_PROXY": "http://alice:proxypass2@proxy.example:3128",
+    "my_api_key": "lowerkey3",
+    "SMTP_PASS": "smtppass4",
+    "DEPLOY_CERT": "-----BEGIN KEY-----\nmultisecret5\nNCCL_FAKE=injected\n-----END KEY-----",
+    "HF_TOKEN": "hf_secret6",
+    "HUGGING_FACE_HUB_TOKEN": "hf_secret7",
+    "HF_ENDPOINT": "https://bob:endpointpass8@mirror.example",  # an allowed name, credentials in the value
+    "NCCL_SECRET_SAUCE": "ncclsecret9",  # a secret inside an allowed prefix
+    "torch_auth": "torchauth10",
+}
+ALLOWED = {
+    "NCCL_DEBUG": "INFO",
+    "SLURM_JOB_ID": "42",
+    "CUDA_VISIBLE_DEVICES": "0,1",
+    "HF_HOME": "/shared/hf",
+    "LD_LIBRARY_PATH": "/opt/cuda/lib64",
+}
+
+
+def repro_section(text: str) -> str:
+    """The rendered reproducibility block, from its heading to the end of its brace group."""
+    start = text.index("# --- Reproducibility record")
+    end = text.index('} 2>"$REPRO_DIR/errors.txt"', start)
+    return text[start : text.index("\n", end) + 1]
+
+
+def record(script_text: str, env: dict[str, str], run_dir: Path) -> str:
+    """Run the block in bash with exactly ``env``; the env.txt it wrote."""
+    # The other records (git, pip, scontrol) need a job; only env.txt is under test.
+    stubs = "\n".join(
+        f"{name}() {{ cat >/dev/null; }}"
+        for name in ("log", "node_names", "git", "py_on_head", "scontrol", "run_on_head")
+    )
+    script = f"set -euo pipefail\n{stubs}\non_slurm() {{ false; }}\n{repro_section(script_text)}"
+    subprocess.run(
+        ["bash", "-c", script], env={**env, "RUN_DIR": str(run_dir)}, check=True, stdin=subprocess.DEVNULL, timeout=60
+    )
+    return (run_dir / "repro" / env["SLURM_JOB_ID"] / "env.txt").read_text()
+
+
+@pytest.mark.parametrize("stem", ["bare-train", "h100-ib-train"])
+def test_env_record_keeps_secrets_out_of_the_run_directory(stem: str, tmp_path: Path):
+    spec = load_run(GOLDEN / "specs" / f"{stem}.toml")
+    allowed = {**ALLOWED, **{name: "set by the run's [env]" for name in spec.run.env}, "PATH": os.environ["PATH"]}
+    out = record(render(spec), {**SECRETS, **allowed}, tmp_path)
+
+    for name, value in SECRETS.items():
+        secret = re.search(r"[a-z_]+\d+", value).group()  # each value's secret part
+        assert secret not in out, f"{name}'s value reached env.txt"
+    lines = out.splitlines()
+    for name, value in allowed.items():
+        assert f"{name}={value}" in lines
+    names = [line.split("=", 1)[0] for line in lines]
+    assert set(SECRETS) <= set(names)  # named, so a reader knows they were set
+    assert "NCCL_FAKE" not in names and len(names) == len(set(names))  # one line per variable
+
+
+def test_allowed_values_with_newlines_stay_on_one_line(tmp_path: Path):
+    env = {
+        "PATH": os.environ["PATH"],
+        "SLURM_JOB_ID": "7",
+        "TORCH_LOGS": "+dynamo\nNCCL_DEBUG=forged",
+        "NCCL_DEBUG": "WARN",
+    }
+    lines = record(render(load_run(GOLDEN / "specs" / "bare-train.toml")), env, tmp_path).splitlines()
+    assert "TORCH_LOGS=$'+dynamo\\nNCCL_DEBUG=forged'" in lines
+    assert [line for line in lines if line.startswith("NCCL_DEBUG=")] == ["NCCL_DEBUG=WARN"]

@@ -1,0 +1,199 @@
+"""jobgen.task_table: a run's tasks from the queue, the run directory and Slurm's memory.
+
+The scontrol text is captured on the dev cluster; the squeue lines follow a capture there
+(tests/unit/test_slurm_parsers.py) with this run's ids and name. The dev cluster has no
+accounting, so the sacct lines are written to sacct's documented --parsable2 format. The
+run directory records are what the batch script and the trainer write. The dev-cluster test
+(tests/cluster/test_slurm_status.py) runs the whole path.
+"""
+
+from __future__ import annotations
+
+import json
+
+from jobgen import slurm
+from jobgen.goodput import task_reports
+from jobgen.rundir import RunDir
+from jobgen.task_table import build_tasks, read_task_records, unexplained_submissions
+
+T0 = 1_800_000_000
+
+
+def make_run(tmp_path, *submissions) -> RunDir:
+    run = RunDir(tmp_path / "demo")
+    (run.path / "logs").mkdir(parents=True)
+    for job_id, array in submissions:
+        run.record_job({"job_id": job_id, "array": array})
+    return run
+
+
+def end_record(run: RunDir, job_id, task, code, slurm_exit, reason, *, array=5, restart=0, start=T0, end=T0 + 170):
+    record = {
+        "job_id": str(job_id),
+        "array_job_id": str(array),
+        "array_task": str(task),
+        "restart": restart,
+        "nodes": "node[1-2]",
+        "job_start": start,
+        "end": end,
+        "exit_code": code,
+        "slurm_exit": slurm_exit,
+        "reason": reason,
+    }
+    run.task_record(job_id, restart).write_text(json.dumps(record))
+
+
+def trainer_records(job_id, task, start_step, end_step, code, reason, *, array=5, start=T0):
+    ids = {"job_id": str(job_id), "restart": 0, "array_job_id": str(array), "array_task": str(task), "time": start}
+    return [
+        {**ids, "event": "first_step", "job_start": start, "start_step": start_step, "seconds_to_first_step": 21.0},
+        {**ids, "event": "exit", "job_start": start, "start_step": start_step, "end_step": end_step, "exit_code": code,
+         "exit_reason": reason},
+    ]  # fmt: skip
+
+
+LEAD = "time limit (USR1 90 s before the limit): saving and exiting"
+
+
+def test_every_task_keeps_its_name_steps_and_reason_after_slurm_forgot_it(tmp_path):
+    """No queue, no Slurm memory (MinJobAge passed, or the controller restarted): the rows
+    come from the run directory, named ARRAYID_TASK, with steps, timings and the reason."""
+    run = make_run(tmp_path, (5, 3))
+    end_record(run, 6, 1, 12, 0, LEAD)
+    end_record(run, 7, 2, 11, 11, "abort switch: exiting without saving", start=T0 + 200, end=T0 + 260)
+    end_record(run, 5, 3, 0, 0, "abort switch present: not started", start=T0 + 270, end=T0 + 271)
+    records = trainer_records(6, 1, 0, 40, 12, LEAD) + trainer_records(7, 2, 40, 55, 11, "abort", start=T0 + 200)
+    reports = task_reports(records, [])
+    rows = build_tasks(run, "demo", [], [], reports, read_task_records(run), 180)
+    assert [(t.slurm_id, t.state, t.jobgen_exit) for t in rows] == [
+        ("5_1", "COMPLETED", 12),
+        ("5_2", "FAILED", 11),
+        ("5_3", "COMPLETED", 0),
+    ]
+    first = rows[0]
+    assert (first.start_step, first.end_step, first.recomputed_steps, first.seconds_to_first_step) == (0, 40, 0, 21.0)
+    assert first.exit_reason == LEAD and first.nodes == "node[1-2]"
+    assert (first.start_time, first.elapsed_seconds, first.time_limit_seconds) == (T0, 170, 180)
+    assert rows[1].exit_reason == "abort" and rows[2].start_step is None
+    # Nothing unexplained: Slurm need not be asked about ended jobs.
+    assert unexplained_submissions(run, [], read_task_records(run)) == []
+
+
+# squeue --noheader --array --format=SQUEUE_FORMAT on the dev cluster: task 2 of array 5 running
+# as job 7, task 3 waiting behind it (pending tasks carry the array's id).
+QUEUE = """\
+5|5|3|PENDING|JobArrayTaskLimit|0:00|3:00||N/A|demo
+7|5|2|RUNNING|None|1:10|3:00|node[1-2]|2026-11-22T14:04:10|demo
+9|9|N/A|RUNNING|None|0:05|5:00|node3|2026-11-22T14:05:00|other-run
+"""
+
+
+def test_queued_and_running_tasks_join_the_recorded_ones(tmp_path):
+    run = make_run(tmp_path, (5, 3))
+    end_record(run, 6, 1, 13, 0, "time limit near (deadline: ...): saving and exiting")
+    queue = slurm.parse_squeue(QUEUE)
+    records = trainer_records(6, 1, 0, 40, 13, "deadline") + trainer_records(7, 2, 40, 40, 0, "")[:1]
+    rows = build_tasks(run, "demo", queue, [], task_reports(records, []), read_task_records(run), 180)
+    assert [(t.slurm_id, t.state, t.restart) for t in rows] == [
+        ("5_1", "COMPLETED", 0),
+        ("5_2", "RUNNING", 0),
+        ("5_3", "PENDING", 0),
+    ]
+    running, pending = rows[1], rows[2]
+    assert running.start_step == 40 and running.nodes == "node[1-2]" and running.elapsed_seconds == 70
+    assert running.time_limit_seconds == 180 and running.start_time == slurm.parse_time("2026-11-22T14:04:10")
+    assert pending.reason == "JobArrayTaskLimit" and pending.nodes is None
+    assert unexplained_submissions(run, queue, read_task_records(run)) == []
+
+
+def test_a_requeued_job_shows_each_attempt(tmp_path):
+    """A requeued job keeps its id: the attempt that ended and the one queued again are two rows."""
+    run = make_run(tmp_path, (5, 1))
+    end_record(run, 5, 1, 12, 0, "SIGTERM (preemption, requeue or scancel): saving and exiting")
+    queue = slurm.parse_squeue("5|5|1|PENDING|BeginTime|0:00|3:00||N/A|demo\n")
+    rows = build_tasks(run, "demo", queue, [], [], read_task_records(run), 180)
+    assert [(t.slurm_id, t.restart, t.state) for t in rows] == [("5_1", 0, "COMPLETED"), ("5_1", 1, "PENDING")]
+
+
+# `scontrol show job --oneliner 4` on the dev cluster (sbatch --array=1-2%1 -t 1 --wrap "sleep 300",
+# task 2 cancelled while pending), MinJobAge not yet passed: task 1 killed at its limit (no record of
+# its own), task 2 never ran. No Comment= field: Slurm 22.05 prints it only when set.
+SCONTROL = (
+    "JobId=4 ArrayJobId=4 ArrayTaskId=2 ArrayTaskThrottle=1 JobName=demo UserId=root(0) GroupId=root(0) "
+    "MCS_label=N/A Priority=4294901757 Nice=0 Account=(null) QOS=(null) JobState=CANCELLED "
+    "Reason=JobArrayTaskLimit Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0 "
+    "RunTime=00:00:00 TimeLimit=00:01:00 TimeMin=N/A SubmitTime=2026-11-22T14:20:40 EligibleTime=Unknown "
+    "AccrueTime=2026-11-22T14:20:41 StartTime=2026-11-22T14:20:45 EndTime=2026-11-22T14:20:45 "
+    "Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-11-22T14:20:41 Scheduler=Main "
+    "Partition=debug AllocNode:Sid=localhost:7067 ReqNodeList=(null) ExcNodeList=(null) NodeList= "
+    "NumNodes=1 NumCPUs=1 NumTasks=N/A CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=4G,node=1,billing=1 "
+    "Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0 "
+    "Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) "
+    "Command=(null) WorkDir=/tmp StdErr=/tmp/slurm-4_2.out StdIn=/dev/null StdOut=/tmp/slurm-4_2.out "
+    "Power=\n"
+    "JobId=5 ArrayJobId=4 ArrayTaskId=1 ArrayTaskThrottle=1 JobName=demo UserId=root(0) GroupId=root(0) "
+    "MCS_label=N/A Priority=4294901757 Nice=0 Account=(null) QOS=(null) JobState=TIMEOUT Reason=TimeLimit "
+    "Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:15 RunTime=00:01:01 "
+    "TimeLimit=00:01:00 TimeMin=N/A SubmitTime=2026-11-22T14:20:40 EligibleTime=2026-11-22T14:20:41 "
+    "AccrueTime=2026-11-22T14:20:41 StartTime=2026-11-22T14:20:41 EndTime=2026-11-22T14:21:42 "
+    "Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-11-22T14:20:41 Scheduler=Main "
+    "Partition=debug AllocNode:Sid=localhost:7067 ReqNodeList=(null) ExcNodeList=(null) NodeList=node1 "
+    "BatchHost=node1 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* "
+    "TRES=cpu=1,node=1,billing=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 "
+    "MinMemoryNode=0 MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 "
+    "Licenses=(null) Network=(null) Command=(null) WorkDir=/tmp StdErr=/tmp/slurm-4_1.out StdIn=/dev/null "
+    "StdOut=/tmp/slurm-4_1.out Power=\n"
+)
+
+
+def test_slurm_memory_names_the_ends_that_left_no_record(tmp_path):
+    run = make_run(tmp_path, (4, 2))
+    assert unexplained_submissions(run, [], {}) == [4]
+    ended = [r for r in map(slurm.job_record, slurm.parse_records(SCONTROL)) if r is not None]
+    rows = build_tasks(run, "demo", [], ended, [], {}, 60)
+    assert [(t.slurm_id, t.job_id, t.state, t.exit_reason) for t in rows] == [
+        ("4_1", 5, "TIMEOUT", "killed at the time limit"),
+        ("4_2", 4, "CANCELLED", "cancelled"),
+    ]
+    assert rows[0].elapsed_seconds == 61 and rows[0].nodes == "node1" and rows[0].exit_code == "0:15"
+    assert rows[0].time_limit_seconds == 60 and rows[1].nodes is None
+
+
+def test_a_submission_nobody_remembers_is_said_so_but_only_when_slurm_answered(tmp_path):
+    run = make_run(tmp_path, (5, 1))
+    (row,) = build_tasks(run, "demo", [], [], [], {}, 180)
+    assert row.state == "ENDED" and "no record" in row.exit_reason
+    assert build_tasks(run, "demo", [], [], [], {}, 180, slurm_answered=False) == []
+
+
+# sacct --noheader --parsable2 --format=SLURM.SACCT_FIELDS where accounting keeps comments:
+# one line per job and one per step.
+SACCT = """\
+6|5_1|demo|COMPLETED|0:0||node[1-2]|2026-11-22T14:00:02|2026-11-22T14:02:52|3|jobgen: time limit (USR1 90 s before the limit): saving and exiting (exit 12)
+6.batch|6.batch|batch|COMPLETED|0:0||node1|2026-11-22T14:00:02|2026-11-22T14:02:52||
+6.0|6.0|bash|COMPLETED|0:0||node[1-2]|2026-11-22T14:00:05|2026-11-22T14:02:50||
+5|5_[2-3%1]|demo|PENDING|0:0|JobArrayTaskLimit|None assigned|Unknown|Unknown|3|
+"""  # noqa: E501
+
+
+def test_sacct_lines_of_jobs_not_steps():
+    (record,) = slurm.parse_sacct(SACCT)
+    assert (record.job_id, record.array_job_id, record.array_task, record.state) == (6, 5, "1", "COMPLETED")
+    assert record.time_limit == 180 and record.comment.endswith("(exit 12)")
+    assert record.end - record.start == 170
+    assert slurm.accounting_enabled({"AccountingStorageType": "accounting_storage/slurmdbd"})
+    assert not slurm.accounting_enabled({"AccountingStorageType": "accounting_storage/none"})
+    assert not slurm.accounting_enabled({})
+
+
+def test_a_crash_the_batch_script_blamed_on_a_node_keeps_the_scripts_words(tmp_path):
+    """The trainer crashed (no exit record: goodput can only guess "killed?"); the batch
+    script found the node at fault and recorded it: status says so."""
+    run = make_run(tmp_path, (5, 1))
+    blamed = "node failure: node2 quarantined (its ranks 2,3 went silent while ranks 0,1 waited out the 20 s ...)"
+    end_record(run, 6, 1, 20, 20, blamed)
+    records = trainer_records(6, 1, 0, 5, 0, "")[:1]  # first_step only: it crashed
+    metrics = [{"job_id": "6", "restart": 0, "step": 5, "time": T0 + 60, "step_seconds": 1.0}]
+    reports = task_reports(records, metrics)
+    row = build_tasks(run, "demo", [], [], reports, read_task_records(run), 600)[0]
+    assert (row.state, row.jobgen_exit, row.exit_reason, row.end_step) == ("FAILED", 20, blamed, 5)
