@@ -33,7 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from helpers import DATA, VENV_BIN, run_spec, torchrun
+from bench_run import prepared_run
+
+from helpers import DATA, VENV_BIN, torchrun
 
 GIB = 2**30
 # jobgen.tinymodel.make_tiny_model's keywords.
@@ -70,16 +72,10 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="jobgen-gpu7b-"))
     model = work / ("model-small" if args.small else "llama2-7b-random")
     build_model(model, SMALL if args.small else LLAMA2_7B)
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
-
-    spec_file = run_spec(
+    run, spec_file = prepared_run(
         work,
         "lean7b",
         site={"profile": "local", "slurm": {"gpus_per_node": 1, "device_memory": "24GiB"}},
-        filename="lean7b.toml",
-        job={"time": "2h", "runs_root": "runs", "procs_per_node": 1},
         model={
             "path": model,
             "dtype": "bfloat16",
@@ -106,15 +102,13 @@ def main() -> int:
         [str(VENV_BIN / "jobgen"), "plan", str(spec_file), "--json"], capture_output=True, text=True, check=False
     )
     prediction = json.loads(planned.stdout) if planned.stdout.strip().startswith("{") else {}
-    spec = load_run(spec_file)
-    run, _ = materialize(spec, render(spec), spec_file.read_text())
-    proc = torchrun(run.path, nproc=1, timeout=7200)
+    proc = torchrun(run, nproc=1, timeout=7200)
     print(proc.stdout[-4000:])
     if proc.returncode != 0:
         print(proc.stderr[-6000:], file=sys.stderr)
         print(f"FAILED: the trainer exited {proc.returncode}")
         return 1
-    summary = json.loads((run.path / "metrics.json").read_text())
+    summary = json.loads((run / "metrics.json").read_text())
     peaks = summary["memory_peaks"]
     phases = {k: v for k, v in peaks.items() if isinstance(v, dict) and k in ("load", "first_step", "steady")}
     gpu = max((v.get("gpu_max_allocated_mib", 0.0) for v in phases.values()), default=0.0) / 1024

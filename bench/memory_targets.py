@@ -34,7 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from helpers import DATA, REPO, VENV_BIN, run_spec, torchrun
+from bench_run import prepared_run, train
+
+from helpers import DATA, REPO, VENV_BIN
 
 MIB = 2**20
 # jobgen.tinymodel.make_tiny_model's keywords.
@@ -68,15 +70,10 @@ def build_model(target: Path, shape: dict[str, int]) -> int:
 
 def make(work: Path, name: str, model: Path, procs: int, model_keys: dict, train_keys: dict) -> tuple[Path, Path]:
     """A run directory as ``jobgen submit`` writes it, and its spec file."""
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
-
-    spec_file = run_spec(
+    return prepared_run(
         work,
         name,
-        filename=f"{name}.toml",
-        job={"time": "2h", "runs_root": "runs", "procs_per_node": procs},
+        procs=procs,
         model={"path": model, **model_keys},
         data={"path": DATA, "max_length": 256, "packing": True},
         # The lean allocator, as "auto" chooses it when memory is tight: on this machine the
@@ -91,9 +88,6 @@ def make(work: Path, name: str, model: Path, procs: int, model_keys: dict, train
             **train_keys,
         },
     )
-    spec = load_run(spec_file)
-    run, _ = materialize(spec, render(spec), spec_file.read_text())
-    return run.path, spec_file
 
 
 def plan(spec_file: Path) -> dict:
@@ -105,10 +99,9 @@ def plan(spec_file: Path) -> dict:
     return json.loads(proc.stdout)
 
 
-def train(run: Path, procs: int) -> dict:
-    proc = torchrun(run, nproc=procs, timeout=3600)
-    if proc.returncode != 0:
-        raise SystemExit(f"training {run.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+def trained_peaks(run: Path, procs: int) -> dict:
+    """Trains ``run``; the memory peaks it recorded (each phase's largest over the ranks)."""
+    train(run, procs, timeout=3600)
     peaks = json.loads((run / "metrics.json").read_text())["memory_peaks"]
     return peaks.get("max_over_ranks") or peaks  # each phase's largest figure over the ranks
 
@@ -166,7 +159,7 @@ def main() -> None:
 def fsdp_and_export(work: Path, model: Path, weights: float, steps: dict, row) -> None:
     run, spec_file = make(work, "fsdp", model, 2, {}, {"parallelism": "fsdp", "optimizer": "adamw", **steps})
     predicted = plan(spec_file)
-    peaks = train(run, 2)
+    peaks = trained_peaks(run, 2)
     row("fsdp 2 ranks adamw: load", peaks["load"]["host_rss_peak_mib"], weights / 2 + 768, _phase(predicted, "load"))
     trained = max(peaks["first_step"]["host_rss_peak_mib"], peaks["steady"]["host_rss_peak_mib"])
     row("fsdp 2 ranks adamw: train", trained, 4 * weights / 2 + 1536, _phase(predicted, "train"))
@@ -177,7 +170,7 @@ def lean_run(work: Path, model: Path, weights: float, steps: dict, row) -> None:
     lean_train = {"optimizer": "adafactor", "optimizer_in_backward": True, "grad_clip": 0.0, **steps}
     run, spec_file = make(work, "lean", model, 1, {"gradient_checkpointing": True}, lean_train)
     predicted = plan(spec_file)
-    peaks = train(run, 1)
+    peaks = trained_peaks(run, 1)
     lean = max(peaks[phase]["host_rss_peak_mib"] for phase in ("load", "first_step", "steady"))
     row("1 process adafactor+oib+ckpt", lean, weights + 1024, _phase(predicted, "train"))
 

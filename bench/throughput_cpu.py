@@ -28,7 +28,6 @@ import math
 import os
 import random
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from helpers import REPO, VENV_BIN, run_spec
+from bench_run import prepared_run, train
+
+from helpers import REPO
 
 # jobgen.tinymodel.make_tiny_model's keywords.
 SHAPE = {
@@ -106,32 +107,9 @@ def env(args) -> dict[str, str]:
 def run_trainer(work: Path, name: str, args, **tables: dict) -> Path:
     """One run of jobgen's trainer under torchrun with ``args.procs`` ranks, from a spec of the
     given tables ([model], [data], [train], [eval]...); returns its run directory."""
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
-
-    spec_file = run_spec(
-        work,
-        name,
-        filename=f"{name}.toml",
-        job={"time": "2h", "runs_root": "runs", "procs_per_node": args.procs},
-        **tables,
-    )
-    spec = load_run(spec_file)
-    # A run directory left by an earlier invocation would only say "already finished"; the
-    # data cache beside it (runs/.cache) stays, as it would for a user's second run.
-    shutil.rmtree(spec.run_dir, ignore_errors=True)
-    run, _ = materialize(spec, render(spec), spec_file.read_text())
-    cmd = [
-        str(VENV_BIN / "torchrun"),
-        "--standalone",
-        f"--nproc-per-node={args.procs}",
-        *("-m", "trainer", "--run-dir", str(run.path), "--expected-world-size", str(args.procs)),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(args), check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return run.path
+    run, _ = prepared_run(work, name, procs=args.procs, **tables)
+    train(run, args.procs, env=env(args))
+    return run
 
 
 def ours(work: Path, model: Path, data: Path, packing: bool, args, extra_train: dict | None = None) -> dict:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,10 +43,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_run import prepared_run, train
 from throughput_cpu import SHAPE as SMOKE_SHAPE
 from throughput_cpu import make_data, single_token_words
 
-from helpers import REPO, VENV_BIN, run_spec
+from helpers import REPO
 
 # jobgen.tinymodel.make_tiny_model's keywords: Llama-3.2-1B's shape, untied.
 SHAPE = {
@@ -94,17 +94,11 @@ def model_flops(model: Path, useful_tokens: int, doc_lengths_sq: int) -> float:
 
 
 def ours(work: Path, model: Path, data: Path, name: str, args, smoke: bool) -> dict:
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
-
     extra = RUNS[name]
-    spec_file = run_spec(
+    run, _ = prepared_run(
         work,
         name,
-        filename=f"{name}.toml",
         site="local" if smoke else {"profile": "local", "slurm": {"gpus_per_node": 1}},
-        job={"time": "2h", "runs_root": "runs", "procs_per_node": 1},
         model={"path": model, "dtype": "bfloat16", **extra.get("model", {})},
         data={"path": data, "max_length": args.max_length, "packing": True},
         train={
@@ -118,18 +112,11 @@ def ours(work: Path, model: Path, data: Path, name: str, args, smoke: bool) -> d
             **extra.get("train", {}),
         },
     )
-    spec = load_run(spec_file)
-    shutil.rmtree(spec.run_dir, ignore_errors=True)
-    run, _ = materialize(spec, render(spec), spec_file.read_text())
-    cmd = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node=1"]
-    cmd += ["-m", "trainer", "--run-dir", str(run.path), "--expected-world-size", "1"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    lines = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    # One rank: torch's own thread count, not the OMP_NUM_THREADS=1 of several ranks per node.
+    train(run, 1, env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)})
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     timed = [m for m in lines if m["step"] > args.warmup]
-    peaks = json.loads((run.path / "metrics.json").read_text()).get("memory_peaks", {}).get("max_over_ranks", {})
+    peaks = json.loads((run / "metrics.json").read_text()).get("memory_peaks", {}).get("max_over_ranks", {})
     return {
         "steps": len(timed),
         "useful_tokens": sum(m["step_tokens"] for m in timed),

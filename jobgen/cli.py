@@ -10,12 +10,14 @@
     jobgen watchdog install|list|remove|run
 
 Every command imports what it needs inside its function: ``jobgen --help`` must
-stay fast, and nothing here ever imports torch, transformers or datasets.
+stay fast, and nothing here ever imports torch, transformers or datasets. The longer
+commands' bodies live beside it (``jobgen.cli_submit``, ``jobgen.cli_status``), and what
+the commands share (failing with a message, finding a run) in ``jobgen.cli_common``.
 
 This is the composition root: the one module of ``jobgen/`` that may use ``trainer/``
 (``export``) and ``watchdogs/`` (the ``watchdog`` group, the alerts ``status`` shows),
 wiring them into the subcommands. Every other jobgen module uses neither
-(``tests/test_layering.py``).
+(``tests/unit/test_layering.py``).
 """
 
 from __future__ import annotations
@@ -29,36 +31,9 @@ from pathlib import Path
 import click
 
 from jobgen import __version__
-
-
-def _fail(message: str, code: int = 1) -> None:
-    click.echo(message, err=True)
-    sys.exit(code)
-
-
-def _load(spec_file: str):
-    from jobgen.loader import SpecError, load_run
-
-    try:
-        return load_run(spec_file)
-    except SpecError as exc:
-        lines = "\n".join(f"  {issue}" for issue in exc.issues)
-        _fail(f"{spec_file}: {len(exc.issues)} problem(s):\n{lines}", 2)
-
-
-def _default_runs_root() -> Path | None:
-    from jobgen.rundir import default_runs_root
-
-    return default_runs_root()
-
-
-def _find_run(ref: str):
-    from jobgen.rundir import RunDirError, find_run
-
-    try:
-        return find_run(ref, _default_runs_root())
-    except RunDirError as exc:
-        _fail(f"jobgen: {exc}")
+from jobgen.cli_common import fail as _fail
+from jobgen.cli_common import find_run as _find_run
+from jobgen.cli_common import load as _load
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -99,11 +74,6 @@ def render(spec_file: str, output_dir: str | None) -> None:
     click.echo(str(target))
 
 
-def _print_findings(findings) -> None:
-    for finding in findings:
-        click.echo(f"  {finding}", err=finding.level != "info")
-
-
 @main.command()
 @click.argument("spec_file", type=click.Path(dir_okay=False))
 @click.option("--array", type=click.IntRange(1, 1000), help="number of chained array tasks (overrides job.array)")
@@ -116,15 +86,7 @@ def _print_findings(findings) -> None:
     help="submit even when `jobgen plan` predicts the run does not fit in site slurm.device_memory",
 )
 @click.option("--wait", is_flag=True, help="then wait until the job's first training step, showing where it stands")
-def submit(
-    spec_file: str,
-    array: int | None,
-    after: int | None,
-    dry_run: bool,
-    local: bool,
-    ignore_memory_plan: bool,
-    wait: bool,
-) -> None:
+def submit(spec_file: str, **options: object) -> None:
     """Preflight against the cluster, write the run directory, sbatch --array=1-N%1.
 
     A training run that `jobgen plan` predicts will not fit in the memory of one device
@@ -135,58 +97,9 @@ def submit(
     pending and why, Slurm's expected start, then the start-up with the time earlier tasks
     took as its ETA) and exits 0, or 1 if it ended without one. Ctrl-C stops the waiting,
     not the job."""
-    from jobgen.rundir import RunDirError
-    from jobgen.slurm import SlurmError, SlurmUnavailable
-    from jobgen.submit import SubmitError, run_local
-    from jobgen.submit import submit as do_submit
+    from jobgen.cli_submit import submit_command
 
-    spec = _load(spec_file)
-    source = Path(spec_file).read_text()
-    try:
-        if local:
-            from jobgen.preflight import memory_findings
-
-            _print_findings([f for f in memory_findings(spec, ignore=ignore_memory_plan) if f.level != "error"])
-            run, rc = run_local(spec, source_text=source, ignore_memory_plan=ignore_memory_plan)
-            click.echo(f"local run in {run.path} exited with status {rc}")
-            sys.exit(rc)
-        result = do_submit(
-            spec,
-            source_text=source,
-            array=array,
-            after=after,
-            dry_run=dry_run,
-            ignore_memory_plan=ignore_memory_plan,
-        )
-    except SubmitError as exc:
-        click.echo(f"jobgen: not submitted, {len(exc.findings)} problem(s):", err=True)
-        _print_findings(exc.findings)
-        sys.exit(2)
-    except SlurmUnavailable as exc:
-        _fail(
-            f"jobgen: not submitted: {exc}\n  no cluster here? `jobgen cluster up --netns` starts a local one; "
-            "`jobgen submit --local` runs one node on this machine without Slurm"
-        )
-    except (SlurmError, RunDirError) as exc:
-        _fail(f"jobgen: not submitted: {exc}")
-    _print_findings([f for f in result.findings if f.level == "warning"])
-    if dry_run:
-        _print_findings([f for f in result.findings if f.level == "info"])
-        click.echo(f"would create/continue {result.run_dir} and run:\n  {' '.join(result.command)}")
-        return
-    verb = "created" if result.created else "continuing"
-    click.echo(f"submitted job {result.job_id} ({verb} {result.run_dir})")
-    if wait and spec.run.job.resumable:
-        from jobgen.first_step import wait_for_first_step
-        from jobgen.rundir import RunDir
-
-        try:
-            outcome = wait_for_first_step(RunDir(result.run_dir), result.job_id)
-        except KeyboardInterrupt:
-            click.echo(f"stopped waiting; job {result.job_id} stays queued (jobgen status {spec.run.job.name})")
-            sys.exit(130)
-        click.echo(outcome.message)
-        sys.exit(0 if outcome.trained or outcome.finished else 1)
+    submit_command(spec_file, **options)  # the options above, by name
 
 
 @main.command()
@@ -251,53 +164,10 @@ def status(run_ref: str | None, as_json: bool, watch: bool) -> None:
     'unreadable' and the file and error, the others as usual, and the exit status is 1
     (the listing is incomplete). With RUN, such a run is a one-line error, exit status 1.
     """
-    from jobgen import slurm
-    from jobgen.status import queue_for, run_status, unreadable, unreadable_status, watch_run
-    from jobgen.status_format import format_listing, format_status
+    from jobgen.cli_status import status_command
     from watchdogs.notify import run_alerts  # the watchdogs' alerts, handed to status (jobgen does not import them)
 
-    if run_ref:
-        run = _find_run(run_ref)
-        problem = unreadable(run)
-        if problem:
-            _fail(f"jobgen: {problem}")
-    if watch:
-        if not run_ref:
-            _fail("jobgen status --watch needs RUN")
-        final = watch_run(run, click.echo, watchdog_alerts=run_alerts)
-        click.echo(format_status(final))
-        sys.exit(0 if final.state == "finished" else 1)
-    if run_ref:
-        runs = [run]
-    else:
-        from jobgen.rundir import RunDir
-
-        root = _default_runs_root()
-        runs = sorted((RunDir(p.parent) for p in root.glob("*/spec.json")), key=lambda r: r.path) if root else []
-    problems = {r: unreadable(r) for r in runs}
-    readable = [r for r in runs if not problems[r]]
-    try:
-        queue = queue_for(readable)
-    except slurm.SlurmUnavailable as exc:
-        queue = exc  # each run says so in its notes
-    statuses = [
-        unreadable_status(r, problems[r])
-        if problems[r]
-        else run_status(r, run_alerts, queue=queue, details=bool(run_ref))
-        for r in runs
-    ]
-    code = 1 if any(problems.values()) else 0
-    if as_json:
-        payload = statuses[0].to_json() if run_ref else [s.to_json() for s in statuses]
-        click.echo(json.dumps(payload, indent=2))
-        sys.exit(code)
-    if not statuses:
-        click.echo(f"no runs under {_default_runs_root()}")
-    elif run_ref:
-        click.echo(format_status(statuses[0]))
-    else:
-        click.echo(format_listing(statuses))
-    sys.exit(code)
+    status_command(run_ref, as_json, watch, run_alerts)
 
 
 def _switch_command(name: str, doc: str):

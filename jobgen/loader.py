@@ -146,41 +146,12 @@ def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> R
     """Validate a parsed run document (``site`` key included) against its site profile."""
     run_label = str(spec_file) if spec_file else "<run>"
     raw = dict(raw)
-    issues: list[SpecIssue] = []
-
-    site_ref = raw.pop("site", "local")
-    overrides: dict[str, Any] = {}
-    if isinstance(site_ref, dict):
-        overrides = dict(site_ref)
-        site_ref = overrides.pop("profile", None)
-        if not isinstance(site_ref, str):
-            issues.append(
-                SpecIssue(run_label, "site.profile", "a [site] table needs 'profile' (a profile name or path)")
-            )
-    elif not isinstance(site_ref, str):
-        issues.append(SpecIssue(run_label, "site", "must be a profile name, a path, or a [site] table"))
-
+    site_ref, overrides, issues = _site_reference(raw.pop("site", "local"), run_label)
     site: SiteProfile | None = None
     site_path: Path | None = None
-    if isinstance(site_ref, str):
-        site_path = find_site_file(site_ref, base_dir)
-        if not site_path.is_file():
-            issues.append(
-                SpecIssue(
-                    run_label,
-                    "site",
-                    f"no site profile '{site_ref}' (looked for {site_path}; "
-                    f"bundled profiles: {', '.join(available_sites())})",
-                )
-            )
-        else:
-            try:
-                site_doc = read_toml(site_path)
-            except SpecError as exc:
-                issues.extend(exc.issues)
-            else:
-                site, site_issues = _validate_site(site_doc, overrides, site_path, run_label, base_dir)
-                issues.extend(site_issues)
+    if site_ref is not None:
+        site, site_path, site_issues = _load_site(site_ref, overrides, base_dir, run_label)
+        issues.extend(site_issues)
 
     run: RunSpec | None = None
     try:
@@ -203,6 +174,43 @@ def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> R
         raise SpecError(issues)
     assert run is not None and site is not None and site_path is not None
     return ResolvedSpec(run=run, site=site, spec_file=str(spec_file) if spec_file else None, site_file=str(site_path))
+
+
+def _site_reference(site_ref: Any, run_label: str) -> tuple[str | None, dict[str, Any], list[SpecIssue]]:
+    """The run's ``site``: (the profile it names, the [site] table's overrides of it, what is
+    wrong with it); the profile is None when there is none to load."""
+    issues: list[SpecIssue] = []
+    overrides: dict[str, Any] = {}
+    if isinstance(site_ref, dict):
+        overrides = dict(site_ref)
+        site_ref = overrides.pop("profile", None)
+        if not isinstance(site_ref, str):
+            issues.append(
+                SpecIssue(run_label, "site.profile", "a [site] table needs 'profile' (a profile name or path)")
+            )
+    elif not isinstance(site_ref, str):
+        issues.append(SpecIssue(run_label, "site", "must be a profile name, a path, or a [site] table"))
+    return (site_ref if isinstance(site_ref, str) else None), overrides, issues
+
+
+def _load_site(
+    site_ref: str, overrides: dict[str, Any], base_dir: Path, run_label: str
+) -> tuple[SiteProfile | None, Path, list[SpecIssue]]:
+    """(the validated profile, None if it has problems; its file; the problems)."""
+    site_path = find_site_file(site_ref, base_dir)
+    if not site_path.is_file():
+        issue = SpecIssue(
+            run_label,
+            "site",
+            f"no site profile '{site_ref}' (looked for {site_path}; bundled profiles: {', '.join(available_sites())})",
+        )
+        return None, site_path, [issue]
+    try:
+        site_doc = read_toml(site_path)
+    except SpecError as exc:
+        return None, site_path, list(exc.issues)
+    site, site_issues = _validate_site(site_doc, overrides, site_path, run_label, base_dir)
+    return site, site_path, list(site_issues)
 
 
 _SITE_PATH_KEYS = [

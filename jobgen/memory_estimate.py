@@ -153,128 +153,203 @@ def layer_activation_bytes(model: ModelInfo, inputs: PlanInputs, lora_modules: i
     return int(total)
 
 
-def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
-    """One rank's memory for ``inputs`` (see the module docstring for the model)."""
-    pb, ab = inputs.param_bytes, inputs.act_bytes
-    ws = inputs.world_size
-    shard = ws if inputs.fsdp else 1
-    total_params = model.param_count
-    notes: list[str] = []
+@dataclass(frozen=True)
+class _Trainable:
+    """What the optimizer trains: the whole model, or LoRA's adapters with the base frozen."""
 
+    lora: bool
+    adapter_params: int  # LoRA's adapter parameters (0 without LoRA)
+    count: int  # trainable parameters
+    largest: int  # numel of the largest trainable tensor
+    lora_modules: int  # adapted modules per layer
+    grad_bytes: int  # bytes per gradient element
+
+    @property
+    def bytes(self) -> int:
+        return self.count * self.grad_bytes
+
+
+def _trainable(model: ModelInfo, inputs: PlanInputs) -> _Trainable:
     lora = inputs.lora_r is not None
     lora_params, lora_largest, lora_modules = _lora_trainable(model, inputs) if lora else (0, 0, 0)
-    trainable = lora_params if lora else total_params
-    largest_trainable = lora_largest if lora else model.largest_numel
-    grad_bytes_per = 4 if lora else pb  # peft keeps adapters in float32
+    return _Trainable(
+        lora=lora,
+        adapter_params=lora_params,
+        count=lora_params if lora else model.param_count,
+        largest=lora_largest if lora else model.largest_numel,
+        lora_modules=lora_modules,
+        grad_bytes=4 if lora else inputs.param_bytes,  # peft keeps adapters in float32
+    )
 
-    # Parameters: the shard of every parameter (adapters included).
-    params = (total_params * pb + lora_params * 4) / shard
 
-    # Optimizer state.
-    state_bytes = 4 if inputs.device == "cpu" or lora else pb
+def _shard(inputs: PlanInputs) -> int:
+    return inputs.world_size if inputs.fsdp else 1
+
+
+def _parameter_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable) -> float:
+    """The shard of every parameter (adapters included)."""
+    return (model.param_count * inputs.param_bytes + tr.adapter_params * 4) / _shard(inputs)
+
+
+def _optimizer_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable) -> tuple[float, float]:
+    """(the optimizer's state, its step's temporaries)."""
+    shard = _shard(inputs)
+    state_bytes = 4 if inputs.device == "cpu" or tr.lora else inputs.param_bytes
     if inputs.optimizer == "adamw":
-        opt_state = 2 * trainable * state_bytes / shard
-        step_temp = ADAMW_STEP_TEMP * trainable * state_bytes / shard
+        opt_state = 2 * tr.count * state_bytes / shard
+        step_temp = ADAMW_STEP_TEMP * tr.count * state_bytes / shard
     else:
-        factored = lora_params if lora else sum(_adafactor_state(t.shape) for t in model.parameters)
+        factored = tr.adapter_params if tr.lora else sum(_adafactor_state(t.shape) for t in model.parameters)
         opt_state = factored * state_bytes / shard
-        step_temp = ADAFACTOR_STEP_TEMP * largest_trainable * state_bytes / shard
+        step_temp = ADAFACTOR_STEP_TEMP * tr.largest * state_bytes / shard
     if inputs.optimizer_in_backward:
         # Stepped per parameter: only the largest parameter's temporaries at once.
-        step_temp = ADAFACTOR_STEP_TEMP * largest_trainable * state_bytes / shard
+        step_temp = ADAFACTOR_STEP_TEMP * tr.largest * state_bytes / shard
+    return opt_state, step_temp
 
-    # Gradients and the buffers that hold them in flight: DDP's buckets live as long as the
-    # model; FSDP's gathered parameters and unsharded gradients only through forward/backward.
-    buffers = 0.0
-    transient = 0.0
+
+def _gradient_bytes(inputs: PlanInputs, tr: _Trainable) -> float:
     if inputs.optimizer_in_backward:
         # The hook steps and frees each gradient before autograd computes the next one.
-        grads = largest_trainable * grad_bytes_per / shard
-        if not inputs.fsdp and ws > 1:
-            buffers += trainable * grad_bytes_per  # DDP still reduces through its buckets
-    else:
-        grads = trainable * grad_bytes_per / shard
-        if not inputs.fsdp:
-            buffers += trainable * grad_bytes_per  # DDP's buckets (also on one rank)
-    if inputs.fsdp:
-        # trainer.model.wrap: two blocks gathered (the current one and the prefetched next) and
-        # the output layer from its forward to its backward, its own unit when untied; tied, the
-        # root keeps the shared embedding gathered throughout, and its unsharded gradient too.
-        head = model.vocab_size * model.hidden_size
-        grad_dtype = pb + (4 if inputs.device == "cuda" else 0)  # bf16 gradients reduced in fp32
-        if model.tie_word_embeddings:
-            gathered = model.root_numel
-            unsharded_grads = model.root_numel + model.block_numel
-        else:
-            gathered = head
-            unsharded_grads = max(head, model.block_numel)
-        transient += (gathered + 2 * model.block_numel) * pb + (0 if lora else unsharded_grads * grad_dtype)
-    # Buffers not in the files: rotary tables, the attention mask.
-    tokens = inputs.micro_batch_size * inputs.seq_len
-    buffers += tokens * (2 * model.hidden_size // model.num_heads) * 4
-    if inputs.device == "cuda":
-        buffers += inputs.micro_batch_size * inputs.seq_len**2 * 1  # a packed block-diagonal mask
+        return tr.largest * tr.grad_bytes / _shard(inputs)
+    return tr.count * tr.grad_bytes / _shard(inputs)
 
-    # Activations.
-    per_layer = layer_activation_bytes(model, inputs, lora_modules)
+
+def _ddp_bucket_bytes(inputs: PlanInputs, tr: _Trainable) -> int:
+    """DDP's gradient buckets, which live as long as the model."""
+    if inputs.fsdp:
+        return 0
+    if inputs.optimizer_in_backward:
+        return tr.bytes if inputs.world_size > 1 else 0  # DDP still reduces through its buckets
+    return tr.bytes  # also on one rank
+
+
+def _fsdp_gather_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable) -> int:
+    """FSDP's gathered parameters and unsharded gradients, alive only through forward/backward."""
+    if not inputs.fsdp:
+        return 0
+    pb = inputs.param_bytes
+    # trainer.model.wrap: two blocks gathered (the current one and the prefetched next) and
+    # the output layer from its forward to its backward, its own unit when untied; tied, the
+    # root keeps the shared embedding gathered throughout, and its unsharded gradient too.
+    head = model.vocab_size * model.hidden_size
+    grad_dtype = pb + (4 if inputs.device == "cuda" else 0)  # bf16 gradients reduced in fp32
+    if model.tie_word_embeddings:
+        gathered = model.root_numel
+        unsharded_grads = model.root_numel + model.block_numel
+    else:
+        gathered = head
+        unsharded_grads = max(head, model.block_numel)
+    return (gathered + 2 * model.block_numel) * pb + (0 if tr.lora else unsharded_grads * grad_dtype)
+
+
+def _runtime_buffer_bytes(model: ModelInfo, inputs: PlanInputs) -> tuple[int, int]:
+    """Buffers not in the files: (the rotary tables, the attention mask)."""
+    tokens = inputs.micro_batch_size * inputs.seq_len
+    rotary = tokens * (2 * model.hidden_size // model.num_heads) * 4
+    mask = inputs.micro_batch_size * inputs.seq_len**2 * 1 if inputs.device == "cuda" else 0  # packed block-diagonal
+    return rotary, mask
+
+
+def _activation_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable, notes: list[str]) -> tuple[int, int]:
+    """(activations on the device, block inputs offloaded to the host)."""
+    ab = inputs.act_bytes
+    tokens = inputs.micro_batch_size * inputs.seq_len
+    per_layer = layer_activation_bytes(model, inputs, tr.lora_modules)
     backward_work = tokens * ab * (BACKWARD_WORK_H * model.hidden_size + BACKWARD_WORK_I * model.intermediate_size)
     final_norm = tokens * model.hidden_size * (8 if ab == 4 else 10)
-    host_offload = 0
-    if inputs.gradient_checkpointing:
-        block_inputs = model.num_layers * tokens * model.hidden_size * ab
-        if inputs.activation_offloading:
-            host_offload = block_inputs
-            block_inputs = 2 * tokens * model.hidden_size * ab  # the one in flight each way
-        activations = block_inputs + per_layer + backward_work + final_norm
-    else:
+    if not inputs.gradient_checkpointing:
         if inputs.activation_offloading:
             notes.append("activation_offloading needs gradient_checkpointing in this estimate; ignored")
-        activations = model.num_layers * per_layer + backward_work + final_norm
+        return model.num_layers * per_layer + backward_work + final_norm, 0
+    host_offload = 0
+    block_inputs = model.num_layers * tokens * model.hidden_size * ab
+    if inputs.activation_offloading:
+        host_offload = block_inputs
+        block_inputs = 2 * tokens * model.hidden_size * ab  # the one in flight each way
+    return block_inputs + per_layer + backward_work + final_norm, host_offload
 
-    # Logits.
+
+def _logit_bytes(model: ModelInfo, inputs: PlanInputs) -> int:
+    ab = inputs.act_bytes
+    tokens = inputs.micro_batch_size * inputs.seq_len
     vocab = model.vocab_size
     if inputs.loss_chunk_tokens:
         live = min(inputs.loss_chunk_tokens, tokens)
-        logits = live * vocab * (ab + 4 * LOGIT_FP32_COPIES) + tokens * model.hidden_size * 4
-    else:
-        copies = LOGIT_FP32_COPIES + (1 if inputs.micro_batch_size > 1 else 0)  # non-contiguous shift
-        logits = tokens * vocab * (ab + 4 * copies)
+        return live * vocab * (ab + 4 * LOGIT_FP32_COPIES) + tokens * model.hidden_size * 4
+    copies = LOGIT_FP32_COPIES + (1 if inputs.micro_batch_size > 1 else 0)  # non-contiguous shift
+    return tokens * vocab * (ab + 4 * copies)
 
-    overhead = CPU_RUNTIME_BYTES if inputs.device == "cpu" else GPU_WORKSPACE_BYTES
-    components = {
-        "parameters": int(params),
-        "gradients": int(grads),
-        "optimizer_state": int(opt_state),
-        "activations": int(activations),
-        "logits": int(logits),
-        "buffers": int(buffers + transient),
-        "overhead": int(overhead),
-    }
-    # Phases. Loading holds the parameters and the tensor being read. Gradients are freed at
-    # every optimizer step (zero_grad(set_to_none=True)), so a step's peak is the larger of
-    # forward/backward (activations, logits, FSDP's gathers; the gradients too while they
-    # accumulate over micro-batches, or while each is stepped in backward) and the optimizer
-    # step (gradients, state, its temporaries). The first step allocates the state in its
-    # optimizer step; later steps hold it throughout.
-    load_transient = LOAD_TRANSIENT * model.largest_numel * pb
+
+def _overhead_bytes(inputs: PlanInputs) -> int:
+    return CPU_RUNTIME_BYTES if inputs.device == "cpu" else GPU_WORKSPACE_BYTES
+
+
+def _load_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable, params: float, overhead: int) -> float:
+    """The load phase: the parameters and the tensor being read."""
+    load_transient = LOAD_TRANSIENT * model.largest_numel * inputs.param_bytes
     # FSDP ranks read only their slices of the safetensors (trainer.sharded_load): a 374M model's
     # rank measured 1375 MiB while loading on 2 ranks, its shard plus runtime plus this transient.
     load = params + overhead + load_transient
     mapped = model.counted_from == "safetensors" and all(t.dtype == "F32" for t in model.tensors)
-    if inputs.device == "cpu" and not inputs.fsdp and not lora and mapped:
+    if inputs.device == "cpu" and not inputs.fsdp and not tr.lora and mapped:
         # from_pretrained maps float32 safetensors and reads a page when it is first touched:
         # the weights become resident in the first step (measured: 483 MiB at the end of loading
         # the 374M model in one process, the runtime alone).
         load = overhead + load_transient
     if inputs.device == "cuda" and not inputs.fsdp and not inputs.optimizer_in_backward:
-        load += trainable * grad_bytes_per  # DDP allocates its buckets when it wraps
-    forward_backward = transient + activations + logits
+        load += tr.bytes  # DDP allocates its buckets when it wraps
+    return load
+
+
+def _step_phases(inputs: PlanInputs, raw: dict[str, float], buffers: int, transient: int) -> tuple[float, float]:
+    """(first step, steady state) from the unrounded components ``raw`` (``step_temp`` added),
+    with ``buffers`` (held throughout) and FSDP's ``transient`` apart.
+
+    Gradients are freed at every optimizer step (zero_grad(set_to_none=True)), so a step's
+    peak is the larger of forward/backward (activations, logits, FSDP's gathers; the
+    gradients too while they accumulate over micro-batches, or while each is stepped in
+    backward) and the optimizer step (gradients, state, its temporaries). The first step
+    allocates the state in its optimizer step; later steps hold it throughout.
+    """
+    grads, opt_state, step_temp = raw["gradients"], raw["optimizer_state"], raw["step_temp"]
+    forward_backward = transient + raw["activations"] + raw["logits"]
     if inputs.optimizer_in_backward:
         forward_backward += grads + step_temp
     elif inputs.grad_accum > 1:
         forward_backward += grads
-    resident = params + buffers + overhead
+    resident = raw["parameters"] + buffers + raw["overhead"]
     first_step = resident + max(forward_backward, grads + opt_state + step_temp)
     steady = resident + opt_state + max(forward_backward, grads + step_temp)
+    return first_step, steady
+
+
+def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
+    """One rank's memory for ``inputs`` (see the module docstring for the model)."""
+    notes: list[str] = []
+    tr = _trainable(model, inputs)
+    params = _parameter_bytes(model, inputs, tr)
+    opt_state, step_temp = _optimizer_bytes(model, inputs, tr)
+    grads = _gradient_bytes(inputs, tr)
+    # Gradients and the buffers that hold them in flight: DDP's buckets live as long as the
+    # model; FSDP's gathered parameters and unsharded gradients only through forward/backward.
+    rotary, mask = _runtime_buffer_bytes(model, inputs)
+    buffers = _ddp_bucket_bytes(inputs, tr) + rotary + mask
+    transient = _fsdp_gather_bytes(model, inputs, tr)
+    activations, host_offload = _activation_bytes(model, inputs, tr, notes)
+    logits = _logit_bytes(model, inputs)
+    overhead = _overhead_bytes(inputs)
+    raw = {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer_state": opt_state,
+        "activations": activations,
+        "logits": logits,
+        "buffers": buffers + transient,
+        "overhead": overhead,
+    }
+    components = {name: int(value) for name, value in raw.items()}
+    first_step, steady = _step_phases(inputs, {**raw, "step_temp": step_temp}, buffers, transient)
+    load = _load_bytes(model, inputs, tr, params, overhead)
     phases = {"load": int(load), "first_step": int(first_step), "steady": int(steady)}
-    return Estimate(components, phases, int(host_offload), trainable, notes)
+    return Estimate(components, phases, int(host_offload), tr.count, notes)

@@ -154,41 +154,14 @@ def draw(data: PlotData, output: Path) -> Path:
 
     fig, axes = plt.subplots(3, 2, figsize=(13, 9), sharex="col")
     for row, key in enumerate(("loss", "lr", "tokens_per_s")):
-        series = data.metrics[key]
-        by_step, by_time = axes[row]
-        for steps, times, values in series.segments():
-            by_step.plot(steps, values, lw=1.2, color="C0")
-            by_time.plot([dt.datetime.fromtimestamp(t) for t in times], values, lw=1.2, color="C0")
-        if key == "loss" and data.metrics["eval_loss"].steps:
-            # Each job's evaluations as points joined by a line, like its training loss.
-            for i, (steps, times, values) in enumerate(data.metrics["eval_loss"].segments()):
-                by_step.plot(steps, values, "o-", ms=4, lw=1, color="C1", label=None if i else "eval loss")
-                by_time.plot([dt.datetime.fromtimestamp(t) for t in times], values, "o-", ms=4, lw=1, color="C1")
-            by_step.plot([], [], lw=1.2, color="C0", label="training loss")
-            by_step.legend(loc="upper right", fontsize=8)
-        by_step.set_ylabel(LABELS[key])
-        for ax in (by_step, by_time):
-            ax.ticklabel_format(axis="y", useOffset=False, style="sci" if key == "lr" else "plain", scilimits=(-3, 4))
-        for step, at in data.resumes:
-            by_step.axvline(step, color="C3", ls=":", lw=1)
-            by_time.axvline(dt.datetime.fromtimestamp(at), color="C3", ls=":", lw=1)
-        for start, end in data.waits:
-            by_time.axvspan(dt.datetime.fromtimestamp(start), dt.datetime.fromtimestamp(end), color="0.85", lw=0)
-        for ax in (by_step, by_time):
-            ax.grid(alpha=0.3)
+        _draw_row(data, key, *axes[row])
     axes[2][0].set_xlabel("step")
     axes[2][1].set_xlabel("wall time")
     locator = mdates.AutoDateLocator()
     axes[2][1].xaxis.set_major_locator(locator)
     axes[2][1].xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
-    last = data.metrics["loss"]
-    summary = f"step {last.steps[-1]}, loss {last.values[-1]:.4f}" if last.steps else "no loss logged"
-    evals = data.metrics["eval_loss"]
-    if evals.steps:
-        best = min(range(len(evals.values)), key=evals.values.__getitem__)
-        summary += f", eval loss {evals.values[-1]:.4f} (best {evals.values[best]:.4f} at step {evals.steps[best]})"
     fig.suptitle(
-        f"{data.name}: {summary}; {len(data.resumes)} resume(s) (dotted), time without a running job shaded",
+        f"{data.name}: {_summary(data)}; {len(data.resumes)} resume(s) (dotted), time without a running job shaded",
         fontsize=11,
     )
     fig.tight_layout()
@@ -203,3 +176,39 @@ def draw(data: PlotData, output: Path) -> Path:
         plt.close(fig)
         tmp.unlink(missing_ok=True)
     return output
+
+
+def _draw_row(data: PlotData, key: str, by_step, by_time) -> None:
+    """One metric's row: against the step (``by_step``) and against wall time (``by_time``),
+    with the resumes marked and the time without a running job shaded."""
+    for steps, times, values in data.metrics[key].segments():
+        by_step.plot(steps, values, lw=1.2, color="C0")
+        by_time.plot([dt.datetime.fromtimestamp(t) for t in times], values, lw=1.2, color="C0")
+    if key == "loss" and data.metrics["eval_loss"].steps:
+        # Each job's evaluations as points joined by a line, like its training loss.
+        for i, (steps, times, values) in enumerate(data.metrics["eval_loss"].segments()):
+            by_step.plot(steps, values, "o-", ms=4, lw=1, color="C1", label=None if i else "eval loss")
+            by_time.plot([dt.datetime.fromtimestamp(t) for t in times], values, "o-", ms=4, lw=1, color="C1")
+        by_step.plot([], [], lw=1.2, color="C0", label="training loss")
+        by_step.legend(loc="upper right", fontsize=8)
+    by_step.set_ylabel(LABELS[key])
+    for ax in (by_step, by_time):
+        ax.ticklabel_format(axis="y", useOffset=False, style="sci" if key == "lr" else "plain", scilimits=(-3, 4))
+    for step, at in data.resumes:
+        by_step.axvline(step, color="C3", ls=":", lw=1)
+        by_time.axvline(dt.datetime.fromtimestamp(at), color="C3", ls=":", lw=1)
+    for start, end in data.waits:
+        by_time.axvspan(dt.datetime.fromtimestamp(start), dt.datetime.fromtimestamp(end), color="0.85", lw=0)
+    for ax in (by_step, by_time):
+        ax.grid(alpha=0.3)
+
+
+def _summary(data: PlotData) -> str:
+    """The title's account of where the run stands: its last step and loss, and its evaluations."""
+    last = data.metrics["loss"]
+    summary = f"step {last.steps[-1]}, loss {last.values[-1]:.4f}" if last.steps else "no loss logged"
+    evals = data.metrics["eval_loss"]
+    if evals.steps:
+        best = min(range(len(evals.values)), key=evals.values.__getitem__)
+        summary += f", eval loss {evals.values[-1]:.4f} (best {evals.values[best]:.4f} at step {evals.steps[best]})"
+    return summary

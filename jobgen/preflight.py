@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobgen import slurm
 from jobgen.durations import format_human, parse_slurm_limit
 from jobgen.goodput import KillWindow
 from jobgen.resolved import ResolvedSpec
+from jobgen.site import SlurmSettings
+from jobgen.spec import JobSpec
 
 MIN_SLURM = (20, 11)
 
@@ -53,35 +55,73 @@ def _gres_count(gres: str, name: str) -> int:
     return total
 
 
-def check_cluster(spec: ResolvedSpec, quarantined: list[str] = ()) -> list[Finding]:
-    """Partition, node count, time limit, CPUs and GPUs against what the cluster has, without
-    the spec's excluded nodes and the run's ``quarantined`` ones."""
-    findings: list[Finding] = []
-    job, slurm_site = spec.run.job, spec.site.slurm
-    ver = slurm.version()
-    if ver[:2] < MIN_SLURM:
-        findings.append(
-            Finding("error", "", f"Slurm {'.'.join(map(str, ver))} is older than 20.11, which jobgen needs")
-        )
+@dataclass(frozen=True)
+class _ClusterFacts:
+    """What Slurm says that the run's checks need. The node facts are gathered only once the
+    run's partition is known (``partition`` is not None): they are the nodes of that partition."""
 
+    version: tuple[int, ...]
+    partitions: dict[str, dict[str, str]]  # by PartitionName
+    name: str | None  # the run's partition: the spec's, else the cluster's default
+    partition: dict[str, str] | None  # its record, None if there is no such partition
+    max_time: int | None = None  # its MaxTime in seconds, None for UNLIMITED
+    in_partition: frozenset[str] = frozenset()  # the partition's node names
+    excluded: frozenset[str] = frozenset()  # the spec's exclude and the quarantined nodes
+    wanted: frozenset[str] = frozenset()  # the spec's nodelist
+    nodes: Mapping[str, dict[str, str]] = field(default_factory=dict)  # every node, by NodeName
+
+    @property
+    def candidates(self) -> list[dict[str, str]]:
+        """The partition's nodes the run may get, by name."""
+        return [self.nodes[n] for n in sorted(self.in_partition - self.excluded) if n in self.nodes]
+
+
+def _gather_cluster_facts(spec: ResolvedSpec, quarantined: list[str]) -> _ClusterFacts:
+    """Everything the checks need from Slurm, through the client's calls; nothing about the nodes
+    when the run's partition cannot be resolved, since the checks stop there."""
+    job = spec.run.job
+    ver = slurm.version()
     parts = {p.get("PartitionName", ""): p for p in slurm.partitions()}
     name = spec.partition or next((n for n, p in parts.items() if p.get("Default") == "YES"), None)
-    key = "job.partition" if spec.run.job.partition else "site.slurm.partition"
-    if name is None:
-        findings.append(
-            Finding("error", key, f"no partition given and the cluster has no default (it has: {', '.join(parts)})")
-        )
-        return findings
-    part = parts.get(name)
+    part = parts.get(name) if name is not None else None
     if part is None:
-        findings.append(
-            Finding("error", key, f"partition '{name}' does not exist (the cluster has: {', '.join(parts)})")
-        )
-        return findings
-    if part.get("State", "UP") != "UP":
-        findings.append(Finding("warning", key, f"partition '{name}' is {part.get('State')}: jobs will wait"))
-
+        return _ClusterFacts(ver, parts, name, None)
+    # Parsed here, before the node queries: a MaxTime jobgen cannot read fails the check first.
     max_time = parse_slurm_limit(part.get("MaxTime", "UNLIMITED"))
+    in_partition = set(slurm.hostnames(part.get("Nodes", "")))
+    excluded = set(slurm.hostnames(",".join(job.exclude))) if job.exclude else set()
+    excluded |= set(quarantined)
+    wanted = set(slurm.hostnames(",".join(job.nodelist))) if job.nodelist else set()
+    all_nodes = {n.get("NodeName", ""): n for n in slurm.nodes()}
+    return _ClusterFacts(
+        ver, parts, name, part, max_time, frozenset(in_partition), frozenset(excluded), frozenset(wanted), all_nodes
+    )
+
+
+def _version_findings(ver: tuple[int, ...]) -> list[Finding]:
+    if ver[:2] < MIN_SLURM:
+        return [Finding("error", "", f"Slurm {'.'.join(map(str, ver))} is older than 20.11, which jobgen needs")]
+    return []
+
+
+def _partition_findings(spec: ResolvedSpec, facts: _ClusterFacts) -> list[Finding]:
+    """The partition exists (or the cluster has a default) and is up."""
+    key = "job.partition" if spec.run.job.partition else "site.slurm.partition"
+    name, part, parts = facts.name, facts.partition, facts.partitions
+    if name is None:
+        return [
+            Finding("error", key, f"no partition given and the cluster has no default (it has: {', '.join(parts)})")
+        ]
+    if part is None:
+        return [Finding("error", key, f"partition '{name}' does not exist (the cluster has: {', '.join(parts)})")]
+    if part.get("State", "UP") != "UP":
+        return [Finding("warning", key, f"partition '{name}' is {part.get('State')}: jobs will wait")]
+    return []
+
+
+def _limit_findings(job: JobSpec, name: str, part: dict[str, str], max_time: int | None) -> list[Finding]:
+    """The partition's MaxTime and MaxNodes."""
+    findings = []
     if max_time is not None and job.time > max_time:
         findings.append(
             Finding(
@@ -95,26 +135,37 @@ def check_cluster(spec: ResolvedSpec, quarantined: list[str] = ()) -> list[Findi
         findings.append(
             Finding("error", "job.nodes", f"{job.nodes} nodes exceeds partition '{name}' MaxNodes {max_nodes}")
         )
+    return findings
 
-    in_partition = set(slurm.hostnames(part.get("Nodes", "")))
-    excluded = set(slurm.hostnames(",".join(job.exclude))) if job.exclude else set()
-    excluded |= set(quarantined)
-    wanted = set(slurm.hostnames(",".join(job.nodelist))) if job.nodelist else set()
-    all_nodes = {n.get("NodeName", ""): n for n in slurm.nodes()}
-    for node in sorted(wanted - in_partition):
-        findings.append(Finding("error", "job.nodelist", f"node '{node}' is not in partition '{name}'"))
-    candidates = [all_nodes[n] for n in sorted(in_partition - excluded) if n in all_nodes]
-    if len(candidates) < job.nodes:
-        findings.append(
-            Finding(
-                "error",
-                "job.nodes",
-                f"{job.nodes} nodes requested but partition '{name}' has {len(candidates)}"
-                + (f" after excluding {', '.join(sorted(excluded & in_partition))}" if excluded & in_partition else ""),
-            )
+
+def _nodelist_findings(name: str, facts: _ClusterFacts) -> list[Finding]:
+    return [
+        Finding("error", "job.nodelist", f"node '{node}' is not in partition '{name}'")
+        for node in sorted(facts.wanted - facts.in_partition)
+    ]
+
+
+def _node_count_findings(job: JobSpec, name: str, facts: _ClusterFacts) -> list[Finding]:
+    """Too few nodes left in the partition once the excluded ones are taken out."""
+    count = len(facts.candidates)
+    if count >= job.nodes:
+        return []
+    gone = facts.excluded & facts.in_partition
+    return [
+        Finding(
+            "error",
+            "job.nodes",
+            f"{job.nodes} nodes requested but partition '{name}' has {count}"
+            + (f" after excluding {', '.join(sorted(gone))}" if gone else ""),
         )
-        return findings
+    ]
 
+
+def _node_resource_findings(
+    job: JobSpec, slurm_site: SlurmSettings, name: str, candidates: list[dict[str, str]]
+) -> list[Finding]:
+    """Enough candidate nodes with the CPUs and GPUs asked for, and up now."""
+    findings = []
     fitting = [n for n in candidates if int(n.get("CPUTot", "0") or 0) >= slurm_site.cpus_per_node]
     if len(fitting) < job.nodes:
         most = max(int(n.get("CPUTot", "0") or 0) for n in candidates)
@@ -149,6 +200,27 @@ def check_cluster(spec: ResolvedSpec, quarantined: list[str] = ()) -> list[Findi
             )
         )
     return findings
+
+
+def _decide(spec: ResolvedSpec, facts: _ClusterFacts) -> list[Finding]:
+    """The findings from what Slurm said; the checks stop at a missing partition and at too
+    few nodes, since the ones after would only repeat them."""
+    job = spec.run.job
+    findings = _version_findings(facts.version) + _partition_findings(spec, facts)
+    if facts.name is None or facts.partition is None:
+        return findings
+    findings += _limit_findings(job, facts.name, facts.partition, facts.max_time)
+    findings += _nodelist_findings(facts.name, facts)
+    shortfall = _node_count_findings(job, facts.name, facts)
+    if shortfall:
+        return findings + shortfall
+    return findings + _node_resource_findings(job, spec.site.slurm, facts.name, facts.candidates)
+
+
+def check_cluster(spec: ResolvedSpec, quarantined: list[str] = ()) -> list[Finding]:
+    """Partition, node count, time limit, CPUs and GPUs against what the cluster has, without
+    the spec's excluded nodes and the run's ``quarantined`` ones."""
+    return _decide(spec, _gather_cluster_facts(spec, quarantined))
 
 
 def kill_window(spec: ResolvedSpec, conf: dict[str, str] | None = None) -> KillWindow | None:

@@ -194,25 +194,18 @@ def _shell_path(base_expr: str, base: Path, path: Path) -> Trusted:
 
 def build_context(spec: ResolvedSpec) -> dict[str, Any]:
     """Every value the template needs, derived from the spec in one place."""
-    job, site = spec.run.job, spec.site
-    slurm, net, py = site.slurm, site.network, site.python
+    return {**_job_context(spec), **_run_dir_context(spec), **_site_context(spec)}
+
+
+def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
+    """The job's part of :func:`build_context`: where the script came from, what it starts,
+    and the numbers of its allocation."""
+    job, slurm = spec.run.job, spec.site.slurm
     procs = spec.procs_per_node
-    run_dir = spec.run_dir
-    run = RunDir(run_dir)
-    # Every stop request an earlier attempt of this job can have left: the stem and the
-    # stem with any restart count (RunDir.stop_request_stem).
-    stale_stop = _shell_path("$SWITCHES", run.switches, run.stop_request_stem("${SLURM_JOB_ID:-none}"))
-    mounts = [f"{spec.runs_root}:{spec.runs_root}", f"{PROJECT_ROOT}:{PROJECT_ROOT}", *py.container_mounts]
-
-    env = dict(site.env)
-    if site.paths.hf_home:
-        env.setdefault("HF_HOME", site.paths.hf_home)
-    env.update(spec.run.env)
-
     return {
         "jobgen_version": __version__,
         "spec_file": spec.spec_file or "(built in)",
-        "site_name": site.name,
+        "site_name": spec.site.name,
         "site_file": spec.site_file,
         "program": job.program,
         "lifecycle": job.resumable,
@@ -235,6 +228,17 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
         "signal": slurm.signal,
         "graceful_stop": job.graceful_stop,
         "array": job.array,
+    }
+
+
+def _run_dir_context(spec: ResolvedSpec) -> dict[str, Any]:
+    """The run directory's part of :func:`build_context`: its path and the names in it."""
+    run_dir = spec.run_dir
+    run = RunDir(run_dir)
+    # Every stop request an earlier attempt of this job can have left: the stem and the
+    # stem with any restart count (RunDir.stop_request_stem).
+    stale_stop = _shell_path("$SWITCHES", run.switches, run.stop_request_stem("${SLURM_JOB_ID:-none}"))
+    return {
         "run_dir": str(run_dir),
         # The run directory's names (jobgen.rundir). Absolute where nothing in them varies;
         # else under the script's $RUN_DIR / $SWITCHES / $JOBGEN_RUN_DIR, with the job id,
@@ -254,6 +258,22 @@ def build_context(spec: ResolvedSpec) -> dict[str, Any]:
         "rank_logs": _shell_path("$JOBGEN_RUN_DIR", run.path, run.rank_logs(SHELL_JOB_ID, SHELL_NODE)),
         # NCCL expands %h (host) and %p (pid), and reads '%%' as '%': a '%' in the run dir is doubled.
         "nccl_debug_log": _shell_path("${RUN_DIR//\\%/%%}", run.path, run.nccl_debug_log(SHELL_JOB_ID, "%h", "%p")),
+    }
+
+
+def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
+    """The site's part of :func:`build_context`: Python, network, environment, the start
+    probe, and the exit codes."""
+    site = spec.site
+    slurm, net, py = site.slurm, site.network, site.python
+    mounts = [f"{spec.runs_root}:{spec.runs_root}", f"{PROJECT_ROOT}:{PROJECT_ROOT}", *py.container_mounts]
+
+    env = dict(site.env)
+    if site.paths.hf_home:
+        env.setdefault("HF_HOME", site.paths.hf_home)
+    env.update(spec.run.env)
+
+    return {
         "output_per_node": slurm.output_per_node,
         "project_root": str(PROJECT_ROOT),
         "python": py,

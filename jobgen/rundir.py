@@ -32,18 +32,17 @@ replaces spec and scripts atomically, one file at a time.
 from __future__ import annotations
 
 import datetime as dt
-import grp
 import json
 import os
-import pwd
 import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobgen.atomic import TargetExists, current_umask, staged_directory, write_json_atomic, write_text_atomic
+from jobgen.atomic import TargetExists, staged_directory, write_json_atomic, write_text_atomic
 from jobgen.resolved import ResolvedSpec
+from jobgen.run_permissions import SWITCH_FILE_MODE, SWITCHES_MODE, repair_modes, why_not_writable
 
 SUBDIRS = ("switches", "logs", "checkpoints", "repro", "history")
 # Switch files under switches/: kill saves and exits, save saves and goes on, abort exits
@@ -52,15 +51,8 @@ SUBDIRS = ("switches", "logs", "checkpoints", "repro", "history")
 KILL_SWITCH, SAVE_SWITCH, ABORT_SWITCH = "kill", "save", "abort"
 SWITCHES = (KILL_SWITCH, SAVE_SWITCH, ABORT_SWITCH)
 STARTUP_SWITCHES = (KILL_SWITCH, ABORT_SWITCH)
-# switches/ is the team's one shared surface, whatever the owner's umask: group members
-# flip switches (also with plain `touch`), setgid keeps the files in the run's group, and
-# a switch file is group-writable so a teammate may touch it again. The sticky bit keeps
-# one member from deleting or replacing another's file (a stop request the batch shell
-# wrote, a switch): only its maker and the run's owner may. Everything else follows the
-# umask: a teammate who could replace spec.json or plant a checkpoint (resume loads it)
-# would run code as the owner.
-SWITCHES_MODE = 0o3775
-SWITCH_FILE_MODE = 0o664
+# The modes of switches/ and of a switch file (SWITCHES_MODE, SWITCH_FILE_MODE), and why:
+# jobgen.run_permissions.
 # Checkpoint directories under checkpoints/: only a rename ever gives a directory its
 # final name, so a name is a promise about the content.
 CHECKPOINT_PREFIX = "step-"  # complete: step-00000120
@@ -376,35 +368,13 @@ class RunDir:
             return target, False
         except OSError as exc:
             what = "replace the link at" if os.path.islink(target) else "set"
-            raise RunDirError(f"cannot {what} the {name} switch: {_why_not_writable(self.switches, exc)}") from None
+            raise RunDirError(f"cannot {what} the {name} switch: {why_not_writable(self.switches, exc)}") from None
         try:
             os.fchmod(fd, SWITCH_FILE_MODE)  # the umask took group-write off; the team needs it
             os.write(fd, f"{_now()} by uid {os.getuid()}\n".encode())
         finally:
             os.close(fd)
         return target, True
-
-
-def _why_not_writable(directory: Path, exc: OSError) -> str:
-    """A one-line reason for an error message (no traceback for a permission problem)."""
-    try:
-        st = directory.stat()
-    except OSError:
-        st = None
-    if not isinstance(exc, PermissionError) or st is None:
-        return f"{directory}: {exc.strerror}"
-    owner, group = _account(pwd.getpwuid, st.st_uid), _account(grp.getgrgid, st.st_gid)
-    return (
-        f"{directory} is not writable by you (owner {owner}, group {group}, mode "
-        f"{stat.S_IMODE(st.st_mode):o}); ask {owner} to set it, or to add you to group {group}"
-    )
-
-
-def _account(lookup: Any, ident: int) -> str:
-    try:
-        return lookup(ident)[0]
-    except KeyError:  # an id with no name on this host (another site's NFS)
-        return str(ident)
 
 
 def _now() -> str:
@@ -477,25 +447,10 @@ def _update(run: RunDir, spec_json: dict[str, Any], scripts: dict[str, str], sou
         )
     for sub in SUBDIRS:
         (run.path / sub).mkdir(exist_ok=True)
-    _repair_modes(run)
+    repair_modes(run.path, run.switches)
     stamp = dt.datetime.now().strftime("%Y%m%dT%H%M%S%f")
     write_json_atomic(run.path / "history" / f"spec-{stamp}.json", old)
     _fill(run.path, spec_json, scripts, source_text)
-
-
-def _repair_modes(run: RunDir) -> None:
-    """A continued run gets the modes a new one has: switches/ shared (a missing or
-    tightened one would lock the team out), and a root that runs made before jobgen
-    followed the umask left group-writable (2775) loses what the umask forbids. Only
-    an owner may chmod; what is someone else's waits for their next submission."""
-    me = os.geteuid()
-    st = run.switches.stat()
-    if st.st_uid == me and stat.S_IMODE(st.st_mode) != SWITCHES_MODE:
-        os.chmod(run.switches, SWITCHES_MODE)
-    st = run.path.stat()
-    allowed = stat.S_IMODE(st.st_mode) & ~current_umask()
-    if st.st_uid == me and allowed != stat.S_IMODE(st.st_mode):
-        os.chmod(run.path, allowed)
 
 
 def remove_new(run: RunDir) -> None:

@@ -7,11 +7,13 @@ files for stops, ``doctor.json`` for node checks.
 
 This module owns ``jobgen status``: reading those records and Slurm's view into a
 :class:`RunStatus`, the run's state (:func:`decide_state`, a pure function of what was
-read, by the state sets of :mod:`jobgen.slurm`), and its text form.
+read, by the state sets of :mod:`jobgen.slurm`), and its text form. :func:`run_status`
+gathers first (:mod:`jobgen.status_facts`: the records and Slurm's facts), then decides
+(:func:`decide_status`, which reads and asks nothing).
 
 The watchdogs' active alerts are shown as warnings, but their state files and where
 they live are the watchdogs' business and jobgen does not import ``watchdogs``
-(dependencies point one way; ``tests/test_layering.py``). So :func:`run_status` takes
+(dependencies point one way; ``tests/unit/test_layering.py``). So :func:`run_status` takes
 them as a parameter, ``watchdog_alerts``, which the composition root ``jobgen/cli.py``
 supplies (``watchdogs.notify.run_alerts``); other callers, the watchdogs themselves,
 have no use for them and leave it out.
@@ -26,12 +28,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from jobgen import quarantine, slurm
-from jobgen.goodput import goodput, kill_window_warning, lead_time_warning, read_metrics, read_tasks, run_reports
-from jobgen.preflight import kill_window
+from jobgen.goodput import KillWindow, goodput, kill_window_warning, lead_time_warning
 from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir
 from jobgen.runtime.records import is_eval_line, training_lines
-from jobgen.task_table import TaskStatus, build_tasks, read_task_records, unexplained_submissions
+from jobgen.status_facts import RunRecords, SlurmFacts, ask_kill_window, ask_slurm, read_run_records
+
+# Gathered in jobgen.status_facts; the watchdogs and jobgen.first_step import these from here.
+from jobgen.status_facts import queue_for as queue_for
+from jobgen.status_facts import slurm_may_know as slurm_may_know
+from jobgen.task_table import TaskStatus, build_tasks
 
 # What the run's watchdogs alert about right now, one line each (supplied by jobgen/cli.py).
 WatchdogAlerts = Callable[[ResolvedSpec], list[str]]
@@ -114,33 +120,6 @@ def decide_state(states: set[str], *, done: bool, failed: bool, doctor_ok: bool 
     return "unknown"
 
 
-def slurm_may_know(
-    run: RunDir, queue: list[slurm.QueueEntry], records: dict, conf: dict[str, str], now: float | None = None
-) -> list[int]:
-    """The submissions worth asking Slurm about after they ended: every one where accounting
-    keeps jobs (one sacct call); else those the run directory leaves unexplained, and those
-    with a task that ended within MinJobAge (Slurm still knows how it ended: CANCELLED,
-    TIMEOUT, NODE_FAIL), one ``scontrol show job`` each."""
-    subs = [int(j["job_id"]) for j in run.jobs() if not j.get("local")]
-    if slurm.accounting_enabled(conf):
-        return subs
-    memory = slurm.parse_seconds(conf.get("MinJobAge", "")) or 300
-    now = time.time() if now is None else now
-    recent = {
-        int(r.get("array_job_id") or job)
-        for (job, _), r in records.items()
-        if r.get("end") is None or now - float(r["end"]) < memory
-    }
-    unexplained = set(unexplained_submissions(run, queue, records))
-    return [s for s in subs if s in recent or s in unexplained]
-
-
-def queue_for(runs: list[RunDir]) -> list[slurm.QueueEntry]:
-    """One ``squeue`` for every submission of these runs (raises SlurmUnavailable)."""
-    ids = sorted({int(j["job_id"]) for run in runs for j in run.jobs() if not j.get("local")})
-    return slurm.queue(ids) if ids else []
-
-
 def run_status(
     run: RunDir,
     watchdog_alerts: WatchdogAlerts | None = None,
@@ -154,113 +133,113 @@ def run_status(
     ``queue``: what :func:`queue_for` returned (or raised) for many runs at once; None asks
     squeue here. ``details``: also ask Slurm about ended jobs the run directory leaves
     unexplained, and for the kill window (one run's view); a listing of runs leaves both out.
+
+    Gather, then decide: the run directory's records (:func:`read_run_records`), Slurm's
+    facts (:func:`ask_slurm`, then the kill window), the watchdogs' alerts; then
+    :func:`decide_status` makes the report of them, reading and asking nothing more.
     """
-    spec = run.load_spec()
-    job = spec.run.job
-    every_line = read_metrics(run.path / "metrics.jsonl")
-    lines = training_lines(every_line)
-    metrics = lines[-1] if lines else None
-    switches = sorted(p.name for p in run.switches.iterdir()) if run.switches.is_dir() else []
-    notes = []
-    unreachable = None
-    records = read_task_records(run)
-    ended: list[slurm.JobRecord] = []
-    conf: dict[str, str] | None = None
-    try:
-        if queue is None:
-            queue = queue_for([run])
-        if isinstance(queue, Exception):
-            raise queue
-        if details and run.jobs():
-            conf = slurm.config()
-            ask = slurm_may_know(run, queue, records, conf)
-            if ask:
-                ended = slurm.ended_jobs(ask, accounting=slurm.accounting_enabled(conf))
-    except slurm.SlurmUnavailable as exc:
-        queue = []
-        unreachable = (
-            f"Slurm not reachable ({exc.stderr.splitlines()[-1] if exc.stderr else exc}): "
-            "showing what the run directory records"
-        )
-        notes.append(unreachable)
-    reports = run_reports(run.path, spec.run.job.time)
-    tasks = build_tasks(run, job.name, queue, ended, reports, records, job.time, slurm_answered=unreachable is None)
+    found = read_run_records(run)
+    job = found.spec.run.job
+    asked = ask_slurm(run, found.task_records, queue, details)
+    tasks = build_tasks(
+        run,
+        job.name,
+        asked.queue,
+        asked.ended,
+        found.reports,
+        found.task_records,
+        job.time,
+        slurm_answered=asked.unreachable is None,
+    )
+    # Only once Slurm has seen a job of the run.
+    window = ask_kill_window(found.spec, asked.conf) if asked.conf is not None and tasks and job.graceful_stop else None
+    alerts = list(watchdog_alerts(found.spec)) if watchdog_alerts is not None else []
+    return decide_status(str(run.path), found, asked, tasks, window, alerts)
+
+
+def decide_status(
+    run_dir: str,
+    found: RunRecords,
+    asked: SlurmFacts,
+    tasks: list[TaskStatus],
+    window: KillWindow | None,
+    alerts: list[str],
+) -> RunStatus:
+    """The status :func:`run_status` reports, from what it gathered; reads and asks nothing."""
+    job = found.spec.run.job
+    lines = training_lines(found.metrics)
+    last = lines[-1] if lines else {}
     status = RunStatus(
-        run_dir=str(run.path),
+        run_dir=run_dir,
         name=job.name,
         program=job.program,
         state="unknown",
-        step=metrics.get("step") if metrics else None,
-        logged_step=metrics.get("step") if metrics else None,
-        max_steps=spec.run.train.max_steps if job.program == "train" else None,
+        step=last.get("step"),
+        logged_step=last.get("step"),
+        max_steps=found.spec.run.train.max_steps if job.program == "train" else None,
         tasks=tasks,
-        switches=switches,
-        goodput=goodput(reports),
-        notes=notes,
-        slurm_unreachable=unreachable,
-        loss=metrics.get("loss") if metrics else None,
-        tokens_per_s=metrics.get("tokens_per_s") if metrics else None,
+        switches=found.switches,
+        goodput=goodput(found.reports),
+        notes=[asked.unreachable] if asked.unreachable else [],
+        slurm_unreachable=asked.unreachable,
+        loss=last.get("loss"),
+        tokens_per_s=last.get("tokens_per_s"),
     )
-    # Lines that are no records are left out of everything above (run_reports reads them
-    # the same way); said once here, with the file, so a hand edit or a program's bad line
-    # is found rather than silently changing the numbers.
-    for records in (every_line, read_tasks(run.path / "tasks.jsonl")):
-        if records.warning():
-            status.warnings.append(records.warning())
-    _progress(status, run, lines)
-    status.eval_last, status.eval_best = eval_progress(every_line, run.best())
-    # Without graceful stops no save races a time limit or a SIGKILL: nothing to warn about.
-    warning = lead_time_warning(job.exit_grace, reports) if job.graceful_stop else None
-    if warning:
-        status.warnings.append(warning)
-    try:
-        # Only once Slurm has seen a job of the run.
-        window = kill_window(spec, conf) if conf is not None and tasks and job.graceful_stop else None
-    except slurm.SlurmError:
-        window = None
-    warning = kill_window_warning(window, reports)
-    if warning:
-        status.warnings.append(warning)
-    if watchdog_alerts is not None:
-        status.warnings.extend(f"watchdog {alert}" for alert in watchdog_alerts(spec))
-    status.warnings.extend(
-        f"checkpoint {p.name} was set aside: it failed to load while an older one loaded (why: {p / 'broken.json'}); "
-        "delete it once inspected"
-        for p in run.broken_checkpoints()
-    )
-    try:
-        held = quarantine.read(run)
-    except quarantine.QuarantineError as exc:
-        held = {}
-        status.warnings.append(f"{exc}: the nodes it held may be used again")
-    except OSError as exc:
-        held = {}
-        status.warnings.append(f"{run.quarantine} is unreadable ({exc}): the nodes it held may be used again")
-    status.quarantined = quarantine.to_json(held)
-    if held:
-        status.warnings.append(
-            f"quarantined node(s) {', '.join(held)}: later tasks exclude them "
-            f"(jobgen doctor --clear {job.name} releases those that pass)"
-        )
-    failed = run.failure()
-    doctor = run.path / "doctor.json"
-    doctor_ok = bool(json.loads(doctor.read_text()).get("ok")) if job.program == "doctor" and doctor.is_file() else None
+    _progress(status, found, lines)
+    status.eval_last, status.eval_best = eval_progress(found.metrics, found.best)
+    status.warnings = _warnings(found, window, alerts)
+    status.quarantined = quarantine.to_json(found.held)
     status.state = decide_state(
         _deciding_states(tasks),
-        done=run.done_marker.exists(),
-        failed=failed is not None,
-        doctor_ok=doctor_ok,
-        switches=set(switches),
+        done=found.done,
+        failed=found.failed is not None,
+        doctor_ok=found.doctor_ok,
+        switches=set(found.switches),
     )
-    if status.state == "failed" and failed is not None:  # decided by the failed marker
-        status.notes.append(
+    status.notes += _state_notes(status.state, found.failed, found.switches)
+    return status
+
+
+def _warnings(found: RunRecords, window: KillWindow | None, alerts: list[str]) -> list[str]:
+    """The run's warnings, in the order they are shown."""
+    job = found.spec.run.job
+    held = found.held
+    candidates = [
+        # Lines that are no records are left out of everything else (run_reports reads them
+        # the same way); said once here, with the file, so a hand edit or a program's bad line
+        # is found rather than silently changing the numbers.
+        found.metrics.warning(),
+        found.task_lines.warning(),
+        # Without graceful stops no save races a time limit or a SIGKILL: nothing to warn about.
+        lead_time_warning(job.exit_grace, found.reports) if job.graceful_stop else None,
+        kill_window_warning(window, found.reports),
+        *(f"watchdog {alert}" for alert in alerts),
+        *(
+            f"checkpoint {p.name} was set aside: it failed to load while an older one loaded "
+            f"(why: {p / 'broken.json'}); delete it once inspected"
+            for p in found.broken
+        ),
+        f"{found.held_problem}: the nodes it held may be used again" if found.held_problem else None,
+        f"quarantined node(s) {', '.join(held)}: later tasks exclude them "
+        f"(jobgen doctor --clear {job.name} releases those that pass)"
+        if held
+        else None,
+    ]
+    return [w for w in candidates if w]
+
+
+def _state_notes(state: str, failed: dict[str, Any] | None, switches: list[str]) -> list[str]:
+    """What the notes add to the state: the failure that stopped the run, a kill switch set."""
+    notes = []
+    if state == "failed" and failed is not None:  # decided by the failed marker
+        notes.append(
             f"stopped after a failure that every task would repeat (exit {failed.get('exit_code')}, "
             f"job {failed.get('job_id')}): {failed.get('reason')}"
         )
-        status.notes.append(f"to continue: {failed.get('fix')}")
-    if "kill" in switches and status.state in {"running", "pending"}:
-        status.notes.append("kill switch set: the run stops at the next step and queued tasks will exit at once")
-    return status
+        notes.append(f"to continue: {failed.get('fix')}")
+    if "kill" in switches and state in {"running", "pending"}:
+        notes.append("kill switch set: the run stops at the next step and queued tasks will exit at once")
+    return notes
 
 
 def _deciding_states(tasks: list[TaskStatus]) -> set[str]:
@@ -276,21 +255,14 @@ def _deciding_states(tasks: list[TaskStatus]) -> set[str]:
 ETA_WINDOW = 20
 
 
-def _progress(status: RunStatus, run: RunDir, lines: list[dict[str, Any]]) -> None:
+def _progress(status: RunStatus, found: RunRecords, lines: list[dict[str, Any]]) -> None:
     """The newest checkpoint's step, name and age, the step (never behind what is saved), and
     the ETA from the recent step time."""
-    saved = run.complete_checkpoints()
-    if saved:
-        status.saved_step, path = saved[-1]
+    if found.saved:
+        status.saved_step, path = found.saved[-1]
         status.step = max(status.step if status.step is not None else -1, status.saved_step)
         status.last_checkpoint = path.name
-        marker = path / "trainer_state.json"
-        try:
-            status.last_checkpoint_age_seconds = max(
-                0.0, time.time() - (marker if marker.exists() else path).stat().st_mtime
-            )
-        except OSError:
-            pass
+        status.last_checkpoint_age_seconds = found.saved_age_seconds
     seconds = [float(x["step_seconds"]) for x in lines[-ETA_WINDOW:] if x.get("step_seconds")]
     if status.max_steps and status.step is not None and seconds:
         status.eta_seconds = max(0, status.max_steps - status.step) * sorted(seconds)[len(seconds) // 2]

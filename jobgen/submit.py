@@ -94,6 +94,9 @@ def submit(
     skip_preflight: bool = False,
     ignore_memory_plan: bool = False,
 ) -> SubmitResult:
+    """Render the script, check it and the run, then create or update the run directory and
+    queue the script; ``dry_run`` stops after the checks. Raises SubmitError with every
+    finding when one of them is an error."""
     script = render(spec)
     name = script_name(spec)
     quarantined = _quarantined(spec)
@@ -103,6 +106,40 @@ def submit(
         run_dir=spec.run_dir, script=script_path, command=["sbatch", "--parsable", *options, str(script_path)]
     )
 
+    findings = _preflight_findings(
+        spec, script, name, options, quarantined, skip_preflight=skip_preflight, ignore_memory_plan=ignore_memory_plan
+    )
+    run = RunDir(spec.run_dir)
+    existed = run.exists()
+    if existed:
+        findings += _continue_findings(spec, run, after=after, skip_preflight=skip_preflight)
+    result.findings = findings
+    if any(f.level == "error" for f in findings):
+        raise SubmitError(findings)
+    if dry_run:
+        return result
+
+    # A run found absent skipped the busy checks above: one that appears meanwhile (another
+    # submission of it) is refused, never continued as if it were idle.
+    result.created, result.job_id = _queue(
+        spec, script, source_text, options, new_only=not existed, array=array, after=after
+    )
+    return result
+
+
+def _preflight_findings(
+    spec: ResolvedSpec,
+    script: str,
+    name: str,
+    options: list[str],
+    quarantined: list[str],
+    *,
+    skip_preflight: bool,
+    ignore_memory_plan: bool,
+) -> list[Finding]:
+    """The memory plan's findings, then the preflight's of ``script`` (written as ``name``
+    to a temporary directory; nothing is written into the run directory yet), then a note of
+    the quarantined nodes the submission excludes."""
     # The memory plan needs no cluster: a run predicted not to fit is refused even where
     # Slurm cannot be reached, before anything is written or queued.
     memory = memory_findings(spec, ignore=ignore_memory_plan) + pass_env_findings(spec)
@@ -127,9 +164,14 @@ def submit(
                 f"(jobgen status {spec.run.job.name}; jobgen doctor --clear {spec.run.job.name} releases them)",
             )
         )
-    run = RunDir(spec.run_dir)
-    existed = run.exists()
-    if existed and spec.run.job.graceful_stop:  # else no save races a time limit or a SIGKILL
+    return findings
+
+
+def _continue_findings(spec: ResolvedSpec, run: RunDir, *, after: int | None, skip_preflight: bool) -> list[Finding]:
+    """What a submission that continues the existing ``run`` adds: warnings from its earlier
+    tasks' reports, and, unless chained ``after`` a job, an error while it is still busy."""
+    findings: list[Finding] = []
+    if spec.run.job.graceful_stop:  # else no save races a time limit or a SIGKILL
         reports = run_reports(run.path, spec.run.job.time)
         warning = lead_time_warning(spec.run.job.exit_grace, reports)
         if warning:
@@ -138,7 +180,7 @@ def submit(
             warning = kill_window_warning(kill_window(spec), reports)
             if warning:
                 findings.append(Finding("warning", "train.async_save", warning))
-    if existed and after is None:
+    if after is None:
         findings.extend(_writer_busy(spec))
         busy = active_jobs(run)
         if busy:
@@ -151,26 +193,33 @@ def submit(
                     f"--after {busy[0].array_job_id}, or stop it first (jobgen stop {spec.run.job.name})",
                 )
             )
-    result.findings = findings
-    if any(f.level == "error" for f in findings):
-        raise SubmitError(findings)
-    if dry_run:
-        return result
+    return findings
 
-    # A run found absent skipped the busy checks above: one that appears meanwhile (another
-    # submission of it) is refused, never continued as if it were idle.
-    run, created = _materialize(spec, script, source_text, new_only=not existed)
-    result.created = created
+
+def _queue(
+    spec: ResolvedSpec,
+    script: str,
+    source_text: str | None,
+    options: list[str],
+    *,
+    new_only: bool,
+    array: int | None,
+    after: int | None,
+) -> tuple[bool, int]:
+    """Create or update the run directory, queue its script with sbatch and record the job.
+    Returns whether the run directory was created, and the job id; a run directory created
+    here is removed again when sbatch fails."""
+    run, created = _materialize(spec, script, source_text, new_only=new_only)
     clear_failure(run)
     try:
-        result.job_id = slurm.sbatch(run.script(spec.run.job.program), options)
+        job_id = slurm.sbatch(run.script(spec.run.job.program), options)
     except BaseException:
         if created:
             remove_new(run)
         raise
     tasks = (array or spec.run.job.array) if spec.run.job.resumable else None
-    run.record_job({"job_id": result.job_id, "options": options, "array": tasks, "after": after})
-    return result
+    run.record_job({"job_id": job_id, "options": options, "array": tasks, "after": after})
+    return created, job_id
 
 
 def _materialize(spec: ResolvedSpec, script: str, source_text: str | None, *, new_only: bool) -> tuple[RunDir, bool]:

@@ -137,6 +137,23 @@ def build_tasks(
             task.array_job_id, task.array_task = array_job_id, array_task
         return task
 
+    _apply_records(row, records)
+    _apply_reports(row, reports)
+    _apply_slurm_memory(rows, row, [r for r in ended if r.name == name])
+    ours = [e for e in queue if e.name == name]
+    # An array's tasks that never started share the array's id until they start: a row each.
+    waiting = [e for e in ours if _never_started(e, rows.values())]
+    _apply_queue(rows, row, [e for e in ours if e not in waiting], time_limit)
+    _mark_requeued(rows)
+    tasks = list(rows.values())
+    if slurm_answered:
+        tasks += _tasks_never_seen(run, tasks, waiting)
+    tasks += [_waiting_task(entry, time_limit) for entry in waiting]
+    return sorted(tasks, key=lambda t: (t.array_job_id, _int(t.array_task, 0), t.restart, t.job_id))
+
+
+def _apply_records(row, records: dict[tuple[int, int], dict[str, Any]]) -> None:
+    """What the batch script recorded of each attempt: its nodes, start, and how it ended."""
     for (job_id, restart), record in sorted(records.items()):
         array_task = str(record.get("array_task") or "")
         task = row(job_id, restart, _int(record.get("array_job_id"), job_id), array_task)
@@ -149,6 +166,10 @@ def build_tasks(
         task.exit_reason = record.get("reason") or None
         if record.get("job_start") and record.get("end"):
             task.elapsed_seconds = float(record["end"]) - float(record["job_start"])
+
+
+def _apply_reports(row, reports: list[TaskReport]) -> None:
+    """The trainer's reports: steps, and its own words on how the attempt ended."""
     for report in reports:
         if not report.job_id.isdigit():
             continue  # a run by hand outside Slurm
@@ -164,26 +185,23 @@ def build_tasks(
         if report.exit_code is not None and (task.jobgen_exit is None):
             task.jobgen_exit = report.exit_code
             task.state = "COMPLETED" if ExitCode(report.exit_code).planned else "FAILED"
-    _apply_slurm_memory(rows, row, [r for r in ended if r.name == name])
-    ours = [e for e in queue if e.name == name]
-    # An array's tasks that never started share the array's id until they start: a row each.
-    waiting = [e for e in ours if _never_started(e, rows.values())]
-    _apply_queue(rows, row, [e for e in ours if e not in waiting], time_limit)
-    # An earlier attempt of a job that ran again was requeued.
+
+
+def _mark_requeued(rows: dict[tuple[int, int], TaskStatus]) -> None:
+    """An earlier attempt of a job that ran again was requeued."""
     latest: dict[int, int] = {}
     for job_id, restart in rows:
         latest[job_id] = max(latest.get(job_id, 0), restart)
     for (job_id, restart), task in rows.items():
         if restart < latest[job_id] and task.state == "ENDED":
             task.state = "REQUEUED"
-    tasks = list(rows.values())
-    if slurm_answered:
-        tasks += _tasks_never_seen(run, tasks, waiting)
-    for entry in waiting:
-        task = TaskStatus(entry.job_id, entry.array_job_id, entry.array_task, entry.state, reason=entry.reason or None)
-        task.time_limit_seconds = parse_slurm_limit(entry.time_limit) or time_limit
-        tasks.append(task)
-    return sorted(tasks, key=lambda t: (t.array_job_id, _int(t.array_task, 0), t.restart, t.job_id))
+
+
+def _waiting_task(entry: slurm.QueueEntry, time_limit: int | None) -> TaskStatus:
+    """A row for an array task that never started (it carries the array's id)."""
+    task = TaskStatus(entry.job_id, entry.array_job_id, entry.array_task, entry.state, reason=entry.reason or None)
+    task.time_limit_seconds = parse_slurm_limit(entry.time_limit) or time_limit
+    return task
 
 
 def _tasks_never_seen(run: RunDir, tasks: list[TaskStatus], waiting: list[slurm.QueueEntry]) -> list[TaskStatus]:

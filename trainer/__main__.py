@@ -195,8 +195,8 @@ def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
     from jobgen.runtime.stopping import StopMonitor, StopSettings, job_end_time
     from trainer import distributed
     from trainer.checkpoint import ResumeFailed
-    from trainer.data import DataError
     from trainer.data_cache import DataCacheError
+    from trainer.formats import DataError
     from trainer.model_errors import ModelError
     from trainer.sampler import ResumeMismatch
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,23 +85,27 @@ class DataPipeline:
             seed=train.seed,
         )
         if env.is_main:
-            log.info("data: %s (cache %s)", self.stats.summary(), self.entry)
-            if self.stats.truncated:
-                log.warning(
-                    "data: %d of %d examples were longer than max_length=%d and were truncated",
-                    self.stats.truncated,
-                    self.stats.examples_in,
-                    data_spec.max_length,
-                )
-            if self.eval_set is not None:
-                log.info("eval: %s", self.eval_set.describe())
-            if self.packing:
-                log.info(
-                    "data: %d examples packed into %d rows (%.0f%% full)",
-                    len(lengths),
-                    len(self.rows),
-                    100 * fill_ratio(self.rows, lengths, data_spec.max_length),
-                )
+            self._log_summary(lengths, data_spec.max_length)
+
+    def _log_summary(self, lengths: Sequence[int], max_length: int) -> None:
+        """Rank 0: what preprocessing and packing made of the data, and the evaluation set."""
+        log.info("data: %s (cache %s)", self.stats.summary(), self.entry)
+        if self.stats.truncated:
+            log.warning(
+                "data: %d of %d examples were longer than max_length=%d and were truncated",
+                self.stats.truncated,
+                self.stats.examples_in,
+                max_length,
+            )
+        if self.eval_set is not None:
+            log.info("eval: %s", self.eval_set.describe())
+        if self.packing:
+            log.info(
+                "data: %d examples packed into %d rows (%.0f%% full)",
+                len(lengths),
+                len(self.rows),
+                100 * fill_ratio(self.rows, lengths, max_length),
+            )
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """This rank's next micro-batch; ``num_tokens`` counts its non-padding tokens."""

@@ -324,16 +324,7 @@ class Checkpointer:
         failures: list[tuple[Path, list[str]]] = []
         for path_text in candidates:
             path = Path(path_text)
-            error = None
-            try:
-                model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-                state = {"model": model_sd, "optim": optim_sd}
-                dcp.load(state, checkpoint_id=str(path))
-                trainer_state = json.loads((path / "trainer_state.json").read_text())
-                rng_file = path / f"rng-rank{self.env.rank:05d}.pt"
-                rng = load_rng(rng_file) if rng_file.exists() else None
-            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure: try the previous one
-                error = f"rank {self.env.rank}: {describe_load_error(exc)}"
+            loaded, error = self._read(path, model, optimizer, options)
             errors = [e for e in all_gather_object(self.env, error) if e]
             if errors:
                 if error:
@@ -342,17 +333,9 @@ class Checkpointer:
                     log.error("checkpoint %s is unusable; falling back to the previous one", path.name)
                 failures.append((path, errors))
                 continue
-            set_state_dict(
-                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
-            )
-            if rng is not None:
-                set_rng_state(rng)
-            elif self.env.is_main:
-                log.warning(
-                    "no RNG state for rank %d in %s (world size changed?); RNG streams restart",
-                    self.env.rank,
-                    path.name,
-                )
+            assert loaded is not None
+            state, trainer_state, rng = loaded
+            self._restore(path, model, optimizer, options, state, rng)
             if self.env.is_main and failures:
                 self._set_aside(failures, loaded=path)
             barrier()
@@ -368,6 +351,36 @@ class Checkpointer:
                 "rename one back to step-N to resume from it, or delete them to start over"
             )
         return None
+
+    def _read(
+        self, path: Path, model: torch.nn.Module, optimizer, options
+    ) -> tuple[tuple[dict[str, Any], dict[str, Any], Any] | None, str | None]:
+        """This rank's (state dicts, trainer state, RNG state or None) read from ``path``, and None;
+        or None and why it could not be read."""
+        try:
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=str(path))
+            trainer_state = json.loads((path / "trainer_state.json").read_text())
+            rng_file = path / f"rng-rank{self.env.rank:05d}.pt"
+            rng = load_rng(rng_file) if rng_file.exists() else None
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure: try the previous one
+            return None, f"rank {self.env.rank}: {describe_load_error(exc)}"
+        return (state, trainer_state, rng), None
+
+    def _restore(self, path: Path, model: torch.nn.Module, optimizer, options, state: dict[str, Any], rng) -> None:
+        """Put what :meth:`_read` got from ``path`` into the model, the optimizer and the RNGs."""
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+        )
+        if rng is not None:
+            set_rng_state(rng)
+        elif self.env.is_main:
+            log.warning(
+                "no RNG state for rank %d in %s (world size changed?); RNG streams restart",
+                self.env.rank,
+                path.name,
+            )
 
     def _set_aside(self, failures: list[tuple[Path, list[str]]], loaded: Path) -> None:
         """Rank 0: rename checkpoints that failed while ``loaded`` (older) loaded."""

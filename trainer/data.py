@@ -1,4 +1,5 @@
-"""Training data: load the rows of ``[data] path`` and turn them into token ids + labels.
+"""Training data: turn the rows of ``[data] path`` (read by :mod:`trainer.data_source`) into
+token ids + labels.
 
 Every format becomes a list of text *segments*, each with a loss role, which are
 tokenized separately and concatenated (:mod:`trainer.formats` makes the segments):
@@ -17,17 +18,16 @@ nothing predicts it in an unpacked sequence, and in a packed row it would be
 "predicted" from the previous example. Examples longer than ``max_length`` are
 cut (the head is kept) and counted; an example left without any target token is
 dropped and counted. Nothing is silent: the counts are returned as
-:class:`DataStats` and end up in the cache's ``stats.json``.
+:class:`~trainer.data_stats.DataStats` and end up in the cache's ``stats.json``.
 
-The preprocessing cache (:mod:`trainer.data_cache`) decides where this runs;
-this module never writes anywhere except the ``work_dir`` it is given.
+The preprocessing cache (:mod:`trainer.data_cache`) decides where this runs and
+calls one function here, :func:`build_dataset`; this module never writes anywhere
+except the directories it is given.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import time
@@ -37,8 +37,9 @@ from typing import Any
 
 import datasets
 
-from jobgen.datafiles import DATA_FILE_TYPES, data_files, data_path_problem, is_empty_file, is_saved_dataset
 from jobgen.spec import DataSpec
+from trainer.data_source import load_raw
+from trainer.data_stats import DataStats
 from trainer.formats import (
     PROMPT,
     TARGET,
@@ -70,101 +71,6 @@ def tokenizer_processes(rows: int, requested: int | None, cpus: int | None = Non
         return max(1, min(requested, rows // MAP_BATCH_SIZE))
     cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
     return max(1, min(cpus, rows // AUTO_ROWS_PER_PROCESS))
-
-
-@dataclasses.dataclass(frozen=True)
-class DataStats:
-    """What preprocessing did, for the log and ``stats.json``."""
-
-    examples_in: int
-    kept: int
-    truncated: int  # examples longer than max_length, cut to it (dropped ones included)
-    dropped: int  # examples without any target token after truncation
-    total_tokens: int  # over kept examples
-    target_tokens: int  # over kept examples
-    longest: int  # longest example before truncation, in tokens
-
-    def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DataStats:
-        return cls(**{f.name: int(data[f.name]) for f in dataclasses.fields(cls)})
-
-    def summary(self) -> str:
-        return (
-            f"{self.kept}/{self.examples_in} examples kept, {self.truncated} truncated, {self.dropped} dropped "
-            f"(no target token left); {self.total_tokens} tokens, {self.target_tokens} targets; "
-            f"longest {self.longest} tokens"
-        )
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def is_hub_id(path: str) -> bool:
-    """A relative name that is not on disk and does not look like a file: 'org/name' or 'name'."""
-    p = Path(path)
-    if p.is_absolute() or p.exists() or path.startswith((".", "~")):
-        return False
-    return not any(path.endswith(suffix) for suffix in DATA_FILE_TYPES) and path.count("/") <= 1
-
-
-def load_raw(path: str, *, cache_dir: str | Path | None = None) -> datasets.Dataset:
-    """The rows of a data file, a directory of them, a ``save_to_disk`` directory or a hub dataset.
-
-    ``cache_dir`` is where the ``datasets`` builders write their Arrow files for
-    local files; pass a private directory so that concurrent jobs never share them.
-    """
-    cache = str(cache_dir) if cache_dir is not None else None
-    if is_hub_id(path):
-        try:
-            loaded = datasets.load_dataset(path, split="train")
-        except Exception as exc:  # offline, unknown id, no 'train' split: all end the same way
-            raise DataError(
-                f"data path '{path}' is not a local file or directory, and loading it as a hub dataset failed: {exc}"
-            ) from exc
-        if len(loaded) == 0:
-            raise DataError(f"data.path: hub dataset '{path}' is empty (0 rows in its 'train' split)")
-        return loaded
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise DataError(f"data.path: {p} does not exist")
-    # The same judgement `jobgen validate` made; repeated because the data may have changed
-    # since, and because datasets reports an empty file with an empty or unrelated message.
-    problem = data_path_problem(p)
-    if problem:
-        raise DataError(f"data.path: {problem}")
-    if p.is_dir() and is_saved_dataset(p):
-        loaded = _load_saved(p)
-    else:
-        if p.is_dir():
-            # Empty parts of a sharded export hold no rows, and one empty CSV fails datasets' whole load.
-            files = [f for f in data_files(p) if not is_empty_file(f)]
-            builder = DATA_FILE_TYPES[files[0].suffix]
-        else:
-            files, builder = [p], DATA_FILE_TYPES[p.suffix]
-        try:
-            loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", cache_dir=cache)
-        except Exception as exc:
-            raise DataError(f"data.path: could not read {p} as {builder}: {exc}") from exc
-    if len(loaded) == 0:
-        raise DataError(f"data.path: {p} is empty (0 rows)")
-    return loaded
-
-
-def _load_saved(p: Path) -> datasets.Dataset:
-    try:
-        loaded = datasets.load_from_disk(str(p))
-    except Exception as exc:
-        raise DataError(f"could not load the save_to_disk dataset {p}: {exc}") from exc
-    if isinstance(loaded, datasets.DatasetDict):
-        if "train" in loaded:
-            return loaded["train"]
-        if len(loaded) == 1:
-            return next(iter(loaded.values()))
-        raise DataError(f"save_to_disk dataset {p} has splits {sorted(loaded)} and none is named 'train'")
-    return loaded
 
 
 # --------------------------------------------------------------------------- formatting
@@ -373,6 +279,28 @@ def tokenize_dataset(
     return kept.remove_columns(["targets", "full_length", "full_targets"]), stats
 
 
+def build_dataset(
+    spec: DataSpec,
+    tokenizer,
+    *,
+    raw_dir: str | Path,
+    work_dir: str | Path,
+    raw: datasets.Dataset | None = None,
+) -> tuple[datasets.Dataset, DataStats]:
+    """The tokenized examples of ``spec.path`` and their counts: what a cache entry is made of.
+
+    ``raw``: the rows, when the caller had to load them already (a hub dataset, to fingerprint
+    it); else they are read here, the ``datasets`` builders writing their Arrow files to
+    ``raw_dir``. Tokenization's intermediate files go to ``work_dir``, with as many processes
+    as :func:`tokenizer_processes` allows for data.num_proc.
+    """
+    if raw is None:
+        raw = load_raw(spec.path, cache_dir=raw_dir)
+    procs = tokenizer_processes(len(raw), spec.num_proc)
+    log.info("tokenizing %d rows of %s with %d process(es)", len(raw), spec.path, procs)
+    return tokenize_dataset(raw, spec, tokenizer, source=spec.path, work_dir=work_dir, num_proc=procs)
+
+
 @contextlib.contextmanager
 def _tokenizer_threads(*, off: bool) -> Iterator[None]:
     """With worker processes, each worker's fast tokenizer runs single-threaded: the processes
@@ -446,13 +374,3 @@ def _stats(table, examples_in: int, max_length: int) -> DataStats:
         target_tokens=total("targets", has_target),
         longest=int(pc.max(table.column("full_length")).as_py()),
     )
-
-
-def write_stats(path: Path, stats: DataStats, extra: dict[str, Any] | None = None) -> None:
-    from jobgen.atomic import write_json_atomic
-
-    write_json_atomic(path, {**stats.to_dict(), **(extra or {})})
-
-
-def read_stats(path: Path) -> DataStats:
-    return DataStats.from_dict(json.loads(Path(path).read_text()))

@@ -21,6 +21,11 @@ same entry at once, the first rename wins and the other job discards its copy
 and uses the winner's. Only rank 0 reads the data to fingerprint it; it broadcasts
 the entry's name (or its error) once, every rank receives it, then loads the entry
 read-only (memory-mapped).
+
+The tokenizing itself is :func:`trainer.data.build_dataset`, this module's one call
+into :mod:`trainer.data`; a hub dataset is loaded here (:mod:`trainer.data_source`)
+only because its fingerprint comes from ``datasets``, and the counts are read and
+written with :mod:`trainer.data_stats`.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import logging
 import os
 import shutil
 import socket
@@ -42,10 +46,10 @@ import datasets
 from jobgen.atomic import fsync_dir, fsync_tree
 from jobgen.resolved import ResolvedSpec
 from jobgen.spec import DataSpec
-from trainer import data as data_mod
-from trainer.data import DataStats, is_hub_id, read_stats, write_stats
-
-log = logging.getLogger("trainer.data_cache")
+from trainer.data import build_dataset
+from trainer.data_source import is_hub_id, load_raw
+from trainer.data_stats import DataStats, read_stats, write_stats
+from trainer.formats import DataError
 
 # Bump when the tokenized output for the same inputs changes (formatting, masking, columns).
 CODE_VERSION = 1
@@ -189,13 +193,8 @@ def build_entry(
         )
     )
     try:
-        if raw is None:
-            raw = data_mod.load_raw(spec.path, cache_dir=staging / "raw")
-        procs = data_mod.tokenizer_processes(len(raw), spec.num_proc)
-        log.info("tokenizing %d rows of %s with %d process(es)", len(raw), spec.path, procs)
-        tokenized, stats = data_mod.tokenize_dataset(
-            raw, spec, tokenizer, source=spec.path, work_dir=staging / "work", num_proc=procs
-        )
+        # The one call into trainer.data: everything it writes stays in the staging directory.
+        tokenized, stats = build_dataset(spec, tokenizer, raw=raw, raw_dir=staging / "raw", work_dir=staging / "work")
         tokenized.save_to_disk(str(staging / "dataset"))
         del tokenized, raw  # drop the memory maps before deleting what they map
         for scratch in ("work", "raw"):
@@ -231,7 +230,7 @@ def _rank0_prepare(spec: DataSpec, tokenizer, tokenizer_dir: str | Path | None, 
     raw = None
     if is_hub_id(spec.path):
         # No bytes to hash before loading; datasets' own fingerprint pins the revision and files.
-        raw = data_mod.load_raw(spec.path)
+        raw = load_raw(spec.path)
         data_hash = f"hub:{spec.path}:{raw._fingerprint}"
     else:
         data_hash = hash_path(spec.path)
@@ -273,7 +272,7 @@ def prepare_dataset(
         except BaseException as exc:  # noqa: BLE001 - even an interrupt: the others must not wait hours in share()
             error = exc
             # The class travels as a name and the message as text: any exception pickles that way.
-            kind = "data" if isinstance(exc, data_mod.DataError) else "cache"
+            kind = "data" if isinstance(exc, DataError) else "cache"
             outcome = (kind, f"{type(exc).__name__}: {exc}")
         share(outcome)
         if error is not None:
@@ -283,7 +282,7 @@ def prepare_dataset(
         kind, value = outcome
         if kind != "entry":
             # The same class as rank 0's for bad data, so every rank ends with the same exit code.
-            cls = data_mod.DataError if kind == "data" else DataCacheError
+            cls = DataError if kind == "data" else DataCacheError
             raise cls(f"rank {rank}: rank 0 could not prepare the data (see its log): {value}")
     entry = cache_root / outcome[1]
     if not is_complete(entry):

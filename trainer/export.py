@@ -104,53 +104,21 @@ def export(
     paths = candidates(run_dir, checkpoint)
     dtype = DTYPES[model_spec.dtype]
     config, skeleton = _skeleton(model_spec)
-    if model_spec.lora is None:
-        weights = _full_weights(skeleton)
-    elif merge_lora:
-        weights = _merged_weights(skeleton, _base_weights(model_spec.path))
-    else:
-        weights = _adapter_weights(skeleton)
+    adapter_only = model_spec.lora is not None and not merge_lora
+    weights = _weights(model_spec, skeleton, merge_lora)
 
     def write(path: Path, staging: Path) -> None:
         plans, read_batch = weights(_open(path), dtype)
-        total, written = sum(plan.nbytes for plan in plans), 0
-
-        def read(batch: list[TensorPlan]) -> Mapping[str, torch.Tensor]:
-            nonlocal written
-            tensors = read_batch(batch)
-            written += sum(plan.nbytes for plan in batch)
-            if progress is not None:
-                progress(written, total)
-            return tensors
-
-        if model_spec.lora is not None and not merge_lora:
+        read = _reporting(read_batch, sum(plan.nbytes for plan in plans), progress)
+        if adapter_only:
             write_safetensors(staging / "adapter_model.safetensors", plans, read, batch_bytes=batch_bytes)
         else:
             write_sharded(staging, plans, read, max_shard_bytes=max_shard_bytes, batch_bytes=batch_bytes)
 
     try:
         with staged_directory(target) as staging:
-            source, errors = None, []
-            for path in paths:
-                try:
-                    write(path, staging)
-                except Unreadable as exc:
-                    _empty(staging)  # what was written from it goes; the previous checkpoint starts afresh
-                    errors.append(f"{path.name}: {exc}")
-                    if len(paths) > 1:
-                        report(f"skipped {errors[-1]}")
-                    continue
-                source = path
-                break
-            if source is None:
-                detail = "; ".join(errors)
-                raise ExportError(
-                    f"checkpoint {paths[0].name} could not be loaded ({detail})"
-                    if checkpoint
-                    else f"none of the {len(paths)} checkpoint(s) in {run_dir / 'checkpoints'} could be loaded "
-                    f"({detail})"
-                )
-            if model_spec.lora is not None and not merge_lora:
+            source = _first_loadable(paths, staging, write, report, named=bool(checkpoint), root=run_dir)
+            if adapter_only:
                 _adapter_config(skeleton, model_spec).save_pretrained(staging)
             else:
                 _save_config(config, model_spec.path, dtype, staging)
@@ -159,6 +127,64 @@ def export(
     except OSError as exc:  # the target's filesystem (full, read-only), the base model's files: not the checkpoint
         raise ExportError(f"export to {target} failed: {exc}") from exc
     return source
+
+
+def _weights(model_spec: ModelSpec, skeleton: torch.nn.Module, merge_lora: bool) -> Weights:
+    """What is exported: every weight, the adapters alone, or the base model's with the adapters merged."""
+    if model_spec.lora is None:
+        return _full_weights(skeleton)
+    if merge_lora:
+        return _merged_weights(skeleton, _base_weights(model_spec.path))
+    return _adapter_weights(skeleton)
+
+
+def _reporting(
+    read_batch: Callable[[list[TensorPlan]], Mapping[str, torch.Tensor]],
+    total: int,
+    progress: Callable[[int, int], None] | None,
+) -> Callable[[list[TensorPlan]], Mapping[str, torch.Tensor]]:
+    """``read_batch`` that tells ``progress`` (bytes of weights read so far, ``total``) after every batch."""
+    written = 0
+
+    def read(batch: list[TensorPlan]) -> Mapping[str, torch.Tensor]:
+        nonlocal written
+        tensors = read_batch(batch)
+        written += sum(plan.nbytes for plan in batch)
+        if progress is not None:
+            progress(written, total)
+        return tensors
+
+    return read
+
+
+def _first_loadable(
+    paths: list[Path],
+    staging: Path,
+    write: Callable[[Path, Path], None],
+    report: Callable[[str], None],
+    *,
+    named: bool,
+    root: Path,
+) -> Path:
+    """The first of ``paths`` that ``write`` gets into ``staging`` whole; every unreadable one
+    before it is reported (when there was a choice) and what it left is removed."""
+    errors = []
+    for path in paths:
+        try:
+            write(path, staging)
+        except Unreadable as exc:
+            _empty(staging)  # what was written from it goes; the previous checkpoint starts afresh
+            errors.append(f"{path.name}: {exc}")
+            if len(paths) > 1:
+                report(f"skipped {errors[-1]}")
+            continue
+        return path
+    detail = "; ".join(errors)
+    raise ExportError(
+        f"checkpoint {paths[0].name} could not be loaded ({detail})"
+        if named
+        else f"none of the {len(paths)} checkpoint(s) in {root / 'checkpoints'} could be loaded ({detail})"
+    )
 
 
 # ---------------------------------------------------------------- what is read, what is written

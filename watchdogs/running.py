@@ -16,10 +16,11 @@ Slurm cannot be asked, ``RunStatus.slurm_unreachable`` says so.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from jobgen import slurm
 from jobgen.rundir import STARTUP_SWITCHES
-from jobgen.status import run_status
+from jobgen.status import RunStatus, run_status
 from watchdogs.base import main as check_main
 from watchdogs.target import CheckResult, Target
 
@@ -67,6 +68,12 @@ def check(target: Target) -> CheckResult:
         )
     if not target.run.jobs():
         return CheckResult("running", target.name, True, "never submitted: no job in jobs.json", [], data)
+    return _ended(target, status, step, data)
+
+
+def _ended(target: Target, status: RunStatus, step: str, data: dict[str, Any]) -> CheckResult:
+    """The alert for a run with no job left that neither finished nor was stopped on purpose."""
+    assert target.run is not None
     last = status.tasks[-1] if status.tasks else None
     ended = (
         f"last task {last.slurm_id} {last.state}" + (f" ({last.exit_reason})" if last and last.exit_reason else "")

@@ -81,6 +81,53 @@ def node_names(count: int) -> list[str]:
     return [f"node{k}" for k in range(1, count + 1)]
 
 
+# The settings that follow from the dev cluster's design alone (no path, host or node in them).
+_SETTINGS = (
+    "SlurmUser=root",
+    "SlurmdUser=root",
+    "AuthType=auth/munge",
+    "CredType=cred/munge",
+    "",
+    "# No cgroups here: track job processes by parentage and bind nothing.",
+    "ProctrackType=proctrack/linuxproc",
+    "TaskPlugin=task/none",
+    "JobAcctGatherType=jobacct_gather/none",
+    "MpiDefault=none",
+    "SwitchType=switch/none",
+    "MailProg=/bin/true",
+    "",
+    "# CPUs are the only consumable; memory is advisory so jobs never",
+    "# pend on the host's real memory.",
+    "SelectType=select/cons_tres",
+    "SelectTypeParameters=CR_CPU",
+    "# Declared CPUs may exceed the host's real cores.",
+    "SlurmdParameters=config_overrides",
+    "",
+    "# Reject at submission what can never run (e.g. --time above the",
+    "# partition's MaxTime), as production clusters do; Slurm's default",
+    "# accepts such a job and leaves it pending forever.",
+    "EnforcePartLimits=ALL",
+    "SchedulerType=sched/backfill",
+    "SchedulerParameters=sched_interval=5,bf_interval=5",
+    "",
+    "# No slurmdbd, so sacct does not work: keep finished jobs visible to",
+    "# `scontrol show job` for 10 minutes instead.",
+    "AccountingStorageType=accounting_storage/none",
+    "JobCompType=jobcomp/none",
+    "MinJobAge=600",
+    "MaxArraySize=1001",
+    "KillWait=30",
+    "JobRequeue=1",
+    "# Tests kill a slurmd and expect its node DOWN within ~20s and back",
+    "# as soon as the slurmd registers again.",
+    "SlurmdTimeout=20",
+    "ReturnToService=2",
+    "SlurmctldTimeout=30",
+    "InactiveLimit=0",
+    "MessageTimeout=10",
+)
+
+
 def render_slurm_conf(
     *,
     layout: Layout,
@@ -103,7 +150,6 @@ def render_slurm_conf(
         f"RealMemory={mem_per_node_mb} State=UNKNOWN"
         for i, (name, addr) in enumerate(node_addrs.items())
     ]
-    spool = layout.spool_dir
     return "\n".join(
         [
             "# Written by `jobgen cluster up`; removed by `jobgen cluster down`.",
@@ -111,55 +157,9 @@ def render_slurm_conf(
             f"ClusterName={CLUSTER_NAME}",
             f"SlurmctldHost={hostname}({controller_addr})",
             f"SlurmctldPort={SLURMCTLD_PORT}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
+            *_SETTINGS,
             "",
-            "# No cgroups here: track job processes by parentage and bind nothing.",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "MpiDefault=none",
-            "SwitchType=switch/none",
-            "MailProg=/bin/true",
-            "",
-            "# CPUs are the only consumable; memory is advisory so jobs never",
-            "# pend on the host's real memory.",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU",
-            "# Declared CPUs may exceed the host's real cores.",
-            "SlurmdParameters=config_overrides",
-            "",
-            "# Reject at submission what can never run (e.g. --time above the",
-            "# partition's MaxTime), as production clusters do; Slurm's default",
-            "# accepts such a job and leaves it pending forever.",
-            "EnforcePartLimits=ALL",
-            "SchedulerType=sched/backfill",
-            "SchedulerParameters=sched_interval=5,bf_interval=5",
-            "",
-            "# No slurmdbd, so sacct does not work: keep finished jobs visible to",
-            "# `scontrol show job` for 10 minutes instead.",
-            "AccountingStorageType=accounting_storage/none",
-            "JobCompType=jobcomp/none",
-            "MinJobAge=600",
-            "MaxArraySize=1001",
-            "KillWait=30",
-            "JobRequeue=1",
-            "# Tests kill a slurmd and expect its node DOWN within ~20s and back",
-            "# as soon as the slurmd registers again.",
-            "SlurmdTimeout=20",
-            "ReturnToService=2",
-            "SlurmctldTimeout=30",
-            "InactiveLimit=0",
-            "MessageTimeout=10",
-            "",
-            f"StateSaveLocation={layout.ctld_state}",
-            f"SlurmctldPidFile={layout.slurmctld_pidfile}",
-            f"SlurmctldLogFile={layout.slurmctld_log}",
-            f"SlurmdSpoolDir={spool}/%n",
-            f"SlurmdPidFile={layout.run_dir}/slurmd.%n.pid",
-            f"SlurmdLogFile={layout.log_dir}/slurmd.%n.log",
+            *_file_lines(layout),
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
             "",
@@ -170,3 +170,15 @@ def render_slurm_conf(
             "",
         ]
     )
+
+
+def _file_lines(layout: Layout) -> list[str]:
+    """Where the daemons keep their state, pid files and logs (``%n``: the node's name)."""
+    return [
+        f"StateSaveLocation={layout.ctld_state}",
+        f"SlurmctldPidFile={layout.slurmctld_pidfile}",
+        f"SlurmctldLogFile={layout.slurmctld_log}",
+        f"SlurmdSpoolDir={layout.spool_dir}/%n",
+        f"SlurmdPidFile={layout.run_dir}/slurmd.%n.pid",
+        f"SlurmdLogFile={layout.log_dir}/slurmd.%n.log",
+    ]

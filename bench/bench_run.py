@@ -1,0 +1,44 @@
+"""The one way the benchmarks set up and run jobgen's trainer: the spec a user would write
+(tests/helpers.run_spec), the run directory ``jobgen submit`` would make of it, and
+``torchrun --standalone`` on this machine. A benchmark names only what it measures."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from helpers import run_spec, torchrun
+
+
+def prepared_run(
+    work: Path, name: str, *, procs: int = 1, site: str | dict[str, object] = "local", **tables: dict
+) -> tuple[Path, Path]:
+    """The run directory and spec file (``work/NAME.toml``) of a run of these tables
+    ([model], [data], [train], [eval]...) with ``procs`` ranks and a 2-hour [job]. A run
+    directory an earlier invocation left is removed (it would only say "already finished");
+    the data cache beside it (runs/.cache) stays, as it would for a user's second run."""
+    from jobgen.loader import load_run
+    from jobgen.render import render
+    from jobgen.rundir import materialize
+
+    job = {"time": "2h", "runs_root": "runs", "procs_per_node": procs}
+    spec_file = run_spec(work, name, site=site, filename=f"{name}.toml", job=job, **tables)
+    spec = load_run(spec_file)
+    shutil.rmtree(spec.run_dir, ignore_errors=True)
+    run, _ = materialize(spec, render(spec), spec_file.read_text())
+    return run.path, spec_file
+
+
+def train(
+    run: Path, procs: int, *, env: dict[str, str] | None = None, timeout: float = 7200
+) -> subprocess.CompletedProcess[str]:
+    """The trainer on ``run`` under torchrun with ``procs`` ranks; a failed run ends the
+    benchmark with the tail of its output (a figure of a failed run means nothing)."""
+    proc = torchrun(run, nproc=procs, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"{run.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc

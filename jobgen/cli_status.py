@@ -1,0 +1,77 @@
+"""``jobgen status``'s body, behind the options jobgen.cli declares: which runs, their
+statuses (jobgen.status) from one squeue for all of them, and how they are shown.
+
+The watchdogs' alerts come in as ``alerts``: jobgen.cli, the composition root, hands in
+``watchdogs.notify.run_alerts``; this module, like the rest of jobgen, imports no watchdogs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from jobgen import slurm
+from jobgen.cli_common import default_runs_root, fail, find_run
+from jobgen.rundir import RunDir
+from jobgen.status import RunStatus, WatchdogAlerts, queue_for, run_status, unreadable, unreadable_status, watch_run
+from jobgen.status_format import format_listing, format_status
+
+
+def status_command(run_ref: str | None, as_json: bool, watch: bool, alerts: WatchdogAlerts) -> None:
+    """``jobgen status`` with its options (see jobgen.cli.status)."""
+    run = _readable_run(run_ref) if run_ref else None
+    if watch:
+        if run is None:
+            fail("jobgen status --watch needs RUN")
+        final = watch_run(run, click.echo, watchdog_alerts=alerts)
+        click.echo(format_status(final))
+        sys.exit(0 if final.state == "finished" else 1)
+    runs = [run] if run is not None else _all_runs()
+    problems = {r: unreadable(r) for r in runs}
+    statuses = _statuses(runs, problems, alerts, details=run is not None)
+    _show(statuses, as_json=as_json, one_run=run is not None)
+    sys.exit(1 if any(problems.values()) else 0)
+
+
+def _readable_run(run_ref: str) -> RunDir:
+    """The run RUN names; a one-line error (exit status 1) when its records cannot be read."""
+    run = find_run(run_ref)
+    problem = unreadable(run)
+    if problem:
+        fail(f"jobgen: {problem}")
+    return run
+
+
+def _all_runs() -> list[RunDir]:
+    root = default_runs_root()
+    return sorted((RunDir(p.parent) for p in root.glob("*/spec.json")), key=lambda r: r.path) if root else []
+
+
+def _statuses(
+    runs: list[RunDir], problems: dict[RunDir, str | None], alerts: WatchdogAlerts, *, details: bool
+) -> list[RunStatus]:
+    """Each run's status, from one squeue call for all of them; an unreadable run's entry
+    names the file and the error."""
+    readable = [r for r in runs if not problems[r]]
+    try:
+        queue = queue_for(readable)
+    except slurm.SlurmUnavailable as exc:
+        queue = exc  # each run says so in its notes
+    return [
+        unreadable_status(r, problems[r]) if problems[r] else run_status(r, alerts, queue=queue, details=details)
+        for r in runs
+    ]
+
+
+def _show(statuses: list[RunStatus], *, as_json: bool, one_run: bool) -> None:
+    if as_json:
+        payload = statuses[0].to_json() if one_run else [s.to_json() for s in statuses]
+        click.echo(json.dumps(payload, indent=2))
+    elif not statuses:
+        click.echo(f"no runs under {default_runs_root()}")
+    elif one_run:
+        click.echo(format_status(statuses[0]))
+    else:
+        click.echo(format_listing(statuses))
