@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -57,7 +58,8 @@ def test_a_node_whose_ranks_go_silent_is_quarantined_and_released_by_doctor(clus
     second = running_task(array, 2, timeout=180)
     record = json.loads((run / "logs" / f"task.{first}.0.json").read_text())
     assert record["exit_code"] == 20 and record["slurm_exit"] == 20, record
-    assert record["reason"].startswith(f"node failure: {broken} quarantined (its ranks "), record
+    # Which of the node's two stopped ranks the others saw go silent first is a race: one or both.
+    assert re.match(rf"node failure: {broken} quarantined \(its ranks? [\d,]+ went silent", record["reason"]), record
     assert "waited out the 20 s collective timeout" in record["reason"], record
     ended = {r.job_id: r for r in slurm.ended_jobs([array], accounting=False)}
     assert ended[first].state == "FAILED" and f"node failure: {broken}" in ended[first].comment, ended
@@ -70,7 +72,7 @@ def test_a_node_whose_ranks_go_silent_is_quarantined_and_released_by_doctor(clus
     view = json.loads(jobgen("status", str(run), "--json", check=True).stdout)
     assert [q["node"] for q in view["quarantined"]] == [broken], view
     text = jobgen("status", str(run), check=True).stdout
-    assert f"quarantined {broken} since " in text and f"(job {array}_1): its ranks " in text, text
+    assert f"quarantined {broken} since " in text and f"(job {array}_1): its rank" in text, text
     listing = jobgen("status", check=False, env={"JOBGEN_RUNS_ROOT": str(run.parent)}).stdout
     assert f"quarantined node(s) {broken}" in listing, listing
 
@@ -94,8 +96,9 @@ def test_a_node_that_fails_the_start_probe_is_quarantined_until_the_doctor_passe
     markers.mkdir()
     check = f"test ! -e {markers}/$SLURMD_NODENAME || {{ echo 'ECC errors'; false; }}"
     site = {"profile": "local", "health_check": check}
-    idle = {n["NodeName"] for n in slurm.nodes() if n.get("State") == "IDLE"}
-    assert len(idle) == 3, slurm.nodes()  # the allocation is the first two nodes: node1 and node2
+    # The allocation is the first two nodes (node1 and node2): the jobs of an earlier test may
+    # still be completing on them.
+    wait_for(lambda: all(n.get("State") == "IDLE" for n in slurm.nodes()), 120, "every node idle")
     (markers / "node2").touch()
     spec, run = cluster_run("qp", nodes=2, array=2, site=site)
     array = submit(spec)
