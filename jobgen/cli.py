@@ -34,6 +34,7 @@ from jobgen import __version__
 from jobgen.cli_common import fail as _fail
 from jobgen.cli_common import find_run as _find_run
 from jobgen.cli_common import load as _load
+from jobgen.cli_common import print_findings
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -51,6 +52,9 @@ def validate(spec_file: str) -> None:
         f"{spec_file}: ok ({spec.run.job.program} on {spec.run.job.nodes} node(s) x {spec.procs_per_node} "
         f"= world size {spec.world_size}, site '{spec.site.name}', run dir {spec.run_dir})"
     )
+    from jobgen.preflight import command_findings
+
+    print_findings(command_findings(spec))
 
 
 @main.command()
@@ -175,12 +179,18 @@ def _switch_command(name: str, doc: str):
     @click.argument("run_ref", metavar="RUN")
     def command(run_ref: str) -> None:
         from jobgen.rundir import KILL_SWITCH, RunDirError
+        from jobgen.stop_requests import clear_stale
 
+        run = _find_run(run_ref)
         try:
-            path, created = _find_run(run_ref).set_switch({"stop": KILL_SWITCH}.get(name, name))
+            path, created = run.set_switch({"stop": KILL_SWITCH}.get(name, name))
         except RunDirError as exc:  # e.g. a switches/ the user may not write: a sentence, not a traceback
             _fail(f"jobgen: {exc}")
         click.echo(f"{path} created" if created else f"{path} already set")
+        try:
+            clear_stale(run)  # stop requests of ended attempts: tidying, never the command's failure
+        except (OSError, ValueError):
+            pass
 
     return command
 
@@ -207,7 +217,7 @@ def logs(run_ref: str, follow: bool, task: str | None, node: str | None, rank: i
     jobgen logs RUN --grep 'loss|ERROR'"""
     import re
 
-    from jobgen.logs import Filters, find_sources, merged
+    from jobgen.logs import Filters, find_sources, merged, unknown_ranks
     from jobgen.logs import follow as follow_logs
 
     run = _find_run(run_ref)
@@ -217,6 +227,9 @@ def logs(run_ref: str, follow: bool, task: str | None, node: str | None, rank: i
         _fail(f"jobgen: --grep {pattern!r}: {exc}")
     filters = Filters(task=task, node=node, rank=rank, grep=grep)
     name = run.load_spec().run.job.name
+    if rank is not None:  # ranks --rank cannot find: say where they are instead of printing nothing
+        for where in unknown_ranks(find_sources(run, name, Filters(task=task, node=node))):
+            click.echo(f"jobgen logs: {where}: global ranks unknown (no rank map); --node shows them", err=True)
     if not follow:
         for line in merged(find_sources(run, name, filters), filters):
             click.echo(line)

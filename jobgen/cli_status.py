@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
-from jobgen import slurm
+from jobgen import slurm, stop_requests
 from jobgen.cli_common import default_runs_root, fail, find_run
 from jobgen.rundir import RunDir
 from jobgen.status import RunStatus, WatchdogAlerts, queue_for, run_status, unreadable, unreadable_status, watch_run
@@ -31,6 +32,8 @@ def status_command(run_ref: str | None, as_json: bool, watch: bool, alerts: Watc
     runs = [run] if run is not None else _all_runs()
     problems = {r: unreadable(r) for r in runs}
     statuses = _statuses(runs, problems, alerts, details=run is not None)
+    for status in statuses:  # stop requests of ended attempts (jobgen.stop_requests)
+        stop_requests.remove(Path(p) for p in status.stale_stop_requests)
     _show(statuses, as_json=as_json, one_run=run is not None)
     sys.exit(1 if any(problems.values()) else 0)
 
@@ -55,12 +58,19 @@ def _statuses(
     """Each run's status, from one squeue call for all of them; an unreadable run's entry
     names the file and the error."""
     readable = [r for r in runs if not problems[r]]
+    queue: list[slurm.QueueEntry] | Exception
+    conf: dict[str, str] | Exception | None = None
     try:
         queue = queue_for(readable)
+        # One configuration for every run: the listing asks about ended jobs as one run's view
+        # does (ended=True), so both tell a task's state, and the run's, the same way.
+        conf = slurm.config() if any(r.jobs() for r in readable) else None
     except slurm.SlurmUnavailable as exc:
         queue = exc  # each run says so in its notes
     return [
-        unreadable_status(r, problems[r]) if problems[r] else run_status(r, alerts, queue=queue, details=details)
+        unreadable_status(r, problems[r])
+        if problems[r]
+        else run_status(r, alerts, queue=queue, details=details, ended=True, conf=conf)
         for r in runs
     ]
 

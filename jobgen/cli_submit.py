@@ -12,7 +12,7 @@ from typing import NoReturn
 import click
 
 from jobgen.cli_common import fail, load, print_findings
-from jobgen.preflight import memory_findings
+from jobgen.preflight import command_findings, memory_findings
 from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir, RunDirError
 from jobgen.slurm import SlurmError, SlurmUnavailable
@@ -69,6 +69,7 @@ def submit_command(
 def _run_local(spec: ResolvedSpec, source: str, ignore_memory_plan: bool) -> NoReturn:
     """--local: run the job on this machine and exit with its status."""
     print_findings([f for f in memory_findings(spec, ignore=ignore_memory_plan) if f.level != "error"])
+    print_findings(command_findings(spec))
     run, rc = run_local(spec, source_text=source, ignore_memory_plan=ignore_memory_plan)
     click.echo(f"local run in {run.path} exited with status {rc}")
     sys.exit(rc)

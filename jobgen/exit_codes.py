@@ -35,6 +35,10 @@ class ExitCode(IntEnum):
     # A node of the task was at fault (silent ranks, Slurm marked it down): it is quarantined
     # and the run's pending tasks exclude it (jobgen.quarantine).
     NODE_FAILURE = 20
+    # Your own program is set up in a way jobgen's lifecycle cannot work with (e.g. a
+    # Hugging Face Trainer whose output_dir is not the run's checkpoint directory, with
+    # [command] hf_trainer): every task would repeat it.
+    PROGRAM_SETUP = 21
 
     @property
     def reason(self) -> str:
@@ -80,19 +84,21 @@ _REASONS = {
     ExitCode.DATA_ERROR: "the data or the tokenizer cannot be used",
     ExitCode.RUN_BUSY: "another process is writing this run: did nothing",
     ExitCode.NODE_FAILURE: "node failure: the node is quarantined and later tasks exclude it",
+    ExitCode.PROGRAM_SETUP: "the program's setup does not fit its run (see the reason)",
 }
 
 _PLANNED = frozenset({ExitCode.OK, ExitCode.KILL_SWITCH, ExitCode.SIGNALLED, ExitCode.DEADLINE, ExitCode.NOT_STARTED})
 
 
-def signal_stop_words(signal_name: str, *, from_batch_shell: bool, lead_signal: str | None, exit_grace: int) -> str:
+def signal_stop_words(signal_name: str, *, from_batch_shell: bool, lead_signal: str | None, lead_seconds: int) -> str:
     """Why a signal stopped the program, in words for ``jobgen status`` and the job's
     comment. ``from_batch_shell``: the batch shell caught it and left a stop request (Slurm's
     ``--signal=B:`` lead-time signal, or SIGTERM at preemption, requeue or scancel); else it
-    reached the program itself (``scancel --signal=...``, or Slurm's SIGTERM to the step)."""
+    reached the program itself (``scancel --signal=...``, or Slurm's SIGTERM to the step).
+    ``lead_seconds``: how long before the job's end the lead-time signal came, as measured."""
     name = signal_name.upper().removeprefix("SIG")
     if from_batch_shell and lead_signal and name == lead_signal.upper().removeprefix("SIG"):
-        return f"time limit ({name} {exit_grace} s before the limit)"
+        return f"time limit ({name} {lead_seconds} s before the limit)"
     if name == "TERM":
         return "SIGTERM (preemption, requeue or scancel)"
     return f"SIG{name} ({'to the batch shell' if from_batch_shell else 'scancel --signal'})"
@@ -109,4 +115,6 @@ _FIXES = {
     ExitCode.RESUME_MISMATCH: "put train.seed and the data back as they were for this run's checkpoints, or "
     "start a new run (another job.name), then `jobgen submit` again",
     ExitCode.DATA_ERROR: "fix the data or the tokenizer named in the reason, then `jobgen submit` the run again",
+    ExitCode.PROGRAM_SETUP: "change what the reason names in [command] (for a Hugging Face Trainer: "
+    "args = [..., '--output_dir', '{checkpoint_dir}']), then `jobgen submit` the run again",
 }

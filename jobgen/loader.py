@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from jobgen import placeholders
 from jobgen.paths import SITE_CONFIGS_DIR
 from jobgen.resolved import ResolvedSpec
 from jobgen.site import SiteProfile
@@ -161,6 +162,7 @@ def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> R
     issues.extend(_check_paths(raw, base_dir, run_label))
     if run is not None:
         issues.extend(_check_data_contents(run, run_label))
+        issues.extend(_check_env_placeholders(run, run_label))
     if run is not None and site is not None:
         issues.extend(_cross_check(run, site, run_label))
         issues.extend(_check_run_dir(run, site, run_label, site_path, overrides))
@@ -422,6 +424,20 @@ def _check_script_paths(
                 (run_label, f"site.{table}.{key}") if (table, key) in overridden else (str(site_path), f"{table}.{key}")
             )
             issues.append(SpecIssue(file, name, f"{value!r} has a control character (newline, ...)"))
+    return issues
+
+
+def _check_env_placeholders(run: RunSpec, run_label: str) -> list[SpecIssue]:
+    """[env] values of a command program are expanded per task (jobgen.placeholders); those
+    of the bundled programs reach the job as written, braces and all."""
+    if run.job.program != "command":
+        return []
+    issues = []
+    for name, value in run.env.items():
+        try:
+            placeholders.check(value, placeholders.IN_ENV, "env")
+        except placeholders.PlaceholderError as exc:
+            issues.append(SpecIssue(run_label, key_path(("env", name)), str(exc)))
     return issues
 
 

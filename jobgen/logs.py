@@ -10,7 +10,11 @@ Where lines come from (names from :class:`jobgen.rundir.RunDir`):
 - each rank's ``stdout.log``/``stderr.log`` under ``logs/ranks/<job>/<node>/``, one
   directory per launch of torchrun (a requeued job launches again under the same id).
   The global rank comes from ``ranks.<restart>.json``, which the trainer's rank 0 writes
-  at start (``RunDir.rank_map``); without it the local rank is shown.
+  at start (``RunDir.rank_map``); else from the rank's own record next to its node's logs
+  (``RunDir.rank_identity``, for a program that writes no rank map); else from its lines
+  (``trainer[3]``); else, in a one-node job, it is the local rank. Without any of these
+  torchrun's logs do not say it (the rendezvous orders the nodes by address and process id,
+  not by name), and the node and local rank are shown: ``node2 local0``.
 
 A line is prefixed ``ARRAYID_TASK node rRANK |``. Without ``--follow`` the lines of all
 sources are merged by their timestamps (a line without one keeps its predecessor's);
@@ -37,6 +41,8 @@ _TEED = re.compile(r"^\[[A-Za-z_]+\d+\]:")
 _STAMP = re.compile(r"(\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d)")
 # ... and of c10d's (glog: "[W1122 11:33:54.790578628 socket.cpp:207]", no year).
 _GLOG = re.compile(r"^\[?[IWEF](\d\d)(\d\d) (\d\d:\d\d:\d\d)")
+# ... and of Python's logging as the Hugging Face example scripts set it up ("11/22/2026 10:00:09").
+_US_STAMP = re.compile(r"(\d\d)/(\d\d)/(\d{4}) (\d\d:\d\d:\d\d)")
 # The trainer's line prefix names the global rank: "trainer[3]".
 _TRAINER_RANK = re.compile(rb"trainer\[(\d+)\]")
 
@@ -125,28 +131,74 @@ def find_sources(run: RunDir, job_name: str, filters: Filters) -> list[Source]:
         if filters.task and filters.task not in (job, name, name.partition("_")[2]):
             continue
         if filters.rank is None:
-            batch = run.batch_log(job_name, job)
-            if batch.is_file() and filters.node is None:
-                out.append(Source(batch, job, name, batch=True))
-            for node_log in sorted(run.logs.glob(f"{job_name}-{job}-*.out")):
-                node = node_log.name.removeprefix(f"{job_name}-{job}-").removesuffix(".out")
-                if filters.node in (None, node):
-                    out.append(Source(node_log, job, name, node=node, batch=True))
-        maps = _rank_maps(run, job)
-        for node_dir in sorted(p for p in (run.logs / "ranks" / job).glob("*") if p.is_dir()):
-            if filters.node not in (None, node_dir.name):
-                continue
-            launches = sorted((p for p in node_dir.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
-            for restart, launch in enumerate(launches):
-                for log in sorted(launch.glob("attempt_*/*/std*.log")):
-                    local = int(log.parent.name) if log.parent.name.isdigit() else None
-                    rank = maps.get(restart, {}).get((node_dir.name, local)) if local is not None else None
-                    if rank is None and restart not in maps:
-                        rank = _rank_in_file(log.with_name("stdout.log"))
-                    if filters.rank is not None and rank != filters.rank:
-                        continue
-                    out.append(Source(log, job, name, node=node_dir.name, rank=rank, local_rank=local))
+            out += _batch_sources(run, job_name, job, name, filters)
+        out += _rank_sources(run, job, name, filters)
     return out
+
+
+def _batch_sources(run: RunDir, job_name: str, job: str, name: str, filters: Filters) -> list[Source]:
+    """A job's batch log and its nodes' launch logs."""
+    out = []
+    batch = run.batch_log(job_name, job)
+    if batch.is_file() and filters.node is None:
+        out.append(Source(batch, job, name, batch=True))
+    for node_log in sorted(run.logs.glob(f"{job_name}-{job}-*.out")):
+        node = node_log.name.removeprefix(f"{job_name}-{job}-").removesuffix(".out")
+        if filters.node in (None, node):
+            out.append(Source(node_log, job, name, node=node, batch=True))
+    return out
+
+
+def _rank_sources(run: RunDir, job: str, name: str, filters: Filters) -> list[Source]:
+    """Each rank's stdout and stderr of a job, on every node and in every launch (restart)."""
+    maps = _rank_maps(run, job)
+    one_node = _one_node(run, job)
+    out = []
+    for node_dir in sorted(p for p in (run.logs / "ranks" / job).glob("*") if p.is_dir()):
+        if filters.node not in (None, node_dir.name):
+            continue
+        launches = sorted((p for p in node_dir.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+        for restart, launch in enumerate(launches):
+            for log in sorted(launch.glob("attempt_*/*/std*.log")):
+                local = int(log.parent.name) if log.parent.name.isdigit() else None
+                rank = maps.get(restart, {}).get((node_dir.name, local)) if local is not None else None
+                if rank is None and restart not in maps and local is not None:
+                    rank = _rank_of(run, job, node_dir.name, restart, local, log, one_node)
+                if filters.rank is not None and rank != filters.rank:
+                    continue
+                out.append(Source(log, job, name, node=node_dir.name, rank=rank, local_rank=local))
+    return out
+
+
+def _rank_of(run: RunDir, job: str, node: str, restart: int, local: int, log: Path, one_node: bool) -> int | None:
+    """A rank's global rank without a rank map: its own record, its lines, or in a one-node
+    job its local rank (the only node is group rank 0)."""
+    try:
+        value = json.loads(run.rank_identity(job, node, restart, local).read_text())
+        if isinstance(value, dict) and isinstance(value.get("rank"), int):
+            return value["rank"]
+    except (OSError, ValueError):
+        pass
+    rank = _rank_in_file(log.with_name("stdout.log"))
+    return local if rank is None and one_node else rank
+
+
+def _one_node(run: RunDir, job: str) -> bool:
+    """Whether the batch script recorded this job on a single node (``node3``, not ``node[1-2]``)."""
+    for path in run.task_records():
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and str(record.get("job_id")) == job and record.get("nodes"):
+            return not any(c in str(record["nodes"]) for c in "[,")
+    return False
+
+
+def unknown_ranks(sources: list[Source]) -> list[str]:
+    """``ARRAYID_TASK node`` of each node whose ranks' global ranks are unknown (``--rank``
+    cannot find them; ``--node`` can)."""
+    return sorted({f"{s.name} {s.node}" for s in sources if s.rank is None and s.local_rank is not None})
 
 
 def _keep(source: Source, line: str, filters: Filters) -> bool:
@@ -178,6 +230,10 @@ def _stamp(line: str, year: int) -> float | None:
         if match:
             month, day, clock = match.groups()
             return dt.datetime.fromisoformat(f"{year}-{month}-{day}T{clock}").timestamp()
+        match = _US_STAMP.search(line[:40])
+        if match:
+            month, day, full_year, clock = match.groups()
+            return dt.datetime.fromisoformat(f"{full_year}-{month}-{day}T{clock}").timestamp()
     except ValueError:
         pass
     return None

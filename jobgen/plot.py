@@ -6,7 +6,9 @@ step it resumed from and at the time it took it); grey spans on the time axis ar
 time the run had no job running: queued before its first task, and between one task's end
 and the next one's start.
 
-Data: ``metrics.jsonl`` (the logged steps), ``tasks.jsonl`` (each task's first step),
+Data: ``metrics.jsonl`` (the logged steps; for a Hugging Face Trainer run without jobgen's
+callback, which writes none, the newest checkpoint's ``trainer_state.json`` history through
+:mod:`jobgen.program_records`), ``tasks.jsonl`` (each task's first step),
 ``logs/task.*.json`` (each task's start and end, from the batch script) and ``jobs.json``
 (when the run was submitted). matplotlib is an optional extra (``pip install
 'jobgen[plot]'``), imported only here; :func:`missing_matplotlib` says so plainly.
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from jobgen.goodput import read_metrics, read_tasks
+from jobgen.program_records import trainer_history
 from jobgen.rundir import RunDir
 from jobgen.task_table import read_task_records
 
@@ -77,20 +80,47 @@ def read_plot_data(run: RunDir, warn: Callable[[str], None] = _warn) -> PlotData
     for records in (lines, tasks):
         if records.warning():
             warn(records.warning())
+    if not any(x.get("loss") is not None for x in lines):
+        # A Trainer run without jobgen's callback: the Trainer's own history is the record.
+        lines.extend(trainer_history(run.checkpoints))
     if not lines:
         raise PlotError(f"{run.path / 'metrics.jsonl'}: no logged steps yet, nothing to plot")
     metrics = {}
     for key in ("loss", "lr", "tokens_per_s", "eval_loss"):
-        rows = [x for x in lines if x.get(key) is not None and x.get("step") is not None and x.get("time")]
+        rows = [x for x in lines if _value(x, key) is not None and x.get("step") is not None and x.get("time")]
         metrics[key] = Series(
             [x["step"] for x in rows],
             [x["time"] for x in rows],
-            [x[key] for x in rows],
+            [_value(x, key) for x in rows],
             [(str(x.get("job_id")), int(x.get("restart") or 0)) for x in rows],
         )
     firsts = [r for r in tasks if r.get("event") == "first_step"]
     resumes = [(int(r["start_step"]), float(r["time"])) for r in firsts if r.get("start_step")]
     return PlotData(run.path.name, metrics, sorted(resumes), _waits(run, lines, tasks))
+
+
+def _value(line: dict[str, Any], key: str) -> float | None:
+    """A line's value of ``key``; tokens/s from ``step_tokens`` and ``step_seconds`` where a
+    program logs those instead."""
+    value = line.get(key)
+    if value is None and key == "tokens_per_s":
+        tokens, seconds = line.get("step_tokens"), line.get("step_seconds")
+        if isinstance(tokens, (int, float)) and isinstance(seconds, (int, float)) and seconds > 0:
+            return tokens / seconds
+    return value
+
+
+# What an empty panel says: a program that does not log a value is no run without progress.
+EMPTY_PANEL = {
+    "loss": "no loss logged",
+    "lr": "no learning rate logged",
+    "tokens_per_s": "throughput unknown: the program logs no tokens_per_s (or step_tokens and step_seconds)",
+}
+
+
+def empty_panels(data: PlotData) -> dict[str, str]:
+    """The panels with nothing to draw, and what each says instead."""
+    return {key: words for key, words in EMPTY_PANEL.items() if not data.metrics[key].steps}
 
 
 def _waits(run: RunDir, lines: list[dict[str, Any]], tasks: list[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -153,8 +183,11 @@ def draw(data: PlotData, output: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(3, 2, figsize=(13, 9), sharex="col")
+    empty = empty_panels(data)
     for row, key in enumerate(("loss", "lr", "tokens_per_s")):
         _draw_row(data, key, *axes[row])
+        for ax in axes[row] if key in empty else ():
+            ax.text(0.5, 0.5, empty[key], transform=ax.transAxes, ha="center", va="center", color="0.4", wrap=True)
     axes[2][0].set_xlabel("step")
     axes[2][1].set_xlabel("wall time")
     locator = mdates.AutoDateLocator()

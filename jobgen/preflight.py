@@ -296,3 +296,52 @@ def memory_findings(spec: ResolvedSpec, *, ignore: bool = False) -> list[Finding
         return [Finding("warning", "", "\n".join([*lines, "    submitting anyway (--ignore-memory-plan)"]))]
     lines.append("    --ignore-memory-plan submits anyway")
     return [Finding("error", "", "\n".join(lines))]
+
+
+def command_findings(spec: ResolvedSpec) -> list[Finding]:
+    """What a ``program = "command"`` run gets at a time limit or a preemption, in plain words
+    for ``validate`` and ``submit``: a warning where each stop loses work, with what saves it."""
+    command, job = spec.run.command, spec.run.job
+    if job.program != "command" or command is None:
+        return []
+    if command.hf_trainer:
+        return [
+            Finding(
+                "info",
+                "command.hf_trainer",
+                "at a time limit or preemption your Trainer saves a checkpoint when the signal arrives and "
+                "stops; the next task resumes from it and redoes no step",
+            )
+        ]
+    if command.stop_signal == "none":
+        return [
+            Finding(
+                "info",
+                "command.stop_signal",
+                "'none': no signal is forwarded to your program; it must read jobgen's stop request itself "
+                "(jobgen.runtime) and save, or Slurm kills it at the time limit",
+            )
+        ]
+    signal = f"SIG{command.stop_signal}"
+    if command.resume_args:
+        return [
+            Finding(
+                "warning",
+                "command.resume_args",
+                f"at a time limit the batch shell forwards {signal} to your program, which stops without "
+                "saving: each limit loses the steps since its own last save (up to its save interval), and the "
+                f"next task resumes from {{latest_checkpoint}} ('{command.checkpoints}' in {spec.run_dir}/"
+                "checkpoints). To save at the signal instead: hf_trainer = true (a Hugging Face Trainer), or "
+                "jobgen.runtime in the program with stop_signal = 'none' (docs/own-program.md)",
+            )
+        ]
+    return [
+        Finding(
+            "warning",
+            "command",
+            f"at a time limit the batch shell forwards {signal} to your program: no save is asked for and "
+            "nothing resumes it, so each array task starts over. Set hf_trainer = true (a Hugging Face "
+            "Trainer), resume_args = [..., '{latest_checkpoint}'] (a program that saves on its own), or use "
+            "jobgen.runtime in the program and stop_signal = 'none' (docs/own-program.md)",
+        )
+    ]

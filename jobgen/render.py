@@ -24,7 +24,7 @@ from typing import Any
 
 import jinja2
 
-from jobgen import __version__
+from jobgen import __version__, placeholders
 from jobgen.durations import format_slurm
 from jobgen.exit_codes import ExitCode
 from jobgen.paths import PROJECT_ROOT, TEMPLATES_DIR
@@ -34,6 +34,8 @@ from jobgen.rundir import STARTUP_SWITCHES, RunDir
 
 # Programs the launch template can start under torchrun, by spec value.
 PROGRAMS = {"train": "trainer", "doctor": "trainer.doctor"}
+# What torchrun starts for program = "command": the launcher that runs your module or script.
+LAUNCHER = "jobgen.runtime.launch"
 # How long the start probe waits for every node's answer (site.health_check's budget).
 PROBE_TIMEOUT_SECONDS = 60
 # What sbatch's #SBATCH parser (src/sbatch/opt.c, get_argument) reads as one argument
@@ -211,6 +213,10 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         "lifecycle": job.resumable,
         "entry_words": entry_words(spec),
         "command_workdir": spec.run.command.workdir if spec.run.command else None,
+        "command_plan": job.program == "command",
+        # What the batch shell forwards to a program that does not read jobgen's stop request.
+        "forward_signal": forward_signal(spec),
+        "command_line": command_line(spec),
         "script_name": script_name(spec),
         "sbatch_directives": sbatch_directives(spec),
         "nodes": job.nodes,
@@ -271,7 +277,10 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
     env = dict(site.env)
     if site.paths.hf_home:
         env.setdefault("HF_HOME", site.paths.hf_home)
-    env.update(spec.run.env)
+    run_env, per_task = _run_env(spec)
+    env.update(run_env)
+    for name in per_task:  # the launcher's value replaces the site's; the shell exports neither
+        env.pop(name, None)
 
     return {
         "output_per_node": slurm.output_per_node,
@@ -287,6 +296,7 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
         "net_debug": net.debug,
         "net_env": sorted(net.env.items()),
         "env": sorted(env.items()),
+        "env_per_task": per_task,
         "repro_env": env_record_patterns([*env, *net.env]),
         "exit": {code.name.lower(): int(code) for code in ExitCode},
         # The start probe (every node, before the launch): what it checks. The doctor runs it
@@ -301,16 +311,50 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
     }
 
 
+def _run_env(spec: ResolvedSpec) -> tuple[dict[str, str], list[str]]:
+    """[env] as the batch shell exports it, and the names it leaves to the launcher. A command
+    program's values are placeholder templates (jobgen.placeholders): one naming a placeholder
+    is set for each task by jobgen's launcher from the task's plan, never by the shell; the
+    others lose only the doubling of their literal braces."""
+    if spec.run.job.program != "command":
+        return dict(spec.run.env), []
+    per_task = sorted(name for name, value in spec.run.env.items() if placeholders.uses_placeholders(value))
+    fixed = {name: placeholders.expand(value, {}) for name, value in spec.run.env.items() if name not in per_task}
+    return fixed, per_task
+
+
+def forward_signal(spec: ResolvedSpec) -> str | None:
+    """The signal the batch shell passes on to your own program's processes when Slurm's
+    lead-time signal arrives ([command] stop_signal), or None: the bundled programs, and a
+    program that reads jobgen's stop request (hf_trainer, jobgen.runtime), need none."""
+    command = spec.run.command
+    if spec.run.job.program != "command" or command is None or command.stop_signal in (None, "none"):
+        return None
+    return command.stop_signal
+
+
 def entry_words(spec: ResolvedSpec) -> Trusted:
     """What torchrun starts on every node, after its own options: jobgen's program with the
-    run directory, or the user's module or script with their arguments, each word quoted."""
+    run directory, or, for your own program, jobgen's launcher with this attempt's plan (the
+    module or script and its arguments are in the plan: jobgen.command_plan)."""
+    program = spec.run.job.program
+    if program == "command":
+        run = RunDir(spec.run_dir)
+        plan = _shell_path("$JOBGEN_RUN_DIR", run.path, run.command_plan(SHELL_JOB_ID, SHELL_RESTART))
+        return Trusted(f"-m {LAUNCHER} --plan {plan}")
+    module = PROGRAMS[program]
+    return Trusted(f'-m {module} --run-dir "$JOBGEN_RUN_DIR" --expected-world-size {spec.world_size}')
+
+
+def command_line(spec: ResolvedSpec) -> str | None:
+    """What a command program runs, for a comment of the script: the module or script and its
+    arguments as written (placeholders unexpanded), quoted as a shell would need them."""
     command = spec.run.command
     if spec.run.job.program != "command" or command is None:
-        module = PROGRAMS[spec.run.job.program]
-        return Trusted(f'-m {module} --run-dir "$JOBGEN_RUN_DIR" --expected-world-size {spec.world_size}')
-    words = ["-m", _single_quoted(command.module)] if command.module else [_single_quoted(command.script)]
-    words += [_single_quoted(arg) for arg in command.args]
-    return Trusted(" ".join(words))
+        return None
+    words = ["-m", command.module] if command.module else [command.script]
+    line = shlex.join([*words, *command.args])
+    return line + (f" [+ when resuming: {shlex.join(command.resume_args)}]" if command.resume_args else "")
 
 
 def render(spec: ResolvedSpec) -> str:

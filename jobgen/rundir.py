@@ -15,6 +15,7 @@ Layout::
                      stop.<job>.<restart>: a stop request from the batch shell's trap
     logs/            <job name>-<job>.out (the batch log), <job name>-<job>-<node>.out,
                      exit-code.<job>.<restart>, task.<job>.<restart>.json (how it ended),
+                     command-plan.<job>.<restart>.json (what a command program's task runs),
                      ranks/<job>/<node>/ (torchrun's), ranks/<job>/ranks.<restart>.json
                      (rank map), ranks/<job>/ends.<restart>/ (failed ranks), nccl-*.log
     checkpoints/     step-<step>/, .tmp-*, broken-* (see trainer.checkpoint)
@@ -284,6 +285,11 @@ class RunDir:
         stem = self.stop_request_stem(job_id)
         return stem.with_name(f"{stem.name}.{restart}")
 
+    def stop_requests(self) -> list[tuple[Path, str, int | None]]:
+        """Every stop request in switches/: (path, job id, restart; None for the bare stem)."""
+        named = ((p, *p.name.removeprefix("stop.").partition(".")[::2]) for p in sorted(self.switches.glob("stop.*")))
+        return [(p, job, int(r) if r else None) for p, job, r in named if job and (not r or r.isdecimal())]
+
     def exit_code_file(self, job_id: str | int, restart: str | int) -> Path:
         """Just the trainer's exit code, for the batch script to exit with (one per attempt)."""
         return self.logs / f"exit-code.{job_id}.{restart}"
@@ -297,6 +303,11 @@ class RunDir:
     def task_records(self) -> list[Path]:
         return sorted(self.logs.glob("task.*.json"))
 
+    def command_plan(self, job_id: str | int, restart: str | int) -> Path:
+        """What one attempt of a ``program = "command"`` job runs on every rank (argv, env, the
+        checkpoint it resumes from): decided once on the head node (jobgen.command_plan)."""
+        return self.logs / f"command-plan.{job_id}.{restart}.json"
+
     def batch_log(self, job_name: str, job_id: str | int) -> Path:
         """The batch script's output (sbatch --output; ``jobgen submit --local`` writes the
         same file). Slurm's job name is the run directory's name."""
@@ -309,6 +320,10 @@ class RunDir:
     def rank_logs(self, job_id: str | int, node: str) -> Path:
         """torchrun's --log-dir on one node: its per-rank stdout and stderr below."""
         return self.logs / "ranks" / str(job_id) / node
+
+    def rank_identity(self, job_id: str | int, node: str, restart: str | int, local_rank: str | int) -> Path:
+        """A rank's own word on its global rank (JSON: rank, group_rank), next to its node's logs."""
+        return self.rank_logs(job_id, node) / f"rank.{restart}.{local_rank}.json"
 
     def rank_map(self, job_id: str | int, restart: str | int) -> Path:
         """Which node and local rank each global rank of one attempt ran as (the trainer's

@@ -195,6 +195,7 @@ def build_serve_context(job: ServeJob) -> dict[str, Any]:
         "nccl_debug_log": Trusted('"${RUN_DIR//\\%/%%}/logs/serve/nccl-$SLURM_JOB_ID-%h-%p.log"'),
         "net_env": sorted(net.env.items()),
         "env": sorted(job.env.items()),
+        "env_per_task": [],  # placeholders are a training task's (jobgen.command_plan)
     }
 
 

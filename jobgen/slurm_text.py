@@ -124,10 +124,10 @@ SACCT_FIELDS = "JobIDRaw,JobID,JobName,State,ExitCode,Reason,NodeList,Start,End,
 def parse_sacct(text: str) -> list[JobRecord]:
     """``sacct --parsable2 --noheader --format=SACCT_FIELDS``: one line per job and one per
     step (``5.batch``, ``5.0``); only the jobs' lines are kept. The comment, last, may hold
-    the separator."""
-    from jobgen.durations import parse_slurm_limit
-
+    the separator. With ``--duplicates`` a requeued job has one line per start, oldest first
+    (``REQUEUED``, ...): each line's ``restarts`` counts the lines of that job before it."""
     out = []
+    starts: dict[int, int] = {}
     for line in text.splitlines():
         parts = line.split("|", SACCT_FIELDS.count(","))
         if len(parts) != SACCT_FIELDS.count(",") + 1 or not parts[0].isdigit():
@@ -148,11 +148,13 @@ def parse_sacct(text: str) -> list[JobRecord]:
                 nodes=nodes,
                 start=parse_time(start),
                 end=parse_time(end),
-                time_limit=int(limit_minutes) * 60 if limit_minutes.isdigit() else parse_slurm_limit(limit_minutes),
+                # Minutes; "Partition_Limit" for a job that asked for none, "UNLIMITED".
+                time_limit=int(limit_minutes) * 60 if limit_minutes.isdigit() else None,
                 comment=comment,
-                restarts=0,
+                restarts=starts.get(int(raw), 0),
             )
         )
+        starts[int(raw)] = starts.get(int(raw), 0) + 1
     return out
 
 

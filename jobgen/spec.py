@@ -7,17 +7,17 @@ site resolution and error reporting live in :mod:`jobgen.loader`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import Field, StringConstraints, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from jobgen.command_spec import CommandSpec
 from jobgen.durations import format_human
 from jobgen.eval_spec import EvalSpec
 from jobgen.fields import (
     Constraint,
     Duration,
     EnvName,
-    EnvValue,
     HostList,
     JobEnv,
     JobName,
@@ -364,38 +364,6 @@ class TrainSpec(StrictModel):
         return self
 
 
-# A dotted Python module name: my_project.train
-PythonModule = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")]
-
-
-class CommandSpec(StrictModel):
-    """Your own program (job.program = 'command'), started by torchrun on every node as the
-    bundled trainer is. It reaches the run directory, the switches and the deadline through
-    ``jobgen.runtime`` (docs/own-program.md)."""
-
-    module: PythonModule | None = Field(
-        None, description="Run as `torchrun ... -m MODULE`, e.g. 'my_project.train' (found from workdir)."
-    )
-    script: SafePath | None = Field(
-        None, description="A Python script run as `torchrun ... SCRIPT`; relative to run.toml's directory."
-    )
-    args: list[EnvValue] = Field(
-        default_factory=list,
-        description="Arguments after the module or script; each entry reaches the program as one argument, quoted.",
-    )
-    workdir: SafePath | None = Field(
-        None, description="Directory the program starts in; relative to run.toml's directory (default: that directory)."
-    )
-
-    @model_validator(mode="after")
-    def _module_or_script(self) -> CommandSpec:
-        if (self.module is None) == (self.script is None):
-            raise ValueError(
-                "give exactly one of command.module (run as torchrun -m MODULE) and command.script (a .py path)"
-            )
-        return self
-
-
 class RunSpec(StrictModel):
     """A whole run.toml after the site reference has been taken out."""
 
@@ -411,7 +379,11 @@ class RunSpec(StrictModel):
         default_factory=dict,
         description=(
             "Variables exported in the job, written into the batch script. A secret-looking name (HF_TOKEN, "
-            "WANDB_API_KEY, ...) is refused here: pass it with job.pass_env."
+            "WANDB_API_KEY, ...) is refused here: pass it with job.pass_env. With job.program = 'command' a value "
+            "may hold the placeholders of command.resume_args ({run_dir}, {checkpoint_dir}, {latest_checkpoint}, "
+            "{job_id}, {task}; {{ and }} are literal braces), expanded for each task by jobgen; such a variable "
+            "is set by jobgen's launcher, not by the script, and one that uses {latest_checkpoint} is left unset "
+            "while the run has no checkpoint."
         ),
     )
     watchdogs: WatchdogSettings = Field(

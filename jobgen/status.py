@@ -37,6 +37,7 @@ from jobgen.status_facts import RunRecords, SlurmFacts, ask_kill_window, ask_slu
 # Gathered in jobgen.status_facts; the watchdogs and jobgen.first_step import these from here.
 from jobgen.status_facts import queue_for as queue_for
 from jobgen.status_facts import slurm_may_know as slurm_may_know
+from jobgen.stop_requests import ended_attempts, stale_requests
 from jobgen.task_table import TaskStatus, build_tasks
 
 # What the run's watchdogs alert about right now, one line each (supplied by jobgen/cli.py).
@@ -71,13 +72,16 @@ class RunStatus:
     eval_best: dict[str, Any] | None = None
     # Nodes the run keeps its tasks off (jobgen.quarantine): node, since, job, reason.
     quarantined: list[dict[str, Any]] = field(default_factory=list)
+    # Stop requests whose attempt has ended (jobgen.stop_requests): not shown as switches; the
+    # status command removes them. Not in the JSON: paths to act on, not the run's state.
+    stale_stop_requests: list[str] = field(default_factory=list)
     # Slurm could not be asked (SlurmUnavailable): the note that says so, for callers that act
     # on it (the running watchdog) without reading notes. Not in the JSON, where the note is.
     slurm_unreachable: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        del data["slurm_unreachable"]
+        del data["slurm_unreachable"], data["stale_stop_requests"]
         for task, row in zip(self.tasks, data["tasks"]):
             row["slurm_id"] = task.slurm_id
         return data
@@ -126,13 +130,19 @@ def run_status(
     *,
     queue: list[slurm.QueueEntry] | Exception | None = None,
     details: bool = True,
+    ended: bool | None = None,
+    conf: dict[str, str] | Exception | None = None,
 ) -> RunStatus:
     """Slurm's view of the run's jobs and what its directory records. ``watchdog_alerts``
     (see the module docstring) adds the watchdogs' active alerts to the warnings.
 
     ``queue``: what :func:`queue_for` returned (or raised) for many runs at once; None asks
-    squeue here. ``details``: also ask Slurm about ended jobs the run directory leaves
-    unexplained, and for the kill window (one run's view); a listing of runs leaves both out.
+    squeue here. ``details``: also ask for the kill window (one run's view). ``ended`` (default:
+    ``details``): also ask Slurm about ended jobs the run directory leaves unexplained, which
+    can change a task's state (TIMEOUT, CANCELLED, NODE_FAIL) and so the run's: the listing of
+    runs asks too, so that it and one run's view agree; pollers that only wait for a change of
+    pending/running leave it out. ``conf``: ``slurm.config()`` (or what it raised) when the
+    caller asked once for many runs.
 
     Gather, then decide: the run directory's records (:func:`read_run_records`), Slurm's
     facts (:func:`ask_slurm`, then the kill window), the watchdogs' alerts; then
@@ -140,7 +150,7 @@ def run_status(
     """
     found = read_run_records(run)
     job = found.spec.run.job
-    asked = ask_slurm(run, found.task_records, queue, details)
+    asked = ask_slurm(run, found.task_records, queue, details if ended is None else ended, conf)
     tasks = build_tasks(
         run,
         job.name,
@@ -152,7 +162,11 @@ def run_status(
         slurm_answered=asked.unreachable is None,
     )
     # Only once Slurm has seen a job of the run.
-    window = ask_kill_window(found.spec, asked.conf) if asked.conf is not None and tasks and job.graceful_stop else None
+    window = (
+        ask_kill_window(found.spec, asked.conf)
+        if details and asked.conf is not None and tasks and job.graceful_stop
+        else None
+    )
     alerts = list(watchdog_alerts(found.spec)) if watchdog_alerts is not None else []
     return decide_status(str(run.path), found, asked, tasks, window, alerts)
 
@@ -178,7 +192,6 @@ def decide_status(
         logged_step=last.get("step"),
         max_steps=found.spec.run.train.max_steps if job.program == "train" else None,
         tasks=tasks,
-        switches=found.switches,
         goodput=goodput(found.reports),
         notes=[asked.unreachable] if asked.unreachable else [],
         slurm_unreachable=asked.unreachable,
@@ -186,6 +199,7 @@ def decide_status(
         tokens_per_s=last.get("tokens_per_s"),
     )
     _progress(status, found, lines)
+    _switches(status, found, tasks if asked.unreachable is None else [])
     status.eval_last, status.eval_best = eval_progress(found.metrics, found.best)
     status.warnings = _warnings(found, window, alerts)
     status.quarantined = quarantine.to_json(found.held)
@@ -226,6 +240,15 @@ def _warnings(found: RunRecords, window: KillWindow | None, alerts: list[str]) -
         else None,
     ]
     return [w for w in candidates if w]
+
+
+def _switches(status: RunStatus, found: RunRecords, tasks: list[TaskStatus]) -> None:
+    """The switches shown: the files in switches/ less the stop requests of attempts that have
+    ended (``tasks``: only when Slurm answered, else a task not in the queue proves nothing)."""
+    ended, active = ended_attempts(found.task_records, found.reports, tasks)
+    stale = stale_requests(found.stop_requests, ended, active)
+    status.stale_stop_requests = [str(p) for p in stale]
+    status.switches = [name for name in found.switches if name not in {p.name for p in stale}]
 
 
 def _state_notes(state: str, failed: dict[str, Any] | None, switches: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any
 from jobgen import quarantine, slurm
 from jobgen.goodput import KillWindow, Records, TaskReport, read_metrics, read_tasks, run_reports
 from jobgen.preflight import kill_window
+from jobgen.program_records import trainer_checkpoints
 from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir
 from jobgen.task_table import read_task_records, unexplained_submissions
@@ -56,6 +57,7 @@ class RunRecords:
     metrics: Records  # metrics.jsonl: training steps and evaluations
     task_lines: Records  # tasks.jsonl, for its warning (run_reports reads it into the reports)
     switches: list[str]
+    stop_requests: list[tuple[Path, str, int | None]]  # RunDir.stop_requests
     task_records: dict[tuple[int, int], dict[str, Any]]  # the batch script's record of each attempt
     reports: list[TaskReport]
     best: dict[str, Any] | None
@@ -85,6 +87,8 @@ def read_run_records(run: RunDir) -> RunRecords:
     spec = run.load_spec()
     job = spec.run.job
     saved = run.complete_checkpoints()
+    if job.program == "command":  # a Hugging Face Trainer's checkpoint-N/ count as saved too
+        saved = sorted(saved + trainer_checkpoints(run.checkpoints))
     held, held_problem = _read_quarantine(run)
     doctor = run.path / "doctor.json"
     return RunRecords(
@@ -92,6 +96,7 @@ def read_run_records(run: RunDir) -> RunRecords:
         metrics=read_metrics(run.path / "metrics.jsonl"),
         task_lines=read_tasks(run.path / "tasks.jsonl"),
         switches=sorted(p.name for p in run.switches.iterdir()) if run.switches.is_dir() else [],
+        stop_requests=run.stop_requests(),
         task_records=read_task_records(run),
         reports=run_reports(run.path, job.time),
         best=run.best(),
@@ -128,30 +133,36 @@ def _read_quarantine(run: RunDir) -> tuple[dict[str, quarantine.Quarantined], st
 
 
 def ask_slurm(
-    run: RunDir, task_records: dict, queue: list[slurm.QueueEntry] | Exception | None, details: bool
+    run: RunDir,
+    task_records: dict,
+    queue: list[slurm.QueueEntry] | Exception | None,
+    ended: bool,
+    conf: dict[str, str] | Exception | None = None,
 ) -> SlurmFacts:
     """Slurm's queue (``queue`` when the caller asked for many runs at once) and, with
-    ``details``, its configuration and what it remembers of the run's ended jobs. Slurm out
-    of reach is a fact too: an empty queue and the note that says so."""
-    ended: list[slurm.JobRecord] = []
-    conf: dict[str, str] | None = None
+    ``ended``, its configuration (``conf`` when the caller asked once for many runs) and what
+    it remembers of the run's ended jobs. Slurm out of reach is a fact too: an empty queue
+    and the note that says so."""
+    remembered: list[slurm.JobRecord] = []
     try:
         if queue is None:
             queue = queue_for([run])
         if isinstance(queue, Exception):
             raise queue
-        if details and run.jobs():
-            conf = slurm.config()
+        if isinstance(conf, Exception):
+            raise conf
+        if ended and run.jobs():
+            conf = conf if conf is not None else slurm.config()
             ask = slurm_may_know(run, queue, task_records, conf)
             if ask:
-                ended = slurm.ended_jobs(ask, accounting=slurm.accounting_enabled(conf))
+                remembered = slurm.ended_jobs(ask, accounting=slurm.accounting_enabled(conf))
     except slurm.SlurmUnavailable as exc:
         unreachable = (
             f"Slurm not reachable ({exc.stderr.splitlines()[-1] if exc.stderr else exc}): "
             "showing what the run directory records"
         )
-        return SlurmFacts([], ended, conf, unreachable)
-    return SlurmFacts(queue, ended, conf, None)
+        return SlurmFacts([], remembered, None, unreachable)
+    return SlurmFacts(queue, remembered, conf if isinstance(conf, dict) else None, None)
 
 
 def ask_kill_window(spec: ResolvedSpec, conf: dict[str, str]) -> KillWindow | None:

@@ -21,6 +21,13 @@ def _clock(epoch: float | None) -> str:
     return time.strftime("%m-%d %H:%M", time.localtime(epoch)) if epoch else ""
 
 
+def step_text(status: RunStatus) -> str:
+    """The run's step as both views show it: ``400/1000`` with a known total, ``400`` for a
+    program that reports steps but no total (your own program), ``-`` before any step."""
+    step = "-" if status.step is None else str(status.step)
+    return f"{step}/{status.max_steps}" if status.max_steps else step
+
+
 def _why(task: TaskStatus) -> str:
     """Why the task waits, or how it ended, in words."""
     if task.state in slurm.JOB_PENDING:
@@ -63,7 +70,7 @@ def format_status(status: RunStatus) -> str:
         f"state    {status.state}",
     ]
     if status.max_steps is not None:
-        progress = f"step     {status.step if status.step is not None else '-'} / {status.max_steps}"
+        progress = f"step     {step_text(status)}"
         if status.loss is not None:
             progress += f"   loss {status.loss:.4f}"
         if status.tokens_per_s is not None:
@@ -102,7 +109,6 @@ def format_listing(statuses: list[RunStatus]) -> str:
     newest checkpoint's age, and its warnings (the first, and how many more)."""
     rows = [("RUN", "STATE", "STEP", "LOSS", "TOKENS/S", "ETA", "GOODPUT", "SAVED", "ALERTS")]
     for s in statuses:
-        step = f"{s.step if s.step is not None else '-'}/{s.max_steps}" if s.max_steps else "-"
         alerts = "-"
         if s.warnings:
             first = s.warnings[0] if len(s.warnings[0]) <= 60 else s.warnings[0][:57] + "..."
@@ -111,7 +117,7 @@ def format_listing(statuses: list[RunStatus]) -> str:
             (
                 s.name,
                 s.state,
-                step,
+                step_text(s),
                 f"{s.loss:.4f}" if s.loss is not None else "-",
                 f"{s.tokens_per_s:,.0f}" if s.tokens_per_s is not None else "-",
                 _age(s.eta_seconds) if s.eta_seconds is not None and s.state in ("running", "pending") else "-",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from jobgen import lease, quarantine, slurm
 from jobgen.goodput import kill_window_warning, lead_time_warning, run_reports
-from jobgen.preflight import Finding, kill_window, memory_findings, pass_env_findings, preflight
+from jobgen.preflight import Finding, command_findings, kill_window, memory_findings, pass_env_findings, preflight
 from jobgen.render import render, script_name
 from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir, RunDirTaken, materialize, remove_new
@@ -142,7 +142,7 @@ def _preflight_findings(
     the quarantined nodes the submission excludes."""
     # The memory plan needs no cluster: a run predicted not to fit is refused even where
     # Slurm cannot be reached, before anything is written or queued.
-    memory = memory_findings(spec, ignore=ignore_memory_plan) + pass_env_findings(spec)
+    memory = memory_findings(spec, ignore=ignore_memory_plan) + pass_env_findings(spec) + command_findings(spec)
     findings: list[Finding] = []
     if not skip_preflight:
         with tempfile.TemporaryDirectory(prefix="jobgen-preflight-") as tmp:

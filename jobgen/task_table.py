@@ -29,9 +29,16 @@ from jobgen.exit_codes import ExitCode
 from jobgen.goodput import TaskReport
 from jobgen.rundir import RunDir
 
+# A task the time limit killed before its program recorded a stop of its own (a program that
+# ignores the lead-time signal, or a save too slow for exit_grace): Slurm's TIMEOUT.
+TIME_LIMIT_KILLED = "time limit: killed by Slurm (no stop recorded by the program)"
+# Slurm kills at the limit or up to a minute later, but the batch script's clock (job_start)
+# starts a moment after Slurm's: its elapsed time may fall short of the limit by that moment.
+TIME_LIMIT_SLACK_SECONDS = 15
+
 # What Slurm's own end states mean, for a task that left no words of its own.
 _SLURM_ENDS = {
-    "TIMEOUT": "killed at the time limit",
+    "TIMEOUT": TIME_LIMIT_KILLED,
     "CANCELLED": "cancelled",
     "NODE_FAIL": "a node failed",
     "OUT_OF_MEMORY": "out of memory (killed by Slurm)",
@@ -145,6 +152,7 @@ def build_tasks(
     waiting = [e for e in ours if _never_started(e, rows.values())]
     _apply_queue(rows, row, [e for e in ours if e not in waiting], time_limit)
     _mark_requeued(rows)
+    _name_time_limit_kills(rows, {(int(r.job_id), r.restart) for r in reports if r.exit_code is not None})
     tasks = list(rows.values())
     if slurm_answered:
         tasks += _tasks_never_seen(run, tasks, waiting)
@@ -185,6 +193,36 @@ def _apply_reports(row, reports: list[TaskReport]) -> None:
         if report.exit_code is not None and (task.jobgen_exit is None):
             task.jobgen_exit = report.exit_code
             task.state = "COMPLETED" if ExitCode(report.exit_code).planned else "FAILED"
+
+
+def _name_time_limit_kills(rows: dict[tuple[int, int], TaskStatus], program_ended: set[tuple[int, int]]) -> None:
+    """Attempts the time limit killed before their program recorded how it ended are TIMEOUT,
+    with words that say so. Slurm says TIMEOUT while it remembers the job; after that (MinJobAge,
+    no accounting) the batch script's record is all there is, and it holds the launcher's status
+    after the kill, which reads as a crash: an attempt whose recorded run reached its time limit
+    was killed by it. The program's own exit record, where there is one, keeps its words."""
+    for key, task in rows.items():
+        if key in program_ended:
+            continue
+        if task.state == "FAILED" and _not_jobgens_code(task.jobgen_exit) and _reached_limit(task):
+            task.state = "TIMEOUT"
+        if task.state == "TIMEOUT":
+            task.exit_reason = TIME_LIMIT_KILLED
+            # What the batch script recorded is the launcher's status after the kill, not a
+            # code the program chose (jobgen.exit_codes): shown as "exit 1" it reads as a crash.
+            task.jobgen_exit = None
+
+
+def _not_jobgens_code(code: int | None) -> bool:
+    """A status that names no jobgen decision: CRASHED (what torchrun's own status maps to)
+    or a number outside jobgen.exit_codes (a signal's 128+N)."""
+    return code is None or code == ExitCode.CRASHED or code not in {int(c) for c in ExitCode}
+
+
+def _reached_limit(task: TaskStatus) -> bool:
+    if task.elapsed_seconds is None or not task.time_limit_seconds:
+        return False
+    return task.elapsed_seconds >= task.time_limit_seconds - TIME_LIMIT_SLACK_SECONDS
 
 
 def _mark_requeued(rows: dict[tuple[int, int], TaskStatus]) -> None:

@@ -337,6 +337,27 @@ def train_spec(
     )
 
 
+def command_spec(
+    directory: Path,
+    name: str,
+    script: Path,
+    args: list[str],
+    *,
+    nodes: int,
+    procs_per_node: int,
+    array: int,
+    **command: object,
+) -> Path:
+    """A ``program = "command"`` run of ``script`` for the dev cluster (``directory/NAME.toml``):
+    2-minute tasks with a 50 s lead-time signal, ``command`` adds [command] keys."""
+    SUBMITTED_NAMES.append(name)
+    job = {"program": "command", "nodes": nodes, "procs_per_node": procs_per_node, "time": "2m"}
+    job |= {"exit_grace": "50s", "array": array, "runs_root": directory / "runs"}
+    return run_spec(
+        directory, name, filename=f"{name}.toml", job=job, command={"script": str(script), "args": args, **command}
+    )
+
+
 def cancel_submitted() -> None:
     """``scancel`` every job of the runs ``train_spec`` wrote since the last call."""
     for name in SUBMITTED_NAMES:

@@ -88,3 +88,33 @@ def job_environ(end_in: float = 3600.0, rank: int = 0) -> dict[str, str]:
         "JOBGEN_JOB_END_TIME": str(int(time.time() + end_in)),
         "JOBGEN_JOB_START": str(time.time() - 5),
     }
+
+
+def batch_end_record(
+    run: RunDir,
+    job_id: int,
+    task: int,
+    code: int | None,
+    slurm_exit: int | None,
+    reason: str,
+    *,
+    array: int = 5,
+    restart: int = 0,
+    start: float,
+    end: float | None,
+) -> None:
+    """``logs/task.<job>.<restart>.json`` as the batch script's ``finish`` writes it (codes None:
+    started, not ended yet)."""
+    record = {
+        "job_id": str(job_id),
+        "array_job_id": str(array),
+        "array_task": str(task),
+        "restart": restart,
+        "nodes": "node[1-2]",
+        "job_start": start,
+        "end": end,
+        "exit_code": code,
+        "slurm_exit": slurm_exit,
+        "reason": reason,
+    }
+    run.task_record(job_id, restart).write_text(json.dumps(record))

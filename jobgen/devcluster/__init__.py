@@ -1,4 +1,5 @@
-"""A real local Slurm cluster for tests and demos: munged, slurmctld and N slurmd.
+"""A real local Slurm cluster for tests and demos: munged, slurmctld, N slurmd, and
+slurmdbd on a MariaDB server of its own (accounting: ``sacct``).
 
 From the shell::
 

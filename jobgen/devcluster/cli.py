@@ -30,7 +30,7 @@ _state_dir_option = click.option(
 
 @click.group(name="cluster")
 def cluster() -> None:
-    """A real local Slurm cluster (munge, slurmctld, N slurmd) for demos and tests."""
+    """A real local Slurm cluster (munge, slurmctld, N slurmd, slurmdbd on MariaDB) for demos and tests."""
 
 
 @cluster.command(name="up")
@@ -61,7 +61,7 @@ def cluster() -> None:
 def up_cmd(
     nodes: int, cpus_per_node: int, mem_per_node_mb: int, netns: bool, timeout: float, state_dir: str | None
 ) -> None:
-    """Start the cluster (installing slurm-wlm and munge if missing); idempotent."""
+    """Start the cluster (installing slurm-wlm, munge, slurmdbd and mariadb-server if missing); idempotent."""
     try:
         info = up(
             nodes=nodes,
@@ -115,6 +115,7 @@ def _print_status(info: ClusterInfo) -> None:
     click.echo(
         f"partitions:  {DEFAULT_PARTITION} (default, MaxTime {DEBUG_MAX_TIME}), short (MaxTime {SHORT_MAX_TIME})"
     )
+    _print_daemons(info)
     rows = [("NODE", "ADDR", "PORT", "CPUS", "STATE", "SLURMD")]
     for node in info.nodes:
         pid = info.daemons.get(f"slurmd:{node}")
@@ -131,6 +132,17 @@ def _print_status(info: ClusterInfo) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         click.echo("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+def _print_daemons(info: ClusterInfo) -> None:
+    """The controller and the accounting daemons, where they listen and whether they run."""
+    daemons = [("slurmctld", f"{info.controller_addr}:{info.slurmctld_port}")]
+    if info.slurmdbd_port:  # a record from before accounting has neither
+        daemons.append(("slurmdbd", f"{info.controller_addr}:{info.slurmdbd_port}"))
+        daemons.append(("mariadb", f"127.0.0.1:{info.mariadb_port}"))
+    for name, addr in daemons:
+        pid = info.daemons.get(name)
+        click.echo(f"{name + ':':<12} {addr}, {f'pid {pid}' if pid else 'not running'}")
 
 
 if __name__ == "__main__":

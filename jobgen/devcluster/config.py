@@ -1,4 +1,4 @@
-"""Render the dev cluster's slurm.conf and decide its layout on disk.
+"""Render the dev cluster's slurm.conf and slurmdbd.conf and decide its layout on disk.
 
 The settings follow what was measured on the 2-core, GPU-less build machines
 (see "Facts measured on this machine kind" in the design): root daemons with
@@ -15,6 +15,15 @@ SLURMCTLD_PORT = 16817
 # Off Slurm's defaults (6817/6818) so a system Slurm on the same host is left alone.
 SLURMD_BASE_PORT = 17001
 CLUSTER_NAME = "jobgen"
+# Preferred ports of the accounting daemons, off their defaults (6819, 3306) for the same
+# reason; `up` takes a free one instead when another process holds one of these.
+SLURMDBD_PORT = 16819
+MARIADB_PORT = 16806
+# The database and its user that slurmdbd gets in the cluster's own MariaDB.
+ACCT_DB_NAME = "slurm_acct_db"
+ACCT_DB_USER = "slurm"
+# The SlurmUser of every daemon here; slurmdbd.conf must be owned by it, mode 0600.
+SLURM_USER = "root"
 
 PARTITIONS = ("debug", "short")
 DEFAULT_PARTITION = "debug"
@@ -56,6 +65,41 @@ class Layout:
     @property
     def slurmctld_log(self) -> Path:
         return self.log_dir / "slurmctld.log"
+
+    @property
+    def slurmdbd_conf(self) -> Path:
+        # Beside slurm.conf: slurmdbd looks for it in the directory of $SLURM_CONF.
+        return self.root / "slurmdbd.conf"
+
+    @property
+    def slurmdbd_pidfile(self) -> Path:
+        return self.run_dir / "slurmdbd.pid"
+
+    @property
+    def slurmdbd_log(self) -> Path:
+        return self.log_dir / "slurmdbd.log"
+
+    @property
+    def mariadb_dir(self) -> Path:
+        """Everything of the cluster's MariaDB (datadir, socket, pid file, error log), owned
+        by the user mariadbd runs as, which may write nowhere else."""
+        return self.root / "mariadb"
+
+    @property
+    def mariadb_datadir(self) -> Path:
+        return self.mariadb_dir / "data"
+
+    @property
+    def mariadb_socket(self) -> Path:
+        return self.mariadb_dir / "mariadb.sock"
+
+    @property
+    def mariadb_pidfile(self) -> Path:
+        return self.mariadb_dir / "mariadbd.pid"
+
+    @property
+    def mariadb_log(self) -> Path:
+        return self.mariadb_dir / "mariadbd.log"
 
     def slurmd_pidfile(self, node: str) -> Path:
         return self.run_dir / f"slurmd.{node}.pid"
@@ -110,9 +154,8 @@ _SETTINGS = (
     "SchedulerType=sched/backfill",
     "SchedulerParameters=sched_interval=5,bf_interval=5",
     "",
-    "# No slurmdbd, so sacct does not work: keep finished jobs visible to",
-    "# `scontrol show job` for 10 minutes instead.",
-    "AccountingStorageType=accounting_storage/none",
+    "# Accounting (sacct) goes to slurmdbd (AccountingStorage* below); finished",
+    "# jobs also stay visible to `scontrol show job` for 10 minutes.",
     "JobCompType=jobcomp/none",
     "MinJobAge=600",
     "MaxArraySize=1001",
@@ -136,11 +179,14 @@ def render_slurm_conf(
     node_addrs: dict[str, str],
     cpus_per_node: int,
     mem_per_node_mb: int,
+    slurmdbd_port: int,
 ) -> str:
     """The slurm.conf text for ``len(node_addrs)`` nodes named node1..nodeN.
 
     One NodeName line per node, because in netns mode every node has its own
-    address; the ports still follow node order (17001, 17002, ...).
+    address; the ports still follow node order (17001, 17002, ...).  slurmdbd
+    runs beside slurmctld and is reached at the controller's address, which the
+    host's client commands (sacct, sacctmgr) and, in netns mode, the nodes reach.
     """
     nodes = list(node_addrs)
     hostlist = f"node[1-{len(nodes)}]" if len(nodes) > 1 else nodes[0]
@@ -158,6 +204,12 @@ def render_slurm_conf(
             f"SlurmctldHost={hostname}({controller_addr})",
             f"SlurmctldPort={SLURMCTLD_PORT}",
             *_SETTINGS,
+            "AccountingStorageType=accounting_storage/slurmdbd",
+            f"AccountingStorageHost={controller_addr}",
+            f"AccountingStoragePort={slurmdbd_port}",
+            "# Without it sacct's Comment stays empty: the job's comment (jobgen's exit",
+            "# reason) is stored only with this flag.",
+            "AccountingStoreFlags=job_comment",
             "",
             *_file_lines(layout),
             "SlurmctldDebug=info",
@@ -182,3 +234,36 @@ def _file_lines(layout: Layout) -> list[str]:
         f"SlurmdPidFile={layout.run_dir}/slurmd.%n.pid",
         f"SlurmdLogFile={layout.log_dir}/slurmd.%n.log",
     ]
+
+
+def render_slurmdbd_conf(
+    *, layout: Layout, hostname: str, dbd_addr: str, dbd_port: int, mariadb_port: int, password: str
+) -> str:
+    """The slurmdbd.conf text: slurmdbd on ``dbd_addr:dbd_port`` (the address slurm.conf's
+    AccountingStorageHost names), storing into the cluster's MariaDB on 127.0.0.1.
+
+    The file holds the database password, so it is written mode 0600 (slurmdbd refuses
+    it otherwise) and the password is nowhere else.
+    """
+    return "\n".join(
+        [
+            "# Written by `jobgen cluster up`; removed by `jobgen cluster down`.",
+            "AuthType=auth/munge",
+            f"DbdHost={hostname}",
+            f"DbdAddr={dbd_addr}",
+            f"DbdPort={dbd_port}",
+            f"SlurmUser={SLURM_USER}",
+            "DebugLevel=info",
+            f"LogFile={layout.slurmdbd_log}",
+            f"PidFile={layout.slurmdbd_pidfile}",
+            "StorageType=accounting_storage/mysql",
+            # TCP, not the socket: the client library's default socket is the system
+            # MariaDB's, which this cluster never uses.
+            "StorageHost=127.0.0.1",
+            f"StoragePort={mariadb_port}",
+            f"StorageLoc={ACCT_DB_NAME}",
+            f"StorageUser={ACCT_DB_USER}",
+            f"StoragePass={password}",
+            "",
+        ]
+    )

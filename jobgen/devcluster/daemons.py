@@ -1,4 +1,5 @@
-"""Install, start and watch the dev cluster's daemons: munged, slurmctld, slurmd.
+"""Install, start and watch the dev cluster's daemons: munged, slurmctld, slurmd
+(slurmdbd and its MariaDB are started by ``accounting``; they are watched here too).
 
 Owns the daemons one by one: installing their packages, starting each, telling
 which of a recorded cluster's are alive (:func:`live_daemons`), and waiting for
@@ -7,6 +8,8 @@ the nodes to answer. The order of bringing a cluster up is ``lifecycle``'s.
 What ``up`` runs, for a state dir S::
 
     munged -F                                   (as user munge, only if munge is not answering)
+    mariadbd --no-defaults --datadir=S/mariadb/data ...   (as user mysql; see accounting.py)
+    slurmdbd -D                                 (SLURM_CONF=S/slurm.conf: reads S/slurmdbd.conf)
     slurmctld -D -i -f S/slurm.conf
     slurmd -D -f S/slurm.conf -N node1          (netns mode: nsenter --net=/run/netns/jgnode1 slurmd ...)
 
@@ -17,6 +20,7 @@ noticed while ``up`` is still waiting, instead of after a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import itertools
 import os
@@ -25,14 +29,29 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import procs
 from .config import Layout
 from .state import ClusterError, State
 
-SLURM_PACKAGES = ("slurm-wlm", "munge")
 SLURM_BINARIES = ("slurmctld", "slurmd", "sinfo", "sbatch", "srun", "scontrol", "munged", "munge", "unmunge")
+# Accounting: slurmdbd on the cluster's own MariaDB (Debian's packages), and the clients.
+ACCOUNTING_BINARIES = ("slurmdbd", "sacct", "sacctmgr", "mariadbd", "mariadb-install-db", "mariadb")
+# The Debian package that brings each binary `up` runs, so only what is missing is installed.
+PACKAGE_OF = {
+    **dict.fromkeys(SLURM_BINARIES, "slurm-wlm"),
+    **dict.fromkeys(("munged", "munge", "unmunge"), "munge"),
+    "sacct": "slurm-wlm",
+    "sacctmgr": "slurm-wlm",
+    "slurmdbd": "slurmdbd",
+    **dict.fromkeys(("mariadbd", "mariadb-install-db", "mariadb"), "mariadb-server"),
+    "ip": "iproute2",
+    "nsenter": "util-linux",
+}
+# Debian's hook that decides whether a package's maintainer scripts may start its service.
+POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
 MUNGE_KEY = Path("/etc/munge/munge.key")
 MUNGE_RUNDIR = Path("/run/munge")
 MUNGE_DIRS = (Path("/var/log/munge"), Path("/var/lib/munge"))
@@ -44,12 +63,34 @@ def log(msg: str) -> None:
 
 
 def missing_binaries(extra: tuple[str, ...] = ()) -> list[str]:
-    return [b for b in SLURM_BINARIES + extra if shutil.which(b, path=DAEMON_PATH) is None]
+    return [b for b in SLURM_BINARIES + ACCOUNTING_BINARIES + extra if shutil.which(b, path=DAEMON_PATH) is None]
+
+
+@contextlib.contextmanager
+def no_service_starts() -> Iterator[None]:
+    """Keep apt's maintainer scripts from starting the services they install: installing
+    mariadb-server would otherwise start the machine's own MariaDB on port 3306 (and
+    slurmdbd's fail without a config). The cluster starts its own copies. A policy-rc.d
+    that is already there (containers have one) is left as it is."""
+    if os.path.lexists(POLICY_RC_D):
+        yield
+        return
+    POLICY_RC_D.write_text("#!/bin/sh\n# Written by `jobgen cluster up` while it runs apt-get.\nexit 101\n")
+    POLICY_RC_D.chmod(0o755)
+    try:
+        yield
+    finally:
+        POLICY_RC_D.unlink(missing_ok=True)
 
 
 def apt_install(packages: list[str]) -> None:
     """``apt-get update && apt-get install -y PACKAGES``, failing with apt's own words."""
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    with no_service_starts():
+        _apt_get(env, packages)
+
+
+def _apt_get(env: dict[str, str], packages: list[str]) -> None:
     for args in (["apt-get", "update"], ["apt-get", "install", "-y", *packages]):
         log(f"running {' '.join(args)}")
         proc = subprocess.run(args, env=env, capture_output=True, text=True)
@@ -201,27 +242,59 @@ def slurmd_matches(pid: int | None, layout: Layout, node: str) -> bool:
     return any(a == "-N" and b == node for a, b in itertools.pairwise(argv))
 
 
+def mariadb_matches(pid: int | None, layout: Layout) -> bool:
+    return procs.matches(pid, "mariadbd", f"--datadir={layout.mariadb_datadir}")
+
+
+def slurmdbd_matches(pid: int | None, layout: Layout) -> bool:
+    """slurmdbd has no config-file option, so its command line names nothing of ours: the
+    marker in its environment does, or, for a plain user, who may not read root's
+    environment, its own pid file in our run dir."""
+    if not procs.matches(pid, "slurmdbd"):
+        return False
+    marker = procs.environ(pid).get(procs.MARKER_ENV)  # type: ignore[arg-type]
+    if marker is not None:
+        return marker == str(layout.root)
+    return os.geteuid() != 0 and pid == procs.read_pidfile(layout.slurmdbd_pidfile)
+
+
+def daemon_names(state: State) -> list[str]:
+    """Every daemon the record's cluster runs (not munged), in the order they start; a
+    record written before the cluster had accounting names no slurmdbd."""
+    accounting = ["mariadb", "slurmdbd"] if state.info.slurmdbd_port else []
+    return [*accounting, "slurmctld", *(f"slurmd:{n}" for n in state.info.nodes)]
+
+
 def live_daemons(state: State) -> dict[str, int]:
-    """Slurm daemons (not munged) of this cluster that are running, by name."""
+    """The daemons (not munged) of this cluster that are running, by name."""
     layout = Layout(Path(state.info.state_dir))
     live = {}
-    for name in ["slurmctld", *(f"slurmd:{n}" for n in state.info.nodes)]:
-        if name == "slurmctld":
-            pidfile = layout.slurmctld_pidfile
-        else:
-            pidfile = layout.slurmd_pidfile(name.removeprefix("slurmd:"))
+    for name in daemon_names(state):
         # The daemon's own pid file too: `up` may have been killed between
         # starting a daemon and recording its pid.
-        for pid in (state.resources.daemons.get(name), procs.read_pidfile(pidfile)):
+        for pid in (state.resources.daemons.get(name), procs.read_pidfile(_pidfile(name, layout))):
             if _is_our_daemon(name, pid, layout):
                 live[name] = pid  # type: ignore[assignment]
                 break
     return live
 
 
+def _pidfile(name: str, layout: Layout) -> Path:
+    fixed = {
+        "slurmctld": layout.slurmctld_pidfile,
+        "slurmdbd": layout.slurmdbd_pidfile,
+        "mariadb": layout.mariadb_pidfile,
+    }
+    return fixed.get(name) or layout.slurmd_pidfile(name.removeprefix("slurmd:"))
+
+
 def _is_our_daemon(name: str, pid: int | None, layout: Layout) -> bool:
     if name == "slurmctld":
         return slurmctld_matches(pid, layout)
+    if name == "slurmdbd":
+        return slurmdbd_matches(pid, layout)
+    if name == "mariadb":
+        return mariadb_matches(pid, layout)
     return slurmd_matches(pid, layout, name.removeprefix("slurmd:"))
 
 
@@ -283,7 +356,7 @@ def wait_for_nodes(
 
 
 def logs_report(layout: Layout, nodes: list[str]) -> str:
-    parts = [tail(layout.slurmctld_log), tail(layout.stdout_log("slurmctld"), 5)]
+    parts = [tail(layout.slurmctld_log), tail(layout.stdout_log("slurmctld"), 5), tail(layout.slurmdbd_log, 5)]
     for node in nodes:
         parts.append(tail(layout.slurmd_log(node), 10))
         parts.append(tail(layout.stdout_log(f"slurmd.{node}"), 5))

@@ -18,20 +18,22 @@ Rules that shape the code:
 
 from __future__ import annotations
 
-import errno
+import concurrent.futures
 import os
 import shutil
 import socket
 import time
 from pathlib import Path
 
-from . import daemons, procs
+from . import accounting, daemons, procs
 from . import netns as netns_mod
 from .config import (
     DEFAULT_PARTITION,
+    MARIADB_PORT,
     PARTITIONS,
     SLURMCTLD_PORT,
     SLURMD_BASE_PORT,
+    SLURMDBD_PORT,
     Layout,
     node_names,
     render_slurm_conf,
@@ -52,7 +54,10 @@ from .teardown import log_warnings, teardown
 SYSTEM_SLURM_CONF = Path("/etc/slurm/slurm.conf")
 DEFAULT_TIMEOUT = 120.0
 # What a state dir may hold; anything else means the directory is not ours to wipe.
-OUR_ENTRIES = {"state.json", "slurm.conf", "log", "run", "slurmctld", "spool"}
+OUR_ENTRIES = {
+    *("state.json", "slurm.conf", "slurmdbd.conf", ".slurmdbd.conf.tmp"),
+    *("log", "run", "slurmctld", "spool", "mariadb"),
+}
 
 
 def _hostname() -> str:
@@ -100,7 +105,8 @@ def up(
     ``jobgen cluster up --nodes N --cpus-per-node C [--netns] [--state-dir DIR]``.
     Same shape as a running cluster: restart dead daemons, else do nothing.
     Other shape: ClusterError (run ``down`` first).  A record whose daemons
-    are all dead is torn down first.  Installs slurm-wlm and munge if missing.
+    are all dead is torn down first.  Installs slurm-wlm, munge, slurmdbd and
+    mariadb-server if missing.
     """
     require_root("up")
     if nodes < 1 or cpus_per_node < 1 or mem_per_node_mb < 64:
@@ -172,20 +178,15 @@ def _check_system_conf(root: Path) -> None:
 
 
 def _check_port_free(port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("0.0.0.0", port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise ClusterError(
-                    f"port {port} (slurmctld) is in use by another process; is another Slurm controller running?"
-                ) from exc
-            raise
+    if not accounting.port_free(port):
+        raise ClusterError(
+            f"port {port} (slurmctld) is in use by another process; is another Slurm controller running?"
+        )
 
 
 def _fresh_up(root: Path, nodes: int, cpus: int, use_netns: bool, mem_mb: int, timeout: float) -> None:
-    """A new cluster from nothing: packages, state dir, record, network, slurm.conf, daemons.
+    """A new cluster from nothing: packages, state dir, record, network, slurm.conf, daemons
+    (MariaDB and slurmdbd before slurmctld, which reports every job to slurmdbd).
     Each resource is recorded as it is created; a failure undoes them all."""
     started = time.monotonic()
     names = node_names(nodes)
@@ -195,13 +196,21 @@ def _fresh_up(root: Path, nodes: int, cpus: int, use_netns: bool, mem_mb: int, t
     layout = Layout(root)
     layout.mkdirs(names)
     state = State(info=_new_cluster_info(layout, names, net_plan, cpus, mem_mb))
+    state.info.slurmdbd_port = accounting.pick_port(SLURMDBD_PORT, "slurmdbd")
+    state.info.mariadb_port = accounting.pick_port(MARIADB_PORT, "the cluster's MariaDB")
     state.resources.apt_installed = apt_installed
     save_state(state)
     log(f"starting a {_describe(state.info.shape)} dev cluster in {root}")
     try:
-        _create_network(state, net_plan)
-        _write_slurm_conf(state, layout)
-        _ensure_munge(state, layout)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            # mariadb-install-db (about half a second) while the network and munge come up.
+            datadir = pool.submit(accounting.init_datadir, layout)
+            _create_network(state, net_plan)
+            _write_slurm_conf(state, layout)
+            _ensure_munge(state, layout)
+            datadir.result()
+        env = daemons.daemon_env(root, layout.slurm_conf)
+        accounting.start(state, layout, env, set(accounting.DAEMONS), timeout)
         _start_slurm(state, layout, only=None, timeout=timeout, want={"idle"})
         state.phase = "up"
         save_state(state)
@@ -213,15 +222,13 @@ def _fresh_up(root: Path, nodes: int, cpus: int, use_netns: bool, mem_mb: int, t
 
 
 def _install_missing_packages(use_netns: bool) -> list[str]:
-    """apt-get install Slurm and munge (and iproute2 for netns mode) when a binary is
-    missing; returns the packages installed, for the record."""
+    """apt-get install what brings a missing binary: Slurm and munge, slurmdbd and MariaDB
+    (and iproute2 for netns mode); returns the packages installed, for the record."""
     extra = ("ip", "nsenter") if use_netns else ()
     missing = daemons.missing_binaries(extra)
     if not missing:
         return []
-    packages = list(daemons.SLURM_PACKAGES)
-    if "ip" in missing:
-        packages.append("iproute2")
+    packages = sorted({daemons.PACKAGE_OF[b] for b in missing})
     log(f"missing {', '.join(missing)}; installing {' '.join(packages)}")
     daemons.apt_install(packages)
     still = daemons.missing_binaries(extra)
@@ -310,6 +317,7 @@ def _write_slurm_conf(state: State, layout: Layout) -> None:
             node_addrs=info.node_addrs,
             cpus_per_node=info.cpus_per_node,
             mem_per_node_mb=info.mem_per_node_mb,
+            slurmdbd_port=info.slurmdbd_port,
         )
     )
     layout.slurm_conf.chmod(0o644)
@@ -377,11 +385,10 @@ def _wait_for_controller(layout: Layout, pid: int, nodes: list[str], timeout: fl
 
 
 def _repair(state: State, timeout: float) -> None:
-    """Restart whatever died (munged, slurmctld, slurmds) in a cluster that is up."""
+    """Restart whatever died (munged, MariaDB, slurmdbd, slurmctld, slurmds) in a cluster that is up."""
     layout = Layout(Path(state.info.state_dir))
     live = daemons.live_daemons(state)
-    dead = {"slurmctld"} - set(live)
-    dead |= {n for n in state.info.nodes if f"slurmd:{n}" not in live}
+    dead = {name for name in daemons.daemon_names(state) if name not in live}
     if not dead and daemons.munge_answers():
         log(f"already up in {state.info.state_dir}: nothing to do")
         return
@@ -395,7 +402,11 @@ def _repair(state: State, timeout: float) -> None:
             raise ClusterError(
                 f"the network namespaces of {', '.join(missing)} are gone; run `jobgen cluster down` and `up` again"
             )
-    # Responsive is enough: nodes may be running jobs, or recovering to idle.
-    _start_slurm(state, layout, only=dead, timeout=timeout, want=daemons.RESPONSIVE)
+    env = daemons.daemon_env(Path(state.info.state_dir), layout.slurm_conf)
+    accounting.start(state, layout, env, dead & set(accounting.DAEMONS), timeout)
+    slurm = {name.removeprefix("slurmd:") for name in dead - set(accounting.DAEMONS)}
+    if slurm:
+        # Responsive is enough: nodes may be running jobs, or recovering to idle.
+        _start_slurm(state, layout, only=slurm, timeout=timeout, want=daemons.RESPONSIVE)
     state.phase = "up"
     save_state(state)

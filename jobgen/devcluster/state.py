@@ -73,6 +73,10 @@ class ClusterInfo:
     controller_addr: str = "127.0.0.1"
     slurmctld_port: int = 16817
     slurmd_ports: dict[str, int] = field(default_factory=dict)
+    # Accounting: slurmdbd at controller_addr, its MariaDB on 127.0.0.1 (0: no accounting,
+    # a record written before the dev cluster had it).
+    slurmdbd_port: int = 0
+    mariadb_port: int = 0
     bridge: str | None = None
     netns_names: dict[str, str] = field(default_factory=dict)
     log_dir: str = ""

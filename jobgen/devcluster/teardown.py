@@ -1,8 +1,9 @@
 """Take a dev cluster down: undo exactly what its record names.
 
 Owns ``down`` (``jobgen cluster down``) and :func:`teardown`, which ``down`` runs,
-and ``up`` too, on a stale record or after a failed start. It stops the Slurm daemons and every job process below
-them, munged if ``up`` started it, then removes the munge key and run dir,
+and ``up`` too, on a stale record or after a failed start. It stops the Slurm daemons (slurmdbd
+included) and every job process below them, then the cluster's MariaDB, munged if ``up``
+started it, then removes the munge key and run dir,
 /etc/slurm/slurm.conf and the /etc/hosts block if ``up`` created them, and the
 network namespaces, veths and bridge. Pids are verified against their command
 line first; errors are collected, and the state dir is removed only when there
@@ -53,7 +54,10 @@ def teardown(state: State) -> list[str]:
 
     # Slurm first: daemons, the slurmstepds they left behind, and every job
     # process below those (or, in netns mode, anywhere in the nodes' namespaces).
-    roots = set(daemons.live_daemons(state).values())
+    # MariaDB last, once slurmdbd, its one client, is gone.
+    live = daemons.live_daemons(state)
+    mariadb = live.pop("mariadb", None)
+    roots = set(live.values())
     roots |= procs.marked_pids(info.state_dir, info.slurm_conf)
     if info.netns:
         roots |= procs.pids_in_netns(netns_mod.ns_path(n) for n in info.nodes)
@@ -67,6 +71,9 @@ def teardown(state: State) -> list[str]:
     left = [p for p in left if p not in procs.own_lineage()]
     if left:
         errors.append(f"processes still alive: {left}")
+    if mariadb is not None and procs.terminate([mariadb], grace=30.0):
+        # SIGTERM is a clean shutdown; only one stuck for 30 s is killed.
+        log(f"killed mariadbd (pid {mariadb}), which ignored SIGTERM")
 
     if res.munged_pid and procs.matches(res.munged_pid, "munged"):
         procs.terminate([res.munged_pid], grace=5.0)

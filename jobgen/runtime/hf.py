@@ -12,23 +12,35 @@ signal, SIGTERM, the deadline and the memory guard ask for: the Trainer saves a 
 and stops, saves and goes on (save switch), or stops at once (abort switch). The next array
 task resumes from the newest complete ``checkpoint-N`` with no step computed twice. The
 steps, the loss and the exit reason reach ``jobgen status``, goodput and the watchdogs.
+
+A script nobody edited gets the same with ``[command] hf_trainer = true``: jobgen's launcher
+(:mod:`jobgen.runtime.launch`) calls :func:`patch_trainer` before it runs the script, and a
+planned stop then ends the process right after the checkpoint (:class:`PlannedStop`).
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
-import re
 import sys
 from pathlib import Path
 
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
+from jobgen.command_checkpoints import newest_complete_checkpoint
+from jobgen.exit_codes import ExitCode
 from jobgen.runtime import Job, Life, NotUnderJobgen, current
 
-log = logging.getLogger("jobgen.runtime")
+__all__ = [
+    "JobgenCallback",
+    "OutputDirMismatch",
+    "PlannedStop",
+    "newest_complete_checkpoint",
+    "patch_trainer",
+    "resume_checkpoint",
+]
 
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+log = logging.getLogger("jobgen.runtime")
 
 
 class JobgenCallback(TrainerCallback):
@@ -70,28 +82,6 @@ class JobgenCallback(TrainerCallback):
             self.life.finish(*self.life.outcome())
 
 
-def newest_complete_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest ``checkpoint-N`` whose ``trainer_state.json`` (the Trainer writes it last)
-    reads back with ``global_step`` N; a checkpoint cut short by a kill is skipped."""
-    directory = Path(output_dir)
-    if not directory.is_dir():
-        return None
-    found = sorted(
-        ((int(m.group(1)), p) for p in directory.iterdir() if (m := _CHECKPOINT.match(p.name)) and p.is_dir()),
-        reverse=True,
-    )
-    for step, path in found:
-        try:
-            state = json.loads((path / "trainer_state.json").read_text())
-        except (OSError, ValueError):
-            log.warning("jobgen: %s is incomplete (no readable trainer_state.json): skipped", path)
-            continue
-        if state.get("global_step") == step:
-            return str(path)
-        log.warning("jobgen: %s holds global_step %s: skipped", path, state.get("global_step"))
-    return None
-
-
 def resume_checkpoint(output_dir: str | Path) -> str | None:
     """What to pass to ``trainer.train(resume_from_checkpoint=...)``: the newest complete
     checkpoint, or None for a fresh start. Decided once, by rank 0, and broadcast when
@@ -102,3 +92,92 @@ def resume_checkpoint(output_dir: str | Path) -> str | None:
     box = [newest_complete_checkpoint(output_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# ----------------------------------------------------------- an unedited script ([command] hf_trainer)
+
+
+class PlannedStop(SystemExit):
+    """The Trainer saved and stopped for a planned reason (time limit, SIGTERM, deadline, kill
+    switch, memory guard; or the abort switch, without a save): the process ends now, with
+    that exit code, before the script's own code after ``train()`` runs. A SystemExit, so
+    that a script's ``except Exception`` cannot swallow it and go on to save a "final" model."""
+
+    def __init__(self, code: ExitCode, reason: str):
+        super().__init__(int(code))
+        self.exit_code = code
+        self.reason = reason
+
+
+class OutputDirMismatch(RuntimeError):
+    """A Trainer whose output_dir is not the run's checkpoint directory: jobgen would resume
+    from, and the next task look for, checkpoints in a place the Trainer never writes."""
+
+
+def patch_trainer(checkpoint_dir: str | Path, checkpoint: str | None, job: Job | None = None) -> None:
+    """Make every ``transformers.Trainer`` the program builds (subclasses too) run under jobgen:
+    one :class:`JobgenCallback`, output_dir checked against ``checkpoint_dir``, ``train()``
+    resumed from ``checkpoint`` (the task's plan: one decision for all ranks) when the caller
+    names none, and :class:`PlannedStop` raised when the callback stopped training."""
+    if getattr(Trainer, "_jobgen_patched", False):
+        return
+    original_init, original_train = Trainer.__init__, Trainer.train
+    shared: list[Job] = [job] if job is not None else []
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        check_output_dir(self.args.output_dir, checkpoint_dir)
+        if _jobgen_callback(self) is None:
+            if not shared:
+                shared.append(_current_job())
+            self.add_callback(JobgenCallback(shared[0]))
+
+    @functools.wraps(original_train)
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = checkpoint
+        result = original_train(self, resume_from_checkpoint, *args, **kwargs)
+        leave_if_stopped(self)
+        return result
+
+    Trainer.__init__, Trainer.train = __init__, train
+    Trainer._jobgen_patched = True
+
+
+def _current_job() -> Job:
+    job = current()
+    if job is None:
+        raise NotUnderJobgen("[command] hf_trainer needs the JOBGEN_RUN_DIR a jobgen batch script sets")
+    return job
+
+
+def _jobgen_callback(trainer) -> JobgenCallback | None:
+    return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, JobgenCallback)), None)
+
+
+def check_output_dir(output_dir: str | Path | None, checkpoint_dir: str | Path) -> None:
+    """Raise :class:`OutputDirMismatch` unless ``output_dir`` is ``checkpoint_dir`` (resolved)."""
+    if output_dir is not None and Path(output_dir).resolve() == Path(checkpoint_dir).resolve():
+        return
+    raise OutputDirMismatch(
+        f"the Trainer's output_dir is {output_dir!r}, not the run's checkpoint directory {checkpoint_dir}: "
+        "its checkpoints would not be where the next task resumes from. Pass it in [command] args: "
+        "'--output_dir', '{checkpoint_dir}'"
+    )
+
+
+def leave_if_stopped(trainer) -> None:
+    """After ``train()`` returned: raise :class:`PlannedStop` when jobgen's lifecycle stopped it
+    (every rank agreed on that step's action, so every rank leaves here); return when training
+    finished (max_steps), so the script saves its final model once."""
+    callback = _jobgen_callback(trainer)
+    life = callback.life if callback is not None else None
+    if life is None or life.stopped_by is None:
+        return
+    code, reason = life.stopped_by.exit_code, life.job.describe(life.stopped_by)
+    if life.job.is_main:
+        log.warning(
+            "jobgen: %s at step %s: the task ends here, before the script's code after train()", reason, life.step
+        )
+    raise PlannedStop(code, reason)

@@ -92,6 +92,17 @@ def write_exit_code(run: RunDir, job_id: str, restart: int, code: ExitCode, reas
             os.close(fd)
 
 
+def record_failure(run: RunDir, job_id: str | None, restart: int, code: ExitCode, reason: str) -> None:
+    """Rank 0 of a program that cannot go on: the exit record for the batch script and, for a
+    failure every later task would repeat (``code.repeats``), the ``failed`` marker that
+    keeps the queued tasks from starting (the bundled trainer's rule, trainer.__main__)."""
+    if job_id:
+        write_exit_code(run, job_id, restart, code, reason)
+    if code.repeats:
+        marker = {"exit_code": int(code), "reason": reason, "fix": code.fix, "job_id": job_id, "restart": restart}
+        write_json_atomic(run.failed_marker, {**marker, "time": time.time()})
+
+
 def disk_full(exc: BaseException) -> OSError | None:
     """The no-space (or quota) error behind ``exc``, however wrapped: causes, contexts, and the
     per-rank failures of torch.distributed.checkpoint's CheckpointException."""

@@ -134,8 +134,9 @@ class StopMonitor:
     def __init__(self, settings: StopSettings):
         self.settings = settings
         self.signal_received: int | None = None
-        # What the batch shell wrote into the stop request: the signal it caught.
+        # What the batch shell wrote into the stop request: the signal it caught, and when.
         self.requested_by: str | None = None
+        self.requested_at: float | None = None
         self._previous = {}
 
     def install_signal_handlers(self) -> None:
@@ -158,7 +159,7 @@ class StopMonitor:
             found = max(found, Action.KILL)
         stop_file = s.check_files and s.stop_request is not None and switch_is_set(s.stop_request)
         if stop_file and self.requested_by is None:
-            self.requested_by = _read_request(s.stop_request)
+            self.requested_by, self.requested_at = _read_request(s.stop_request)
         if self.signal_received is not None or stop_file:
             found = max(found, Action.SIGNAL)
         if s.deadline is not None and now >= s.deadline:
@@ -190,16 +191,24 @@ class StopMonitor:
         s = self.settings
         if self.requested_by:
             return signal_stop_words(
-                self.requested_by, from_batch_shell=True, lead_signal=s.lead_signal, exit_grace=s.exit_grace
+                self.requested_by, from_batch_shell=True, lead_signal=s.lead_signal, lead_seconds=self._lead()
             )
         if self.signal_received:
             return signal_stop_words(
                 signal.Signals(self.signal_received).name,
                 from_batch_shell=False,
                 lead_signal=s.lead_signal,
-                exit_grace=s.exit_grace,
+                lead_seconds=s.exit_grace,
             )
         return f"stop request {s.stop_request.name if s.stop_request else ''}".strip()
+
+    def _lead(self) -> int:
+        """How long before the job's end the request came: Slurm sends its lead-time signal up
+        to a minute earlier than asked. exit_grace when the request or the end is unknown."""
+        s = self.settings
+        if self.requested_at is None or s.deadline is None:
+            return s.exit_grace
+        return max(0, round(s.deadline + s.exit_grace - self.requested_at))
 
     def consume_save_switch(self) -> None:
         try:
@@ -215,15 +224,18 @@ class StopMonitor:
                 pass
 
 
-def _read_request(path: Path) -> str:
-    """The signal named in a stop request ("" for a request written by hand or by a jobgen
-    before requests named their signal)."""
+def _read_request(path: Path) -> tuple[str, float | None]:
+    """The signal named in a stop request and the epoch second the batch shell caught it
+    ("" and None for a request written by hand; no time from a jobgen before requests had one)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link planted after the check is not read
     except OSError:
-        return ""
+        return "", None
     with os.fdopen(fd, "rb") as fh:
-        return fh.read(64).decode(errors="replace").strip()[:16]
+        words = fh.read(64).decode(errors="replace").split()
+    name = words[0][:16] if words else ""
+    at = words[1] if len(words) > 1 else ""
+    return name, float(at) if at.isdigit() else None
 
 
 def startup_switch(switches: Path) -> Action:

@@ -1,4 +1,4 @@
-"""The dev cluster against real daemons: munged, slurmctld and two slurmd.
+"""The dev cluster against real daemons: munged, MariaDB, slurmdbd, slurmctld and two slurmd.
 
 Run alone with::
 
@@ -91,7 +91,7 @@ def _cluster(tmp_path_factory: pytest.TempPathFactory, netns: bool):
 
 
 def _wait_job(job_id: str, timeout: float = 90) -> dict[str, str]:
-    """Poll `scontrol show job` (there is no sacct) until the job is finished."""
+    """Poll `scontrol show job` until the job is finished (sacct's side: test_accounting.py)."""
 
     def finished() -> dict[str, str] | None:
         out = _run("scontrol", "show", "job", "-o", job_id).stdout
@@ -217,12 +217,35 @@ class TestLoopback:
         assert new != old and procs.is_alive(new)
         assert info.daemons["slurmd:node1"] == before.daemons["slurmd:node1"]
 
+    def test_up_restarts_dead_accounting_daemons(self, mode_cluster: Cluster) -> None:
+        """MariaDB and slurmdbd killed: `up` starts both again (MariaDB first, on its data),
+        and sacct answers again."""
+        mode_cluster.require_owned()
+        before = devcluster.status(mode_cluster.state_dir)
+        assert before is not None
+        old = {name: before.daemons[name] for name in ("mariadb", "slurmdbd")}
+        _kill_and_wait(list(old.values()))
+        info = devcluster.up(nodes=2, cpus_per_node=2, netns=False, state_dir=mode_cluster.state_dir)
+        for name, pid in old.items():
+            assert info.daemons[name] != pid and procs.is_alive(info.daemons[name])
+        assert info.daemons["slurmctld"] == before.daemons["slurmctld"]
+        listed = _run("sacctmgr", "--noheader", "--parsable2", "list", "cluster", "format=cluster").stdout
+        assert listed.split() == ["jobgen"]
+
     def test_stale_record_is_cleaned_by_up(self, mode_cluster: Cluster) -> None:
         mode_cluster.require_owned()
-        # As after a reboot or `kill -9` of everything: the pid files stay behind.
-        run_dir = Path(mode_cluster.state_dir) / "run"
-        pids = [procs.read_pidfile(p) for p in run_dir.glob("*.pid")]
-        assert len(pids) == 3
+        # As after a reboot or `kill -9` of everything: the pid files stay behind
+        # (MariaDB's in its own directory, which only its user may write).
+        root = Path(mode_cluster.state_dir)
+        pidfiles = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.pid"))
+        assert pidfiles == [
+            "mariadb/mariadbd.pid",
+            "run/slurmctld.pid",
+            "run/slurmd.node1.pid",
+            "run/slurmd.node2.pid",
+            "run/slurmdbd.pid",
+        ]
+        pids = [procs.read_pidfile(root / p) for p in pidfiles]
         _kill_and_wait(pids)
         info = devcluster.up(nodes=2, cpus_per_node=2, netns=False, state_dir=mode_cluster.state_dir)
         assert not set(info.daemons.values()) & set(pids)
@@ -326,7 +349,8 @@ class TestNetns:
         assert HOSTS_BEGIN not in Path("/etc/hosts").read_text()
         assert not os.path.lexists("/etc/slurm/slurm.conf")
         assert not Path(info.state_dir).exists()
-        live = [int(p) for p in _run("pgrep", "^(slurmd|slurmctld|slurmstepd)$", check=False).stdout.split()]
+        daemons = "^(slurmd|slurmctld|slurmstepd|slurmdbd|mariadbd)$"
+        live = [int(p) for p in _run("pgrep", daemons, check=False).stdout.split()]
         assert not [p for p in live if procs.is_alive(p)]
         assert not _run("pgrep", "-f", info.state_dir, check=False).stdout.strip()
         assert not _sleepers()

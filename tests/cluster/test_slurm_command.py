@@ -21,10 +21,9 @@ import pytest
 from helpers import (
     DATA,
     REPO,
-    SUBMITTED_NAMES,
+    command_spec,
     jobgen,
     last_step,
-    run_spec,
     submit,
     wait_for,
     wait_until_gone,
@@ -38,23 +37,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 STOPPED_FOR_TIME = (ExitCode.SIGNALLED, ExitCode.DEADLINE)
 
 
-def command_spec(tmp_path: Path, name: str, script: str, args: list[str], *, nodes: int, array: int) -> Path:
-    SUBMITTED_NAMES.append(name)
-    return run_spec(
-        tmp_path,
-        name,
-        filename=f"{name}.toml",
-        job={
-            "program": "command",
-            "nodes": nodes,
-            "procs_per_node": 2,
-            "time": "2m",
-            "exit_grace": "50s",
-            "array": array,
-            "runs_root": tmp_path / "runs",
-        },
-        command={"script": str(REPO / "examples" / script), "args": args},
-    )
+def example_spec(tmp_path: Path, name: str, script: str, args: list[str], *, nodes: int, array: int) -> Path:
+    """An example script (it reads jobgen's stop request: no signal forwarded), 2 ranks a node."""
+    example = REPO / "examples" / script
+    return command_spec(tmp_path, name, example, args, nodes=nodes, procs_per_node=2, array=array, stop_signal="none")
 
 
 def slurm_record(job_id: int) -> dict[str, str]:
@@ -73,8 +59,8 @@ def task_event(run: Path, array_task: int, event: str) -> dict | None:
 def test_an_hf_trainer_and_a_plain_loop_stop_save_and_resume_like_the_bundled_trainer(cluster, tmp_path, tiny_model):
     hf_run, loop_run = tmp_path / "runs" / "hf", tmp_path / "runs" / "loop"
     hf_args = ["--model", str(tiny_model), "--data", str(DATA), "--max-steps", "100000", "--save-steps", "100000"]
-    hf = submit(command_spec(tmp_path, "hf", "hf_sft.py", hf_args, nodes=2, array=3))
-    loop = submit(command_spec(tmp_path, "loop", "torch_loop.py", ["--steps", "100000"], nodes=1, array=3))
+    hf = submit(example_spec(tmp_path, "hf", "hf_sft.py", hf_args, nodes=2, array=3))
+    loop = submit(example_spec(tmp_path, "loop", "torch_loop.py", ["--steps", "100000"], nodes=1, array=3))
 
     # The plain loop: scancel --signal=USR1 reaches every process; it saves and stops.
     started = wait_for(lambda: task_event(loop_run, 1, "first_step"), 150, "the loop to take steps")

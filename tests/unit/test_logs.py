@@ -98,3 +98,61 @@ def test_follow_prints_new_lines_and_new_sources_as_they_come(tmp_path):
         "5_2 | 2026-11-22T10:00:31 jobgen: half a line",
         "8 | 2026-11-22T10:01:00 jobgen: job 8 (array task 3) on node[1-2]",
     ]
+
+
+def command_layout(tmp_path, *, identities: bool = True) -> RunDir:
+    """A `program = "command"` job (a Hugging Face example script) on 2 nodes x 2 processes as
+    torchrun lays out --log-dir=logs/ranks/<job>/<node>: no rank map (the program writes
+    none), the script's own logging format, and each rank's record of itself
+    (RunDir.rank_identity). The rendezvous made node2 group rank 0: names say nothing."""
+    run = RunDir(tmp_path / "demo")
+    run.logs.mkdir(parents=True)
+    run.task_record(7, 0).write_text(
+        json.dumps({"job_id": "7", "array_job_id": "5", "array_task": "2", "nodes": "node[1-2]"})
+    )
+    for node, group, seconds in (("node1", 1, ["09", "20"]), ("node2", 0, ["10", "15"])):
+        for local in (0, 1):
+            launch = run.rank_logs(7, node) / "7_x1y2" / "attempt_0" / str(local)
+            launch.mkdir(parents=True)
+            rank = 2 * group + local
+            lines = [
+                f"11/22/2026 10:00:{s} - WARNING - __main__ - line {i} of {node}/{local}" for i, s in enumerate(seconds)
+            ]
+            (launch / "stderr.log").write_text("\n".join(lines) + "\n")
+            (launch / "stdout.log").write_text("")
+            if identities:
+                run.rank_identity(7, node, 0, local).write_text(json.dumps({"rank": rank, "group_rank": group}))
+    return run
+
+
+def test_a_command_programs_ranks_by_node_and_global_rank_in_time_order(tmp_path):
+    run = command_layout(tmp_path)
+    out = lines(run)
+    assert [line.split(" | ")[0] for line in out[:4]] == [
+        "5_2 node1 r2",
+        "5_2 node1 r3",
+        "5_2 node2 r0",
+        "5_2 node2 r1",
+    ]
+    stamps = [line.split(" | ")[1][:19] for line in out]
+    assert stamps == sorted(stamps) and len(out) == 8
+    assert [line.split(" | ")[1] for line in lines(run, rank=0)] == [
+        "11/22/2026 10:00:10 - WARNING - __main__ - line 0 of node2/0",
+        "11/22/2026 10:00:15 - WARNING - __main__ - line 1 of node2/0",
+    ]
+
+
+def test_without_the_ranks_own_records_a_node_keeps_its_local_ranks_apart(tmp_path):
+    from jobgen.logs import unknown_ranks
+
+    run = command_layout(tmp_path, identities=False)
+    assert {line.split(" | ")[0] for line in lines(run)} == {
+        "5_2 node1 local0", "5_2 node1 local1", "5_2 node2 local0", "5_2 node2 local1"
+    }  # fmt: skip
+    assert lines(run, rank=0) == []
+    assert unknown_ranks(find_sources(run, "demo", Filters())) == ["5_2 node1", "5_2 node2"]
+    # One node: its group rank is 0, so the local rank is the global one.
+    run.task_record(7, 0).write_text(
+        json.dumps({"job_id": "7", "array_job_id": "5", "array_task": "2", "nodes": "node1"})
+    )
+    assert {line.split(" | ")[0] for line in lines(run, rank=1, node="node1")} == {"5_2 node1 r1"}

@@ -54,3 +54,39 @@ def test_without_matplotlib_the_message_says_what_to_install(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "pip install 'jobgen[plot]'" in proc.stderr
     assert not (run.path / "plot.png").exists()
+
+
+def test_a_trainers_loss_and_learning_rate_without_throughput(tmp_path):
+    """What JobgenCallback records (loss, lr, grad_norm on logging steps; no tokens): loss and
+    learning rate are drawn, and the throughput panel says it is unknown."""
+    from jobgen.plot import empty_panels
+
+    run = lay_out(tmp_path)
+    lines = [
+        {"time": T0 + s, "step": s, "job_id": "6", "restart": 0, "step_seconds": 0.5,
+         **({"loss": 3.0 - s / 100, "lr": 5e-5, "grad_norm": 1.1} if s % 5 == 0 else {})}
+        for s in range(1, 21)
+    ]  # fmt: skip
+    (run.path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    data = read_plot_data(run)
+    assert data.metrics["loss"].steps == [5, 10, 15, 20] and data.metrics["lr"].values == [5e-5] * 4
+    assert "throughput unknown" in empty_panels(data)["tokens_per_s"] and set(empty_panels(data)) == {"tokens_per_s"}
+    # Tokens per step and step time, where a program logs those instead of tokens/s.
+    (run.path / "metrics.jsonl").write_text(json.dumps({**lines[4], "step_tokens": 2048}) + "\n")
+    assert read_plot_data(run).metrics["tokens_per_s"].values == [4096.0]
+
+
+def test_a_trainer_without_the_callback_is_drawn_from_its_trainer_state(tmp_path):
+    """The script unchanged: no metrics.jsonl, but the Trainer's checkpoint keeps its history."""
+    run = lay_out(tmp_path)
+    (run.path / "metrics.jsonl").unlink()
+    history = [
+        {"step": s, "loss": 3.0 - s / 100, "learning_rate": 5e-5, "grad_norm": 1.0, "epoch": 0.1} for s in (10, 20)
+    ]
+    for step, cut in ((20, False), (30, True)):  # checkpoint-30 was cut short by the kill
+        saved = run.checkpoints / f"checkpoint-{step}"
+        saved.mkdir(parents=True)
+        if not cut:
+            (saved / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": history}))
+    data = read_plot_data(run)
+    assert data.metrics["loss"].steps == [10, 20] and data.metrics["lr"].values == [5e-5, 5e-5]

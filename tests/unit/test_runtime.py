@@ -87,6 +87,19 @@ def test_a_stop_request_acted_on_is_spent(tmp_path: Path):
     assert run.exit_code_file("77", 0).read_text().startswith("12\ntime limit (USR1 60 s before the limit)")
 
 
+def test_the_reason_gives_the_lead_time_the_signal_really_gave(tmp_path: Path):
+    """Slurm sends its lead-time signal up to a minute earlier than exit_grace asks: the
+    reason says how early it came (the batch shell writes the second it caught it)."""
+    run = command_run(tmp_path)  # exit_grace 1m
+    environ = job_environ(end_in=600)
+    caught = int(environ["JOBGEN_JOB_END_TIME"]) - 97
+    run.stop_request("77", 0).write_text(f"USR1 {caught}\n")
+    with lifecycle(job=Job(run.path, environ)) as life:
+        assert life.step_done(1) is Action.SIGNAL
+        life.saved()
+    assert run.exit_code_file("77", 0).read_text().startswith("12\ntime limit (USR1 97 s before the limit)")
+
+
 def test_a_loop_that_ends_on_its_own_finishes_the_run(tmp_path: Path):
     run = command_run(tmp_path)
     with lifecycle(job=Job(run.path, job_environ())) as life:

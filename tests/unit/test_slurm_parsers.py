@@ -3,7 +3,16 @@
 import pytest
 
 from jobgen.preflight import _gres_count
-from jobgen.slurm import parse_job_id, parse_key_values, parse_records, parse_squeue, parse_time, parse_version
+from jobgen.slurm import (
+    accounting_enabled,
+    parse_job_id,
+    parse_key_values,
+    parse_records,
+    parse_sacct,
+    parse_squeue,
+    parse_time,
+    parse_version,
+)
 
 PARTITIONS = """\
 PartitionName=debug AllowGroups=ALL AllowAccounts=ALL AllowQos=ALL AllocNodes=ALL Default=YES QoS=N/A DefaultTime=NONE DisableRootJobs=NO ExclusiveUser=NO GraceTime=0 Hidden=NO MaxNodes=UNLIMITED MaxTime=1-00:00:00 MinNodes=0 LLN=NO MaxCPUsPerNode=UNLIMITED Nodes=node[1-3] PriorityJobFactor=1 PriorityTier=1 RootOnly=NO ReqResv=NO OverSubscribe=NO OverTimeLimit=NONE PreemptMode=OFF State=UP TotalCPUs=12 TotalNodes=3 SelectTypeParameters=NONE JobDefaults=(null) DefMemPerNode=UNLIMITED MaxMemPerNode=UNLIMITED
@@ -93,3 +102,58 @@ def test_squeue_array_lines():
 def test_squeue_names_may_contain_the_separator():
     (row,) = parse_squeue("44|44|N/A|PENDING|Dependency|0:00|10:00||N/A|name|with|pipes\n")
     assert row.name == "name|with|pipes"
+
+
+# `sacct --noheader --parsable2 --duplicates --jobs=1,2,3,4,7,8 --format=SACCT_FIELDS` on the
+# dev cluster (slurmdbd 22.05.8, AccountingStoreFlags=job_comment): a job that set its comment
+# (with the separator in it) and exited 3; an array `--array=1-3%1` whose tasks set theirs (the
+# last task's `scontrol update JobId=$SLURM_JOB_ID` named the whole array, failed on the ended
+# tasks and made the task FAILED); a cancelled job; a held job without --time; a job requeued
+# while running (one line per start); a job killed by its 1-minute limit.
+SACCT_CAPTURED = """\
+1|1|probe-c|FAILED|3:0|None|node1|2026-11-25T11:03:44|2026-11-25T11:03:44|1440|hello|there x
+1.batch|1.batch|batch|FAILED|3:0||node1|2026-11-25T11:03:44|2026-11-25T11:03:44||
+3|3|cap-cancel|CANCELLED by 0|0:0|None|node1|2026-11-25T11:03:58|2026-11-25T11:04:00|3|
+3.batch|3.batch|batch|CANCELLED|0:15||node1|2026-11-25T11:03:58|2026-11-25T11:04:00||
+4|4|cap-held|PENDING|0:0|JobHeldUser|None assigned|Unknown|Unknown|Partition_Limit|
+5|2_1|cap-arr|COMPLETED|0:0|None|node1|2026-11-25T11:03:58|2026-11-25T11:03:59|2|jobgen: task 1|done
+5.batch|2_1.batch|batch|COMPLETED|0:0||node1|2026-11-25T11:03:58|2026-11-25T11:03:59||
+6|2_2|cap-arr|COMPLETED|0:0|JobArrayTaskLimit|node1|2026-11-25T11:03:59|2026-11-25T11:04:00|2|jobgen: task 2|done
+6.batch|2_2.batch|batch|COMPLETED|0:0||node1|2026-11-25T11:03:59|2026-11-25T11:04:00||
+2|2_3|cap-arr|FAILED|1:0|JobArrayTaskLimit|node1|2026-11-25T11:04:03|2026-11-25T11:04:04|2|jobgen: task 3|done
+2.batch|2_3.batch|batch|FAILED|1:0||node1|2026-11-25T11:04:03|2026-11-25T11:04:04||
+7|7|cap-requeue|REQUEUED|0:0|None|node1|2026-11-25T11:04:04|2026-11-25T11:04:05|2|
+7.batch|7.batch|batch|CANCELLED|0:15||node1|2026-11-25T11:04:04|2026-11-25T11:04:05||
+8|8|cap-timeout|TIMEOUT|0:0|None|node1|2026-11-25T11:04:06|2026-11-25T11:05:10|1|
+8.batch|8.batch|batch|CANCELLED|0:15||node1|2026-11-25T11:04:06|2026-11-25T11:05:10||
+7|7|cap-requeue|PENDING|0:0|BeginTime|None assigned|Unknown|Unknown|2|
+"""
+
+
+def test_sacct_as_slurmdbd_prints_it():
+    records = parse_sacct(SACCT_CAPTURED)
+    rows = [(r.job_id, r.array_job_id, r.array_task, r.state, r.exit_code, r.restarts) for r in records]
+    assert rows == [
+        (1, 1, "N/A", "FAILED", "3:0", 0),
+        (3, 3, "N/A", "CANCELLED", "0:0", 0),
+        (4, 4, "N/A", "PENDING", "0:0", 0),
+        (5, 2, "1", "COMPLETED", "0:0", 0),
+        (6, 2, "2", "COMPLETED", "0:0", 0),
+        (2, 2, "3", "FAILED", "1:0", 0),
+        (7, 7, "N/A", "REQUEUED", "0:0", 0),
+        (8, 8, "N/A", "TIMEOUT", "0:0", 0),
+        (7, 7, "N/A", "PENDING", "0:0", 1),
+    ]
+    by_id = {r.job_id: r for r in records}
+    assert by_id[1].comment == "hello|there x" and by_id[1].name == "probe-c"
+    assert [by_id[j].comment for j in (5, 6, 2)] == [f"jobgen: task {k}|done" for k in (1, 2, 3)]
+    assert by_id[8].time_limit == 60 and by_id[8].end - by_id[8].start == 64
+    assert by_id[1].time_limit == 1440 * 60 and by_id[8].nodes == "node1"
+    # A job that asked for no time limit, never started: nothing to read, nothing to fail on.
+    assert (by_id[4].time_limit, by_id[4].start, by_id[4].end, by_id[4].reason) == (None, None, None, "JobHeldUser")
+
+
+def test_accounting_is_on_where_slurmdbd_stores_it():
+    assert accounting_enabled({"AccountingStorageType": "accounting_storage/slurmdbd"})
+    assert not accounting_enabled({"AccountingStorageType": "accounting_storage/none"})
+    assert not accounting_enabled({})

@@ -9,12 +9,11 @@ run directory records are what the batch script and the trainer write. The dev-c
 
 from __future__ import annotations
 
-import json
-
 from jobgen import slurm
 from jobgen.goodput import task_reports
 from jobgen.rundir import RunDir
-from jobgen.task_table import build_tasks, read_task_records, unexplained_submissions
+from jobgen.task_table import TIME_LIMIT_KILLED, build_tasks, read_task_records, unexplained_submissions
+from run_dirs import batch_end_record
 
 T0 = 1_800_000_000
 
@@ -28,19 +27,7 @@ def make_run(tmp_path, *submissions) -> RunDir:
 
 
 def end_record(run: RunDir, job_id, task, code, slurm_exit, reason, *, array=5, restart=0, start=T0, end=T0 + 170):
-    record = {
-        "job_id": str(job_id),
-        "array_job_id": str(array),
-        "array_task": str(task),
-        "restart": restart,
-        "nodes": "node[1-2]",
-        "job_start": start,
-        "end": end,
-        "exit_code": code,
-        "slurm_exit": slurm_exit,
-        "reason": reason,
-    }
-    run.task_record(job_id, restart).write_text(json.dumps(record))
+    batch_end_record(run, job_id, task, code, slurm_exit, reason, array=array, restart=restart, start=start, end=end)
 
 
 def trainer_records(job_id, task, start_step, end_step, code, reason, *, array=5, start=T0):
@@ -152,7 +139,7 @@ def test_slurm_memory_names_the_ends_that_left_no_record(tmp_path):
     ended = [r for r in map(slurm.job_record, slurm.parse_records(SCONTROL)) if r is not None]
     rows = build_tasks(run, "demo", [], ended, [], {}, 60)
     assert [(t.slurm_id, t.job_id, t.state, t.exit_reason) for t in rows] == [
-        ("4_1", 5, "TIMEOUT", "killed at the time limit"),
+        ("4_1", 5, "TIMEOUT", TIME_LIMIT_KILLED),
         ("4_2", 4, "CANCELLED", "cancelled"),
     ]
     assert rows[0].elapsed_seconds == 61 and rows[0].nodes == "node1" and rows[0].exit_code == "0:15"

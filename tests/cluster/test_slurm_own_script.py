@@ -1,0 +1,189 @@
+"""A script its user did not write, unedited, through Slurm's time limits on the dev cluster
+(``program = "command"``; tests/scripts/run_clm_like.py has the shape of transformers'
+run_clm.py and is never edited):
+
+- with ``hf_trainer = true`` on 2 nodes: every time limit saves at the lead-time signal, the
+  next task resumes with no step computed twice, every task ends COMPLETED with its reason,
+  and the last finishes at max_steps with the final model written once;
+- with only ``resume_args`` and placeholders (``stop_signal = "none"``, so Slurm kills it at
+  each limit) on 1 node: every task ends TIMEOUT and is shown as such, the next resumes from
+  the newest ``checkpoint-N`` and redoes at most save_steps;
+- a plain program with neither: ``submit`` warns what it gets, and Slurm's lead-time signal is
+  forwarded to it as SIGTERM (the task ends COMPLETED, its reason says so).
+
+The first two run side by side (3 nodes: 2 + 1), then the third.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import DATA, REPO, command_spec, jobgen, read_jsonl, submitted_job_id, wait_for
+from helpers import status as run_status
+from jobgen import slurm
+from jobgen.exit_codes import ExitCode
+
+pytestmark = [pytest.mark.slurm, pytest.mark.torch]
+
+SCRIPT = REPO / "tests" / "scripts" / "run_clm_like.py"
+SAVE_STEPS = 200  # the plain script steps fast (1 rank, 128-token blocks): thousands a task
+
+
+def own_script_spec(tmp_path: Path, name: str, args: list[str], *, nodes: int, array: int, **command: object) -> Path:
+    """The unedited script (or ``script=``) with one rank a node."""
+    script = command.pop("script", SCRIPT)
+    return command_spec(tmp_path, name, script, args, nodes=nodes, procs_per_node=1, array=array, **command)
+
+
+def trainer_args(tiny_model: Path, save_steps: int) -> list[str]:
+    """run_clm's arguments as a user writes them, with jobgen's placeholders for where."""
+    return [
+        *("--save_total_limit", "2"),
+        *("--model_name_or_path", str(tiny_model), "--train_file", str(DATA), "--output_dir", "{checkpoint_dir}"),
+        *("--max_steps", "1000000", "--save_steps", str(save_steps), "--per_device_train_batch_size", "2"),
+        *("--block_size", "128", "--logging_steps", "1", "--report_to", "none", "--use_cpu", "--seed", "3"),
+        *("--disable_tqdm", "true", "--run_name", "task-{task}-of-job-{job_id}"),
+    ]
+
+
+def set_max_steps(run: Path, max_steps: int) -> None:
+    """The run's --max_steps from the next task on (the plan of each task is built from
+    spec.json): the test's way to end the run in a known task whatever this machine's speed."""
+    spec = json.loads((run / "spec.json").read_text())
+    args = spec["run"]["command"]["args"]
+    args[args.index("--max_steps") + 1] = str(max_steps)
+    (run / "spec.json").write_text(json.dumps(spec))
+
+
+def batch_record(run: Path, array_task: int) -> dict | None:
+    """The batch script's record of how an array task ended (logs/task.<job>.<restart>.json)."""
+    for path in (run / "logs").glob("task.*.json"):
+        record = json.loads(path.read_text())
+        if record.get("array_task") == str(array_task) and record.get("exit_code") is not None:
+            return record
+    return None
+
+
+def plan_of(run: Path, job_id: str) -> dict:
+    return json.loads((run / "logs" / f"command-plan.{job_id}.0.json").read_text())
+
+
+def steps_logged(run: Path, job_id: str) -> int:
+    """The Trainer's logged steps in a task (``--logging_steps 1``: one ``{'loss': ...}`` line a
+    step) in rank 0's log of that job."""
+    text = "".join(p.read_text() for p in (run / "logs" / "ranks" / job_id).rglob("stdout.log"))
+    return len(re.findall(r"\{'loss': ", text))
+
+
+def ended(job_id: int, tasks: int) -> dict[str, dict[str, str]]:
+    """Every task of an array as Slurm's accounting has it: state, exit code and comment. The
+    controller sends slurmdbd a task's end a moment after the task ends (and holds pending
+    tasks as one ``JOB_[4-5]`` row until each starts): wait until all ``tasks`` are there."""
+
+    def rows() -> dict[str, dict[str, str]] | None:
+        out = subprocess.run(
+            ["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "JobID,State,ExitCode,Comment"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        split = [line.split("|", 3) for line in out.splitlines() if line]
+        found = {r[0]: {"state": r[1].split()[0], "exit": r[2], "comment": r[3]} for r in split}
+        states = [found.get(f"{job_id}_{i}", {}).get("state") for i in range(1, tasks + 1)]
+        done = not {None, "PENDING", "RUNNING"} & set(states)
+        return found if done else None
+
+    return wait_for(rows, 60, f"sacct to have the {tasks} tasks of job {job_id}")
+
+
+def test_an_unedited_trainer_script_through_time_limits(cluster, tmp_path, tiny_model):
+    hf_spec = own_script_spec(tmp_path, "hf", trainer_args(tiny_model, 100000), nodes=2, array=6, hf_trainer=True)
+    plain_args = trainer_args(tiny_model, SAVE_STEPS)
+    resume = ["--resume_from_checkpoint", "{latest_checkpoint}"]
+    rs_spec = own_script_spec(tmp_path, "rs", plain_args, nodes=1, array=5, resume_args=resume, stop_signal="none")
+    hf_run, rs_run = tmp_path / "runs" / "hf", tmp_path / "runs" / "rs"
+    hf = submitted_job_id(jobgen("submit", str(hf_spec), check=True).stdout)
+    rs = submitted_job_id(jobgen("submit", str(rs_spec), check=True).stdout)
+
+    # Task 1 of each meets its limit. From its steps, each run ends a few limits later: tasks
+    # differ (Slurm sends the lead-time signal early by up to a minute; the first task of the
+    # plain script shares 2 cores with the Trainer's start and tokenizes the data).
+    wait_for(lambda: batch_record(hf_run, 1), 240, "the Trainer's task 1 to meet its limit")
+    hf_exit = next(r for r in read_jsonl(hf_run / "tasks.jsonl") if r["event"] == "exit")
+    k1 = hf_exit["end_step"]
+    assert hf_exit["exit_code"] == ExitCode.SIGNALLED and hf_exit["exit_reason"].startswith("time limit (USR1 "), (
+        hf_exit
+    )
+    total = 4 * k1
+    set_max_steps(hf_run, total)
+    first_rs = wait_for(lambda: batch_record(rs_run, 1), 240, "the plain script's task 1 to be killed")
+    r1 = steps_logged(rs_run, first_rs["job_id"])
+    rs_total = 4 * r1
+    set_max_steps(rs_run, rs_total)
+
+    wait_for(lambda: batch_record(hf_run, 6) and batch_record(rs_run, 5), 900, "both runs' last tasks")
+    hf_tasks, rs_tasks = ended(hf, 6), ended(rs, 5)
+
+    # hf_trainer: COMPLETED with its reason each time, nothing redone, the final model once.
+    exits = [r for r in read_jsonl(hf_run / "tasks.jsonl") if r["event"] == "exit"]
+    starts = [r for r in read_jsonl(hf_run / "tasks.jsonl") if r["event"] == "first_step"]
+    codes = [e["exit_code"] for e in exits]
+    assert len(codes) >= 3 and set(codes[:-1]) == {ExitCode.SIGNALLED} and codes[-1] == ExitCode.OK, exits
+    assert [s["start_step"] for s in starts] == [0, *(e["end_step"] for e in exits[:-1])], starts
+    assert exits[-1]["end_step"] == total
+    final = (hf_run / "checkpoints" / "final.txt").read_text().splitlines()
+    assert final == [f"final at step {total}"], final
+    for index in range(1, 7):
+        row = hf_tasks[f"{hf}_{index}"]
+        assert row["state"] == "COMPLETED" and row["comment"].startswith("jobgen: "), (index, row)
+    for index in range(1, len(exits)):
+        assert "time limit (USR1 " in hf_tasks[f"{hf}_{index}"]["comment"], hf_tasks
+    assert "already finished" in hf_tasks[f"{hf}_6"]["comment"], hf_tasks
+    view = run_status(hf_run)
+    assert view["state"] == "finished" and all(not t.get("recomputed_steps") for t in view["tasks"]), view
+
+    # resume_args only: TIMEOUT at each limit, shown as such; at most save_steps redone.
+    states = [rs_tasks[f"{rs}_{i}"]["state"] for i in range(1, 6)]
+    limits = states.index("COMPLETED")  # the task that finished: the tasks before it met their limits
+    assert limits >= 2 and set(states[:limits]) == {"TIMEOUT"} and set(states[limits:]) == {"COMPLETED"}, rs_tasks
+    assert "exited 0 on its own" in batch_record(rs_run, limits + 1)["reason"]
+    assert all("already finished" in rs_tasks[f"{rs}_{i}"]["comment"] for i in range(limits + 2, 6)), rs_tasks
+    rows = {t["slurm_id"]: t for t in run_status(rs_run)["tasks"]}
+    reached = 0
+    for index in range(1, limits + 2):
+        assert index > limits or rs_tasks[f"{rs}_{index}"]["comment"].startswith("jobgen: time limit"), rs_tasks
+        assert index > limits or rows[f"{rs}_{index}"]["state"] == "TIMEOUT", rows
+        assert "crashed" not in rows[f"{rs}_{index}"]["exit_reason"], rows
+        job_id = batch_record(rs_run, index)["job_id"]
+        plan = plan_of(rs_run, job_id)
+        resumed_at = int(Path(plan["checkpoint"]).name.split("-")[1]) if plan["checkpoint"] else 0
+        assert 0 <= reached - resumed_at <= SAVE_STEPS, (index, reached, plan)
+        reached = resumed_at + steps_logged(rs_run, job_id)
+    assert reached == rs_total
+
+
+def test_a_plain_program_gets_the_lead_time_signal_forwarded_and_a_warning(cluster, tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.5)\n"
+    )  # SIGTERM's default action ends it: a program that knows nothing of jobgen
+    spec = own_script_spec(tmp_path, "plain", [], nodes=1, array=1, script=script)
+    dry = jobgen("validate", str(spec), check=True)
+    assert "warning" in dry.stdout + dry.stderr and "SIGTERM" in dry.stdout + dry.stderr, dry.stdout + dry.stderr
+    out = jobgen("submit", str(spec), check=True)
+    assert "hf_trainer" in out.stdout + out.stderr, out.stdout + out.stderr
+    job = submitted_job_id(out.stdout)
+    run = tmp_path / "runs" / "plain"
+    wait_for(lambda: "started" in "".join(p.read_text() for p in (run / "logs").rglob("stdout.log")), 120, "start")
+    # What Slurm's --signal=B:USR1@50 sends the batch shell 50 s before the limit.
+    slurm.cancel(f"{job}_1", signal="USR1", batch_only=True)
+    record = wait_for(lambda: batch_record(run, 1), 90, "the task to end")
+    assert record["exit_code"] == ExitCode.SIGNALLED, record
+    assert "SIGTERM forwarded" in record["reason"], record
+    row = ended(job, 1)[f"{job}_1"]
+    assert row["state"] == "COMPLETED" and "SIGTERM forwarded" in row["comment"], row
