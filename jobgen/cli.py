@@ -117,9 +117,24 @@ def plan(spec_file: str, as_json: bool) -> None:
     slurm.device_memory; the cheapest changes that would make it fit. With a run
     directory whose metrics.json holds measured peaks, they are shown beside the plan.
     Without safetensors, a Llama-like model (Llama, Mistral, Qwen2/3, Gemma 1-3) is counted
-    from config.json. Exit status 0 when it fits or no verdict is possible (a hub id, no
-    device memory in the site), 1 when it does not fit, 2 when the model's files are
-    malformed or a local model's size cannot be worked out."""
+    from config.json.
+
+    \b
+    On a GPU the verdict adds headroom to the predicted peak (max_memory_allocated):
+      NCCL buffers   per communicator: channels x 2 peers x (NCCL_BUFFSIZE + LL + LL128
+                     buffers), channels by network.transport (32 on "ib"), NCCL_BUFFSIZE and
+                     NCCL_MAX_NCHANNELS honoured from the site's and the run's env
+      CUDA context   1 GiB
+      fragmentation  8 % of the peak, what the caching allocator reserves but cannot use
+    "fits" up to 90 % of the budget; "tight" above (it may run, it may not: submit warns);
+    "does not fit" above 100 %, or when train.cpu_offload's pinned host memory per node
+    exceeds the site's slurm.mem (submit refuses). Suggestions include train.cpu_offload
+    (host memory per node, slower steps), train.parallelism = "hsdp" and more nodes with
+    the global batch kept.
+
+    Exit status 0 when it fits, fits tightly (with a warning) or no verdict is possible (a
+    hub id, no device memory in the site), 1 when it does not fit, 2 when the model's files
+    are malformed or a local model's size cannot be worked out."""
     from jobgen.memory_plan import plan_run
     from jobgen.model_files import ModelFileError, UnsizedModel
 

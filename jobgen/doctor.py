@@ -182,7 +182,7 @@ def clear_quarantine(run: RunDir, *, time_limit: str) -> int:
     passed = [n for n in held if verdict is not None and n not in bad_nodes(verdict)]
     released = quarantine.release(run, passed)
     still = sorted(quarantine.read(run))
-    updated = quarantine.exclude_from_pending(run, spec.run.job.name, list(spec.run.job.exclude)) if released else []
+    updated = quarantine.exclude_from_pending(run, spec) if released else []
     if released:
         click.echo(
             f"jobgen doctor: released {', '.join(released)}"

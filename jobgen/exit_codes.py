@@ -39,6 +39,9 @@ class ExitCode(IntEnum):
     # Hugging Face Trainer whose output_dir is not the run's checkpoint directory, with
     # [command] hf_trainer): every task would repeat it.
     PROGRAM_SETUP = 21
+    # The task's global batch (micro_batch_size x grad_accum x world size) differs from the
+    # checkpoint's, with neither train.global_batch_size nor train.allow_batch_change.
+    BATCH_CHANGED = 22
 
     @property
     def reason(self) -> str:
@@ -85,6 +88,7 @@ _REASONS = {
     ExitCode.RUN_BUSY: "another process is writing this run: did nothing",
     ExitCode.NODE_FAILURE: "node failure: the node is quarantined and later tasks exclude it",
     ExitCode.PROGRAM_SETUP: "the program's setup does not fit its run (see the reason)",
+    ExitCode.BATCH_CHANGED: "the global batch differs from the checkpoint's",
 }
 
 _PLANNED = frozenset({ExitCode.OK, ExitCode.KILL_SWITCH, ExitCode.SIGNALLED, ExitCode.DEADLINE, ExitCode.NOT_STARTED})
@@ -117,4 +121,6 @@ _FIXES = {
     ExitCode.DATA_ERROR: "fix the data or the tokenizer named in the reason, then `jobgen submit` the run again",
     ExitCode.PROGRAM_SETUP: "change what the reason names in [command] (for a Hugging Face Trainer: "
     "args = [..., '--output_dir', '{checkpoint_dir}']), then `jobgen submit` the run again",
+    ExitCode.BATCH_CHANGED: "set train.global_batch_size to the checkpoint's global batch (grad_accum then follows "
+    "the world size), or train.allow_batch_change = true, then `jobgen submit` the run again",
 }

@@ -54,6 +54,9 @@ class TaskReport:
     # jobgen recorded them, or outside an array).
     array_job_id: str | None = None
     array_task: str | None = None
+    # The task's world and the sequences of one optimizer step: both may change between tasks.
+    world_size: int | None = None
+    global_batch: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,6 +137,7 @@ TASKS_FIELDS: tuple[dict[str, _Check], dict[str, _Check]] = (
         "end_step": _INT,
         "exit_code": _INT,
         "job_start": _FINITE,
+        **dict.fromkeys(("world_size", "global_batch"), _INT),
         **dict.fromkeys(
             ("seconds_to_first_step", "step_seconds_total", "step_seconds_max", "eval_round_seconds_max"), _NUMBER
         ),
@@ -291,6 +295,12 @@ def _reports_from_task_records(tasks: list[dict[str, Any]]) -> tuple[dict[TaskKe
 def _apply_first_step(report: TaskReport, record: dict[str, Any]) -> None:
     report.start_step = record.get("start_step")
     report.seconds_to_first_step = record.get("seconds_to_first_step")
+    _apply_batch(report, record)
+
+
+def _apply_batch(report: TaskReport, record: dict[str, Any]) -> None:
+    report.world_size = record.get("world_size", report.world_size)
+    report.global_batch = record.get("global_batch", report.global_batch)
 
 
 def _apply_exit(report: TaskReport, record: dict[str, Any]) -> None:
@@ -302,6 +312,7 @@ def _apply_exit(report: TaskReport, record: dict[str, Any]) -> None:
     report.step_seconds_max = record.get("step_seconds_max")
     report.save_seconds_max = max(record.get("save_seconds") or [0.0]) or None
     report.eval_round_seconds_max = record.get("eval_round_seconds_max")
+    _apply_batch(report, record)
     if record.get("job_start") is not None:
         report.allocated_seconds = round(float(record["time"]) - float(record["job_start"]), 3)
 

@@ -24,6 +24,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from jobgen import placeholders
+from jobgen.global_batch import GlobalBatchError, grad_accum_for
+from jobgen.parallelism import shard_size_problem
 from jobgen.paths import SITE_CONFIGS_DIR
 from jobgen.resolved import ResolvedSpec
 from jobgen.site import SiteProfile
@@ -460,4 +462,35 @@ def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIs
                 f"{ppn} processes per node but only {cpus} CPUs per node (site slurm.cpus_per_node)",
             )
         )
+    if run.job.program == "train":
+        issues.extend(_check_world_sizes(run, site, run_label))
+    return issues
+
+
+def _check_world_sizes(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:
+    """The batch and the shard groups for every world size a task may get (job.min_nodes to
+    job.nodes): a task that would find out at its start wastes its queue wait."""
+    train = run.train
+    ppn = run.job.procs_per_node or site.slurm.gpus_per_node or 1
+    issues: list[SpecIssue] = []
+    if train.cpu_offload and not site.slurm.gpus_per_node:
+        issues.append(
+            SpecIssue(
+                run_label,
+                "train.cpu_offload",
+                f"site '{site.name}' has no GPUs (slurm.gpus_per_node): on CPU the states are in host memory "
+                "already, and FSDP's CPU offload would only add copies",
+            )
+        )
+    for nodes in run.job.node_counts:
+        world = nodes * ppn
+        try:
+            grad_accum_for(train, world)
+        except GlobalBatchError as exc:
+            issues.append(SpecIssue(run_label, "train.global_batch_size", f"on {nodes} node(s): {exc}"))
+            break
+        problem = shard_size_problem(train.parallelism, world, ppn, train.shard_size)
+        if problem:
+            issues.append(SpecIssue(run_label, "train.shard_size", f"on {nodes} node(s): {problem}"))
+            break
     return issues

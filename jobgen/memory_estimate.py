@@ -4,18 +4,27 @@ What the figures mean
     On a CPU site, the peak resident set size of a trainer rank (what ``trainer.memory_peaks``
     measures as ``host_rss_peak_mib``), including the Python, torch and transformers runtime.
     On a GPU site, what ``torch.cuda.max_memory_allocated`` reports (``gpu_max_allocated_mib``);
-    the verdict adds :data:`CUDA_CONTEXT_RESERVE` for the CUDA context and the caching
-    allocator, which ``nvidia-smi`` shows but ``max_memory_allocated`` does not.
+    :func:`headroom` is what the GPU needs beyond it, which ``nvidia-smi`` shows but
+    ``max_memory_allocated`` does not: NCCL's communicator buffers (the ``nccl_buffers``
+    component, :mod:`jobgen.nccl_memory`), the CUDA context (:data:`CUDA_CONTEXT_RESERVE`) and
+    the caching allocator's fragmentation (:data:`FRAGMENTATION_MARGIN` of the peak).
 
 What the estimate models (``trainer/model.py``, ``trainer/loop.py``, ``trainer/optim.py``)
     - dtype: CPU ranks train in float32 whatever ``model.dtype``; GPU ranks hold parameters in
       ``model.dtype`` and run under bf16 autocast (FSDP2: MixedPrecisionPolicy param bf16).
     - DDP: a whole replica, its gradients and gradient buckets (about another copy of them).
-    - FSDP2: parameters, gradients and optimizer state divided by the world size, plus the
+    - FSDP2 (``fsdp``, ``hsdp``): parameters, gradients and optimizer state divided by the
+      shard group's size (``jobgen.parallelism.STRATEGIES``: every rank for ``fsdp``,
+      ``train.shard_size`` ranks, a node by default, for ``hsdp``), plus the
       unsharded parameters of two blocks at a time (the current one and the prefetched one)
       and of the output layer between its forward and backward (the whole root when the
       embeddings are tied), and the largest unit's unsharded gradients before the
       reduce-scatter.
+    - cpu_offload (FSDP2's CPUOffloadPolicy): the shards of the parameters, gradients and
+      optimizer state (and the optimizer step's temporaries) are in pinned host memory, where
+      the optimizer steps; the GPU keeps the gathered blocks in flight, the unsharded
+      gradients before their reduce-scatter, the activations and the logits. The host bytes
+      are :attr:`Estimate.host_state_bytes` per rank.
     - AdamW: two states per trainable parameter (float32 on CPU, the parameter dtype on GPU),
       plus the step's temporaries. Adafactor: a row and a column vector per 2-D parameter,
       the full size for 1-D ones. LoRA: the base frozen (no gradients, no state).
@@ -40,12 +49,28 @@ import math
 from dataclasses import dataclass, field
 
 from jobgen.model_files import ModelInfo
+from jobgen.nccl_memory import NcclSettings, buffer_bytes
+from jobgen.parallelism import STRATEGIES
 from jobgen.sizes import GIB, MIB
 
 # Measured: the Python + torch + transformers runtime of one trainer rank on CPU.
 CPU_RUNTIME_BYTES = 460 * MIB
-# Not in max_memory_allocated: the CUDA context (~0.5 GiB) and the caching allocator's slack.
+# Not in max_memory_allocated: the CUDA context and the kernel images torch loads into it
+# (~0.5 GiB for the context alone on an H100), and cuBLAS/NCCL handles.
 CUDA_CONTEXT_RESERVE = 1 * GIB
+# Not in max_memory_allocated either: what the caching allocator reserves beyond what is
+# allocated at the peak (memory_reserved over max_memory_allocated). It rounds large blocks up
+# to 2 MiB, cannot hand a block freed on one stream to another stream (FSDP2 all-gathers and
+# reduce-scatters on streams of their own) until the stream's work is done, and splits cached
+# blocks so that a free gap may be too small for the next tensor: PyTorch's out-of-memory
+# error says as much ("reserved but unallocated ... to avoid fragmentation"). Training
+# transformers typically sees 5-15 % of the peak reserved but unallocated; 8 % is the margin,
+# an assumption until the trainer's memory_peaks record memory_reserved on a GPU.
+FRAGMENTATION_MARGIN = 0.08
+# Host memory of one GPU rank besides what it offloads: Python, torch, CUDA's host-side
+# libraries and pinned staging buffers. Assumed, not measured (CPU ranks measured 460 MiB
+# without CUDA's libraries).
+GPU_RANK_HOST_BYTES = 2 * GIB
 # In max_memory_allocated on GPU: cuBLAS/cuDNN workspaces and small tensors.
 GPU_WORKSPACE_BYTES = 256 * MIB
 # AdamW's step temporaries (foreach sqrt/div buffers), as a fraction of the trainable bytes.
@@ -86,6 +111,10 @@ class PlanInputs:
     lora_r: int | None = None
     lora_targets: tuple[str, ...] = ()
     attn_implementation: str = "sdpa"
+    shard_size: int | None = None  # train.shard_size (hsdp)
+    cpu_offload: bool = False
+    global_batch_size: int | None = None  # train.global_batch_size: grad_accum follows the world
+    nccl: NcclSettings = field(default_factory=NcclSettings)  # the site's network and NCCL variables
 
     @property
     def param_bytes(self) -> int:
@@ -97,8 +126,23 @@ class PlanInputs:
         return 4 if self.device == "cpu" else 2
 
     @property
-    def fsdp(self) -> bool:
-        return self.parallelism == "fsdp" and self.world_size > 1
+    def ranks_per_node(self) -> int:
+        return max(1, self.world_size // max(1, self.nodes))
+
+    @property
+    def shard(self) -> int:
+        """Ranks one copy of the model's states is split over (1 for DDP)."""
+        return STRATEGIES[self.parallelism].shard_size(self.world_size, self.ranks_per_node, self.shard_size)
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 shards the states (over more than one rank)."""
+        return self.shard > 1
+
+    @property
+    def offloaded(self) -> bool:
+        """FSDP2 keeps the states in host memory (cpu_offload on a GPU site)."""
+        return self.cpu_offload and self.device == "cuda" and STRATEGIES[self.parallelism].shards_parameters
 
 
 @dataclass
@@ -110,6 +154,7 @@ class Estimate:
     host_offload_bytes: int = 0
     trainable_params: int = 0
     notes: list[str] = field(default_factory=list)
+    host_state_bytes: int = 0  # cpu_offload: the rank's states (and optimizer step) in host memory
 
     @property
     def peak(self) -> int:
@@ -183,7 +228,7 @@ def _trainable(model: ModelInfo, inputs: PlanInputs) -> _Trainable:
 
 
 def _shard(inputs: PlanInputs) -> int:
-    return inputs.world_size if inputs.fsdp else 1
+    return inputs.shard
 
 
 def _parameter_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable) -> float:
@@ -217,7 +262,7 @@ def _gradient_bytes(inputs: PlanInputs, tr: _Trainable) -> float:
 
 def _ddp_bucket_bytes(inputs: PlanInputs, tr: _Trainable) -> int:
     """DDP's gradient buckets, which live as long as the model."""
-    if inputs.fsdp:
+    if inputs.sharded or inputs.offloaded:
         return 0
     if inputs.optimizer_in_backward:
         return tr.bytes if inputs.world_size > 1 else 0  # DDP still reduces through its buckets
@@ -226,7 +271,7 @@ def _ddp_bucket_bytes(inputs: PlanInputs, tr: _Trainable) -> int:
 
 def _fsdp_gather_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable) -> int:
     """FSDP's gathered parameters and unsharded gradients, alive only through forward/backward."""
-    if not inputs.fsdp:
+    if not (inputs.sharded or inputs.offloaded):
         return 0
     pb = inputs.param_bytes
     # trainer.model.wrap: two blocks gathered (the current one and the prefetched next) and
@@ -292,12 +337,12 @@ def _load_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable, params: fl
     # rank measured 1375 MiB while loading on 2 ranks, its shard plus runtime plus this transient.
     load = params + overhead + load_transient
     mapped = model.counted_from == "safetensors" and all(t.dtype == "F32" for t in model.tensors)
-    if inputs.device == "cpu" and not inputs.fsdp and not tr.lora and mapped:
+    if inputs.device == "cpu" and not inputs.sharded and not tr.lora and mapped:
         # from_pretrained maps float32 safetensors and reads a page when it is first touched:
         # the weights become resident in the first step (measured: 483 MiB at the end of loading
         # the 374M model in one process, the runtime alone).
         load = overhead + load_transient
-    if inputs.device == "cuda" and not inputs.fsdp and not inputs.optimizer_in_backward:
+    if inputs.device == "cuda" and not (inputs.sharded or inputs.offloaded) and not inputs.optimizer_in_backward:
         load += tr.bytes  # DDP allocates its buckets when it wraps
     return load
 
@@ -324,32 +369,82 @@ def _step_phases(inputs: PlanInputs, raw: dict[str, float], buffers: int, transi
     return first_step, steady
 
 
+def _offload_states(inputs: PlanInputs, states: dict[str, float]) -> tuple[dict[str, float], int]:
+    """With cpu_offload the states (parameters, gradients, optimizer state and the step's
+    temporaries) leave the GPU for pinned host memory: (what stays on the device, host bytes)."""
+    if not inputs.offloaded:
+        return states, 0
+    return {name: 0.0 for name in states}, int(sum(states.values()))
+
+
+def nccl_buffer_bytes(inputs: PlanInputs) -> int:
+    """NCCL's communicator buffers on one GPU (none on CPU, where gloo runs)."""
+    if inputs.device != "cuda":
+        return 0
+    hierarchical = STRATEGIES[inputs.parallelism].groups_by_node
+    return buffer_bytes(inputs.nccl, inputs.world_size, inputs.shard, hierarchical)
+
+
 def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
     """One rank's memory for ``inputs`` (see the module docstring for the model)."""
     notes: list[str] = []
     tr = _trainable(model, inputs)
-    params = _parameter_bytes(model, inputs, tr)
     opt_state, step_temp = _optimizer_bytes(model, inputs, tr)
-    grads = _gradient_bytes(inputs, tr)
+    states = {
+        "parameters": _parameter_bytes(model, inputs, tr),
+        "gradients": _gradient_bytes(inputs, tr),
+        "optimizer_state": opt_state,
+        "step_temp": step_temp,
+    }
+    states, host_states = _offload_states(inputs, states)
     # Gradients and the buffers that hold them in flight: DDP's buckets live as long as the
     # model; FSDP's gathered parameters and unsharded gradients only through forward/backward.
     rotary, mask = _runtime_buffer_bytes(model, inputs)
     buffers = _ddp_bucket_bytes(inputs, tr) + rotary + mask
     transient = _fsdp_gather_bytes(model, inputs, tr)
     activations, host_offload = _activation_bytes(model, inputs, tr, notes)
-    logits = _logit_bytes(model, inputs)
     overhead = _overhead_bytes(inputs)
     raw = {
-        "parameters": params,
-        "gradients": grads,
-        "optimizer_state": opt_state,
+        "parameters": states["parameters"],
+        "gradients": states["gradients"],
+        "optimizer_state": states["optimizer_state"],
         "activations": activations,
-        "logits": logits,
+        "logits": _logit_bytes(model, inputs),
         "buffers": buffers + transient,
         "overhead": overhead,
     }
-    components = {name: int(value) for name, value in raw.items()}
-    first_step, steady = _step_phases(inputs, {**raw, "step_temp": step_temp}, buffers, transient)
-    load = _load_bytes(model, inputs, tr, params, overhead)
+    # NCCL's buffers are not in max_memory_allocated, so not in the phases: headroom() adds them.
+    components = {name: int(value) for name, value in raw.items()} | {"nccl_buffers": nccl_buffer_bytes(inputs)}
+    first_step, steady = _step_phases(inputs, {**raw, "step_temp": states["step_temp"]}, buffers, transient)
+    load = _load_bytes(model, inputs, tr, states["parameters"], overhead)
     phases = {"load": int(load), "first_step": int(first_step), "steady": int(steady)}
-    return Estimate(components, phases, int(host_offload), tr.count, notes)
+    if inputs.cpu_offload and not inputs.offloaded:
+        notes.append("train.cpu_offload applies to FSDP2 on GPU sites only; ignored")
+    return Estimate(components, phases, int(host_offload), tr.count, notes, host_states)
+
+
+def headroom(est: Estimate, inputs: PlanInputs) -> dict[str, int]:
+    """What a GPU needs beyond the predicted ``max_memory_allocated`` (nothing on CPU, where
+    the figures are the measured resident set): NCCL's buffers, the CUDA context and the
+    caching allocator's fragmentation, a fraction of the peak."""
+    if inputs.device != "cuda":
+        return {}
+    return {
+        "nccl_buffers": est.components.get("nccl_buffers", 0),
+        "cuda_context": CUDA_CONTEXT_RESERVE,
+        "fragmentation": int(FRAGMENTATION_MARGIN * est.peak),
+    }
+
+
+def required_bytes(est: Estimate, inputs: PlanInputs) -> int:
+    """The device memory a rank needs: the peak plus :func:`headroom`."""
+    return est.peak + sum(headroom(est, inputs).values())
+
+
+def host_bytes_per_node(est: Estimate, inputs: PlanInputs) -> int:
+    """On a GPU site with something in host memory (cpu_offload's states, offloaded
+    activations): the pinned host memory of a node's ranks, each with its runtime; 0 otherwise."""
+    offloaded = est.host_state_bytes + est.host_offload_bytes
+    if inputs.device != "cuda" or not offloaded:
+        return 0
+    return inputs.ranks_per_node * (offloaded + GPU_RANK_HOST_BYTES)

@@ -1,32 +1,41 @@
 """The memory plan of a run, before it is queued (``jobgen plan`` and submit's check): the
 estimate for its resolved spec, the budget it must fit, the verdict, and the changes that
 would make it fit, each evaluated with the same estimator (:mod:`jobgen.memory_estimate`).
+
+The verdict compares what a rank requires, the predicted peak plus the headroom a GPU needs
+beyond it (NCCL's buffers, the CUDA context, the allocator's fragmentation:
+:func:`jobgen.memory_estimate.headroom`), with the budget: "fits" up to 90 % of it, "tight"
+above (the estimate is not that exact: it may run, it may not), "does not fit" above 100 %
+or when cpu_offload's pinned host memory exceeds a node's (site slurm.mem).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobgen.memory_estimate import CUDA_CONTEXT_RESERVE, PlanInputs, estimate
-from jobgen.model_files import ModelFileError, ModelInfo, PlanError, UnsizedModel, read_model
+from jobgen.global_batch import GlobalBatchError, grad_accum_for
+from jobgen.memory_estimate import (
+    FRAGMENTATION_MARGIN,
+    PlanInputs,
+    estimate,
+    headroom,
+    host_bytes_per_node,
+)
+from jobgen.model_files import ModelFileError, PlanError, UnsizedModel, read_model
+from jobgen.nccl_memory import settings_from
+from jobgen.plan_suggestions import TIGHT_FRACTION, Budgets, Suggestion, suggestions, verdict_for
 from jobgen.sizes import MIB, format_bytes, parse_size
 
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations", "logits", "buffers", "overhead")
 PHASES = ("load", "first_step", "steady")
-
-
-@dataclass
-class Suggestion:
-    change: str  # what to set, e.g. "train.optimizer_in_backward = true"
-    cost: str  # what it costs
-    peak: int
-    fits: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return {"change": self.change, "cost": self.cost, "peak_bytes": self.peak, "fits": self.fits}
+HEADROOM_LABELS = {
+    "nccl_buffers": "NCCL buffers",
+    "cuda_context": "CUDA context",
+    "fragmentation": f"fragmentation {FRAGMENTATION_MARGIN:.0%}",
+}
 
 
 @dataclass
@@ -40,7 +49,7 @@ class MemoryPlan:
     components: dict[str, int] = field(default_factory=dict)
     phases: dict[str, int] = field(default_factory=dict)
     peak: int = 0
-    reserve: int = 0
+    reserve: int = 0  # the sum of ``headroom``
     budget: int | None = None
     budget_source: str = ""
     suggestions: list[Suggestion] = field(default_factory=list)
@@ -51,6 +60,10 @@ class MemoryPlan:
     unavailable: str | None = None  # why no estimate could be made
     notes: list[str] = field(default_factory=list)
     measured: dict[str, Any] | None = None  # memory_peaks of an earlier job of the run
+    headroom: dict[str, int] = field(default_factory=dict)  # beyond the peak: NCCL, CUDA context, fragmentation
+    host_per_node: int = 0  # pinned host memory of a node's ranks (cpu_offload, offloaded activations)
+    host_budget: int | None = None  # a node's host memory (site slurm.mem), None when unknown
+    host_budget_source: str = ""
 
     @property
     def required(self) -> int:
@@ -58,18 +71,27 @@ class MemoryPlan:
         return self.peak + self.reserve
 
     @property
-    def fits(self) -> bool | None:
-        if self.unavailable or self.budget is None:
-            return None
-        return self.required <= self.budget
-
-    @property
     def verdict(self) -> str:
         if self.unavailable:
             return "cannot estimate"
         if self.budget is None:
             return "no budget"
-        return "fits" if self.fits else "does not fit"
+        return verdict_for(self.required, self.budget, self.host_per_node, self.host_budget)
+
+    @property
+    def fits(self) -> bool | None:
+        """False for "does not fit" (what submit refuses), True for "fits" and "tight"."""
+        if self.unavailable or self.budget is None:
+            return None
+        return self.verdict != "does not fit"
+
+    @property
+    def tight(self) -> bool:
+        return self.verdict == "tight"
+
+    @property
+    def host_exceeded(self) -> bool:
+        return self.host_budget is not None and self.host_per_node > self.host_budget
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -82,19 +104,32 @@ class MemoryPlan:
             "components": dict(self.components),
             "phases": dict(self.phases),
             "peak_bytes": self.peak,
+            "headroom": dict(self.headroom),
             "reserve_bytes": self.reserve,
             "required_bytes": self.required if not self.unavailable else None,
             "budget_bytes": self.budget,
             "budget_source": self.budget_source,
+            "tight_fraction": TIGHT_FRACTION,
             "verdict": self.verdict,
             "fits": self.fits,
             "host_offload_bytes": self.host_offload_bytes,
+            "host_bytes_per_node": self.host_per_node,
+            "host_budget_bytes": self.host_budget,
+            "host_budget_source": self.host_budget_source,
             "suggestions": [s.to_json() for s in self.suggestions],
             "unavailable": self.unavailable,
             "notes": list(self.notes),
             "inputs": asdict(self.inputs) if self.inputs else None,
             "measured": self.measured,
         }
+
+    def _host_clause(self) -> str:
+        if not self.host_per_node:
+            return ""
+        clause = f"; host memory {format_bytes(self.host_per_node)} per node (pinned)"
+        if self.host_budget is None:
+            return clause + f", {self.host_budget_source}"
+        return clause + f" of {format_bytes(self.host_budget)} ({self.host_budget_source})"
 
     def summary(self) -> str:
         """One line: the verdict with its numbers."""
@@ -103,18 +138,54 @@ class MemoryPlan:
         where = "GPU" if self.device == "cuda" else "rank (host memory)"
         head = f"memory plan: {format_bytes(self.peak)} per {where}"
         if self.reserve:
-            head += f" + {format_bytes(self.reserve)} CUDA context reserve"
+            head += f" + {format_bytes(self.reserve)} headroom (NCCL buffers, CUDA context, fragmentation)"
         if self.budget is None:
-            return head + "; no budget to compare with (set site slurm.device_memory)"
-        return head + f", budget {format_bytes(self.budget)} ({self.budget_source}): {self.verdict}"
+            return head + "; no budget to compare with (set site slurm.device_memory)" + self._host_clause()
+        share = f", {self.required / max(1, self.budget):.0%} of"
+        if self.reserve:
+            share = f" = {format_bytes(self.required)}" + share
+        line = head + f"{share} budget {format_bytes(self.budget)} ({self.budget_source}){self._host_clause()}"
+        if self.tight:
+            return line + f": tight (over {TIGHT_FRACTION:.0%} of the budget: it may run, or run out of memory)"
+        if self.host_exceeded and self.required <= self.budget:
+            return line + ": does not fit (host memory per node)"
+        return line + f": {self.verdict}"
 
     def fit_advice(self, indent: str = "", where: str = "") -> list[str]:
-        """For a run that does not fit: the changes that would make it fit, cheapest first, under
-        a header (or one line saying none does); ``where`` is appended to that first line."""
-        fitting = [f"{s.change}  -> {format_bytes(s.peak)} ({s.cost})" for s in self.suggestions if s.fits]
+        """For a run that does not fit (or fits tightly): the changes that would make it fit (with
+        room), cheapest first, under a header (or one line saying none does); ``where`` is
+        appended to that first line."""
+        fitting = [
+            f"{s.change}  -> {format_bytes(s.required)}{' (tight)' if s.verdict == 'tight' else ''} ({s.cost})"
+            for s in self.suggestions
+            if s.fits
+        ]
+        goal = "leave room" if self.tight else "make it fit"
         if not fitting:
-            return [f"{indent}no single change considered makes it fit{where}"]
-        return [f"{indent}changes that would make it fit, cheapest first{where}:", *(f"{indent}  {f}" for f in fitting)]
+            return [f"{indent}no single change considered would {goal}{where}"]
+        return [f"{indent}changes that would {goal}, cheapest first{where}:", *(f"{indent}  {f}" for f in fitting)]
+
+    def _table(self) -> list[str]:
+        """The components, the phases (with measured peaks), the headroom and the host memory."""
+        lines = [f"  {'component':18} {'per device':>12}"]
+        for name in COMPONENTS:
+            lines.append(f"  {name:18} {format_bytes(self.components.get(name, 0)):>12}")
+        lines.append(f"  {'peak (' + _peak_phase(self.phases) + ')':18} {format_bytes(self.peak):>12}")
+        for phase in PHASES:
+            figure = f"  {'  ' + phase:18} {format_bytes(self.phases.get(phase, 0)):>12}"
+            seen = _measured_figure(self.measured, phase, self.device)
+            if seen is not None:
+                figure += f"   measured {format_bytes(seen)} ({self.phases.get(phase, 0) / max(seen, 1):.2f}x)"
+            lines.append(figure)
+        for name, value in self.headroom.items():
+            lines.append(f"  {'+ ' + HEADROOM_LABELS.get(name, name):18} {format_bytes(value):>12}")
+        if self.reserve:
+            lines.append(f"  {'= required':18} {format_bytes(self.required):>12}")
+        if self.host_offload_bytes:
+            lines.append(f"  (host memory for offloaded activations: {format_bytes(self.host_offload_bytes)} per rank)")
+        if self.host_per_node:
+            lines.append(f"  (pinned host memory per node: {format_bytes(self.host_per_node)})")
+        return lines
 
     def format(self) -> str:
         """The table ``jobgen plan`` prints."""
@@ -129,29 +200,21 @@ class MemoryPlan:
             + (", counted from config.json (no safetensors)" if self.param_source == "config.json" else ""),
             f"{i.parallelism} on {i.world_size} rank(s), {kind}; micro-batch {i.micro_batch_size} x "
             f"{i.seq_len} tokens, {i.optimizer}"
+            + (f", sharded over {i.shard}" if i.parallelism == "hsdp" else "")
+            + (", CPU offload" if i.offloaded else "")
             + (", checkpointing" if i.gradient_checkpointing else "")
             + (", activation offloading" if i.activation_offloading else "")
             + (", optimizer in backward" if i.optimizer_in_backward else "")
             + (f", loss chunks of {i.loss_chunk_tokens}" if i.loss_chunk_tokens else ""),
             "",
-            f"  {'component':18} {'per device':>12}",
+            *self._table(),
+            "",
+            self.summary(),
         ]
-        for name in COMPONENTS:
-            lines.append(f"  {name:18} {format_bytes(self.components.get(name, 0)):>12}")
-        lines.append(f"  {'peak (' + _peak_phase(self.phases) + ')':18} {format_bytes(self.peak):>12}")
-        for phase in PHASES:
-            figure = f"  {'  ' + phase:18} {format_bytes(self.phases.get(phase, 0)):>12}"
-            seen = _measured_figure(self.measured, phase, self.device)
-            if seen is not None:
-                figure += f"   measured {format_bytes(seen)} ({self.phases.get(phase, 0) / max(seen, 1):.2f}x)"
-            lines.append(figure)
-        if self.reserve:
-            lines.append(f"  {'+ CUDA reserve':18} {format_bytes(self.reserve):>12}")
-        if self.host_offload_bytes:
-            lines.append(f"  (host memory for offloaded activations: {format_bytes(self.host_offload_bytes)})")
-        lines += ["", self.summary()]
         lines += [f"note: {n}" for n in self.notes]
-        if self.fits is False:
+        if self.tight:
+            lines.append(f"warning: tight: {self.required / max(1, self.budget or 1):.0%} of the budget")
+        if self.fits is False or self.tight:
             lines += self.fit_advice()
         return "\n".join(lines)
 
@@ -171,121 +234,15 @@ def _measured_figure(measured: dict[str, Any] | None, phase: str, device: str) -
     return int(value * MIB) if isinstance(value, (int, float)) else None
 
 
-class _Change:
-    """One candidate change: its spec keys as text, what it costs, and the inputs it updates."""
-
-    def __init__(self, label: str, cost: str, **updates: Any):
-        self.label, self.cost, self.updates = label, cost, updates
-
-    def __call__(self, inputs: PlanInputs) -> PlanInputs:
-        return replace(inputs, **self.updates)
-
-
-def _candidates(inputs: PlanInputs, procs_per_node: int) -> list[_Change]:
-    """Candidate changes, cheapest first."""
-    out = []
-    if not inputs.optimizer_in_backward and inputs.grad_accum == 1:
-        out.append(
-            _Change("train.optimizer_in_backward = true", "no extra compute; no gradient accumulation",
-                    optimizer_in_backward=True)
-        )  # fmt: skip
-    if not inputs.loss_chunk_tokens:
-        out.append(_Change("train.loss_chunk_tokens = 1024", "a little compute", loss_chunk_tokens=1024))
-    if inputs.parallelism == "ddp" and inputs.world_size > 1:
-        out.append(_Change('train.parallelism = "fsdp"', "more communication", parallelism="fsdp"))
-    if inputs.device == "cuda" and not inputs.activation_offloading:
-        both = "" if inputs.gradient_checkpointing else ", model.gradient_checkpointing = true"
-        out.append(
-            _Change(f"model.activation_offloading = true{both}", "about 1% slower (plus recompute)",
-                    activation_offloading=True, gradient_checkpointing=True)
-        )  # fmt: skip
-    if not inputs.gradient_checkpointing:
-        out.append(
-            _Change("model.gradient_checkpointing = true", "about 30% more compute", gradient_checkpointing=True)
-        )
-    if inputs.optimizer == "adamw":
-        out.append(_Change('train.optimizer = "adafactor"', "factored second moment", optimizer="adafactor"))
-    mb = inputs.micro_batch_size
-    while mb > 1:
-        mb //= 2
-        accum = inputs.grad_accum * (inputs.micro_batch_size // mb)
-        out.append(
-            _Change(f"train.micro_batch_size = {mb}, train.grad_accum = {accum}", "same batch, lower throughput",
-                    micro_batch_size=mb, grad_accum=accum)
-        )  # fmt: skip
-    per_node = max(1, procs_per_node)
-    for factor in (2, 4, 8, 16):
-        nodes = inputs.nodes * factor
-        fsdp = "" if inputs.parallelism == "fsdp" else ', train.parallelism = "fsdp"'
-        out.append(
-            _Change(f"job.nodes = {nodes}{fsdp}", f"{factor}x the nodes",
-                    nodes=nodes, world_size=nodes * per_node, parallelism="fsdp")
-        )  # fmt: skip
-    length = inputs.seq_len
-    while length > 256:
-        length //= 2
-        out.append(_Change(f"data.max_length = {length}", "shorter rows: changes what is learned", seq_len=length))
-    return out
-
-
-def suggestions(model: ModelInfo, inputs: PlanInputs, budget: int, reserve: int, procs_per_node: int):
-    """Each candidate change evaluated with the same estimator; the fitting ones, cheapest first
-    (of the node counts and max_lengths only the first that fits). When no single change fits,
-    the candidates applied together in order until the run fits, as one suggestion."""
-    found: list[Suggestion] = []
-    seen_nodes = seen_length = False
-    for change in _candidates(inputs, procs_per_node):
-        label, cost = change.label, change.cost
-        peak = estimate(model, change(inputs)).peak
-        fits = peak + reserve <= budget
-        if not fits:
-            continue
-        if label.startswith("job.nodes"):
-            if seen_nodes:
-                continue
-            seen_nodes = True
-        if label.startswith("data.max_length"):
-            if seen_length:
-                continue
-            seen_length = True
-        found.append(Suggestion(label, cost, peak, fits))
-    if found:
-        return found
-    # No single change: apply them together in order until the run fits, then drop each one
-    # that is not needed after all.
-    steps = []
-    current = inputs
-    for change in _candidates(inputs, procs_per_node):
-        if change.label.startswith(("job.nodes", "data.max_length", "train.micro_batch_size")):
-            continue
-        changed = change(current)
-        if changed == current:
-            continue
-        steps.append((change.label, change))
-        current = changed
-        if estimate(model, current).peak + reserve <= budget:
-            break
-    else:
-        return []
-    for item in list(reversed(steps)):
-        trial = [s for s in steps if s is not item]
-        candidate = inputs
-        for _, change in trial:
-            candidate = change(candidate)
-        if estimate(model, candidate).peak + reserve <= budget:
-            steps = trial
-    final = inputs
-    for _, change in steps:
-        final = change(final)
-    peak = estimate(model, final).peak
-    return [Suggestion("; ".join(label for label, _ in steps), "all of these together", peak, True)]
-
-
 def inputs_for(spec: Any) -> PlanInputs:
     """PlanInputs from a ResolvedSpec (duck-typed: jobgen.loader.ResolvedSpec)."""
     run = spec.run
     model, data, train = run.model, run.data, run.train
     lora = model.lora
+    try:
+        grad_accum = grad_accum_for(train, spec.world_size)
+    except GlobalBatchError:  # the loader refuses such a spec; plan with the key as written
+        grad_accum = train.grad_accum
     return PlanInputs(
         device="cuda" if spec.site.slurm.gpus_per_node > 0 else "cpu",
         dtype=model.dtype,
@@ -294,7 +251,7 @@ def inputs_for(spec: Any) -> PlanInputs:
         nodes=run.job.nodes,
         micro_batch_size=train.micro_batch_size,
         seq_len=data.max_length,
-        grad_accum=train.grad_accum,
+        grad_accum=grad_accum,
         optimizer=train.optimizer,
         gradient_checkpointing=model.gradient_checkpointing,
         # Keys being added to the spec; read defensively until every branch has them.
@@ -303,7 +260,24 @@ def inputs_for(spec: Any) -> PlanInputs:
         loss_chunk_tokens=int(getattr(train, "loss_chunk_tokens", 0) or 0),
         lora_r=lora.r if lora is not None else None,
         lora_targets=tuple(lora.target_modules) if lora is not None else (),
+        shard_size=train.shard_size,
+        cpu_offload=train.cpu_offload,
+        global_batch_size=train.global_batch_size,
+        nccl=settings_from(spec.site.network.transport, job_environment(spec)),
     )
+
+
+def job_environment(spec: Any) -> dict[str, str]:
+    """The variables the job exports as the batch script writes them: the site's [env], its
+    [network.env], then the run's [env], which wins."""
+    return {**spec.site.env, **spec.site.network.env, **spec.run.env}
+
+
+def _node_memory(mem: str | None) -> int | None:
+    """Bytes of a Slurm --mem (MiB without a unit); None for unset or '0' (a whole node)."""
+    if not mem or mem == "0":
+        return None
+    return parse_size(mem if mem[-1].isalpha() else mem + "M")
 
 
 def budget_for(spec: Any) -> tuple[int | None, str]:
@@ -313,10 +287,21 @@ def budget_for(spec: Any) -> tuple[int | None, str]:
     given = getattr(slurm, "device_memory", None)
     if given:
         return parse_size(given), f"slurm.device_memory = {given}"
-    if slurm.gpus_per_node == 0 and slurm.mem and slurm.mem != "0":
-        per_node = parse_size(slurm.mem if slurm.mem[-1].isalpha() else slurm.mem + "M")  # Slurm: MiB by default
+    per_node = _node_memory(slurm.mem)
+    if slurm.gpus_per_node == 0 and per_node:
         return per_node // max(1, spec.procs_per_node), f"slurm.mem {slurm.mem} / {spec.procs_per_node} per node"
     return None, "no slurm.device_memory in the site"
+
+
+def host_budget_for(spec: Any) -> tuple[int | None, str]:
+    """A node's host memory, for what a GPU run pins there: site slurm.mem; (None, why) when
+    the job takes a whole node ('0') or the site does not say."""
+    mem = spec.site.slurm.mem
+    per_node = _node_memory(mem)
+    if per_node:
+        return per_node, f"slurm.mem = {mem}"
+    what = "slurm.mem = 0 (a whole node, of a size the site does not say)" if mem == "0" else "no slurm.mem"
+    return None, f"{what}: check that the nodes have it"
 
 
 def read_measured(run_dir: Path) -> dict[str, Any] | None:
@@ -354,9 +339,13 @@ def plan_run(spec: Any) -> MemoryPlan:
     plan.param_count, plan.trainable_params = model.param_count, est.trainable_params
     plan.param_source = model.counted_from
     plan.notes = est.notes
-    plan.reserve = CUDA_CONTEXT_RESERVE if device == "cuda" else 0
+    plan.headroom = headroom(est, inputs)
+    plan.reserve = sum(plan.headroom.values())
+    plan.host_per_node = host_bytes_per_node(est, inputs)
+    plan.host_budget, plan.host_budget_source = host_budget_for(spec)
     plan.budget, plan.budget_source = budget_for(spec)
     plan.measured = read_measured(spec.run_dir)
-    if plan.fits is False:
-        plan.suggestions = suggestions(model, inputs, plan.budget, plan.reserve, spec.procs_per_node)
+    if plan.budget is not None and (plan.fits is False or plan.tight):
+        budgets = Budgets(plan.budget, plan.host_budget)
+        plan.suggestions = suggestions(model, inputs, budgets, spec.procs_per_node, tight=plan.tight)
     return plan

@@ -146,19 +146,25 @@ def _nodelist_findings(name: str, facts: _ClusterFacts) -> list[Finding]:
 
 
 def _node_count_findings(job: JobSpec, name: str, facts: _ClusterFacts) -> list[Finding]:
-    """Too few nodes left in the partition once the excluded ones are taken out."""
+    """Too few nodes left in the partition once the excluded ones are taken out (fewer than
+    job.min_nodes, which a task may run on, when it is set)."""
     count = len(facts.candidates)
+    fewest = job.min_nodes or job.nodes
+    gone = facts.excluded & facts.in_partition
+    excluding = f" after excluding {', '.join(sorted(gone))}" if gone else ""
     if count >= job.nodes:
         return []
-    gone = facts.excluded & facts.in_partition
-    return [
-        Finding(
-            "error",
-            "job.nodes",
-            f"{job.nodes} nodes requested but partition '{name}' has {count}"
-            + (f" after excluding {', '.join(sorted(gone))}" if gone else ""),
-        )
-    ]
+    if count >= fewest:
+        return [
+            Finding(
+                "info",
+                "job.min_nodes",
+                f"partition '{name}' has {count} of the {job.nodes} nodes{excluding}: tasks run on {count} "
+                "until more are back",
+            )
+        ]
+    asked = f"{job.nodes} nodes requested" if fewest == job.nodes else f"at least {fewest} nodes (job.min_nodes)"
+    return [Finding("error", "job.nodes", f"{asked} but partition '{name}' has {count}{excluding}")]
 
 
 def _node_resource_findings(
@@ -166,8 +172,9 @@ def _node_resource_findings(
 ) -> list[Finding]:
     """Enough candidate nodes with the CPUs and GPUs asked for, and up now."""
     findings = []
+    fewest = job.min_nodes or job.nodes  # what a task can start on
     fitting = [n for n in candidates if int(n.get("CPUTot", "0") or 0) >= slurm_site.cpus_per_node]
-    if len(fitting) < job.nodes:
+    if len(fitting) < fewest:
         most = max(int(n.get("CPUTot", "0") or 0) for n in candidates)
         findings.append(
             Finding(
@@ -181,7 +188,7 @@ def _node_resource_findings(
         with_gpus = [
             n for n in candidates if _gres_count(n.get("Gres", ""), slurm_site.gres_name) >= slurm_site.gpus_per_node
         ]
-        if len(with_gpus) < job.nodes:
+        if len(with_gpus) < fewest:
             findings.append(
                 Finding(
                     "error",
@@ -191,7 +198,7 @@ def _node_resource_findings(
                 )
             )
     usable = [n for n in candidates if not (set(n.get("State", "").split("+")) & slurm.NODE_UNUSABLE)]
-    if len(usable) < job.nodes:
+    if len(usable) < fewest:
         findings.append(
             Finding(
                 "warning",
@@ -212,9 +219,9 @@ def _decide(spec: ResolvedSpec, facts: _ClusterFacts) -> list[Finding]:
     findings += _limit_findings(job, facts.name, facts.partition, facts.max_time)
     findings += _nodelist_findings(facts.name, facts)
     shortfall = _node_count_findings(job, facts.name, facts)
-    if shortfall:
+    if any(f.level == "error" for f in shortfall):
         return findings + shortfall
-    return findings + _node_resource_findings(job, spec.site.slurm, facts.name, facts.candidates)
+    return findings + shortfall + _node_resource_findings(job, spec.site.slurm, facts.name, facts.candidates)
 
 
 def check_cluster(spec: ResolvedSpec, quarantined: list[str] = ()) -> list[Finding]:
@@ -273,7 +280,8 @@ def pass_env_findings(spec: ResolvedSpec, environ: Mapping[str, str] | None = No
 def memory_findings(spec: ResolvedSpec, *, ignore: bool = False) -> list[Finding]:
     """``jobgen plan``'s verdict as findings: an error (a warning with ``ignore``) when the run
     is predicted not to fit, naming the numbers and the changes that would make it fit; a
-    warning when no estimate can be made (a hub id, a .bin checkpoint); an error, whatever
+    warning when it fits tightly (over 90 % of the budget) or no estimate can be made (a hub
+    id, a .bin checkpoint); an error, whatever
     ``ignore`` says, for malformed model files, on which training would fail too; otherwise an
     info line."""
     from jobgen.memory_plan import plan_run
@@ -289,6 +297,10 @@ def memory_findings(spec: ResolvedSpec, *, ignore: bool = False) -> list[Finding
         return [Finding("warning", "model.path", f"memory plan: cannot estimate: {exc}")]
     if plan.unavailable:
         return [Finding("warning", "model.path", plan.summary())]
+    if plan.tight:
+        # Over 90 % of the budget: it may run, so it is queued, with the changes that leave room.
+        advice = plan.fit_advice("    ", " (`jobgen plan` shows the breakdown)")
+        return [Finding("warning", "", "\n".join([plan.summary(), *advice]))]
     if plan.fits is not False:
         return [Finding("info", "", plan.summary())]
     lines = [plan.summary(), *plan.fit_advice("    ", " (`jobgen plan` shows the breakdown)")]

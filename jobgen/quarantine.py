@@ -139,12 +139,13 @@ def excluded_nodes(run: RunDir, spec_exclude: list[str]) -> list[str]:
     return [*spec_exclude, *sorted(n for n in read(run) if n not in spec_exclude)]
 
 
-def exclude_from_pending(run: RunDir, job_name: str, spec_exclude: list[str]) -> list[str]:
+def exclude_from_pending(run: RunDir, spec) -> list[str]:
     """Give every pending job of the run (array tasks not started yet, chained submissions)
     the run's excluded nodes; returns the job ids updated. ``ExcNodeList`` replaces the list,
-    so it always carries the spec's own exclusions too."""
-    exclude = ",".join(excluded_nodes(run, spec_exclude))
-    pending = [e for e in slurm.queue_named(job_name) if e.state in slurm.JOB_PENDING]
+    so it always carries the spec's own exclusions too. (A ``job.min_nodes`` run asks for a
+    node range, so a task starts on the nodes left; Slurm cannot resize an array's tasks.)"""
+    exclude = ",".join(excluded_nodes(run, list(spec.run.job.exclude)))
+    pending = [e for e in slurm.queue_named(spec.run.job.name) if e.state in slurm.JOB_PENDING]
     updated = []
     for entry in pending:
         job = entry.slurm_id
@@ -280,7 +281,7 @@ def _quarantine(run: RunDir, spec, found: dict[str, str], job_id: str) -> list[Q
         return []
     task = _task_name(job_id)
     added = add(run, found, task)
-    updated = exclude_from_pending(run, spec.run.job.name, list(spec.run.job.exclude))
+    updated = exclude_from_pending(run, spec)
     for entry in added:
         print(f"jobgen: quarantined {entry.node}: {entry.reason}", file=sys.stderr)
     if updated:

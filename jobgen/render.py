@@ -136,8 +136,14 @@ def sbatch_directives(spec: ResolvedSpec) -> list[Trusted]:
 
     directives = [
         option("job-name", job.name),
-        option("nodes", job.nodes),
-        option("ntasks-per-node", 1),
+        # job.min_nodes: a range; Slurm gives as many as are free (with --exclusive, below).
+        option("nodes", job.nodes if len(job.node_counts) == 1 else f"{job.min_nodes}-{job.nodes}"),
+    ]
+    # With --ntasks-per-node, Slurm 22.05 starts a node range on its minimum even with every
+    # node free (measured on the dev cluster); the script's sruns name their tasks themselves.
+    if len(job.node_counts) == 1:
+        directives.append(option("ntasks-per-node", 1))
+    directives += [
         option("cpus-per-task", slurm.cpus_per_node),
     ]
     gpus = slurm.gpus_per_node
@@ -158,7 +164,9 @@ def sbatch_directives(spec: ResolvedSpec) -> list[Trusted]:
     ):
         if value:
             directives.append(option(name, value))
-    if slurm.exclusive:
+    # Slurm 22.05 starts a node range on its minimum even with every node idle, unless the job
+    # takes whole nodes and names no tasks per node (measured on the dev cluster).
+    if slurm.exclusive or len(job.node_counts) > 1:
         directives.append(option("exclusive"))
     if slurm.hint_nomultithread:
         directives.append(option("hint", "nomultithread"))
@@ -220,6 +228,7 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         "script_name": script_name(spec),
         "sbatch_directives": sbatch_directives(spec),
         "nodes": job.nodes,
+        "min_nodes": job.min_nodes or job.nodes,
         "procs_per_node": procs,
         "world_size": spec.world_size,
         "cpus_per_task": slurm.cpus_per_node,
@@ -343,7 +352,9 @@ def entry_words(spec: ResolvedSpec) -> Trusted:
         plan = _shell_path("$JOBGEN_RUN_DIR", run.path, run.command_plan(SHELL_JOB_ID, SHELL_RESTART))
         return Trusted(f"-m {LAUNCHER} --plan {plan}")
     module = PROGRAMS[program]
-    return Trusted(f'-m {module} --run-dir "$JOBGEN_RUN_DIR" --expected-world-size {spec.world_size}')
+    # On each node (the node script): the nodes Slurm gave this task, which job.min_nodes lets vary.
+    world = f'"$((SLURM_NNODES * {spec.procs_per_node}))"'
+    return Trusted(f'-m {module} --run-dir "$JOBGEN_RUN_DIR" --expected-world-size {world}')
 
 
 def command_line(spec: ResolvedSpec) -> str | None:

@@ -26,6 +26,7 @@ from jobgen.fields import (
     StrictModel,
 )
 from jobgen.serve_spec import ServeSpec
+from jobgen.train_spec import TrainSpec
 from jobgen.watchdog_settings import WatchdogSettings
 
 # Slurm's default MaxArraySize is 1001, so the highest index is 1000.
@@ -44,6 +45,19 @@ class JobSpec(StrictModel):
         ),
     )
     nodes: int = Field(1, ge=1, le=4096, description="Number of nodes.")
+    min_nodes: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description=(
+            "Fewest nodes a task may run on (default: nodes). Below nodes, each task asks Slurm for "
+            "--nodes=min_nodes-nodes and whole nodes (--exclusive, without which Slurm starts a range on its "
+            "minimum): when quarantine or Slurm leaves fewer healthy nodes, the next task runs on what there is "
+            "instead of waiting, and on all of them again once they are back. Needs "
+            "train.global_batch_size (or train.allow_batch_change) with the bundled trainer, so that each world "
+            "size keeps the batch."
+        ),
+    )
     procs_per_node: int | None = Field(
         None,
         ge=1,
@@ -109,6 +123,17 @@ class JobSpec(StrictModel):
                 " the job would be told to exit before it starts"
             )
         return grace
+
+    @model_validator(mode="after")
+    def _min_nodes_at_most_nodes(self) -> JobSpec:
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"job.min_nodes ({self.min_nodes}) must be at most job.nodes ({self.nodes})")
+        return self
+
+    @property
+    def node_counts(self) -> range:
+        """The node counts a task may get: min_nodes to nodes."""
+        return range(self.min_nodes or self.nodes, self.nodes + 1)
 
 
 class LoraSpec(StrictModel):
@@ -235,135 +260,6 @@ def _parse_template(template: str):
         raise ValueError(f"Jinja syntax error at line {exc.lineno} of the template: {exc.message}") from None
 
 
-class TrainSpec(StrictModel):
-    """The optimisation loop."""
-
-    parallelism: Literal["ddp", "fsdp"] = Field("ddp", description="DistributedDataParallel or FSDP2 (fully_shard).")
-    micro_batch_size: int = Field(4, ge=1, description="Sequences per process per micro-step.")
-    grad_accum: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
-    lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
-    optimizer: Literal["adamw", "adafactor"] = Field(
-        "adamw",
-        description=(
-            "'adamw' (betas 0.9, 0.95): two float32 moments per parameter (8 bytes per parameter). "
-            "'adafactor' (torch.optim.Adafactor): the low-memory optimizer, no first moment (no momentum) and a "
-            "factored second moment (a row and a column vector per matrix), so its state is a small fraction of "
-            "the parameters' size."
-        ),
-    )
-    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps before the cosine decay.")
-    grad_clip: float = Field(1.0, ge=0, description="Max gradient norm (see grad_clip_mode); 0 disables clipping.")
-    grad_clip_mode: Literal["global", "per_parameter"] = Field(
-        "global",
-        description=(
-            "'global': scale all gradients together so that their joint norm is at most grad_clip. "
-            "'per_parameter': clip each parameter's gradient norm to grad_clip on its own (the only clipping "
-            "possible with optimizer_in_backward, where no step ever holds all gradients at once)."
-        ),
-    )
-    optimizer_in_backward: bool = Field(
-        False,
-        description=(
-            "Step the optimizer for each parameter as soon as its gradient is ready during backward, and free "
-            "that gradient at once: the gradients of the whole model are never held together. One optimizer "
-            "per parameter; checkpoints resume exactly. Needs grad_accum = 1 and either grad_clip = 0 or "
-            "grad_clip_mode = 'per_parameter'; with parallelism = 'ddp' only one process (job.nodes = 1, "
-            "job.procs_per_node = 1), as DDP's gradient hooks run before its all-reduce. Works with 'fsdp', "
-            "whose hooks run on the reduce-scattered gradient shard. The logged grad_norm is the norm before "
-            "clipping, summed in the hooks."
-        ),
-    )
-    loss_chunk_tokens: int = Field(
-        0,
-        ge=0,
-        le=1_048_576,
-        description=(
-            "Compute the loss through the output layer this many tokens at a time, recomputing each chunk's "
-            "logits in backward, so the float32 logits of the whole sequence (tokens x vocabulary) never exist; "
-            "e.g. 1024. Same loss and gradients as the full computation up to rounding. 0 computes the logits "
-            "(of the target positions, with target_logits_only) at once. "
-            "Needs an output layer that is a plain linear layer whose output the model returns as is "
-            "(Llama, Qwen, Mistral...); the trainer refuses other architectures at start."
-        ),
-    )
-    target_logits_only: bool = Field(
-        True,
-        description=(
-            "Send only the positions that have a target through the output layer: in SFT the prompt tokens "
-            "carry no loss, and the output layer (tokens x hidden x vocabulary) is the largest matrix product "
-            "of a small model. The loss and gradients are those of the full computation up to rounding. "
-            "Models whose output layer is not a plain linear layer, or that post-process their logits, get "
-            "the full computation (a log line says so); false always computes every position's logits."
-        ),
-    )
-    compile: bool | None = Field(
-        None,
-        description=(
-            "torch.compile each decoder block (fusing its norms, rotary embeddings, activations and residual "
-            "adds; the output layer and the loss stay eager). Default: on for GPUs, off on CPU. The first steps "
-            "of every job pay the compilation."
-        ),
-    )
-    max_steps: int = Field(1000, ge=1, description="Optimizer steps in the whole run (across array tasks).")
-    save_every_steps: int = Field(500, ge=0, description="Checkpoint every N steps; 0 disables step-based saves.")
-    save_every: Duration = Field("30m", description="Also checkpoint after this much wall time since the last save.")
-    keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept on disk (oldest deleted first).")
-    async_save: bool = Field(False, description="Save in the background; training blocks only for the staging copy.")
-    seed: int = Field(1234, ge=0, description="Seed for data order, initialisation and dropout.")
-    log_every_steps: int = Field(10, ge=1, description="Append a metrics line every N steps.")
-    report_to: list[Literal["tensorboard", "wandb"]] = Field(
-        default_factory=list,
-        description=(
-            "Experiment trackers that get every logged step, from rank 0: 'tensorboard' (event files in "
-            "<run>/tensorboard/) and/or 'wandb' (one W&B run for the whole jobgen run, resumed by every array "
-            "task; offline under <run>/wandb/ when the node cannot reach W&B). A tracker that fails never stops "
-            "training. Needs the [track] extra."
-        ),
-    )
-    wandb_project: str = Field(
-        "jobgen", min_length=1, description="W&B project for report_to = ['wandb']; the run is named after job.name."
-    )
-    collective_timeout: Duration = Field(
-        "10m", description="Timeout of every collective; a rank that hangs longer ends the job."
-    )
-    max_host_memory_percent: float = Field(
-        95.0, gt=0, le=100, description="Save and exit when host memory use exceeds this percentage."
-    )
-    min_gpu_free_memory_mib: int = Field(
-        0, ge=0, description="Save and exit when free GPU memory drops below this (MiB); 0 disables."
-    )
-    host_allocator: Literal["auto", "lean", "glibc"] = Field(
-        "auto",
-        description=(
-            "How each process's host memory is allocated. 'lean': tensors of 256 KiB or more get their own "
-            "mappings, returned to the system when freed: the lowest and flattest resident set, but every new "
-            "large tensor costs page faults (about 20 % slower steps when training on CPU). 'glibc': glibc's own "
-            "allocator, which keeps freed memory in its heaps for reuse: fastest, with a larger resident set. "
-            "'auto': lean on GPU sites and for CPU runs whose predicted peak (jobgen plan) exceeds half of the "
-            "host memory one process may use, glibc otherwise. MALLOC_MMAP_THRESHOLD_ in the environment wins."
-        ),
-    )
-
-    @model_validator(mode="after")
-    def _optimizer_in_backward_combinations(self) -> TrainSpec:
-        if not self.optimizer_in_backward:
-            return self
-        if self.grad_accum > 1:
-            raise ValueError(
-                f"train.optimizer_in_backward = true needs train.grad_accum = 1 (it is {self.grad_accum}): the "
-                "optimizer steps as soon as a gradient is ready, so gradients cannot be accumulated over "
-                "micro-batches; raise micro_batch_size instead"
-            )
-        if self.grad_clip > 0 and self.grad_clip_mode == "global":
-            raise ValueError(
-                "train.optimizer_in_backward = true cannot clip by the global gradient norm (train.grad_clip = "
-                f"{self.grad_clip:g} with train.grad_clip_mode = 'global'): no moment holds every gradient; set "
-                "train.grad_clip = 0 or train.grad_clip_mode = 'per_parameter'"
-            )
-        return self
-
-
 class RunSpec(StrictModel):
     """A whole run.toml after the site reference has been taken out."""
 
@@ -407,6 +303,20 @@ class RunSpec(StrictModel):
             raise ValueError(f"[command] is only used with job.program = 'command' (program is '{self.job.program}')")
         if self.job.program != "train" and self.eval is not None:
             raise ValueError(f"[eval] is only used with job.program = 'train' (program is '{self.job.program}')")
+        return self
+
+    @model_validator(mode="after")
+    def _fewer_nodes_keep_the_batch(self) -> RunSpec:
+        train, job = self.train, self.job
+        if job.program != "train" or len(job.node_counts) == 1:
+            return self
+        if train.global_batch_size is None and not train.allow_batch_change:
+            raise ValueError(
+                f"job.min_nodes = {job.min_nodes} lets a task run on fewer than {job.nodes} nodes, which changes "
+                "the global batch (train.micro_batch_size x train.grad_accum x world size): set "
+                "train.global_batch_size so that grad_accum follows the world size, or train.allow_batch_change "
+                "= true"
+            )
         return self
 
     @model_validator(mode="after")

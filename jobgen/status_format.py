@@ -43,7 +43,7 @@ def _why(task: TaskStatus) -> str:
 def task_lines(tasks: list[TaskStatus]) -> list[str]:
     header = (
         f"{'task':<12} {'state':<10} {'nodes':<14} {'started':<11}  {'elapsed/limit':>15}  "
-        f"{'steps':<11} {'redone':>6} {'1st step':>8}  why"
+        f"{'steps':<11} {'redone':>6} {'1st step':>8} {'ranks/batch':>11}  why"
     )
     lines = [header]
     for t in tasks:
@@ -54,9 +54,10 @@ def task_lines(tasks: list[TaskStatus]) -> list[str]:
         steps = f"{t.start_step}->{'' if t.end_step is None else t.end_step}" if t.start_step is not None else ""
         redone = "" if t.recomputed_steps is None or t.start_step is None else str(t.recomputed_steps)
         first = f"{t.seconds_to_first_step:.0f}s" if t.seconds_to_first_step is not None else ""
+        shape = f"{t.world_size}/{t.global_batch}" if t.world_size and t.global_batch else ""
         lines.append(
             f"{name:<12} {t.state:<10} {(nodes or ''):<14} {_clock(t.start_time):<11}  {elapsed:>15}  "
-            f"{steps:<11} {redone:>6} {first:>8}  {_why(t)}".rstrip()
+            f"{steps:<11} {redone:>6} {first:>8} {shape:>11}  {_why(t)}".rstrip()
         )
     return lines
 

@@ -25,6 +25,7 @@ from jobgen.goodput import kill_window_warning, lead_time_warning, run_reports
 from jobgen.preflight import Finding, command_findings, kill_window, memory_findings, pass_env_findings, preflight
 from jobgen.render import render, script_name
 from jobgen.resolved import ResolvedSpec
+from jobgen.resume_check import resume_problem
 from jobgen.rundir import RunDir, RunDirTaken, materialize, remove_new
 
 
@@ -143,6 +144,7 @@ def _preflight_findings(
     # The memory plan needs no cluster: a run predicted not to fit is refused even where
     # Slurm cannot be reached, before anything is written or queued.
     memory = memory_findings(spec, ignore=ignore_memory_plan) + pass_env_findings(spec) + command_findings(spec)
+    memory += _resume_findings(spec)
     findings: list[Finding] = []
     if not skip_preflight:
         with tempfile.TemporaryDirectory(prefix="jobgen-preflight-") as tmp:
@@ -165,6 +167,16 @@ def _preflight_findings(
             )
         )
     return findings
+
+
+def _resume_findings(spec: ResolvedSpec) -> list[Finding]:
+    """A run whose checkpoint the next task would refuse (another global batch): found now,
+    without the cluster, rather than after the queue wait."""
+    if spec.run.job.program != "train":
+        return []
+    world_sizes = [nodes * spec.procs_per_node for nodes in spec.run.job.node_counts]
+    problem = resume_problem(spec.run.train, world_sizes, spec.run_dir)
+    return [Finding("error", "train.global_batch_size", problem)] if problem else []
 
 
 def _continue_findings(spec: ResolvedSpec, run: RunDir, *, after: int | None, skip_preflight: bool) -> list[Finding]:

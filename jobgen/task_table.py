@@ -69,6 +69,8 @@ class TaskStatus:
     time_limit_seconds: int | None = None
     jobgen_exit: int | None = None  # jobgen's exit code (jobgen.exit_codes), before planned stops became 0
     comment: str | None = None  # Slurm's comment, which the batch script sets as it exits
+    world_size: int | None = None  # ranks the trainer ran on (may differ between tasks)
+    global_batch: int | None = None  # sequences per optimizer step over all ranks
 
     @property
     def slurm_id(self) -> str:
@@ -152,7 +154,9 @@ def build_tasks(
     waiting = [e for e in ours if _never_started(e, rows.values())]
     _apply_queue(rows, row, [e for e in ours if e not in waiting], time_limit)
     _mark_requeued(rows)
-    _name_time_limit_kills(rows, {(int(r.job_id), r.restart) for r in reports if r.exit_code is not None})
+    # A run by hand outside Slurm has no job id ("None" in its records): it has no row either.
+    program_ended = {(int(r.job_id), r.restart) for r in reports if r.exit_code is not None and r.job_id.isdigit()}
+    _name_time_limit_kills(rows, program_ended)
     tasks = list(rows.values())
     if slurm_answered:
         tasks += _tasks_never_seen(run, tasks, waiting)
@@ -186,6 +190,7 @@ def _apply_reports(row, reports: list[TaskReport]) -> None:
         task.start_step, task.end_step = report.start_step, report.end_step
         task.recomputed_steps = report.recomputed_steps
         task.seconds_to_first_step = report.seconds_to_first_step
+        task.world_size, task.global_batch = report.world_size, report.global_batch
         # The program's own words win, but not goodput's guess for a program that left no
         # exit record ("killed?") over what the batch script recorded (a node failure, ...).
         if report.exit_reason and (report.exit_code is not None or not task.exit_reason):
@@ -293,6 +298,22 @@ def _apply_slurm_memory(rows, row, ended: list[slurm.JobRecord]) -> None:
             task.exit_reason = record.comment.removeprefix("jobgen: ") or _SLURM_ENDS.get(record.state)
 
 
+# Slurm's StartTime and the batch script's first `date` differ by the prolog's seconds; a
+# requeued attempt starts minutes later (Slurm holds a requeued job back before it runs again).
+SAME_START_SECONDS = 60
+
+
+def _started_before_its_end(task: TaskStatus, entry: slurm.QueueEntry) -> bool:
+    """Squeue's RUNNING entry is the recorded attempt still exiting (its program or batch
+    script wrote how it ended, and it is tearing down), not a requeued one: that starts after
+    the recorded one ended."""
+    if entry.start is None or task.start_time is None:
+        return False
+    if task.elapsed_seconds is not None and entry.start <= task.start_time + task.elapsed_seconds:
+        return True
+    return abs(entry.start - task.start_time) < SAME_START_SECONDS
+
+
 def _apply_queue(rows, row, queue: list[slurm.QueueEntry], time_limit: int | None) -> None:
     """Pending and running tasks. A job id that ended before and is queued again was
     requeued: its new attempt is the one after the last recorded."""
@@ -301,7 +322,12 @@ def _apply_queue(rows, row, queue: list[slurm.QueueEntry], time_limit: int | Non
         # exit code from the batch script or the trainer), else the one after the newest.
         attempts = sorted(r for (j, r) in rows if j == entry.job_id)
         newest_open = bool(attempts) and rows[(entry.job_id, attempts[-1])].jobgen_exit is None
-        if attempts and not newest_open and (entry.state in slurm.JOB_ENDING or entry.state not in slurm.JOB_ACTIVE):
+        ending = entry.state in slurm.JOB_ENDING or entry.state not in slurm.JOB_ACTIVE
+        if (
+            attempts
+            and not newest_open
+            and (ending or _started_before_its_end(rows[(entry.job_id, attempts[-1])], entry))
+        ):
             # No new attempt: the recorded one being cleaned up (COMPLETING), or squeue --jobs
             # still listing how it ended (MinJobAge). The recorded end is final, Slurm's word
             # on how it ended wins as in _apply_slurm_memory; a row of its own would show the

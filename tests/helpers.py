@@ -269,12 +269,20 @@ def make_run(
         job={"time": "1h", "runs_root": "runs"},
         model={"path": tiny_model, **(model or {})},
         data={"path": DATA, "max_length": 256, **(data or {})},
-        train={**TRAINER_SETTINGS, **train},
+        train=_batch_keys({**TRAINER_SETTINGS, **train}, train),
         eval=eval,
     )
     spec = load_run(spec_file)
     run, _ = materialize(spec, render(spec), spec_file.read_text())
     return run.path
+
+
+def _batch_keys(settings: dict[str, object], given: dict[str, object]) -> dict[str, object]:
+    """A test that sets train.global_batch_size derives grad_accum from it: the default
+    grad_accum is left out (the spec refuses both)."""
+    if "global_batch_size" in given and "grad_accum" not in given:
+        return {k: v for k, v in settings.items() if k != "grad_accum"}
+    return settings
 
 
 class ClusterRun(NamedTuple):
@@ -302,10 +310,12 @@ def train_spec(
     runs_root: Path | None = None,
     site: str | dict[str, object] = "local",
     eval: dict[str, object] | None = None,
+    job: dict[str, object] | None = None,
     **train: object,
 ) -> Path:
     """A training run for the dev cluster (``directory/NAME.toml``) that trains until it is
-    stopped (max_steps 1e6); ``train`` overrides or adds [train] keys, ``eval`` writes [eval]."""
+    stopped (max_steps 1e6); ``train`` overrides or adds [train] keys, ``eval`` writes [eval],
+    ``job`` adds [job] keys (min_nodes, nodelist...)."""
     SUBMITTED_NAMES.append(name)
     settings = {
         "micro_batch_size": 4,
@@ -317,6 +327,7 @@ def train_spec(
         "seed": 3,
         **train,
     }
+    settings = _batch_keys(settings, train)
     return run_spec(
         directory,
         name,
@@ -329,6 +340,7 @@ def train_spec(
             "exit_grace": grace,
             "array": array,
             "runs_root": runs_root or directory / "runs",
+            **(job or {}),
         },
         model={"path": tiny_model},
         data={"path": DATA, "max_length": 256},

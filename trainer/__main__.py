@@ -192,6 +192,7 @@ def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None
 def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
     """Build the trainer and fit; failures that every later task would repeat come back as
     their exit codes (typed exceptions, never matched on message text)."""
+    from jobgen.global_batch import GlobalBatchChanged
     from jobgen.runtime.stopping import StopMonitor, StopSettings, job_end_time
     from trainer import distributed
     from trainer.checkpoint import ResumeFailed
@@ -242,6 +243,8 @@ def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
         code, reason = ExitCode.RESUME_FAILED, str(exc)
     except ResumeMismatch as exc:
         code, reason = ExitCode.RESUME_MISMATCH, str(exc)
+    except GlobalBatchChanged as exc:
+        code, reason = ExitCode.BATCH_CHANGED, str(exc)
     trainer.write_summary(code, reason)
     return code, reason
 

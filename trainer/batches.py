@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from jobgen.global_batch import grad_accum_for
 from jobgen.resolved import ResolvedSpec
 from trainer.data_cache import cache_root, prepare_dataset
 from trainer.distributed import DistEnv
@@ -83,6 +84,7 @@ class DataPipeline:
             rank=env.rank,
             micro_batch_size=train.micro_batch_size,
             seed=train.seed,
+            grad_accum=grad_accum_for(train, env.world_size),
         )
         if env.is_main:
             self._log_summary(lengths, data_spec.max_length)

@@ -375,9 +375,10 @@ class Checkpointer:
         )
         if rng is not None:
             set_rng_state(rng)
-        elif self.env.is_main:
+        else:  # only ranks beyond the checkpoint's world lack one: each says so in its own log
             log.warning(
-                "no RNG state for rank %d in %s (world size changed?); RNG streams restart",
+                "no RNG state for rank %d in %s (the world grew since it was saved): this rank's random "
+                "streams (dropout) start from the seed",
                 self.env.rank,
                 path.name,
             )

@@ -27,6 +27,9 @@ class DistEnv:
     local_rank: int
     device: torch.device
     backend: str
+    # Processes on this node (torchrun's LOCAL_WORLD_SIZE: job.procs_per_node in a batch
+    # script), which HSDP's shard groups default to.
+    local_world_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -44,7 +47,8 @@ def init_distributed(timeout_seconds: int, expected_world_size: int | None) -> D
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=dt.timedelta(seconds=timeout_seconds))
-    env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, local_world_size)
     mark_progress()  # the rendezvous may have waited long for the other nodes
     if expected_world_size is not None and env.world_size != expected_world_size:
         raise WorldSizeError(

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from jobgen.atomic import write_json_atomic
 from jobgen.exit_codes import ExitCode
+from jobgen.global_batch import BatchShape, check_resume, shape_for
 from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir
 from jobgen.runtime.records import MetricsWriter
@@ -72,6 +73,9 @@ class Trainer:
         self.run_dir = run_dir
         self.env = env
         self.monitor = monitor
+        # This task's split of the global batch: grad_accum follows the world size when
+        # train.global_batch_size is set (a resume on fewer nodes keeps the batch).
+        self.batch = shape_for(self.cfg, env.world_size)
         self.startup = startup or StartupClock()
         self.started = self.startup.process_started
         self.memory_peaks = MemoryPeaks(env.device)  # per phase: load, first step, steady
@@ -133,11 +137,13 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "seed": self.cfg.seed,
             "world_size": self.env.world_size,
+            "batch": self.batch.to_json(),
             "saved_at": time.time(),
             "evals": self.evaluation.history.state_dict() if self.evaluation else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_resume(BatchShape.from_json(state.get("batch")), self.batch, self.cfg)
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.target_tokens_seen = int(state["target_tokens_seen"])
@@ -164,16 +170,14 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def _sync_context(self, last_micro: bool):
-        """No gradient all-reduce on the micro-steps before the last one."""
-        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
-            self.model.set_requires_gradient_sync(last_micro)
-            return contextlib.nullcontext()
-        if last_micro or not hasattr(self.model, "no_sync"):
-            return contextlib.nullcontext()
-        return self.model.no_sync()
+        """No gradient all-reduce on the micro-steps before the last one, as the parallelism's
+        entry in trainer.parallel does it (DDP's no_sync, FSDP2's switches)."""
+        from trainer.parallel import strategy
+
+        return strategy(self.cfg.parallelism).sync_context(self.model, last_micro)
 
     def train_step(self) -> dict[str, float]:
-        micro_batches = [self.data.next_batch() for _ in range(self.cfg.grad_accum)]
+        micro_batches = [self.data.next_batch() for _ in range(self.batch.grad_accum)]
         local_targets = sum(int(count_targets(b["labels"])) for b in micro_batches)
         local_tokens = sum(int(b["num_tokens"]) for b in micro_batches)
         local_padded = sum(int(b["input_ids"].numel()) for b in micro_batches)  # what the model computes on
@@ -305,11 +309,13 @@ class Trainer:
         self.memory_peaks.end_phase("load")  # model, optimizer and checkpoint in place
         if self.env.is_main:
             log.info(
-                "%s at step %d of %d (world size %d, %s, seed %d)",
+                "%s at step %d of %d (world size %d, global batch %d = %s, %s, seed %d)",
                 f"resumed from {self.resumed_from}" if self.resumed_from else "starting",
                 self.step,
                 self.cfg.max_steps,
                 self.env.world_size,
+                self.batch.global_batch,
+                self.batch.describe(),
                 self.cfg.parallelism,
                 self.cfg.seed,
             )
@@ -385,6 +391,7 @@ class Trainer:
                 "seconds_to_first_step": round(self.seconds_to_first_step, 3),
                 "startup_seconds": self.startup.seconds,
                 "resumed_from": self.resumed_from,
+                **self.batch.to_json(),  # world size and global batch: they may change between tasks
             }
         )
 
@@ -465,7 +472,7 @@ class Trainer:
             "exit_reason": reason,
             "wall_seconds": round(wall, 3),
             "tokens_per_s_per_rank": per_rank,
-            "world_size": self.env.world_size,
+            **self.batch.to_json(),
             "torch": torch.__version__,
             "model": model_spec.path if model_spec else None,
             "dataset": data_spec.path if data_spec else None,

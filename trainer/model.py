@@ -1,4 +1,4 @@
-"""Load the model and tokenizer, add LoRA and activation checkpointing, wrap for DDP or FSDP2.
+"""Load the model and tokenizer, add LoRA and activation checkpointing, wrap for DDP, FSDP2 or HSDP.
 
 Order matters: LoRA adapters and gradient checkpointing are set up on the plain
 module before it is wrapped, and checkpointing is always non-reentrant: the
@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from jobgen.spec import ModelSpec, TrainSpec
 from trainer.distributed import DistEnv
 from trainer.model_errors import ModelError
+from trainer.parallel import decoder_layers, strategy
 
 log = logging.getLogger("trainer.model")
 
@@ -81,40 +81,32 @@ def load_model(spec: ModelSpec, device: torch.device, attention: str = "sdpa") -
 
 
 def build_model(spec: ModelSpec, train: TrainSpec, env: DistEnv, *, packing: bool = False) -> torch.nn.Module:
-    """The model ready to train. DDP: loaded whole and replicated. FSDP: built on the meta
-    device, sharded, and each rank reads only its shards from the safetensors
-    (trainer.sharded_load), so no rank ever holds the whole model. Decoder blocks are
-    compiled before either wrapper (train.compile)."""
-    parallelism = train.parallelism
+    """The model ready to train, as ``train.parallelism``'s entry in trainer.parallel says.
+    DDP: loaded whole and replicated. FSDP and HSDP: built on the meta device, sharded, and
+    each rank reads only its shards from the safetensors (trainer.sharded_load), so no rank
+    ever holds the whole model; with ``train.cpu_offload`` the shards live in host memory.
+    Decoder blocks are compiled before wrapping (train.compile). What the strategy cannot do
+    in this process (CPU offload without a GPU, an HSDP shard size that does not divide this
+    world) is refused before anything is loaded."""
+    chosen = strategy(train.parallelism)
+    chosen.check(train, env)
     attention = attention_implementation(spec, env.device, packing)
     compile_blocks = compiles_blocks(train, env.device)
-    if parallelism == "ddp" and train.optimizer_in_backward:
-        # Validation allows this on one process only; a world of another size would step
-        # every rank on its own gradient (DDP's hooks fire before its all-reduce).
-        if env.world_size != 1:
-            raise ModelError(
-                f"train.optimizer_in_backward with parallelism = 'ddp' needs a world of one process, this one "
-                f"has {env.world_size}: set job.nodes = 1 and job.procs_per_node = 1, or parallelism = 'fsdp'"
-            )
-        # One process: DDP would add nothing but its gradient buckets, which hold a copy of
-        # every gradient (and write them back after the hooks freed them). Checkpoint keys are
-        # the same with and without DDP.
-        model = load_model(spec, env.device, attention)
-        return compile_decoder_blocks(model) if compile_blocks else model
-    if parallelism == "ddp":
-        model = load_model(spec, env.device, attention)
-        return wrap(compile_decoder_blocks(model) if compile_blocks else model, parallelism, env)
-    from trainer.sharded_load import build_sharded
 
-    def shard(model: torch.nn.Module) -> torch.nn.Module:
-        return wrap(compile_decoder_blocks(model) if compile_blocks else model, parallelism, env)
+    def ready(model: torch.nn.Module) -> torch.nn.Module:
+        return wrap(compile_decoder_blocks(model) if compile_blocks else model, train, env)
+
+    if not chosen.loads_sharded:
+        return ready(load_model(spec, env.device, attention))
+    from trainer.sharded_load import build_sharded
 
     return build_sharded(
         spec,
         env,
         param_dtype(spec, env.device),
         prepare=lambda model: prepare(model, spec, attention),
-        shard=shard,
+        shard=ready,
+        param_device=chosen.param_device(train, env),
     )
 
 
@@ -147,41 +139,12 @@ def add_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks, found by class name (LlamaDecoderLayer, Qwen2DecoderLayer, ...)."""
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    if not layers:  # GPT-2 style naming
-        layers = [m for m in model.modules() if type(m).__name__.endswith("Block")]
-    if not layers:
-        raise RuntimeError(f"no decoder layers found in {type(model).__name__} to shard with FSDP")
-    return layers
-
-
-def wrap(model: torch.nn.Module, parallelism: str, env: DistEnv) -> torch.nn.Module:
-    """DDP keeps a full replica per rank; FSDP2 shards each block's parameters, gradients
-    and optimizer state across ranks (fully_shard per block, then the root).
-
-    Untied input and output embeddings are units of their own, as in torchtitan: inside the
-    root they would stay gathered, with their unsharded gradients, from the first forward
-    to the end of backward (2 x vocabulary x hidden x 2 tensors on every rank; 250 MiB of
-    the 374M Llama's backward peak on CPU). The output layer runs last in forward and first
-    in backward, so it is not resharded in between. Tied embeddings share one parameter
-    and stay in the root."""
-    if parallelism == "ddp":
-        return DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    kwargs = {}
-    if env.device.type == "cuda":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if embed is not None and head is not None and head.weight is not embed.weight:
-        fully_shard(embed, **kwargs)
-        fully_shard(head, reshard_after_forward=False, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+def wrap(model: torch.nn.Module, train: TrainSpec, env: DistEnv) -> torch.nn.Module:
+    """``model`` wrapped as ``train.parallelism``'s entry in trainer.parallel says: DDP keeps a
+    full replica per rank; FSDP2 makes each decoder block, the untied input and output
+    embeddings and the root units sharded over every rank (fsdp) or over the ``shard``
+    dimension of a 2-D mesh (hsdp)."""
+    return strategy(train.parallelism).wrap(model, train, env)
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from jobgen.spec import TrainSpec
+from trainer.parallel import strategy
 
 # The cosine decays to this fraction of the peak rather than to zero.
 MIN_LR_RATIO = 0.1
@@ -49,7 +50,13 @@ def build_optimizer(params: list[torch.nn.Parameter], spec: TrainSpec) -> torch.
         raise RuntimeError("no trainable parameters")
     if spec.optimizer_in_backward:
         clip = spec.grad_clip if spec.grad_clip_mode == "per_parameter" else 0.0
-        return OptimizerInBackward(params, lambda group: _make_optimizer(group, spec), lr=spec.lr, max_norm=clip)
+        return OptimizerInBackward(
+            params,
+            lambda group: _make_optimizer(group, spec),
+            lr=spec.lr,
+            max_norm=clip,
+            norm_group=strategy(spec.parallelism).norm_group(params),
+        )
     return _make_optimizer(params, spec)
 
 
@@ -86,7 +93,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
     With FSDP2 the hooks fire on the sharded parameters after the reduce-scatter, with this
     rank's shard of the averaged gradient (``foreach_reduce`` calls them). ``max_norm`` > 0 clips
     each parameter's gradient norm in its hook (per-parameter clipping). The squared gradient
-    norms are summed in the hooks; :meth:`grad_norm` returns their global square root.
+    norms are summed in the hooks; :meth:`grad_norm` returns their global square root, summed
+    over ``norm_group`` (None: the world), the ranks whose shards together make the model once:
+    under HSDP the ``shard`` dimension, as the replicas hold the same shards
+    (trainer.parallel's ``norm_group``).
     """
 
     def __init__(
@@ -96,9 +106,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
         *,
         lr: float,
         max_norm: float = 0.0,
+        norm_group: dist.ProcessGroup | None = None,
     ):
         super().__init__(params, {"lr": lr})
         self.max_norm = max_norm
+        self.norm_group = norm_group
         self.optimizers: dict[torch.nn.Parameter, torch.optim.Optimizer] = {p: make_optimizer([p]) for p in params}
         self._sum_sq: torch.Tensor | None = None
         self._sharded = any(hasattr(p, "to_local") for p in params)
@@ -130,15 +142,16 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def grad_norm(self) -> float:
         """The global L2 norm, before clipping, of the gradients the hooks saw since the last
-        call; NaN when none did. Collective under FSDP (each rank saw its shards)."""
+        call; NaN when none did. Collective under FSDP and HSDP over ``norm_group`` (each rank
+        saw its shards)."""
         sum_sq = self._sum_sq
         self._sum_sq = None
         device = next(iter(self.optimizers)).device
         if sum_sq is None:
             sum_sq = torch.full((), float("nan"), device=device)
-        if self._sharded and dist.is_initialized() and dist.get_world_size() > 1:
+        if self._sharded and dist.is_initialized() and dist.get_world_size(self.norm_group) > 1:
             sum_sq = sum_sq.to(device).clone()
-            dist.all_reduce(sum_sq)
+            dist.all_reduce(sum_sq, group=self.norm_group)
         return float(sum_sq.sqrt())
 
     def remove_hooks(self) -> None:

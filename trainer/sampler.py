@@ -1,18 +1,20 @@
 """Which rows each rank trains on, in an order that survives being stopped and resumed.
 
 Each epoch is a permutation of the ``num_rows`` rows drawn from ``(seed, epoch)``.
-The permutation is cut into global batches of ``world_size x micro_batch_size``
-consecutive rows; rank ``r`` takes the ``r``-th slice of ``micro_batch_size``
-rows of each. The ragged tail of an epoch (fewer rows than a global batch) is
-dropped, and the next epoch begins. The sampler never ends: the trainer stops
-on ``max_steps``.
+The permutation is cut into optimizer steps of ``micro_batch_size x grad_accum x
+world_size`` consecutive rows (the global batch), each into ``grad_accum``
+micro-steps of ``world_size x micro_batch_size`` rows; rank ``r`` takes the ``r``-th
+slice of ``micro_batch_size`` rows of each micro-step. The ragged tail of an epoch
+(fewer rows than a global batch) is dropped, and the next epoch begins. The sampler
+never ends: the trainer stops on ``max_steps``.
 
 The state is ``(epoch, offset)``: the epoch and the position in its permutation,
-in rows, of the next global batch. Every rank holds the same state, so any
-rank's copy can go into a checkpoint; a run resumed from it serves exactly the
-rows not yet served, in the same order. Because the offset counts rows, not
-batches, a run may be resumed with another world size or micro-batch size: it
-continues with the rows that follow the offset.
+in rows, of the next step: the number of samples of the epoch consumed. Every rank
+holds the same state, so any rank's copy can go into a checkpoint; a run resumed
+from it serves exactly the rows not yet served, in the same order. Because the
+offset counts rows, not batches, and the tail is cut by the global batch, a run
+resumed on another world size that keeps the global batch (train.global_batch_size)
+serves exactly the rows an uninterrupted run would have, epoch ends included.
 
 The permutation comes from NumPy's legacy ``RandomState``, whose stream NumPy
 promises never to change, so a resume after a library upgrade still matches.
@@ -48,24 +50,29 @@ class ResumableSampler:
     at step *k + 1*. Do not prefetch batches beyond the step being checkpointed.
     """
 
-    def __init__(self, num_rows: int, *, world_size: int, rank: int, micro_batch_size: int, seed: int):
+    def __init__(
+        self, num_rows: int, *, world_size: int, rank: int, micro_batch_size: int, seed: int, grad_accum: int = 1
+    ):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not within world_size {world_size}")
-        if micro_batch_size < 1:
-            raise ValueError("micro_batch_size must be at least 1")
+        if micro_batch_size < 1 or grad_accum < 1:
+            raise ValueError("micro_batch_size and grad_accum must be at least 1")
         self.num_rows = int(num_rows)
         self.world_size = world_size
         self.rank = rank
         self.micro_batch_size = micro_batch_size
         self.seed = int(seed)
-        self.global_batch = world_size * micro_batch_size
+        self.micro_step_rows = world_size * micro_batch_size
+        self.global_batch = self.micro_step_rows * grad_accum  # rows of one optimizer step
         if self.num_rows < self.global_batch:
             raise ValueError(
                 f"{self.num_rows} rows cannot fill one global batch of {self.global_batch} rows "
-                f"({world_size} ranks x micro_batch_size {micro_batch_size}): use more data or smaller batches"
+                f"({world_size} ranks x micro_batch_size {micro_batch_size} x grad_accum {grad_accum}): "
+                "use more data or smaller batches"
             )
         self.epoch = 0
         self.offset = 0
+        self._step_start = 0  # the offset where the current optimizer step began
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
@@ -75,17 +82,25 @@ class ResumableSampler:
             self._perm_epoch = self.epoch
         return self._perm
 
+    def _at_step_start(self) -> bool:
+        return self.offset - self._step_start in (0, self.global_batch)
+
     def _normalise(self) -> None:
-        # A state always points at a batch that exists: past the last full one, the next epoch starts.
+        # At a step's start the state points at a step that exists: past the last full one,
+        # the next epoch starts. Within a step, its micro-steps fit by construction.
+        if not self._at_step_start():
+            return
+        self._step_start = self.offset
         if self.offset + self.global_batch > self.num_rows:
             self.epoch += 1
-            self.offset = 0
+            self.offset = self._step_start = 0
 
     def next_batch(self) -> list[int]:
+        """This rank's rows of the next micro-step."""
         self._normalise()
         start = self.offset + self.rank * self.micro_batch_size
         rows = self._permutation()[start : start + self.micro_batch_size]
-        self.offset += self.global_batch
+        self.offset += self.micro_step_rows
         self._normalise()
         return [int(r) for r in rows]
 
@@ -110,4 +125,5 @@ class ResumableSampler:
         if epoch < 0 or not 0 <= offset <= self.num_rows:
             raise ValueError(f"invalid sampler state: epoch {epoch}, offset {offset}")
         self.epoch, self.offset = epoch, offset
+        self._step_start = offset  # a checkpoint is taken between steps
         self._normalise()

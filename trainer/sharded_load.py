@@ -10,9 +10,11 @@ The order is what keeps memory proportional to the shard:
    skeleton. LoRA adapters are materialised and initialised by peft on the host here:
    they are small, and initialising the full tensor before sharding gives every
    world size the same adapters for the same seed.
-3. ``shard`` (FSDP2's ``fully_shard``) turns each parameter into a DTensor shard, still
-   on meta; then only the modules that still hold meta tensors get storage on the device
-   (``to_empty(recurse=False)``), which is each rank's shard.
+3. ``shard`` (FSDP2's ``fully_shard``, on a 1-D mesh or HSDP's 2-D one) turns each
+   parameter into a DTensor shard, still on meta; then only the modules that still hold
+   meta tensors get storage on the device (``to_empty(recurse=False)``), which is each
+   rank's shard (in host memory with CPU offload; buffers always on the device). Under
+   HSDP the ranks of each replica read the same slices.
 4. ``torch.distributed.checkpoint`` reads the safetensors through
    ``HuggingFaceStorageReader``: every rank asks for the slices of its shards, so a rank
    never holds more than its shards plus one tensor being read, and files are read by
@@ -104,11 +106,20 @@ def _on_meta(module: torch.nn.Module) -> bool:
     return any(t.device.type == "meta" for t in tensors)
 
 
-def allocate_shards(model: torch.nn.Module, device: torch.device) -> None:
-    """Storage on ``device`` for every tensor still on meta (after sharding: this rank's shards)."""
+def allocate_shards(model: torch.nn.Module, device: torch.device, param_device: torch.device | None = None) -> None:
+    """Storage for every tensor still on meta (after sharding: this rank's shards): parameters
+    on ``param_device`` (the host with FSDP's CPU offload, which keeps the shards there and
+    copies each unit to the GPU for its compute), buffers on ``device``, where the forward
+    uses them (FSDP does not manage buffers)."""
+    param_device = param_device or device
     for module in model.modules():
-        if _on_meta(module):
-            module.to_empty(device=device, recurse=False)
+        if not _on_meta(module):
+            continue
+        module.to_empty(device=param_device, recurse=False)
+        if param_device != device:
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and buffer.device != device:
+                    module._buffers[name] = buffer.to(device)
 
 
 def tied_names(model: torch.nn.Module) -> dict[str, str]:
@@ -185,13 +196,16 @@ def build_sharded(
     *,
     prepare: Callable[[torch.nn.Module], torch.nn.Module],
     shard: Callable[[torch.nn.Module], torch.nn.Module],
+    param_device: torch.device | None = None,
 ) -> torch.nn.Module:
-    """The model, sharded by ``shard`` and filled from its safetensors; see the module docstring."""
+    """The model, sharded by ``shard`` and filled from its safetensors; see the module docstring.
+    ``param_device``: where the parameter shards live (default ``env.device``; the host with
+    CPU offload), read there directly from the files."""
     directory = model_directory(spec.path)
     model = build_skeleton(spec, dtype, prepare)
     materialise_adapters(model)
     model = shard(model)
-    allocate_shards(model, env.device)
+    allocate_shards(model, env.device, param_device)
     threads = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1)))
     count = read_weights(model, directory, threads)
     recompute_buffers(model, env.device)

@@ -115,7 +115,9 @@ def test_plan_json_shape_and_no_torch_import(tmp_path: Path):
         "logits",
         "buffers",
         "overhead",
+        "nccl_buffers",
     }
+    assert data["components"]["nccl_buffers"] == 0 and data["headroom"] == {}  # gloo on a CPU site
     assert set(data["phases"]) == {"load", "first_step", "steady"}
     assert data["param_count"] == 373_867_520 and data["budget_bytes"] == 64 * GIB
     assert data["peak_bytes"] == max(data["phases"].values())

@@ -89,7 +89,7 @@ def test_header_derives_every_number_from_the_spec():
     assert "--gres=gpu:8" in d and "--time=2-00:00:00" in d and "--signal=B:USR2@600" in d
     assert "--exclude=gpu017,gpu[20-22]" in d and "--hint=nomultithread" in d and "--exclusive" in d
     assert "--constraint=h100&ib" in d and "--account=llm" in d and "--qos=normal" in d and "--gpu-bind=none" in d
-    assert "--nproc-per-node=8" in text and "--expected-world-size 32" in text
+    assert "--nproc-per-node=8" in text and '--expected-world-size "$((SLURM_NNODES * 8))"' in text
     assert "EXPECTED_NODES=4" in text and "export OMP_NUM_THREADS=12" in text
     assert "sbatch --array=1-10%1 train.sbatch" in text
 

@@ -100,3 +100,33 @@ def test_next_batch_never_ends_and_repeats_across_epochs():
     a, b = samplers()[1], samplers()[1]
     assert take(a, 20) == take(b, 20)
     assert a.state_dict() == b.state_dict() and a.state_dict()["epoch"] == 6
+
+
+def step_rows(ranks, grad_accum):
+    """The rows of one optimizer step over every rank and micro-step, as a set."""
+    return frozenset(row for _ in range(grad_accum) for s in ranks for row in s.next_batch())
+
+
+def world(size: int, global_batch: int, num_rows: int = 29):
+    accum = global_batch // size
+    return [
+        ResumableSampler(num_rows, world_size=size, rank=r, micro_batch_size=1, seed=SEED, grad_accum=accum)
+        for r in range(size)
+    ], accum
+
+
+def test_a_kept_global_batch_serves_the_same_steps_on_every_world_size_epoch_ends_included():
+    # Global batch 12 over 29 rows: two steps an epoch and a tail of 5, on 4, 2 then 3 ranks
+    # (grad_accum 3, 6, 4). Cut by the micro-step (4, 2 or 3 rows) the tail would differ.
+    reference, accum = world(4, 12)
+    expected = [step_rows(reference, accum) for _ in range(9)]
+    served, state = [], None
+    for size, steps in ((4, 3), (2, 3), (3, 3)):
+        ranks, accum = world(size, 12)
+        for s in ranks:
+            if state is not None:
+                s.load_state_dict(json.loads(json.dumps(state)))
+        served += [step_rows(ranks, accum) for _ in range(steps)]
+        state = ranks[0].state_dict()
+    assert served == expected
+    assert all(len(rows) == 12 for rows in served)  # no row twice in a step

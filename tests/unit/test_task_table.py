@@ -9,6 +9,8 @@ run directory records are what the batch script and the trainer write. The dev-c
 
 from __future__ import annotations
 
+import time
+
 from jobgen import slurm
 from jobgen.goodput import task_reports
 from jobgen.rundir import RunDir
@@ -184,3 +186,45 @@ def test_a_crash_the_batch_script_blamed_on_a_node_keeps_the_scripts_words(tmp_p
     reports = task_reports(records, metrics)
     row = build_tasks(run, "demo", [], [], reports, read_task_records(run), 600)[0]
     assert (row.state, row.jobgen_exit, row.exit_reason, row.end_step) == ("FAILED", 20, blamed, 5)
+
+
+def test_a_run_by_hand_outside_slurm_leaves_no_row_and_breaks_nothing(tmp_path):
+    """torchrun by hand (no SLURM_JOB_ID): its records say job "None"; status of the run
+    shows the Slurm tasks and nothing for it, instead of failing on the id."""
+    run = make_run(tmp_path, (5, 1))
+    end_record(run, 6, 1, 12, 0, LEAD)
+    by_hand = [
+        {**r, "job_id": "None", "array_job_id": None, "array_task": None} for r in trainer_records(0, 0, 40, 45, 0, "")
+    ]
+    reports = task_reports(trainer_records(6, 1, 0, 40, 12, LEAD) + by_hand, [])
+    rows = build_tasks(run, "demo", [], [], reports, read_task_records(run), 180)
+    assert [(t.slurm_id, t.state, t.end_step) for t in rows] == [("5_1", "COMPLETED", 40)]
+
+
+def test_a_task_that_recorded_its_end_and_is_still_running_in_squeue_is_one_row(tmp_path):
+    """The batch script writes how the task ended, then sets the comment and exits: for that
+    moment squeue still says RUNNING. One row, the recorded end (found on the dev cluster:
+    a second '10_1 RUNNING' row beside '10_1 COMPLETED'); a requeued attempt, which starts
+    after the recorded end, is still a row of its own."""
+    run = make_run(tmp_path, (5, 1))
+    end_record(run, 5, 1, 0, 0, "reached step 40 of 40: finished", start=T0, end=T0 + 170)
+    started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(T0 + 2))
+    still = slurm.parse_squeue(f"5|5|1|RUNNING|None|2:50|3:00|node1|{started}|demo\n")
+    rows = build_tasks(run, "demo", still, [], [], read_task_records(run), 180)
+    assert [(t.slurm_id, t.restart, t.state) for t in rows] == [("5_1", 0, "COMPLETED")]
+    again = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(T0 + 300))
+    requeued = slurm.parse_squeue(f"5|5|1|RUNNING|None|0:10|3:00|node2|{again}|demo\n")
+    rows = build_tasks(run, "demo", requeued, [], [], read_task_records(run), 180)
+    assert [(t.slurm_id, t.restart, t.state) for t in rows] == [("5_1", 0, "COMPLETED"), ("5_1", 1, "RUNNING")]
+
+
+def test_a_task_whose_program_recorded_its_end_before_the_batch_script_is_one_row(tmp_path):
+    """The trainer's exit record comes before the batch script's end record: between the two,
+    squeue says RUNNING and the batch record has a start but no end (seen on the dev cluster)."""
+    run = make_run(tmp_path, (5, 1))
+    batch_end_record(run, 5, 1, None, None, "", start=T0, end=None)
+    reports = task_reports(trainer_records(5, 1, 0, 40, 0, "reached step 40 of 40: finished", start=T0), [])
+    started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(T0 - 2))
+    still = slurm.parse_squeue(f"5|5|1|RUNNING|None|2:50|3:00|node1|{started}|demo\n")
+    rows = build_tasks(run, "demo", still, [], reports, read_task_records(run), 180)
+    assert [(t.slurm_id, t.restart, t.state) for t in rows] == [("5_1", 0, "COMPLETED")]
