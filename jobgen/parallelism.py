@@ -37,10 +37,6 @@ class Parallelism:
             return world_size
         return min(shard_size or procs_per_node, world_size)
 
-    def replicas(self, world_size: int, procs_per_node: int, shard_size: int | None) -> int:
-        """Copies of the model in the world: each all-reduces its gradients with the others."""
-        return world_size // self.shard_size(world_size, procs_per_node, shard_size)
-
 
 STRATEGIES: dict[str, Parallelism] = {
     "ddp": Parallelism(
@@ -60,9 +56,8 @@ def strategy(name: str) -> Parallelism:
 
 
 def shard_size_problem(name: str, world_size: int, procs_per_node: int, shard_size: int | None) -> str | None:
-    """Why ``train.shard_size`` does not fit this world (None when it does)."""
-    if shard_size is not None and name != "hsdp":
-        return f"train.shard_size is only used with train.parallelism = 'hsdp' (it is '{name}')"
+    """Why ``train.shard_size`` does not fit this world (None when it does). (A shard_size
+    without hsdp is refused by TrainSpec itself.)"""
     if name != "hsdp":
         return None
     size = shard_size or procs_per_node
