@@ -23,6 +23,27 @@ KINDS = ("unit", "distributed", "cluster", "soak")
 NEEDS_SLURM = ("cluster", "soak")
 
 
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """The test command runs two xdist workers (pyproject.toml's addopts): every test that needs
+    the dev cluster is one unit of work, run in order on one worker against the one cluster
+    (mostly waiting on Slurm's time limits), while the other runs unit/ and distributed/ module
+    by module. Units start in collection order, so tests/cluster/'s unit starts at once.
+    (xdist's own ``--dist loadgroup`` marks groups by rewriting node ids, which pytest 9.2 no
+    longer lets it do: pytest-xdist issue #1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlurmTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            if any(f"tests/{kind}/" in path for kind in NEEDS_SLURM):
+                return "the dev cluster's tests"
+            return path
+
+    config.option.loadscopereorder = False  # collection order, not the largest unit first
+    return SlurmTestsTogether(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).resolve().parent
     for item in items:

@@ -14,7 +14,7 @@ rank. At the end:
   the report);
 - every checkpoint on disk loads, none was set aside, the run is not marked failed.
 
-``pytest -m soak tests/soak/test_soak.py -s`` runs the 30-minute soak
+``pytest -n 0 -m soak tests/soak/test_soak.py -s`` runs the 30-minute soak
 (``JOBGEN_SOAK_MINUTES`` changes its length, ``JOBGEN_SOAK_SEED`` replays a schedule);
 ``pytest -m full tests/soak/test_soak.py`` runs a quick variant: each quick fault once (a task's
 time limit first, then USR1, the save switch, SIGKILL and the kill switch in random
