@@ -42,6 +42,10 @@ class ExitCode(IntEnum):
     # The task's global batch (micro_batch_size x grad_accum x world size) differs from the
     # checkpoint's, with neither train.global_batch_size nor train.allow_batch_change.
     BATCH_CHANGED = 22
+    # The model cannot be trained as [model] and [train] ask in this process: a malformed or
+    # unsupported model, a loss head it lacks, a parallelism this world or device cannot run
+    # (trainer.model_errors.ModelError and its kinds).
+    MODEL_ERROR = 23
 
     @property
     def reason(self) -> str:
@@ -89,6 +93,7 @@ _REASONS = {
     ExitCode.NODE_FAILURE: "node failure: the node is quarantined and later tasks exclude it",
     ExitCode.PROGRAM_SETUP: "the program's setup does not fit its run (see the reason)",
     ExitCode.BATCH_CHANGED: "the global batch differs from the checkpoint's",
+    ExitCode.MODEL_ERROR: "the model cannot be trained as the spec asks",
 }
 
 _PLANNED = frozenset({ExitCode.OK, ExitCode.KILL_SWITCH, ExitCode.SIGNALLED, ExitCode.DEADLINE, ExitCode.NOT_STARTED})
@@ -123,4 +128,6 @@ _FIXES = {
     "args = [..., '--output_dir', '{checkpoint_dir}']), then `jobgen submit` the run again",
     ExitCode.BATCH_CHANGED: "set train.global_batch_size to the checkpoint's global batch (grad_accum then follows "
     "the world size), or train.allow_batch_change = true, then `jobgen submit` the run again",
+    ExitCode.MODEL_ERROR: "change what the reason names in [model] or [train] (or run on the site it needs), "
+    "then `jobgen submit` the run again",
 }

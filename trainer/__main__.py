@@ -235,8 +235,10 @@ def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
     startup.mark("imports")  # transformers, datasets
     try:
         trainer = Trainer(spec, run.path, env, monitor, startup)
-    except (DataError, DataCacheError, ModelError) as exc:
+    except (DataError, DataCacheError) as exc:
         return ExitCode.DATA_ERROR, f"{type(exc).__name__}: {exc}"
+    except ModelError as exc:
+        return ExitCode.MODEL_ERROR, f"{type(exc).__name__}: {exc}"
     try:
         code, reason = trainer.fit()
     except ResumeFailed as exc:

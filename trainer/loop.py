@@ -50,6 +50,7 @@ from trainer.model import build_model, load_tokenizer, trainable_parameters
 from trainer.offload import make_offloader, offload_activations
 from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler, clip_per_parameter
 from trainer.packing import count_targets
+from trainer.parallel import strategy
 from trainer.tracking import Trackers, trackers_for_run
 
 log = logging.getLogger("trainer")
@@ -82,6 +83,9 @@ class Trainer:
         # When the allocation began (the batch script exports it); falls back to this process's start.
         self.job_start = self.startup.job_start
         self.step_seconds: list[float] = []  # wall time of each optimizer step of this job
+        # What this process cannot train (CPU offload without a GPU, an HSDP shard size that
+        # does not divide this world) is refused before the data is tokenized or read.
+        strategy(self.cfg.parallelism).check(self.cfg, env)
         # Identical initialisation on every rank (FSDP2 does not broadcast parameters).
         torch.manual_seed(self.cfg.seed)
         self.tokenizer = load_tokenizer(spec.run.model.path)
@@ -172,8 +176,6 @@ class Trainer:
     def _sync_context(self, last_micro: bool):
         """No gradient all-reduce on the micro-steps before the last one, as the parallelism's
         entry in trainer.parallel does it (DDP's no_sync, FSDP2's switches)."""
-        from trainer.parallel import strategy
-
         return strategy(self.cfg.parallelism).sync_context(self.model, last_micro)
 
     def train_step(self) -> dict[str, float]:

@@ -87,7 +87,7 @@ def build_model(spec: ModelSpec, train: TrainSpec, env: DistEnv, *, packing: boo
     ever holds the whole model; with ``train.cpu_offload`` the shards live in host memory.
     Decoder blocks are compiled before wrapping (train.compile). What the strategy cannot do
     in this process (CPU offload without a GPU, an HSDP shard size that does not divide this
-    world) is refused before anything is loaded."""
+    world) is refused before anything is loaded (the Trainer has asked before reading the data)."""
     chosen = strategy(train.parallelism)
     chosen.check(train, env)
     attention = attention_implementation(spec, env.device, packing)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import DATA, jobgen, make_run, run_spec, torchrun
+from jobgen.exit_codes import ExitCode
 from jobgen.loader import SpecError, load_run
 
 
@@ -112,6 +113,10 @@ def test_trainer_stops_on_such_a_tokenizer_before_data_and_model(tmp_path, token
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert f"model.path: {tokenizer_without_pad_or_eos}: the tokenizer has neither a pad token" in out, out[-3000:]
+    # A model's problem, not the data's: its own exit code, and the run stops with what to change.
+    assert f"exit {int(ExitCode.MODEL_ERROR)}: " in out, out[-3000:]
+    failed = json.loads((run / "failed").read_text())
+    assert failed["exit_code"] == ExitCode.MODEL_ERROR and "[model] or [train]" in failed["fix"], failed
     assert "TypeError" not in out, out[-3000:]
     # Refused in the first seconds: the data was never prepared, so the model was never loaded.
     assert "INFO data: " not in out, out[-3000:]

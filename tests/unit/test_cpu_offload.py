@@ -68,3 +68,29 @@ def test_hsdp_refuses_a_shard_size_that_does_not_divide_this_world():
     env = DistEnv(0, 6, 0, torch.device("cpu"), "gloo", local_world_size=6)
     with pytest.raises(ParallelismError, match=r"groups of 4 ranks.*must divide the world size 6"):
         strategy("hsdp").check(TrainSpec(parallelism="hsdp", shard_size=4), env)
+
+
+def test_the_trainer_refuses_offload_before_it_reads_the_tokenizer_or_the_data(tmp_path, tiny_model, monkeypatch):
+    # A GPU site's spec (validate accepts the offload there) in a process that trains on the CPU.
+    import trainer.loop as loop
+    from helpers import DATA, run_spec
+    from jobgen.loader import load_run
+    from trainer.parallel import CpuOffloadUnavailable
+
+    spec_file = run_spec(
+        tmp_path,
+        "offload",
+        site="h100-ib",
+        job={"nodes": 1, "procs_per_node": 8, "time": "1h", "runs_root": str(tmp_path / "runs")},
+        model={"path": tiny_model},
+        data={"path": DATA},
+        train={"parallelism": "fsdp", "cpu_offload": True},
+    )
+
+    def read_too_early(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the tokenizer or the data was read before the parallelism was checked")
+
+    monkeypatch.setattr(loop, "load_tokenizer", read_too_early)
+    monkeypatch.setattr(loop, "DataPipeline", read_too_early)
+    with pytest.raises(CpuOffloadUnavailable):
+        loop.Trainer(load_run(spec_file), tmp_path, CPU, monitor=None)
