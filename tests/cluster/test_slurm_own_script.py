@@ -101,18 +101,36 @@ def ended(job_id: int, tasks: int) -> dict[str, dict[str, str]]:
     return wait_for(rows, 60, f"sacct to have the {tasks} tasks of job {job_id}")
 
 
+def finished_in(run: Path, tasks: int) -> int | None:
+    """The array task in which the program exited 0 on its own (the run's end), once the task
+    after it has also ended (it leaves at once: the run is finished), or the last task."""
+    for index in range(1, tasks + 1):
+        record = batch_record(run, index)
+        if record is None:
+            return None
+        if "exited 0 on its own" in record["reason"] or record["reason"].startswith("finished at step"):
+            return index if index == tasks or batch_record(run, index + 1) else None
+    return None
+
+
 def test_an_unedited_trainer_script_through_time_limits(cluster, tmp_path, tiny_model):
-    hf_spec = own_script_spec(tmp_path, "hf", trainer_args(tiny_model, 100000), nodes=2, array=6, hf_trainer=True)
+    # Arrays longer than the runs need (tasks differ in length: Slurm sends the lead-time
+    # signal early by up to a minute, and 2 cores are shared): the tasks after the one that
+    # finished and the next are cancelled.
+    hf_tasks, rs_tasks = 10, 8
+    hf_spec = own_script_spec(
+        tmp_path, "hf", trainer_args(tiny_model, 100000), nodes=2, array=hf_tasks, hf_trainer=True
+    )
     plain_args = trainer_args(tiny_model, SAVE_STEPS)
     resume = ["--resume_from_checkpoint", "{latest_checkpoint}"]
-    rs_spec = own_script_spec(tmp_path, "rs", plain_args, nodes=1, array=5, resume_args=resume, stop_signal="none")
+    rs_spec = own_script_spec(
+        tmp_path, "rs", plain_args, nodes=1, array=rs_tasks, resume_args=resume, stop_signal="none"
+    )
     hf_run, rs_run = tmp_path / "runs" / "hf", tmp_path / "runs" / "rs"
     hf = submitted_job_id(jobgen("submit", str(hf_spec), check=True).stdout)
     rs = submitted_job_id(jobgen("submit", str(rs_spec), check=True).stdout)
 
-    # Task 1 of each meets its limit. From its steps, each run ends a few limits later: tasks
-    # differ (Slurm sends the lead-time signal early by up to a minute; the first task of the
-    # plain script shares 2 cores with the Trainer's start and tokenizes the data).
+    # Task 1 of each meets its limit. From its steps, each run ends a few limits later.
     wait_for(lambda: batch_record(hf_run, 1), 240, "the Trainer's task 1 to meet its limit")
     hf_exit = next(r for r in read_jsonl(hf_run / "tasks.jsonl") if r["event"] == "exit")
     k1 = hf_exit["end_step"]
@@ -126,24 +144,27 @@ def test_an_unedited_trainer_script_through_time_limits(cluster, tmp_path, tiny_
     rs_total = 4 * r1
     set_max_steps(rs_run, rs_total)
 
-    wait_for(lambda: batch_record(hf_run, 6) and batch_record(rs_run, 5), 900, "both runs' last tasks")
-    hf_tasks, rs_tasks = ended(hf, 6), ended(rs, 5)
+    hf_end = wait_for(lambda: finished_in(hf_run, hf_tasks), 1200, "the Trainer's run to finish")
+    slurm.cancel(str(hf))  # the tasks still queued: each would only find the run finished
+    rs_end = wait_for(lambda: finished_in(rs_run, rs_tasks), 1200, "the plain script's run to finish")
+    slurm.cancel(str(rs))
+    # Accounting of the tasks that ran (cancelled ones stay one `JOB_[a-b]` row).
+    hf_rows, rs_rows = ended(hf, min(hf_end + 1, hf_tasks)), ended(rs, min(rs_end + 1, rs_tasks))
 
     # hf_trainer: COMPLETED with its reason each time, nothing redone, the final model once.
     exits = [r for r in read_jsonl(hf_run / "tasks.jsonl") if r["event"] == "exit"]
     starts = [r for r in read_jsonl(hf_run / "tasks.jsonl") if r["event"] == "first_step"]
     codes = [e["exit_code"] for e in exits]
-    assert len(codes) >= 3 and set(codes[:-1]) == {ExitCode.SIGNALLED} and codes[-1] == ExitCode.OK, exits
+    assert len(codes) == hf_end >= 3 and set(codes[:-1]) == {ExitCode.SIGNALLED} and codes[-1] == ExitCode.OK, exits
     assert [s["start_step"] for s in starts] == [0, *(e["end_step"] for e in exits[:-1])], starts
     assert exits[-1]["end_step"] == total
     final = (hf_run / "checkpoints" / "final.txt").read_text().splitlines()
     assert final == [f"final at step {total}"], final
-    for index in range(1, 7):
-        row = hf_tasks[f"{hf}_{index}"]
+    for index in range(1, min(hf_end + 1, hf_tasks) + 1):
+        row = hf_rows[f"{hf}_{index}"]
         assert row["state"] == "COMPLETED" and row["comment"].startswith("jobgen: "), (index, row)
-    for index in range(1, len(exits)):
-        assert "time limit (USR1 " in hf_tasks[f"{hf}_{index}"]["comment"], hf_tasks
-    assert "already finished" in hf_tasks[f"{hf}_6"]["comment"], hf_tasks
+        assert index >= hf_end or "time limit (USR1 " in row["comment"], hf_rows
+        assert index <= hf_end or "already finished" in row["comment"], hf_rows
     view = run_status(hf_run)
     assert view["state"] == "finished" and all(not t.get("recomputed_steps") for t in view["tasks"]), view
 
@@ -151,19 +172,20 @@ def test_an_unedited_trainer_script_through_time_limits(cluster, tmp_path, tiny_
     # The task that finished is the one whose program exited 0 on its own; the ones before met
     # their limits. Slurm calls the finisher TIMEOUT when it ended past its limit (it finished
     # while Slurm was ending it: seen once, 5 s past the 2 minutes), else COMPLETED.
-    reasons = [batch_record(rs_run, i)["reason"] for i in range(1, 6)]
-    limits = next(i for i, words in enumerate(reasons) if "exited 0 on its own" in words)
-    states = [rs_tasks[f"{rs}_{i}"]["state"] for i in range(1, 6)]
-    assert limits >= 2 and set(states[:limits]) == {"TIMEOUT"} and set(states[limits + 1 :]) == {"COMPLETED"}, rs_tasks
-    assert states[limits] == "COMPLETED" or (
-        states[limits] == "TIMEOUT" and rs_tasks[f"{rs}_{limits + 1}"]["comment"].startswith("jobgen: finished")
-    ), rs_tasks
-    assert all("already finished" in rs_tasks[f"{rs}_{i}"]["comment"] for i in range(limits + 2, 6)), rs_tasks
+    assert rs_end >= 3, rs_rows  # at least two limits crossed
+    states = [rs_rows[f"{rs}_{i}"]["state"] for i in range(1, rs_end + 1)]
+    assert set(states[:-1]) == {"TIMEOUT"}, rs_rows
+    assert states[-1] == "COMPLETED" or (
+        states[-1] == "TIMEOUT" and rs_rows[f"{rs}_{rs_end}"]["comment"].startswith("jobgen: finished")
+    ), rs_rows
+    if rs_end < rs_tasks:
+        row = rs_rows[f"{rs}_{rs_end + 1}"]
+        assert row["state"] == "COMPLETED" and "already finished" in row["comment"], rs_rows
     rows = {t["slurm_id"]: t for t in run_status(rs_run)["tasks"]}
     reached = 0
-    for index in range(1, limits + 2):
-        assert index > limits or rs_tasks[f"{rs}_{index}"]["comment"].startswith("jobgen: time limit"), rs_tasks
-        assert index > limits or rows[f"{rs}_{index}"]["state"] == "TIMEOUT", rows
+    for index in range(1, rs_end + 1):
+        assert index == rs_end or rs_rows[f"{rs}_{index}"]["comment"].startswith("jobgen: time limit"), rs_rows
+        assert index == rs_end or rows[f"{rs}_{index}"]["state"] == "TIMEOUT", rows
         assert "crashed" not in rows[f"{rs}_{index}"]["exit_reason"], rows
         job_id = batch_record(rs_run, index)["job_id"]
         plan = plan_of(rs_run, job_id)
