@@ -83,11 +83,8 @@ class Trainer:
         # When the allocation began (the batch script exports it); falls back to this process's start.
         self.job_start = self.startup.job_start
         self.step_seconds: list[float] = []  # wall time of each optimizer step of this job
-        # What this process cannot train (CPU offload without a GPU, an HSDP shard size that
-        # does not divide this world) is refused before the data is tokenized or read.
-        strategy(self.cfg.parallelism).check(self.cfg, env)
-        # Identical initialisation on every rank (FSDP2 does not broadcast parameters).
-        torch.manual_seed(self.cfg.seed)
+        strategy(self.cfg.parallelism).check(self.cfg, env)  # before the data is read: it may refuse
+        torch.manual_seed(self.cfg.seed)  # identical initialisation on every rank (FSDP2 does not broadcast)
         self.tokenizer = load_tokenizer(spec.run.model.path)
         self.data = DataPipeline(spec, self.tokenizer, env, run_dir)
         self.startup.mark("data")  # tokenizer, and the tokenized data (from the cache, or built)
