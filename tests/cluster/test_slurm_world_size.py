@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import exit_record, last_step, losses, running_task, submit, wait_for, wait_until_gone
+from helpers import exit_record, jobgen, last_step, losses, running_task, submit, wait_for, wait_until_gone
 from helpers import status as run_status
 from jobgen import quarantine, slurm
 from jobgen.exit_codes import ExitCode
@@ -63,7 +63,7 @@ def assert_same_losses(run, reference) -> None:
 # FSDP2 in the full suite (tests/distributed/test_global_batch.py resumes FSDP2 on another
 # world size in CI): the two side by side take twice the cores of this 2-core CI machine.
 @pytest.mark.parametrize("parallelism", ["ddp", pytest.param("fsdp", marks=pytest.mark.full)])
-def test_a_run_moves_from_4_to_2_to_3_ranks_with_its_global_batch(cluster, cluster_run, parallelism):
+def test_a_run_moves_from_4_to_2_to_3_ranks_with_its_global_batch(cluster, cluster_run, tmp_path, parallelism):
     # 2 nodes x 2 processes, then 1 x 2, then 3 x 1 (the local site: 2 CPUs a process pair).
     worlds = [{"nodes": 2, "procs_per_node": 2}, {"nodes": 1, "procs_per_node": 2}, {"nodes": 3, "procs_per_node": 1}]
     reference = cluster_run(f"ref-{parallelism}", **worlds[0], **keys(parallelism=parallelism))
@@ -72,6 +72,8 @@ def test_a_run_moves_from_4_to_2_to_3_ranks_with_its_global_batch(cluster, clust
     job = submit(chain.spec)
     for stage, stop_at in enumerate((4, 16)):
         stopped(chain.path, signal_after(chain.path, job, stop_at))
+        if stage == 0:
+            refused_without_global_batch(tmp_path, cluster_run, chain.path, worlds[1], parallelism)
         job = submit(cluster_run(f"ws-{parallelism}", **worlds[stage + 1], **keys(parallelism=parallelism)).spec)
         assert len(exits(chain.path)) == stage + 1
     wait_for(lambda: (chain.path / "done").exists(), 300, f"{chain.path.name} to finish")
@@ -81,6 +83,23 @@ def test_a_run_moves_from_4_to_2_to_3_ranks_with_its_global_batch(cluster, clust
     assert shapes == [(4, GLOBAL_BATCH), (2, GLOBAL_BATCH), (3, GLOBAL_BATCH)], shapes
     starts = [r["start_step"] for r in read_jsonl(chain.path / "tasks.jsonl") if r["event"] == "first_step"]
     assert starts == [0, *(e["end_step"] for e in exits(chain.path)[:-1])], starts
+
+
+def refused_without_global_batch(tmp_path, cluster_run, run, world: dict, parallelism: str) -> None:
+    """The same run resubmitted on ``world`` with a fixed grad_accum and no global_batch_size
+    (2 ranks x 1 x 3 = 6 against the checkpoint's 12): submit refuses it, naming the keys and
+    the checkpoint, before anything is queued, and the run's spec stays as it was."""
+    before = (run / "spec.json").read_text()
+    changed = cluster_run(
+        run.name, **world, parallelism=parallelism, micro_batch_size=1, grad_accum=3, max_steps=MAX_STEPS
+    )
+    out = jobgen("submit", str(changed.spec))
+    words = out.stdout + out.stderr
+    assert out.returncode != 0 and "train.global_batch_size" in words, words
+    for part in ("global batch of 12", "this task's is 6", "train.allow_batch_change", "the checkpoint step-"):
+        assert part in words, (part, words)
+    assert (run / "spec.json").read_text() == before
+    assert not slurm.jobs_named(run.name), "nothing queued"
 
 
 def test_min_nodes_continues_on_the_nodes_quarantine_leaves(cluster, cluster_run):

@@ -109,12 +109,16 @@ def test_eval_loss_is_the_same_on_one_two_and_four_ranks(tmp_path, tiny_model):
 
 
 def test_a_stop_during_an_evaluation_abandons_it_and_saves(tmp_path, tiny_model):
-    # A validation set much larger than a step, evaluated after every step: the kill switch,
-    # set as soon as step 2 is logged, lands in the evaluation of step 2.
+    # A validation set much larger than a step (3,200 rows: seconds of evaluation), evaluated
+    # after every step: the kill switch, set a second after step 2 is logged, lands in the
+    # evaluation of step 2. Not at once: the step boundary that starts the evaluation reads
+    # the switch too, right after the line is written, and a busy machine can let the switch
+    # win that race (seen in CI: the run then stops before evaluating, as it should).
     valid = _eval_file(tmp_path, 400, repeat=8)
     run = make_run(tmp_path / "run", tiny_model, max_steps=50, eval={"path": str(valid), "every_steps": 1})
     proc = torchrun(run, background=True)
     wait_for(lambda: 2 in losses(run), 240, "step 2", interval=0.02, process=proc)
+    time.sleep(1.0)
     (run / "switches" / "kill").touch()
     out, _ = proc.communicate(timeout=240)
     assert summary(run)["exit_code"] == ExitCode.KILL_SWITCH, out
