@@ -14,6 +14,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import run_spec, torchrun
 
 
+def random_bf16_model(target: Path, shape: dict[str, int], *, max_positions: int, max_shard_size: str = "5GB") -> None:
+    """A Llama of ``shape`` with random bf16 weights, written as sharded safetensors with the
+    tokenizer (once per working directory), built on the GPU when there is one."""
+    if (target / "config.json").exists():
+        return
+    import torch
+
+    from jobgen.tinymodel import make_tiny_model
+
+    make_tiny_model(
+        target,
+        **shape,
+        model_vocab_size=32000,
+        max_position_embeddings=max_positions,
+        dtype="bfloat16",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        max_shard_size=max_shard_size,
+    )
+
+
 def prepared_run(
     work: Path, name: str, *, procs: int = 1, site: str | dict[str, object] = "local", **tables: dict
 ) -> tuple[Path, Path]:

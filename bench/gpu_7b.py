@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from bench_run import prepared_run
+from bench_run import prepared_run, random_bf16_model
 
 from helpers import DATA, VENV_BIN, torchrun
 
@@ -45,24 +45,6 @@ PEAK_LIMIT_GIB = 22.0
 PLAN_TOLERANCE = 0.15
 
 
-def build_model(target: Path, shape: dict[str, int]) -> None:
-    """Random bf16 weights written as sharded safetensors, built on the GPU when there is one."""
-    if (target / "config.json").exists():
-        return
-    import torch
-
-    from jobgen.tinymodel import make_tiny_model
-
-    make_tiny_model(
-        target,
-        **shape,
-        model_vocab_size=32000,
-        max_position_embeddings=4096,
-        dtype="bfloat16",
-        device="cuda" if torch.cuda.is_available() else "cpu",
-    )
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
@@ -71,7 +53,7 @@ def main() -> int:
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="jobgen-gpu7b-"))
     model = work / ("model-small" if args.small else "llama2-7b-random")
-    build_model(model, SMALL if args.small else LLAMA2_7B)
+    random_bf16_model(model, SMALL if args.small else LLAMA2_7B, max_positions=4096)
     run, spec_file = prepared_run(
         work,
         "lean7b",

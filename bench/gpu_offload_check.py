@@ -36,6 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from bench_run import random_bf16_model
+
 GIB = 2**30
 # jobgen.tinymodel.make_tiny_model's keywords: TinyLlama-1.1B's shape.
 LLAMA_1B = {"hidden_size": 2048, "layers": 22, "intermediate_size": 5632, "heads": 32, "kv_heads": 4}
@@ -51,23 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallelism", choices=("fsdp", "hsdp"), default="fsdp")
     parser.add_argument("--shard-size", type=int, default=None, help="train.shard_size with --parallelism hsdp")
     return parser.parse_args(argv)
-
-
-def build_model(target: Path) -> None:
-    """Random bf16 weights written as sharded safetensors (once per working directory)."""
-    if (target / "config.json").exists():
-        return
-    from jobgen.tinymodel import make_tiny_model
-
-    make_tiny_model(
-        target,
-        **LLAMA_1B,
-        model_vocab_size=32000,
-        max_position_embeddings=2048,
-        dtype="bfloat16",
-        device="cuda",
-        max_shard_size="1GB",
-    )
 
 
 def train_keys(args: argparse.Namespace, offload: bool) -> dict[str, object]:
@@ -168,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     work = args.work or Path(tempfile.mkdtemp(prefix="jobgen-offload-"))
     model = work / "llama-1b-random"
-    build_model(model)
+    random_bf16_model(model, LLAMA_1B, max_positions=2048, max_shard_size="1GB")
     plain = one_run(args, work, model, offload=False)
     report(plain)
     offload = one_run(args, work, model, offload=True)
