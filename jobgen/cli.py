@@ -49,7 +49,7 @@ def validate(spec_file: str) -> None:
     """Validate RUN.toml and its site profile; list every problem by file and key."""
     spec = _load(spec_file)
     click.echo(
-        f"{spec_file}: ok ({spec.run.job.program} on {spec.run.job.nodes} node(s) x {spec.procs_per_node} "
+        f"{spec_file}: ok ({spec.run.job.program} on {spec.layout} "
         f"= world size {spec.world_size}, site '{spec.site.name}', run dir {spec.run_dir})"
     )
     from jobgen.preflight import command_findings
@@ -285,10 +285,25 @@ def plot(run_ref: str, output: Path | None) -> None:
     click.echo(f"wrote {path}")
 
 
+def _procs_per_node(ctx: click.Context, param: click.Parameter, value: str | None) -> int | list[int] | None:
+    """``--procs-per-node N`` for every node, or ``N,M,...`` one per node (job.procs_per_node's
+    list); the spec checks the numbers and names them."""
+    if value is None:
+        return None
+    try:
+        counts = [int(part) for part in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: a number, or one number per node separated by commas (3,1)") from None
+    return counts if "," in value else counts[0]
+
+
 @main.command()
 @click.option("--nodes", default=2, show_default=True, type=click.IntRange(1, 4096))
 @click.option(
-    "--procs-per-node", type=click.IntRange(1, 256), help="default: the site's GPUs per node, or 2 on CPU sites"
+    "--procs-per-node",
+    callback=_procs_per_node,
+    metavar="N|N,M,...",
+    help="default: the site's GPUs per node, or 2 on CPU sites; a list gives each node its own (3,1)",
 )
 @click.option("--site", "site_ref", default="local", show_default=True, help="site profile name or path")
 @click.option("--partition", help="partition (default: the site's)")
@@ -302,7 +317,7 @@ def plot(run_ref: str, output: Path | None) -> None:
 )
 def doctor(
     nodes: int,
-    procs_per_node: int | None,
+    procs_per_node: int | list[int] | None,
     site_ref: str,
     partition: str | None,
     time_limit: str,

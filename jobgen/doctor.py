@@ -34,7 +34,7 @@ POLL_SECONDS = 2.0
 def doctor_spec(
     *,
     nodes: int,
-    procs_per_node: int | None,
+    procs_per_node: int | list[int] | None,
     site_ref: str | dict,
     partition: str | None,
     time_limit: str,
@@ -105,7 +105,7 @@ def bad_nodes(verdict: dict) -> list[str]:
 def run_doctor(
     *,
     nodes: int,
-    procs_per_node: int | None,
+    procs_per_node: int | list[int] | None,
     site_ref: str | dict,
     partition: str | None,
     time_limit: str,
@@ -133,9 +133,7 @@ def run_doctor(
         click.echo("jobgen doctor: not submitted:\n  " + "\n  ".join(map(str, exc.findings)), err=True)
         return 2, None
     assert result.job_id is not None
-    click.echo(
-        f"submitted doctor job {result.job_id}: {nodes} node(s) x {spec.procs_per_node}, run dir {result.run_dir}"
-    )
+    click.echo(f"submitted doctor job {result.job_id}: {spec.layout}, run dir {result.run_dir}")
     if not wait:
         return 0, None
     wait_for(result.job_id, timeout=parse_duration(time_limit) + 120)
@@ -168,7 +166,9 @@ def clear_quarantine(run: RunDir, *, time_limit: str) -> int:
     click.echo(f"jobgen doctor: checking the quarantined node(s) {', '.join(held)} of run {run.path.name}")
     code, verdict = run_doctor(
         nodes=len(held),
-        procs_per_node=spec.procs_per_node,
+        # With unequal nodes (a list), which entry a quarantined node held is not recorded: each
+        # is checked with the smallest, which every node of the run can give.
+        procs_per_node=min(spec.node_procs),
         site_ref=_site_of(run, spec),
         partition=spec.partition,
         time_limit=time_limit,

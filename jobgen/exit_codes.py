@@ -116,7 +116,7 @@ def signal_stop_words(signal_name: str, *, from_batch_shell: bool, lead_signal: 
 # The failures that every later task would repeat, with what to change. `jobgen submit`
 # of the run clears the stop once it is fixed.
 _FIXES = {
-    ExitCode.WORLD_SIZE_MISMATCH: "make job.nodes x job.procs_per_node match what the site starts per node, "
+    ExitCode.WORLD_SIZE_MISMATCH: "make job.nodes and job.procs_per_node match what the site starts per node, "
     "then `jobgen submit` the run again",
     ExitCode.RESUME_FAILED: "no checkpoint of the run loads with this spec: restore [model]/[train] as they were "
     "when the checkpoints were written, or move checkpoints/ away to start over, "

@@ -81,18 +81,23 @@ def grad_accum_for(train: TrainSpec, world_size: int) -> int:
     from train.global_batch_size. GlobalBatchError names the keys when it does not divide."""
     if train.global_batch_size is None:
         return train.grad_accum
-    per_micro_step = train.micro_batch_size * world_size
+    replicas = train.data_parallel_size(world_size)
+    per_micro_step = train.micro_batch_size * replicas
     if train.global_batch_size % per_micro_step:
+        ranks = f"world size {world_size}" if replicas == world_size else f"{replicas} pipelines of the world"
         raise GlobalBatchError(
             f"train.global_batch_size {train.global_batch_size} is not a multiple of train.micro_batch_size "
-            f"{train.micro_batch_size} x world size {world_size} = {per_micro_step} (the sequences of one "
+            f"{train.micro_batch_size} x {ranks} = {per_micro_step} (the sequences of one "
             "micro-step): change either, or the nodes or processes per node"
         )
     return train.global_batch_size // per_micro_step
 
 
 def shape_for(train: TrainSpec, world_size: int) -> BatchShape:
-    return BatchShape(train.micro_batch_size, grad_accum_for(train, world_size), world_size)
+    """The batch of a task on ``world_size`` ranks. ``BatchShape.world_size`` counts the
+    data-parallel replicas (the ranks, unless a pipeline spans several)."""
+    replicas = train.data_parallel_size(world_size)
+    return BatchShape(train.micro_batch_size, grad_accum_for(train, world_size), replicas)
 
 
 def check_resume(saved: BatchShape | None, now: BatchShape, train: TrainSpec) -> None:

@@ -445,23 +445,17 @@ def _check_env_placeholders(run: RunSpec, run_label: str) -> list[SpecIssue]:
 
 def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:
     issues: list[SpecIssue] = []
-    gpus = site.slurm.gpus_per_node
-    ppn = run.job.procs_per_node
-    if gpus and ppn is not None and ppn > gpus:
-        issues.append(
-            SpecIssue(
-                run_label, "job.procs_per_node", f"{ppn} processes per node but the site has {gpus} GPUs per node"
-            )
-        )
-    cpus = site.slurm.cpus_per_node
-    if ppn is not None and ppn > cpus:
-        issues.append(
-            SpecIssue(
-                run_label,
-                "job.procs_per_node",
-                f"{ppn} processes per node but only {cpus} CPUs per node (site slurm.cpus_per_node)",
-            )
-        )
+    gpus, cpus = site.slurm.gpus_per_node, site.slurm.cpus_per_node
+    given = run.job.procs_per_node
+    # A list is checked entry by entry: every node is asked for the same CPUs and GPUs.
+    entries = [(f"[{i}]", n) for i, n in enumerate(given)] if isinstance(given, list) else [("", given)]
+    for index, ppn in entries:
+        if gpus and ppn is not None and ppn > gpus:
+            message = f"{ppn} processes per node but the site has {gpus} GPUs per node"
+            issues.append(SpecIssue(run_label, "job.procs_per_node" + index, message))
+        if ppn is not None and ppn > cpus:
+            message = f"{ppn} processes per node but only {cpus} CPUs per node (site slurm.cpus_per_node)"
+            issues.append(SpecIssue(run_label, "job.procs_per_node" + index, message))
     if run.job.program == "train":
         issues.extend(_check_world_sizes(run, site, run_label))
     return issues
@@ -471,7 +465,7 @@ def _check_world_sizes(run: RunSpec, site: SiteProfile, run_label: str) -> list[
     """The batch and the shard groups for every world size a task may get (job.min_nodes to
     job.nodes): a task that would find out at its start wastes its queue wait."""
     train = run.train
-    ppn = run.job.procs_per_node or site.slurm.gpus_per_node or 1
+    default_ppn = site.slurm.default_procs_per_node
     issues: list[SpecIssue] = []
     if train.cpu_offload and not site.slurm.gpus_per_node:
         issues.append(
@@ -483,14 +477,17 @@ def _check_world_sizes(run: RunSpec, site: SiteProfile, run_label: str) -> list[
             )
         )
     for nodes in run.job.node_counts:
-        world = nodes * ppn
+        world = run.job.world_size(default_ppn, nodes)
         try:
             grad_accum_for(train, world)
         except GlobalBatchError as exc:
             issues.append(SpecIssue(run_label, "train.global_batch_size", f"on {nodes} node(s): {exc}"))
             break
-        problem = shard_size_problem(train.parallelism, world, ppn, train.shard_size)
-        if problem:
-            issues.append(SpecIssue(run_label, "train.shard_size", f"on {nodes} node(s): {problem}"))
+        node_procs = run.job.node_procs(default_ppn, nodes)
+        problem = shard_size_problem(train.parallelism, world, node_procs, train.shard_size)
+        keyed = ("train.shard_size", problem) if problem else None
+        keyed = keyed or (train.pipeline.world_problem(world, train.micro_batch_size) if train.pipeline else None)
+        if keyed:
+            issues.append(SpecIssue(run_label, keyed[0], f"on {nodes} node(s): {keyed[1]}"))
             break
     return issues

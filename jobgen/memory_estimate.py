@@ -100,6 +100,8 @@ class PlanInputs:
     parallelism: str = "ddp"
     world_size: int = 1
     nodes: int = 1
+    # job.procs_per_node as a list: each node's ranks; empty: world_size / nodes on each.
+    node_procs: tuple[int, ...] = ()
     micro_batch_size: int = 1
     seq_len: int = 1024
     grad_accum: int = 1
@@ -127,12 +129,14 @@ class PlanInputs:
 
     @property
     def ranks_per_node(self) -> int:
-        return max(1, self.world_size // max(1, self.nodes))
+        """The most ranks on one node: the node whose host memory fills first."""
+        return max(self.node_procs) if self.node_procs else max(1, self.world_size // max(1, self.nodes))
 
     @property
     def shard(self) -> int:
         """Ranks one copy of the model's states is split over (1 for DDP)."""
-        return STRATEGIES[self.parallelism].shard_size(self.world_size, self.ranks_per_node, self.shard_size)
+        per_node = self.node_procs or self.ranks_per_node
+        return STRATEGIES[self.parallelism].shard_size(self.world_size, per_node, self.shard_size)
 
     @property
     def sharded(self) -> bool:

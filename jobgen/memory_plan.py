@@ -198,7 +198,9 @@ class MemoryPlan:
             f"model {self.model_path}: {self.param_count / 1e6:.1f}M parameters"
             f" ({self.trainable_params / 1e6:.1f}M trainable)"
             + (", counted from config.json (no safetensors)" if self.param_source == "config.json" else ""),
-            f"{i.parallelism} on {i.world_size} rank(s), {kind}; micro-batch {i.micro_batch_size} x "
+            f"{i.parallelism} on {i.world_size} rank(s)"
+            + (f" ({' + '.join(map(str, i.node_procs))} per node)" if i.node_procs else "")
+            + f", {kind}; micro-batch {i.micro_batch_size} x "
             f"{i.seq_len} tokens, {i.optimizer}"
             + (f", sharded over {i.shard}" if i.parallelism == "hsdp" else "")
             + (", CPU offload" if i.offloaded else "")
@@ -249,6 +251,7 @@ def inputs_for(spec: Any) -> PlanInputs:
         parallelism=train.parallelism,
         world_size=spec.world_size,
         nodes=run.job.nodes,
+        node_procs=spec.node_procs if run.job.unequal_nodes else (),
         micro_batch_size=train.micro_batch_size,
         seq_len=data.max_length,
         grad_accum=grad_accum,
@@ -289,7 +292,9 @@ def budget_for(spec: Any) -> tuple[int | None, str]:
         return parse_size(given), f"slurm.device_memory = {given}"
     per_node = _node_memory(slurm.mem)
     if slurm.gpus_per_node == 0 and per_node:
-        return per_node // max(1, spec.procs_per_node), f"slurm.mem {slurm.mem} / {spec.procs_per_node} per node"
+        # With unequal nodes, the node with the most processes has the least memory for each.
+        most = "the most on one node" if spec.run.job.unequal_nodes else "per node"
+        return per_node // max(1, spec.procs_per_node), f"slurm.mem {slurm.mem} / {spec.procs_per_node} {most}"
     return None, "no slurm.device_memory in the site"
 
 

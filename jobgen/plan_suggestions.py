@@ -109,7 +109,8 @@ def _nodes_change(inputs: PlanInputs, factor: int, per_node: int) -> _Change:
 def _parallelism_changes(inputs: PlanInputs) -> list[_Change]:
     out = []
     if inputs.parallelism == "ddp" and inputs.world_size > 1:
-        if inputs.nodes > 1:
+        # Unequal nodes have no default shard group (a node): hsdp would need a train.shard_size too.
+        if inputs.nodes > 1 and not inputs.node_procs:
             out.append(_Change('train.parallelism = "hsdp"', HSDP_COST, parallelism="hsdp"))
         across = ", each block all-gathered across the network twice a step" if inputs.nodes > 1 else ""
         out.append(_Change('train.parallelism = "fsdp"', f"more communication{across}", parallelism="fsdp"))
@@ -160,7 +161,8 @@ def _candidates(inputs: PlanInputs, procs_per_node: int) -> list[_Change]:
                     micro_batch_size=mb, grad_accum=accum)
         )  # fmt: skip
     out += _offload_change(inputs)
-    out += [_nodes_change(inputs, factor, max(1, procs_per_node)) for factor in (2, 4, 8, 16)]
+    if not inputs.node_procs:  # unequal nodes: which machines more nodes would be is not known
+        out += [_nodes_change(inputs, factor, max(1, procs_per_node)) for factor in (2, 4, 8, 16)]
     length = inputs.seq_len
     while length > 256:
         length //= 2

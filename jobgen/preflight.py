@@ -221,7 +221,29 @@ def _decide(spec: ResolvedSpec, facts: _ClusterFacts) -> list[Finding]:
     shortfall = _node_count_findings(job, facts.name, facts)
     if any(f.level == "error" for f in shortfall):
         return findings + shortfall
-    return findings + shortfall + _node_resource_findings(job, spec.site.slurm, facts.name, facts.candidates)
+    resources = _node_resource_findings(job, spec.site.slurm, facts.name, facts.candidates)
+    return findings + shortfall + resources + _node_procs_findings(spec, facts)
+
+
+def _node_procs_findings(spec: ResolvedSpec, facts: _ClusterFacts) -> list[Finding]:
+    """Unequal nodes (job.procs_per_node as a list): which node gets which entry. Entry N goes
+    to node N of the allocation ($SLURM_NODEID), and Slurm orders an allocation's nodes as its
+    configuration lists them (scontrol show nodes), whatever order job.nodelist names them in."""
+    if not spec.run.job.unequal_nodes:
+        return []
+    counts = spec.node_procs
+    if len(facts.wanted) == len(counts):
+        ordered = [name for name in facts.nodes if name in facts.wanted]
+        pairs = ", ".join(f"{name} {count}" for name, count in zip(ordered, counts))
+        return [Finding("info", "job.procs_per_node", f"processes per node, node by node: {pairs}")]
+    return [
+        Finding(
+            "info",
+            "job.procs_per_node",
+            f"{' + '.join(map(str, counts))} processes, in the order of the nodes Slurm picks: "
+            "set job.nodelist to the nodes meant for them",
+        )
+    ]
 
 
 def check_cluster(spec: ResolvedSpec, quarantined: list[str] = ()) -> list[Finding]:

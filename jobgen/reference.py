@@ -50,6 +50,8 @@ def _strip_none(tp: Any) -> Any:
         rest = [a for a in get_args(tp) if a is not type(None)]
         if len(rest) == 1:
             return rest[0]
+        if len(rest) < len(get_args(tp)):
+            return Union[tuple(rest)]  # noqa: UP007 (built from a list: no X | Y spelling)
     return tp
 
 

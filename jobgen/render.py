@@ -211,7 +211,8 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
     """The job's part of :func:`build_context`: where the script came from, what it starts,
     and the numbers of its allocation."""
     job, slurm = spec.run.job, spec.site.slurm
-    procs = spec.procs_per_node
+    procs = spec.procs_per_node  # the most on one node: what every node's request covers
+    unequal = job.unequal_nodes
     return {
         "jobgen_version": __version__,
         "spec_file": spec.spec_file or "(built in)",
@@ -230,10 +231,19 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         "nodes": job.nodes,
         "min_nodes": job.min_nodes or job.nodes,
         "procs_per_node": procs,
+        "layout": Trusted(spec.layout),
         "world_size": spec.world_size,
+        "task_world_size": task_world_size(spec, "SLURM_JOB_NUM_NODES"),
+        # job.procs_per_node as a list: bash arrays the node scripts index by $SLURM_NODEID
+        # (each node's processes and OpenMP threads), and torchrun's count read from them.
+        "node_procs": Trusted(" ".join(map(str, spec.node_procs))) if unequal else None,
+        "node_threads": Trusted(" ".join(str(_omp_threads(spec, n)) for n in spec.node_procs)) if unequal else None,
+        "nproc": Trusted('"$NPROC"') if unequal else procs,
+        # c10d numbers the nodes by their --local-addr strings ("10.0.0.10" before "10.0.0.9");
+        # static takes each node's rank from $SLURM_NODEID, so ranks follow the list (docs/run-toml.md).
+        "rdzv_backend": "static" if unequal else "c10d",
         "cpus_per_task": slurm.cpus_per_node,
-        # One OpenMP thread pool per process, splitting the node's CPUs between them.
-        "omp_threads": max(1, slurm.cpus_per_node // procs),
+        "omp_threads": _omp_threads(spec, procs),
         "gpus_per_node": slurm.gpus_per_node,
         "time_seconds": job.time,
         "exit_grace_seconds": job.exit_grace,
@@ -244,6 +254,20 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         "graceful_stop": job.graceful_stop,
         "array": job.array,
     }
+
+
+def _omp_threads(spec: ResolvedSpec, procs: int) -> int:
+    """One OpenMP thread pool per process, splitting the node's CPUs between its ``procs``."""
+    return max(1, spec.site.slurm.cpus_per_node // procs)
+
+
+def task_world_size(spec: ResolvedSpec, nodes_var: str) -> Trusted:
+    """The task's world size as the script knows it: the nodes Slurm gave (``$nodes_var``,
+    which job.min_nodes lets vary) x procs_per_node; a list's world is its sum (a list
+    forbids job.min_nodes, so the nodes are job.nodes)."""
+    if spec.run.job.unequal_nodes:
+        return Trusted(str(spec.world_size))
+    return Trusted(f"$(({nodes_var} * {spec.procs_per_node}))")
 
 
 def _run_dir_context(spec: ResolvedSpec) -> dict[str, Any]:
@@ -353,7 +377,8 @@ def entry_words(spec: ResolvedSpec) -> Trusted:
         return Trusted(f"-m {LAUNCHER} --plan {plan}")
     module = PROGRAMS[program]
     # On each node (the node script): the nodes Slurm gave this task, which job.min_nodes lets vary.
-    world = f'"$((SLURM_NNODES * {spec.procs_per_node}))"'
+    world = task_world_size(spec, "SLURM_NNODES")
+    world = world if spec.run.job.unequal_nodes else Trusted(f'"{world}"')
     return Trusted(f'-m {module} --run-dir "$JOBGEN_RUN_DIR" --expected-world-size {world}')
 
 

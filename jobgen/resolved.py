@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from jobgen.site import SiteProfile
-from jobgen.spec import RunSpec
+from jobgen.spec import RunSpec, layout_text
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,36 @@ class ResolvedSpec:
     def constraint(self) -> str | None:
         return self.run.job.constraint or self.site.slurm.constraint
 
+    # The world's shape: JobSpec.node_procs with the site's default, nowhere else.
+    @property
+    def default_procs_per_node(self) -> int:
+        """Processes per node when job.procs_per_node is unset: the site's GPUs, else 1."""
+        return self.site.slurm.default_procs_per_node
+
+    @property
+    def node_procs(self) -> tuple[int, ...]:
+        """The processes on each node, in node order ($SLURM_NODEID)."""
+        return self.run.job.node_procs(self.default_procs_per_node)
+
     @property
     def procs_per_node(self) -> int:
-        if self.run.job.procs_per_node is not None:
-            return self.run.job.procs_per_node
-        return self.site.slurm.gpus_per_node or 1
+        """The most processes on one node (every node's, when they are equal): what each node's
+        request (CPUs, memory, GPUs) must cover, since one allocation asks the same of every node."""
+        return max(self.node_procs)
 
     @property
     def world_size(self) -> int:
-        return self.run.job.nodes * self.procs_per_node
+        return self.run.job.world_size(self.default_procs_per_node)
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """The world size of a task on each node count it may get (job.min_nodes to job.nodes)."""
+        return [self.run.job.world_size(self.default_procs_per_node, n) for n in self.run.job.node_counts]
+
+    @property
+    def layout(self) -> str:
+        """The world's shape in words: "2 node(s) x 2 process(es)", "2 nodes with 3 + 1 processes"."""
+        return layout_text(self.node_procs)
 
     @property
     def runs_root(self) -> Path:

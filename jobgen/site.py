@@ -61,8 +61,9 @@ class SlurmSettings(StrictModel):
         description=(
             "Memory one rank may use, for `jobgen plan` and submit's memory check: on GPU sites the memory "
             "of one GPU (e.g. '79GiB' for an H100 80GB, '23.5GiB' for an RTX 4090), on CPU sites the host "
-            "memory of one process (default there: slurm.mem / procs_per_node). Binary units as Slurm's "
-            "(K, M, G, T, KiB, MiB, GiB, TiB), decimal with 'GB'/'MB'. Empty: no verdict."
+            "memory of one process (default there: slurm.mem / procs_per_node, by its largest entry for a "
+            "list). Binary units as Slurm's (K, M, G, T, KiB, MiB, GiB, TiB), decimal with 'GB'/'MB'. "
+            "Empty: no verdict."
         ),
     )
     gpu_request: Literal["gres", "gpus-per-node"] = Field(
@@ -96,6 +97,11 @@ class SlurmSettings(StrictModel):
             "['--gpu-bind=none', '--comment=my run']; values are passed verbatim (quoted for sbatch)."
         ),
     )
+
+    @property
+    def default_procs_per_node(self) -> int:
+        """Processes per node when a run leaves job.procs_per_node unset: one per GPU, else 1."""
+        return self.gpus_per_node or 1
 
 
 class NetworkSettings(StrictModel):

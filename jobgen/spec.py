@@ -7,7 +7,7 @@ site resolution and error reporting live in :mod:`jobgen.loader`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -31,6 +31,9 @@ from jobgen.watchdog_settings import WatchdogSettings
 
 # Slurm's default MaxArraySize is 1001, so the highest index is 1000.
 MAX_ARRAY = 1000
+# Processes on one node.
+MAX_PROCS_PER_NODE = 256
+ProcsPerNode = Annotated[int, Field(ge=1, le=MAX_PROCS_PER_NODE)]
 
 
 class JobSpec(StrictModel):
@@ -58,11 +61,18 @@ class JobSpec(StrictModel):
             "size keeps the batch."
         ),
     )
-    procs_per_node: int | None = Field(
+    procs_per_node: ProcsPerNode | list[ProcsPerNode] | None = Field(
         None,
-        ge=1,
-        le=256,
-        description="Processes per node: GPUs per node on GPU sites (the default), processes on CPU sites (default 1).",
+        description=(
+            "Processes per node: GPUs per node on GPU sites (the default), processes on CPU sites (default 1). "
+            "A list gives each node its own count, in the order of the allocation's nodes ($SLURM_NODEID, "
+            "the order of `scontrol show hostnames`), e.g. [3, 1]: one entry per node (its length is job.nodes), "
+            "the world size is their sum, global ranks follow the nodes (ranks 0-2 on the first node, 3 on "
+            "the second), and every node is asked for the same CPUs, memory and GPUs (the site's), which must cover "
+            "the largest entry. Not with "
+            "job.min_nodes below job.nodes, and with parallelism 'hsdp' only with a train.shard_size that "
+            "divides every entry."
+        ),
     )
     time: Duration = Field(description="Time limit of each array task, e.g. '20:00:00', '2-00:00:00' or '4h'.")
     array: int = Field(
@@ -124,16 +134,82 @@ class JobSpec(StrictModel):
             )
         return grace
 
+    @field_validator("procs_per_node", mode="before")
+    @classmethod
+    def _whole_counts(cls, value: object) -> object:
+        """One message naming the entry, instead of pydantic's one per member of the union."""
+        if value is None:
+            return value
+        counts = value if isinstance(value, list) else [value]
+        if not counts:
+            raise ValueError("an empty list: give one number of processes per node, e.g. [3, 1]")
+        for index, count in enumerate(counts):
+            where = f"entry {index} ({count!r})" if isinstance(value, list) else repr(count)
+            if not isinstance(count, int) or isinstance(count, bool):
+                raise ValueError(
+                    f"{where} is not a whole number of processes: give one number for every node, "
+                    "or a list of one number per node (e.g. [3, 1])"
+                )
+            if not 1 <= count <= MAX_PROCS_PER_NODE:
+                raise ValueError(f"{where} must be from 1 to {MAX_PROCS_PER_NODE} processes")
+        return value
+
     @model_validator(mode="after")
     def _min_nodes_at_most_nodes(self) -> JobSpec:
         if self.min_nodes is not None and self.min_nodes > self.nodes:
             raise ValueError(f"job.min_nodes ({self.min_nodes}) must be at most job.nodes ({self.nodes})")
         return self
 
+    @model_validator(mode="after")
+    def _one_count_per_node(self) -> JobSpec:
+        counts = self.procs_per_node
+        if not isinstance(counts, list):
+            return self
+        if len(counts) != self.nodes:
+            raise ValueError(
+                f"job.procs_per_node = {counts} gives {len(counts)} node(s) their processes, job.nodes is "
+                f"{self.nodes}: give one entry per node"
+            )
+        if len(self.node_counts) > 1:
+            # Which entries would a task on fewer nodes keep? The list names no nodes, and the
+            # nodes Slurm leaves out are not known before the task starts.
+            raise ValueError(
+                f"job.min_nodes = {self.min_nodes} lets a task run on fewer than job.nodes = {self.nodes} nodes, "
+                f"and job.procs_per_node = {counts} says nothing of which entries such a task keeps: "
+                "leave job.min_nodes unset (or equal to job.nodes) with a list, or give one number for every node"
+            )
+        return self
+
     @property
     def node_counts(self) -> range:
         """The node counts a task may get: min_nodes to nodes."""
         return range(self.min_nodes or self.nodes, self.nodes + 1)
+
+    @property
+    def unequal_nodes(self) -> bool:
+        """procs_per_node is a list: each node gets its own count, by its place in the allocation."""
+        return isinstance(self.procs_per_node, list)
+
+    def node_procs(self, default: int, nodes: int | None = None) -> tuple[int, ...]:
+        """The processes on each node of a task on ``nodes`` nodes (default: job.nodes), in
+        node order ($SLURM_NODEID): the list as given, else procs_per_node (``default`` when
+        unset: the site's GPUs per node, 1 on CPU sites) on each node. The one place the
+        world's shape is derived; :meth:`world_size` sums it."""
+        if isinstance(self.procs_per_node, list):
+            return tuple(self.procs_per_node)  # a list forbids min_nodes: always job.nodes
+        return (self.procs_per_node or default,) * (self.nodes if nodes is None else nodes)
+
+    def world_size(self, default: int, nodes: int | None = None) -> int:
+        """Ranks of a task on ``nodes`` nodes (default: job.nodes): the sum of :meth:`node_procs`."""
+        return sum(self.node_procs(default, nodes))
+
+
+def layout_text(node_procs: tuple[int, ...]) -> str:
+    """The world's shape in words, as validate, plan, status, doctor and the batch script say
+    it: "2 node(s) x 2 process(es)", or "2 nodes with 3 + 1 processes" for unequal nodes."""
+    if len(set(node_procs)) <= 1:
+        return f"{len(node_procs)} node(s) x {node_procs[0] if node_procs else 0} process(es)"
+    return f"{len(node_procs)} nodes with {' + '.join(map(str, node_procs))} processes"
 
 
 class LoraSpec(StrictModel):
@@ -320,11 +396,30 @@ class RunSpec(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _pipeline_combinations(self) -> RunSpec:
+        if self.job.program != "train" or self.train.parallelism != "pipeline":
+            return self
+        assert self.model is not None
+        refused = {
+            "[eval]": self.eval is not None,
+            "model.lora": self.model.lora is not None,
+            "model.activation_offloading": self.model.activation_offloading,
+        }
+        for key, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"{key} cannot be combined with train.parallelism = 'pipeline' yet: the pipeline's stages run "
+                    "the full fine-tuning forward and backward inside torch's schedule only; use 'fsdp' or 'hsdp' "
+                    f"for a run with {key}"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _optimizer_in_backward_world(self) -> RunSpec:
         train, job = self.train, self.job
         if job.program != "train" or not train.optimizer_in_backward or train.parallelism != "ddp":
             return self
-        if job.nodes != 1 or job.procs_per_node != 1:
+        if job.nodes != 1 or job.procs_per_node not in (1, [1]):
             ppn = "unset (the site's GPUs per node)" if job.procs_per_node is None else str(job.procs_per_node)
             raise ValueError(
                 "train.optimizer_in_backward = true with train.parallelism = 'ddp' runs on one process only: "

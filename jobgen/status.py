@@ -52,6 +52,8 @@ class RunStatus:
     state: str  # pending, running, stopped, finished, failed, unknown; unreadable (unreadable_status)
     step: int | None  # the newest step known: max(logged_step, saved_step)
     max_steps: int | None
+    # Processes on each node in node order ($SLURM_NODEID), as the spec asks: job.procs_per_node.
+    node_procs: list[int] = field(default_factory=list)
     tasks: list[TaskStatus] = field(default_factory=list)
     switches: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -191,6 +193,7 @@ def decide_status(
         step=last.get("step"),
         logged_step=last.get("step"),
         max_steps=found.spec.run.train.max_steps if job.program == "train" else None,
+        node_procs=list(found.spec.node_procs),
         tasks=tasks,
         goodput=goodput(found.reports),
         notes=[asked.unreachable] if asked.unreachable else [],

@@ -9,6 +9,7 @@ import time
 
 from jobgen import slurm
 from jobgen.durations import format_human
+from jobgen.spec import layout_text
 from jobgen.status import RunStatus
 from jobgen.task_table import TaskStatus
 
@@ -70,6 +71,9 @@ def format_status(status: RunStatus) -> str:
         f"dir      {status.run_dir}",
         f"state    {status.state}",
     ]
+    if status.node_procs:
+        world = f" = world size {sum(status.node_procs)}"
+        lines.append(f"nodes    {layout_text(tuple(status.node_procs))}{world}")
     if status.max_steps is not None:
         progress = f"step     {step_text(status)}"
         if status.loss is not None:

@@ -174,8 +174,7 @@ def _resume_findings(spec: ResolvedSpec) -> list[Finding]:
     without the cluster, rather than after the queue wait."""
     if spec.run.job.program != "train":
         return []
-    world_sizes = [nodes * spec.procs_per_node for nodes in spec.run.job.node_counts]
-    problem = resume_problem(spec.run.train, world_sizes, spec.run_dir)
+    problem = resume_problem(spec.run.train, spec.world_sizes, spec.run_dir)
     return [Finding("error", "train.global_batch_size", problem)] if problem else []
 
 

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from jobgen.fields import Duration, StrictModel
 from jobgen.parallelism import ParallelismName
+from jobgen.pipeline_spec import PipelineSpec
 
 
 class TrainSpec(StrictModel):
@@ -22,8 +23,14 @@ class TrainSpec(StrictModel):
             "gradients and optimizer state sharded over every rank; on several nodes each block's parameters are "
             "all-gathered across the network twice a step. 'hsdp': FSDP2 on a 2-D mesh, sharded within a node "
             "(train.shard_size ranks) and replicated across nodes, so the all-gathers stay on the node's links and "
-            "only gradients cross the network, once a step; each node holds a whole copy of the model's state."
+            "only gradients cross the network, once a step; each node holds a whole copy of the model's state. "
+            "'pipeline': decoder blocks split into stages over ranks ([train.pipeline]), only activations cross "
+            "between them: for nodes joined by Ethernet, where FSDP's all-gathers are slow."
         ),
+    )
+    pipeline: PipelineSpec | None = Field(
+        None,
+        description="[train.pipeline]: the stages and schedule of parallelism = 'pipeline' (defaults when absent).",
     )
     shard_size: int | None = Field(
         None,
@@ -191,6 +198,40 @@ class TrainSpec(StrictModel):
                 "on every GPU"
             )
         return self
+
+    @model_validator(mode="after")
+    def _pipeline_keys(self) -> TrainSpec:
+        if self.parallelism != "pipeline":
+            if self.pipeline is not None:
+                raise ValueError(
+                    f"[train.pipeline] is only used with train.parallelism = 'pipeline' (it is '{self.parallelism}')"
+                )
+            return self
+        if self.pipeline is None:
+            self.pipeline = PipelineSpec()
+        refused = {
+            "train.cpu_offload": self.cpu_offload,
+            "train.optimizer_in_backward": self.optimizer_in_backward,
+            "train.loss_chunk_tokens": self.loss_chunk_tokens > 0,
+        }
+        for key, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"{key} cannot be combined with train.parallelism = 'pipeline': the last stage computes the "
+                    "loss inside the schedule, and each stage steps its own optimizer after the schedule"
+                )
+        return self
+
+    def ranks_per_replica(self, world_size: int) -> int:
+        """Ranks that hold one data-parallel replica between them: a whole pipeline, else one."""
+        if self.parallelism == "pipeline" and self.pipeline is not None:
+            return self.pipeline.pipeline_size(world_size)
+        return 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Replicas that read different rows, in a world of ``world_size`` ranks: the world
+        size, divided by the ranks a pipeline spans."""
+        return max(1, world_size // self.ranks_per_replica(world_size))
 
     @model_validator(mode="after")
     def _optimizer_in_backward_combinations(self) -> TrainSpec:

@@ -95,6 +95,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with 4 decoder blocks: a pipeline of 2 ranks can hold 2 stages each."""
+    pytest.importorskip("transformers")
+    from jobgen.tinymodel import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("deep") / "model", layers=4)
+
+
+@pytest.fixture(scope="session")
 def cluster():
     """The dev cluster in --netns mode with 3 nodes; reused if one is already up."""
     if shutil.which("slurmctld") is None and os.geteuid() != 0:

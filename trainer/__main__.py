@@ -33,7 +33,11 @@ from jobgen.exit_codes import ExitCode
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer")
     parser.add_argument("--run-dir", type=Path, required=True, help="run directory holding spec.json")
-    parser.add_argument("--expected-world-size", type=int, help="nodes x procs_per_node; checked against torchrun's")
+    parser.add_argument(
+        "--expected-world-size",
+        type=int,
+        help="the processes of every node summed (ResolvedSpec.world_size); checked against torchrun's",
+    )
     return parser.parse_args(argv)
 
 
@@ -184,7 +188,7 @@ def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None
         return ExitCode.OK, "run already finished (done marker present)"
     if expected_world_size is not None and world_size != expected_world_size:
         return ExitCode.WORLD_SIZE_MISMATCH, (
-            f"world size is {world_size}, the spec asks for {expected_world_size} (nodes x procs_per_node)"
+            f"world size is {world_size}, the spec asks for {expected_world_size} (job.procs_per_node over job.nodes)"
         )
     return None
 

@@ -40,7 +40,11 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class DataPipeline:
-    def __init__(self, spec: ResolvedSpec, tokenizer, env: DistEnv, run_dir: Path):
+    def __init__(
+        self, spec: ResolvedSpec, tokenizer, env: DistEnv, run_dir: Path, shard: tuple[int, int] | None = None
+    ):
+        """``shard``: (rank, size) of the training sampler, the replica's when several ranks
+        share rows (a pipeline's stages); default this rank of the world."""
         data_spec, model_spec, train = spec.run.data, spec.run.model, spec.run.train
         assert data_spec is not None and model_spec is not None
         self.packing = data_spec.packing
@@ -78,10 +82,11 @@ class DataPipeline:
         )
         lengths = self.dataset["length"]
         self.rows = build_rows(lengths, data_spec.max_length, self.packing)
+        shard_rank, shard_size = shard if shard is not None else (env.rank, env.world_size)
         self.sampler = ResumableSampler(
             len(self.rows),
-            world_size=env.world_size,
-            rank=env.rank,
+            world_size=shard_size,
+            rank=shard_rank,
             micro_batch_size=train.micro_batch_size,
             seed=train.seed,
             grad_accum=grad_accum_for(train, env.world_size),

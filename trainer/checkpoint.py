@@ -100,7 +100,11 @@ def state_dict_options(model: torch.nn.Module) -> StateDictOptions:
     """LoRA: only the adapters are trained, so only they are checkpointed and loaded; the
     frozen base weights come from the model path. Full fine-tuning loads strictly."""
     frozen = any(not p.requires_grad for p in model.parameters())
-    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+    # A pipeline's ranks hold different parameters (trainer.pipeline.StageModule): unflattened,
+    # the optimizer's param_groups would name each rank's own under one key, which the stages
+    # would overwrite in each other's checkpoint. Flattened, every entry is keyed by name.
+    flatten = bool(getattr(model, "flat_optimizer_state", False))
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen, flatten_optimizer_state_dict=flatten)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

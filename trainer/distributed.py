@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 
 class WorldSizeError(RuntimeError):
-    """torchrun formed a world of another size than nodes x procs_per_node."""
+    """torchrun formed a world of another size than the spec's (its processes summed over its nodes)."""
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class DistEnv:
     local_rank: int
     device: torch.device
     backend: str
-    # Processes on this node (torchrun's LOCAL_WORLD_SIZE: job.procs_per_node in a batch
-    # script), which HSDP's shard groups default to.
+    # Processes on this node (torchrun's LOCAL_WORLD_SIZE: job.procs_per_node, or this node's
+    # entry of the list, in a batch script), which HSDP's shard groups default to.
     local_world_size: int = 1
 
     @property
@@ -52,7 +52,8 @@ def init_distributed(timeout_seconds: int, expected_world_size: int | None) -> D
     mark_progress()  # the rendezvous may have waited long for the other nodes
     if expected_world_size is not None and env.world_size != expected_world_size:
         raise WorldSizeError(
-            f"world size is {env.world_size}, the spec asks for {expected_world_size} (nodes x procs_per_node)"
+            f"world size is {env.world_size}, the spec asks for {expected_world_size} "
+            "(job.procs_per_node over job.nodes)"
         )
     return env
 

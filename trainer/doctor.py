@@ -44,7 +44,12 @@ BANDWIDTH_MIB = 16
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer.doctor", description=__doc__.split("\n")[0])
     parser.add_argument("--run-dir", type=Path, required=True, help="where doctor.json is written")
-    parser.add_argument("--expected-world-size", type=int, required=True, help="nodes x procs_per_node")
+    parser.add_argument(
+        "--expected-world-size",
+        type=int,
+        required=True,
+        help="the processes of every node summed (ResolvedSpec.world_size)",
+    )
     parser.add_argument("--alloc-mib", type=int, default=256, help="memory each rank allocates and verifies")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds for init and each collective")
     return parser.parse_args(argv)

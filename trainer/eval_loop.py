@@ -181,7 +181,7 @@ def build_run_evaluation(trainer: Any, spec: EvalSpec | None, eval_set: EvalSet 
         eval_set,
         trainer.env,
         trainer.monitor,
-        trainer._forward_loss_sum,
+        trainer.runner.forward_loss_sum,  # [eval] is refused under a pipeline
         trainer.data.model_inputs,
         every_steps=spec.every_steps,
         every_seconds=spec.every,

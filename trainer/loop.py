@@ -23,7 +23,6 @@ memory during the micro-batch's forward and backward (trainer.offload).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir
 from jobgen.runtime.records import MetricsWriter
 from jobgen.runtime.stopping import Action, StopMonitor
-from trainer.batches import DataPipeline, to_device
+from trainer.batches import DataPipeline
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import DistEnv, mark_progress, reduce_max, reduce_sum
 from trainer.eval_loop import build_run_evaluation
@@ -47,8 +46,8 @@ from trainer.loss import loss_head_for
 from trainer.memory_peaks import MemoryPeaks, combine_ranks
 from trainer.metrics import StartupClock, ThroughputWindow, memory_snapshot
 from trainer.model import build_model, load_tokenizer, trainable_parameters
-from trainer.offload import make_offloader, offload_activations
-from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler, clip_per_parameter
+from trainer.offload import make_offloader
+from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler
 from trainer.packing import count_targets
 from trainer.parallel import strategy
 from trainer.tracking import Trackers, trackers_for_run
@@ -83,26 +82,23 @@ class Trainer:
         # When the allocation began (the batch script exports it); falls back to this process's start.
         self.job_start = self.startup.job_start
         self.step_seconds: list[float] = []  # wall time of each optimizer step of this job
-        strategy(self.cfg.parallelism).check(self.cfg, env)  # before the data is read: it may refuse
+        chosen = strategy(self.cfg.parallelism)
+        chosen.check(self.cfg, env)  # before the data is read: it may refuse
+        self.ranks_per_replica = self.cfg.ranks_per_replica(env.world_size)  # a pipeline's ranks share rows
         torch.manual_seed(self.cfg.seed)  # identical initialisation on every rank (FSDP2 does not broadcast)
         self.tokenizer = load_tokenizer(spec.run.model.path)
-        self.data = DataPipeline(spec, self.tokenizer, env, run_dir)
+        self.data = DataPipeline(spec, self.tokenizer, env, run_dir, shard=chosen.data_shard(self.cfg, env))
         self.startup.mark("data")  # tokenizer, and the tokenized data (from the cache, or built)
         self.model = build_model(spec.run.model, self.cfg, env, packing=spec.run.data.packing)
+        self.runner = chosen.runner(self)  # forward, backward and clipping of a step
         self.chunked_loss = loss_head_for(self.model, self.cfg.loss_chunk_tokens, self.cfg.target_logits_only)
         self.offloader = make_offloader(env.device, spec.run.model.activation_offloading)
-        self.optimizer = build_optimizer(trainable_parameters(self.model), self.cfg)
+        params = trainable_parameters(self.model)
+        in_backward_group = chosen.norm_group(params) if self.cfg.optimizer_in_backward else None
+        self.optimizer = build_optimizer(params, self.cfg, in_backward_group)
         self.scheduler = build_scheduler(self.optimizer, self.cfg)
-        self.checkpointer = Checkpointer(
-            run_dir / "checkpoints",
-            env,
-            keep=self.cfg.keep_checkpoints,
-            every_steps=self.cfg.save_every_steps,
-            every_seconds=self.cfg.save_every,
-            async_save=self.cfg.async_save,
-        )
+        self.checkpointer = self._checkpointer()
         self.metrics = MetricsWriter(run_dir, enabled=env.is_main)
-        self.run_dir = run_dir
         # [eval]: evaluations over the pipeline's evaluation set, samples, the best checkpoint.
         self.evaluation = build_run_evaluation(self, self.spec.run.eval, self.data.eval_set)
         self.trackers = Trackers([])  # train.report_to, opened by fit()
@@ -118,6 +114,17 @@ class Trainer:
         self.resumed_from: str | None = None  # the checkpoint's name, when this job resumed from one
         self.seconds_to_first_step: float | None = None  # job start to the end of this job's first step
         self.summary: dict[str, Any] = {}  # filled when fit() ends, however it ends
+
+    def _checkpointer(self) -> Checkpointer:
+        """Saves under <run>/checkpoints as train.save_every_steps, save_every and keep_checkpoints say."""
+        return Checkpointer(
+            self.run_dir / "checkpoints",
+            self.env,
+            keep=self.cfg.keep_checkpoints,
+            every_steps=self.cfg.save_every_steps,
+            every_seconds=self.cfg.save_every,
+            async_save=self.cfg.async_save,
+        )
 
     @property
     def checkpoint_optimizers(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
@@ -180,27 +187,17 @@ class Trainer:
         local_targets = sum(int(count_targets(b["labels"])) for b in micro_batches)
         local_tokens = sum(int(b["num_tokens"]) for b in micro_batches)
         local_padded = sum(int(b["input_ids"].numel()) for b in micro_batches)  # what the model computes on
-        global_targets, global_tokens, global_padded = reduce_sum(
-            self.env, [float(local_targets), float(local_tokens), float(local_padded)]
-        )
-        # DDP and FSDP average gradients over ranks; scaling by world size turns that
+        # Every rank of one replica (a pipeline's stages) holds the same rows: counted once.
+        summed = reduce_sum(self.env, [float(local_targets), float(local_tokens), float(local_padded)])
+        global_targets, global_tokens, global_padded = (x / self.ranks_per_replica for x in summed)
+        # DDP and FSDP average gradients over the replicas; scaling by their number turns that
         # average into the sum, so the gradient is that of the global token mean.
-        scale = self.env.world_size / max(global_targets, 1.0)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16) if self.env.device.type == "cuda" else contextlib.nullcontext()
-        )
-        for i, batch in enumerate(micro_batches):
-            inputs = self.data.model_inputs(batch, self.env.device)
-            with offload_activations(self.offloader):
-                with self._sync_context(i == len(micro_batches) - 1), autocast:
-                    summed = self._forward_loss_sum(inputs, batch["labels"])
-                (summed * scale).backward()  # with optimizer_in_backward, the parameters step here
-            loss_sum += summed.detach().double().cpu()
+        scale = self.batch.world_size / max(global_targets, 1.0)
+        loss_sum = self.runner.forward_backward(micro_batches, scale)
         grad_norm = self._clip_and_step()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        (total_loss,) = reduce_sum(self.env, [float(loss_sum)])
+        (total_loss,) = reduce_sum(self.env, [float(loss_sum)])  # the last stage's, under a pipeline
         self.tokens_seen += int(global_tokens)
         self.local_tokens_this_job += local_tokens
         self.target_tokens_seen += int(global_targets)
@@ -213,34 +210,16 @@ class Trainer:
             "step_target_tokens": int(global_targets),
         }
 
-    def _forward_loss_sum(self, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's summed next-token loss: from the logits, or with loss_chunk_tokens
-        computed inside the forward by the chunked output layer."""
-        if self.chunked_loss is None:
-            logits = self.model(**inputs).logits
-            summed, _count = self.data.loss_sum(logits.float(), to_device(labels, self.env.device))
-            return summed
-        with self.chunked_loss.targets(labels):
-            output = self.model(**inputs).logits
-        return self.chunked_loss.loss_sum(output)
-
     def _clip_and_step(self) -> float:
         """Clip, step, zero the gradients; returns the gradient norm before clipping. With
         optimizer_in_backward the hooks did all of it; the norm is the one they summed."""
         if isinstance(self.optimizer, OptimizerInBackward):
             self.optimizer.step()  # no work: it keeps the LR scheduler's bookkeeping as usual
             return self.optimizer.grad_norm()
-        params = trainable_parameters(self.model)
-        if self.cfg.grad_clip > 0 and self.cfg.grad_clip_mode == "per_parameter":
-            grad_norm = clip_per_parameter(params, self.cfg.grad_clip)
-        else:
-            max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+        grad_norm = self.runner.clip(self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        return grad_norm
 
     # ------------------------------------------------------------------ the loop
 

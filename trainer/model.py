@@ -14,61 +14,21 @@ import torch
 
 from jobgen.spec import ModelSpec, TrainSpec
 from trainer.distributed import DistEnv
-from trainer.model_errors import ModelError
-from trainer.parallel import decoder_layers, strategy
+from trainer.model_prep import (  # noqa: F401 - re-exported: trainer.model is where callers look
+    DTYPES,
+    add_lora,
+    attention_implementation,
+    compile_decoder_blocks,
+    compiles_blocks,
+    decoder_layers,
+    load_tokenizer,
+    param_dtype,
+    prepare,
+    trainable_parameters,
+)
+from trainer.parallel import strategy
 
 log = logging.getLogger("trainer.model")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def param_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
-    # CPU runs train in float32: bf16 matmuls there are slow and numerically poorer.
-    return DTYPES[spec.dtype] if device.type == "cuda" else torch.float32
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None and tokenizer.eos_token is None:
-        # Refused here, in the job's first seconds and before the data and the model load:
-        # without eos no example is taught to end, and without pad the first unpacked
-        # batch fails in collate with a bare TypeError.
-        raise ModelError(
-            f"model.path: {path}: the tokenizer has neither a pad token nor an eos token; add one "
-            '(e.g. "eos_token": "</s>" in its tokenizer_config.json, naming a token of its vocabulary, '
-            "or tokenizer.add_special_tokens({'eos_token': ...}) then save_pretrained)"
-        )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def attention_implementation(spec: ModelSpec, device: torch.device, packing: bool) -> str:
-    """``model.attention`` resolved: "auto" is flex attention for packed rows on a GPU (a
-    block mask per document instead of sdpa's dense rows x rows mask), sdpa otherwise."""
-    if spec.attention != "auto":
-        return spec.attention
-    return "flex_attention" if device.type == "cuda" and packing else "sdpa"
-
-
-def compiles_blocks(train: TrainSpec, device: torch.device) -> bool:
-    """``train.compile`` resolved: unset means on for GPUs, off on CPU."""
-    return train.compile if train.compile is not None else device.type == "cuda"
-
-
-def prepare(model: torch.nn.Module, spec: ModelSpec, attention: str = "sdpa") -> torch.nn.Module:
-    """What the spec changes on the bare model, before any wrapping: the attention kernel,
-    no KV cache, checkpointing, LoRA adapters."""
-    if model.config._attn_implementation != attention:
-        model.set_attn_implementation(attention)
-    model.config.use_cache = False  # no KV cache while training; it also conflicts with checkpointing
-    if spec.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if spec.lora is not None:
-        model = add_lora(model, spec)
-    return model
 
 
 def load_model(spec: ModelSpec, device: torch.device, attention: str = "sdpa") -> torch.nn.Module:
@@ -90,6 +50,8 @@ def build_model(spec: ModelSpec, train: TrainSpec, env: DistEnv, *, packing: boo
     world) is refused before anything is loaded (the Trainer has asked before reading the data)."""
     chosen = strategy(train.parallelism)
     chosen.check(train, env)
+    if chosen.build is not None:
+        return chosen.build(spec, train, env, packing)
     attention = attention_implementation(spec, env.device, packing)
     compile_blocks = compiles_blocks(train, env.device)
 
@@ -110,42 +72,9 @@ def build_model(spec: ModelSpec, train: TrainSpec, env: DistEnv, *, packing: boo
     )
 
 
-def compile_decoder_blocks(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.compile each decoder block in place (``Module.compile``), as torchtitan does: one
-    small graph per block, reused by every block of the same shape, and the blocks stay the
-    modules FSDP2 shards and checkpointing wraps. The output layer and the loss head stay
-    eager: they are swapped and hooked at run time (trainer.loss)."""
-    for layer in decoder_layers(model):
-        layer.compile()
-    return model
-
-
-def add_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise RuntimeError("model.lora needs peft: pip install 'jobgen[lora]'") from None
-    assert spec.lora is not None
-    config = LoraConfig(
-        r=spec.lora.r,
-        lora_alpha=spec.lora.alpha,
-        lora_dropout=spec.lora.dropout,
-        target_modules=list(spec.lora.target_modules),
-        task_type="CAUSAL_LM",
-    )
-    if spec.gradient_checkpointing:
-        # With frozen embeddings no checkpointed input requires grad; make them carry it.
-        model.enable_input_require_grads()
-    return get_peft_model(model, config)
-
-
 def wrap(model: torch.nn.Module, train: TrainSpec, env: DistEnv) -> torch.nn.Module:
     """``model`` wrapped as ``train.parallelism``'s entry in trainer.parallel says: DDP keeps a
     full replica per rank; FSDP2 makes each decoder block, the untied input and output
     embeddings and the root units sharded over every rank (fsdp) or over the ``shard``
     dimension of a 2-D mesh (hsdp)."""
     return strategy(train.parallelism).wrap(model, train, env)
-
-
-def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]

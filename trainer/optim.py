@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from jobgen.spec import TrainSpec
-from trainer.parallel import strategy
 
 # The cosine decays to this fraction of the peak rather than to zero.
 MIN_LR_RATIO = 0.1
@@ -43,9 +42,12 @@ def _make_optimizer(params: list[torch.nn.Parameter], spec: TrainSpec) -> torch.
     return torch.optim.Adafactor(params, lr=spec.lr, weight_decay=spec.weight_decay)
 
 
-def build_optimizer(params: list[torch.nn.Parameter], spec: TrainSpec) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: list[torch.nn.Parameter], spec: TrainSpec, norm_group: dist.ProcessGroup | None = None
+) -> torch.optim.Optimizer:
     """The optimizer over ``params``: a plain one, or with ``optimizer_in_backward`` an
-    :class:`OptimizerInBackward` whose hooks are registered on ``params`` already."""
+    :class:`OptimizerInBackward` whose hooks are registered on ``params`` already, summing
+    the gradient norm over ``norm_group`` (trainer.parallel's ``Strategy.norm_group``)."""
     if not params:
         raise RuntimeError("no trainable parameters")
     if spec.optimizer_in_backward:
@@ -55,7 +57,7 @@ def build_optimizer(params: list[torch.nn.Parameter], spec: TrainSpec) -> torch.
             lambda group: _make_optimizer(group, spec),
             lr=spec.lr,
             max_norm=clip,
-            norm_group=strategy(spec.parallelism).norm_group(params),
+            norm_group=norm_group,
         )
     return _make_optimizer(params, spec)
 

@@ -7,7 +7,11 @@ and the memory plan read), saying how the trainer applies it:
 - :attr:`Strategy.norm_group`: over which ranks the squared norms of gradient shards are
   summed (the grad norm that OptimizerInBackward sums in its hooks);
 - :meth:`Strategy.param_device`: where the sharded parameters live (the host with
-  ``train.cpu_offload``).
+  ``train.cpu_offload``);
+- :attr:`Strategy.build`: how the model is built when not by trainer.model's whole-model or
+  sharded build (the pipeline's stages); :attr:`Strategy.data_shard`: which rows this rank
+  reads (its replica's); :attr:`Strategy.runner`: how a step runs forward, backward and
+  clipping (trainer.step_runner).
 
 ``ddp``: DistributedDataParallel, a whole replica per rank. ``fsdp``: FSDP2's ``fully_shard``
 on every decoder layer, on the untied input and output embeddings, then on the root, over
@@ -16,6 +20,7 @@ built once per process from the world torchrun formed (which can differ from the
 resume) and ``train.shard_size`` (default: the processes per node, torchrun's
 LOCAL_WORLD_SIZE, which the batch script sets from ``job.procs_per_node``). Under HSDP every
 replica holds the same shards, so a sum over shards is a sum over the ``shard`` dimension only.
+``pipeline``: trainer/pipeline_steps.py (stages over ranks, replicas by FSDP2 or replicate).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,9 +41,13 @@ from jobgen.parallelism import Parallelism, shard_size_problem
 from jobgen.spec import TrainSpec
 from trainer.distributed import DistEnv
 from trainer.model_errors import ModelError
+from trainer.model_prep import decoder_layers
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from jobgen.spec import ModelSpec
+    from trainer.step_runner import StepRunner
 
 log = logging.getLogger("trainer.parallel")
 
@@ -62,6 +71,9 @@ class Strategy:
     wrap: Callable[[torch.nn.Module, TrainSpec, DistEnv], torch.nn.Module]
     sync_context: Callable[[torch.nn.Module, bool], contextlib.AbstractContextManager]
     norm_group: Callable[[list[torch.nn.Parameter]], dist.ProcessGroup | None]
+    runner: Callable[[Any], StepRunner]  # given the Trainer (trainer.loop)
+    data_shard: Callable[[TrainSpec, DistEnv], tuple[int, int]]
+    build: Callable[[ModelSpec, TrainSpec, DistEnv, bool], torch.nn.Module] | None = None
 
     @property
     def name(self) -> str:
@@ -99,16 +111,6 @@ class Strategy:
 
 
 # ---------------------------------------------------------------- wrapping
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks, found by class name (LlamaDecoderLayer, Qwen2DecoderLayer, ...)."""
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    if not layers:  # GPT-2 style naming
-        layers = [m for m in model.modules() if type(m).__name__.endswith("Block")]
-    if not layers:
-        raise RuntimeError(f"no decoder layers found in {type(model).__name__} to shard with FSDP")
-    return layers
 
 
 def _wrap_ddp(model: torch.nn.Module, train: TrainSpec, env: DistEnv) -> torch.nn.Module:
@@ -231,10 +233,64 @@ def _shard_dimension(params: list[torch.nn.Parameter]) -> dist.ProcessGroup | No
     return mesh.get_group("shard") if mesh is not None else None
 
 
+def _refuse_in_backward(params: list[torch.nn.Parameter]) -> dist.ProcessGroup | None:
+    raise ParallelismError("train.optimizer_in_backward cannot run with parallelism = 'pipeline'")
+
+
+# ---------------------------------------------------------------- steps, data, building
+
+
+def _data_parallel_steps(trainer: Any) -> StepRunner:
+    from trainer.step_runner import DataParallelSteps
+
+    return DataParallelSteps(trainer)
+
+
+def _every_rank_its_rows(train: TrainSpec, env: DistEnv) -> tuple[int, int]:
+    return env.rank, env.world_size
+
+
+def _pipeline_steps(trainer: Any) -> StepRunner:
+    from trainer.pipeline_steps import PipelineSteps
+
+    return PipelineSteps(trainer)
+
+
+def _replica_rows(train: TrainSpec, env: DistEnv) -> tuple[int, int]:
+    from trainer.pipeline_steps import data_shard
+
+    return data_shard(train, env)
+
+
+def _build_pipeline(spec: ModelSpec, train: TrainSpec, env: DistEnv, packing: bool) -> torch.nn.Module:
+    from trainer.pipeline_steps import build_pipeline_model
+
+    return build_pipeline_model(spec, train, env, packing)
+
+
+def _no_wrap(model: torch.nn.Module, train: TrainSpec, env: DistEnv) -> torch.nn.Module:
+    return model  # the pipeline's build wraps each stage over its replicas
+
+
+def _no_sync_switch(model: torch.nn.Module, last_micro: bool) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()  # the schedule syncs its stages' gradients itself
+
+
 STRATEGIES: dict[str, Strategy] = {
-    "ddp": Strategy(PLANS["ddp"], _wrap_ddp, _ddp_sync, _no_group),
-    "fsdp": Strategy(PLANS["fsdp"], _wrap_fsdp, _fsdp_sync, _whole_mesh),
-    "hsdp": Strategy(PLANS["hsdp"], _wrap_hsdp, _hsdp_sync, _shard_dimension),
+    "ddp": Strategy(PLANS["ddp"], _wrap_ddp, _ddp_sync, _no_group, _data_parallel_steps, _every_rank_its_rows),
+    "fsdp": Strategy(PLANS["fsdp"], _wrap_fsdp, _fsdp_sync, _whole_mesh, _data_parallel_steps, _every_rank_its_rows),
+    "hsdp": Strategy(
+        PLANS["hsdp"], _wrap_hsdp, _hsdp_sync, _shard_dimension, _data_parallel_steps, _every_rank_its_rows
+    ),
+    "pipeline": Strategy(
+        PLANS["pipeline"],
+        _no_wrap,
+        _no_sync_switch,
+        _refuse_in_backward,
+        _pipeline_steps,
+        _replica_rows,
+        build=_build_pipeline,
+    ),
 }
 assert STRATEGIES.keys() == PLANS.keys(), "one trainer entry per jobgen strategy"
 

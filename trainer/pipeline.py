@@ -167,6 +167,9 @@ class StageModule(nn.Module):
     embedding. ``state_dict()``/``named_parameters()`` are those of the full model restricted
     to this rank, so checkpoints and the safetensors line up whatever the layout."""
 
+    # Read by trainer.checkpoint.state_dict_options: the optimizer state keyed by parameter name.
+    flat_optimizer_state = True
+
     def __init__(self, full: nn.Module, stage_ranges: Sequence[range], stage_indices: Sequence[int]):
         super().__init__()
         check_pipelinable(full.config)
@@ -190,6 +193,8 @@ class StageModule(nn.Module):
         self.model.norm = base.norm if self.is_last else None
         self.model.rotary_emb = base.rotary_emb
         self.lm_head = full.lm_head if self.is_last else None
+        # Set by trainer.pipeline_steps: (layout, PipelineStep, mesh) for the trainer's steps.
+        self.steps_state: tuple | None = None
         # A plain dict, not submodules: the views' own names must not enter state_dict().
         self._views: dict[int, _StageView] = {}
 

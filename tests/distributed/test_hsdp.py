@@ -157,6 +157,7 @@ CHECK = textwrap.dedent(
     from trainer.distributed import init_distributed
     from trainer.model import build_model, trainable_parameters
     from trainer.optim import build_optimizer
+    from trainer.parallel import strategy
 
     path, mode, out = sys.argv[1], sys.argv[2], sys.argv[3]
     env = init_distributed(120, None)
@@ -189,7 +190,8 @@ CHECK = textwrap.dedent(
         for name, keys in (("fsdp", {}), ("hsdp", {"shard_size": 2})):
             lean = TrainSpec(parallelism=name, optimizer_in_backward=True, grad_clip=0.0, **keys)
             model = build_model(spec, lean, env)
-            optimizer = build_optimizer(trainable_parameters(model), lean)
+            params = trainable_parameters(model)
+            optimizer = build_optimizer(params, lean, strategy(name).norm_group(params))
             model(input_ids=tokens, labels=tokens).loss.backward()
             report[f"{name}_in_backward"] = optimizer.grad_norm()
             model = build_model(spec, TrainSpec(parallelism=name, **keys), env)

@@ -1,0 +1,83 @@
+"""Unequal processes per node on the dev cluster (``job.procs_per_node = [3, 1]``): one
+allocation of 2 nodes, each node's torchrun started with its own count, 4 ranks numbered node
+by node (ranks 0-2 on the first node of the allocation, 3 on the second, as the rank logs and
+the rank map say), DDP with each rank its own data shard.
+
+The run is stopped by Slurm's lead-time signal (sent by hand, as a time limit sends it) after
+step 4; its next array task resumes from the checkpoint and finishes, and both tasks end
+COMPLETED. Every step's loss equals that of an uninterrupted run of 4 ranks on one node beside
+it: the same world, the same samples, whatever the nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import exit_record, jobgen, last_step, losses, read_jsonl, running_task, submit, wait_for
+from helpers import status as run_status
+from jobgen import slurm
+from jobgen.exit_codes import ExitCode
+
+pytestmark = [pytest.mark.slurm, pytest.mark.torch]
+
+MAX_STEPS = 12
+STOP_AFTER = 4
+# The dev cluster's nodes have 4 CPUs: enough for 3 processes (the local profile asks for 2).
+SITE = {"profile": "local", "slurm": {"cpus_per_node": 4}}
+TRAIN = {"parallelism": "ddp", "micro_batch_size": 2, "max_steps": MAX_STEPS}
+# "trainer[3] INFO rank 3 of 4 on node2 (local rank 0), pid 123": each rank's first line.
+RANK_LINE = re.compile(r"trainer\[(\d+)\] INFO rank \d+ of (\d+) on (\S+) \(local rank (\d+)\)")
+
+
+def rank_places(run: Path, job_id: int) -> dict[int, tuple[str, int]]:
+    """Global rank -> (node, local rank), from the rank logs of one task."""
+    places = {}
+    for log in (run / "logs" / "ranks" / str(job_id)).rglob("*.log"):
+        for rank, world, node, local in RANK_LINE.findall(log.read_text(errors="replace")):
+            assert world == "4", log
+            places[int(rank)] = (node, int(local))
+    return places
+
+
+def test_three_and_one_processes_train_resume_exactly_and_complete(cluster, cluster_run):
+    # The run on node1 (3 processes) and node2 (1); the reference, 4 processes, on node3.
+    run = cluster_run(
+        "uneq", nodes=2, procs_per_node=[3, 1], array=2, site=SITE, job={"nodelist": ["node[1-2]"]}, **TRAIN
+    )
+    job = submit(run.spec)
+    reference = cluster_run("uneq-ref", procs_per_node=4, site=SITE, job={"nodelist": ["node3"]}, **TRAIN)
+    submit(reference.spec)
+
+    task = running_task(job, 1, timeout=240)
+    wait_for(lambda: last_step(run.path, task) >= STOP_AFTER, 240, f"step {STOP_AFTER}", interval=0.1)
+    slurm.cancel(f"{job}_1", signal="USR1", batch_only=True)  # what --signal=B:USR1@… sends
+    first = wait_for(lambda: exit_record(run.path, task), 180, "task 1 to save and stop")
+    assert first["exit_code"] == ExitCode.SIGNALLED and first["end_step"] < MAX_STEPS, first
+    wait_for(lambda: (run.path / "done").exists(), 300, "task 2 to resume and finish")
+    wait_for(lambda: (reference.path / "done").exists(), 300, "the uninterrupted run to finish")
+
+    # Ranks 0-2 on the first node of the allocation, 3 on the second, in both tasks.
+    tasks = run_status(run.path)["tasks"]
+    assert [t["state"] for t in tasks] == ["COMPLETED", "COMPLETED"], tasks
+    expected = {0: ("node1", 0), 1: ("node1", 1), 2: ("node1", 2), 3: ("node2", 0)}
+    for entry in tasks:
+        assert rank_places(run.path, entry["job_id"]) == expected, entry
+        rank_map = json.loads((run.path / "logs" / "ranks" / str(entry["job_id"]) / "ranks.0.json").read_text())
+        assert {int(r): (v["node"], v["local_rank"]) for r, v in rank_map.items()} == expected
+
+    # Resumed exactly: the second task starts where the first saved, nothing redone, and every
+    # step's loss is the uninterrupted run's.
+    starts = [r["start_step"] for r in read_jsonl(run.path / "tasks.jsonl") if r["event"] == "first_step"]
+    assert starts == [0, first["end_step"]], starts
+    assert tasks[1]["recomputed_steps"] == 0, tasks
+    got, want = losses(run.path), losses(reference.path)
+    assert sorted(got) == sorted(want) == list(range(1, MAX_STEPS + 1)), (sorted(got), sorted(want))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, got[step], want[step])
+
+    text = jobgen("status", str(run.path), check=True).stdout
+    assert "nodes    2 nodes with 3 + 1 processes = world size 4" in text, text

@@ -1,0 +1,112 @@
+"""A bare Hugging Face model made ready to train, before any parallelism touches it: its
+dtype, tokenizer, attention kernel, KV cache off, activation checkpointing, LoRA adapters,
+compiled blocks; and the lookups every strategy shares (its decoder blocks, its trainable
+parameters). Below trainer.model (whole-model and sharded builds), trainer.parallel and
+trainer.pipeline_steps, which all use it.
+
+Order matters: LoRA adapters and gradient checkpointing are set up on the plain
+module before it is wrapped, and checkpointing is always non-reentrant: the
+reentrant variant re-runs forward hooks during backward and makes DDP raise
+"Expected to mark a variable ready only once", most visibly together with LoRA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jobgen.spec import ModelSpec, TrainSpec
+from trainer.model_errors import ModelError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def param_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
+    # CPU runs train in float32: bf16 matmuls there are slow and numerically poorer.
+    return DTYPES[spec.dtype] if device.type == "cuda" else torch.float32
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None and tokenizer.eos_token is None:
+        # Refused here, in the job's first seconds and before the data and the model load:
+        # without eos no example is taught to end, and without pad the first unpacked
+        # batch fails in collate with a bare TypeError.
+        raise ModelError(
+            f"model.path: {path}: the tokenizer has neither a pad token nor an eos token; add one "
+            '(e.g. "eos_token": "</s>" in its tokenizer_config.json, naming a token of its vocabulary, '
+            "or tokenizer.add_special_tokens({'eos_token': ...}) then save_pretrained)"
+        )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def attention_implementation(spec: ModelSpec, device: torch.device, packing: bool) -> str:
+    """``model.attention`` resolved: "auto" is flex attention for packed rows on a GPU (a
+    block mask per document instead of sdpa's dense rows x rows mask), sdpa otherwise."""
+    if spec.attention != "auto":
+        return spec.attention
+    return "flex_attention" if device.type == "cuda" and packing else "sdpa"
+
+
+def compiles_blocks(train: TrainSpec, device: torch.device) -> bool:
+    """``train.compile`` resolved: unset means on for GPUs, off on CPU."""
+    return train.compile if train.compile is not None else device.type == "cuda"
+
+
+def prepare(model: torch.nn.Module, spec: ModelSpec, attention: str = "sdpa") -> torch.nn.Module:
+    """What the spec changes on the bare model, before any wrapping: the attention kernel,
+    no KV cache, checkpointing, LoRA adapters."""
+    if model.config._attn_implementation != attention:
+        model.set_attn_implementation(attention)
+    model.config.use_cache = False  # no KV cache while training; it also conflicts with checkpointing
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec.lora is not None:
+        model = add_lora(model, spec)
+    return model
+
+
+def compile_decoder_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile each decoder block in place (``Module.compile``), as torchtitan does: one
+    small graph per block, reused by every block of the same shape, and the blocks stay the
+    modules FSDP2 shards and checkpointing wraps. The output layer and the loss head stay
+    eager: they are swapped and hooked at run time (trainer.loss)."""
+    for layer in decoder_layers(model):
+        layer.compile()
+    return model
+
+
+def add_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise RuntimeError("model.lora needs peft: pip install 'jobgen[lora]'") from None
+    assert spec.lora is not None
+    config = LoraConfig(
+        r=spec.lora.r,
+        lora_alpha=spec.lora.alpha,
+        lora_dropout=spec.lora.dropout,
+        target_modules=list(spec.lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    if spec.gradient_checkpointing:
+        # With frozen embeddings no checkpointed input requires grad; make them carry it.
+        model.enable_input_require_grads()
+    return get_peft_model(model, config)
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks, found by class name (LlamaDecoderLayer, Qwen2DecoderLayer, ...)."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if not layers:  # GPT-2 style naming
+        layers = [m for m in model.modules() if type(m).__name__.endswith("Block")]
+    if not layers:
+        raise RuntimeError(f"no decoder layers found in {type(model).__name__} to shard with FSDP")
+    return layers
