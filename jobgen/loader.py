@@ -486,7 +486,7 @@ def _check_world_sizes(run: RunSpec, site: SiteProfile, run_label: str) -> list[
         node_procs = run.job.node_procs(default_ppn, nodes)
         problem = shard_size_problem(train.parallelism, world, node_procs, train.shard_size)
         keyed = ("train.shard_size", problem) if problem else None
-        keyed = keyed or (train.pipeline.world_problem(world, train.micro_batch_size) if train.pipeline else None)
+        keyed = keyed or train.world_problem(world)
         if keyed:
             issues.append(SpecIssue(run_label, keyed[0], f"on {nodes} node(s): {keyed[1]}"))
             break

@@ -396,6 +396,14 @@ class RunSpec(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _context_parallel_without_eval(self) -> RunSpec:
+        if self.job.program == "train" and self.train.context_parallel > 1 and self.eval is not None:
+            raise ValueError(
+                "[eval] cannot be combined with train.context_parallel yet: evaluation runs whole rows on each rank"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _pipeline_combinations(self) -> RunSpec:
         if self.job.program != "train" or self.train.parallelism != "pipeline":
             return self

@@ -32,6 +32,20 @@ class TrainSpec(StrictModel):
         None,
         description="[train.pipeline]: the stages and schedule of parallelism = 'pipeline' (defaults when absent).",
     )
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "Ranks each sequence is split across (context parallelism), for a max_length whose activations "
+            "outgrow one device: the N consecutive ranks of a group read the same rows and each keeps 1/N of every "
+            "row's tokens through the whole model (cut into 2N chunks, head and tail, so causal work is even); "
+            "attention gathers the keys and values of the whole row from the group and keeps packed documents "
+            "apart. Activations per rank drop by about N; the world must be a multiple of N, and the data-parallel "
+            "replicas are world / N. Works on CPU (gloo) and GPUs, with 'ddp', 'fsdp' and 'hsdp'; not with "
+            "'pipeline', [eval] or loss_chunk_tokens; target_logits_only is not applied under it."
+        ),
+    )
     shard_size: int | None = Field(
         None,
         ge=1,
@@ -222,16 +236,51 @@ class TrainSpec(StrictModel):
                 )
         return self
 
-    def ranks_per_replica(self, world_size: int) -> int:
-        """Ranks that hold one data-parallel replica between them: a whole pipeline, else one."""
+    @model_validator(mode="after")
+    def _context_parallel_keys(self) -> TrainSpec:
+        if self.context_parallel == 1:
+            return self
+        refused = {
+            "train.parallelism = 'pipeline'": self.parallelism == "pipeline",
+            "train.loss_chunk_tokens": self.loss_chunk_tokens > 0,
+        }
+        for key, on in refused.items():
+            if on:
+                raise ValueError(
+                    f"train.context_parallel = {self.context_parallel} cannot be combined with {key} yet: each rank "
+                    "holds a share of every row, which the pipeline's schedule and the chunked loss do not split"
+                )
+        return self
+
+    def pipeline_size(self, world_size: int) -> int:
+        """Ranks one pipeline spans (1 without a pipeline)."""
         if self.parallelism == "pipeline" and self.pipeline is not None:
             return self.pipeline.pipeline_size(world_size)
         return 1
 
+    def ranks_per_replica(self, world_size: int) -> int:
+        """Ranks that read the same rows: a whole pipeline, or a context-parallel group."""
+        return self.pipeline_size(world_size) * self.context_parallel
+
     def data_parallel_size(self, world_size: int) -> int:
-        """Replicas that read different rows, in a world of ``world_size`` ranks: the world
-        size, divided by the ranks a pipeline spans."""
+        """Replicas that read different rows, in a world of ``world_size`` ranks."""
         return max(1, world_size // self.ranks_per_replica(world_size))
+
+    def gradient_ranks(self, world_size: int) -> int:
+        """Ranks each gradient is averaged over (DDP, FSDP): every rank but a pipeline's other
+        stages, which hold other parameters. Context-parallel ranks hold shares of the same
+        rows, so their gradients are averaged like replicas'."""
+        return max(1, world_size // self.pipeline_size(world_size))
+
+    def world_problem(self, world_size: int) -> tuple[str, str] | None:
+        """(key, why) when this world cannot hold the layout; None when it can."""
+        if world_size % self.context_parallel:
+            return "train.context_parallel", (
+                f"train.context_parallel = {self.context_parallel} must divide the world size {world_size}"
+            )
+        if self.pipeline is not None:
+            return self.pipeline.world_problem(world_size, self.micro_batch_size)
+        return None
 
     @model_validator(mode="after")
     def _optimizer_in_backward_combinations(self) -> TrainSpec:

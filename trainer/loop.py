@@ -49,7 +49,7 @@ from trainer.model import build_model, load_tokenizer, trainable_parameters
 from trainer.offload import make_offloader
 from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler
 from trainer.packing import count_targets
-from trainer.parallel import strategy
+from trainer.parallel import Strategy, context_parallel_for, strategy
 from trainer.tracking import Trackers, trackers_for_run
 
 log = logging.getLogger("trainer")
@@ -89,14 +89,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(spec.run.model.path)
         self.data = DataPipeline(spec, self.tokenizer, env, run_dir, shard=chosen.data_shard(self.cfg, env))
         self.startup.mark("data")  # tokenizer, and the tokenized data (from the cache, or built)
-        self.model = build_model(spec.run.model, self.cfg, env, packing=spec.run.data.packing)
-        self.runner = chosen.runner(self)  # forward, backward and clipping of a step
-        self.chunked_loss = loss_head_for(self.model, self.cfg.loss_chunk_tokens, self.cfg.target_logits_only)
-        self.offloader = make_offloader(env.device, spec.run.model.activation_offloading)
-        params = trainable_parameters(self.model)
-        in_backward_group = chosen.norm_group(params) if self.cfg.optimizer_in_backward else None
-        self.optimizer = build_optimizer(params, self.cfg, in_backward_group)
-        self.scheduler = build_scheduler(self.optimizer, self.cfg)
+        self._build_model(chosen)
         self.checkpointer = self._checkpointer()
         self.metrics = MetricsWriter(run_dir, enabled=env.is_main)
         # [eval]: evaluations over the pipeline's evaluation set, samples, the best checkpoint.
@@ -114,6 +107,23 @@ class Trainer:
         self.resumed_from: str | None = None  # the checkpoint's name, when this job resumed from one
         self.seconds_to_first_step: float | None = None  # job start to the end of this job's first step
         self.summary: dict[str, Any] = {}  # filled when fit() ends, however it ends
+
+    def _build_model(self, chosen: Strategy) -> None:
+        """The model as the parallelism builds it, how a step runs it, its loss head, the
+        activation offloader, the optimizer and the schedule."""
+        model_spec, env = self.spec.run.model, self.env
+        assert model_spec is not None and self.spec.run.data is not None
+        self.context = context_parallel_for(self.cfg, env)  # train.context_parallel's group, or None
+        packing = self.spec.run.data.packing
+        self.model = build_model(model_spec, self.cfg, env, packing=packing, context=self.context)
+        self.runner = chosen.runner(self)  # forward, backward and clipping of a step
+        target_only = self.cfg.target_logits_only and self.context is None  # shares keep every position
+        self.chunked_loss = loss_head_for(self.model, self.cfg.loss_chunk_tokens, target_only)
+        self.offloader = make_offloader(env.device, model_spec.activation_offloading)
+        params = trainable_parameters(self.model)
+        in_backward_group = chosen.norm_group(params) if self.cfg.optimizer_in_backward else None
+        self.optimizer = build_optimizer(params, self.cfg, in_backward_group)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg)
 
     def _checkpointer(self) -> Checkpointer:
         """Saves under <run>/checkpoints as train.save_every_steps, save_every and keep_checkpoints say."""
@@ -190,9 +200,9 @@ class Trainer:
         # Every rank of one replica (a pipeline's stages) holds the same rows: counted once.
         summed = reduce_sum(self.env, [float(local_targets), float(local_tokens), float(local_padded)])
         global_targets, global_tokens, global_padded = (x / self.ranks_per_replica for x in summed)
-        # DDP and FSDP average gradients over the replicas; scaling by their number turns that
-        # average into the sum, so the gradient is that of the global token mean.
-        scale = self.batch.world_size / max(global_targets, 1.0)
+        # DDP and FSDP average gradients over the ranks (a pipeline's replicas); scaling by their
+        # number turns that average into the sum, so the gradient is that of the global token mean.
+        scale = self.cfg.gradient_ranks(self.env.world_size) / max(global_targets, 1.0)
         loss_sum = self.runner.forward_backward(micro_batches, scale)
         grad_norm = self._clip_and_step()
         lr = self.scheduler.get_last_lr()[0]

@@ -9,6 +9,7 @@ reentrant variant re-runs forward hooks during backward and makes DDP raise
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -40,14 +41,18 @@ def load_model(spec: ModelSpec, device: torch.device, attention: str = "sdpa") -
     return prepare(model, spec, attention).to(device)
 
 
-def build_model(spec: ModelSpec, train: TrainSpec, env: DistEnv, *, packing: bool = False) -> torch.nn.Module:
+def build_model(
+    spec: ModelSpec, train: TrainSpec, env: DistEnv, *, packing: bool = False, context: Any = None
+) -> torch.nn.Module:
     """The model ready to train, as ``train.parallelism``'s entry in trainer.parallel says.
     DDP: loaded whole and replicated. FSDP and HSDP: built on the meta device, sharded, and
     each rank reads only its shards from the safetensors (trainer.sharded_load), so no rank
     ever holds the whole model; with ``train.cpu_offload`` the shards live in host memory.
     Decoder blocks are compiled before wrapping (train.compile). What the strategy cannot do
     in this process (CPU offload without a GPU, an HSDP shard size that does not divide this
-    world) is refused before anything is loaded (the Trainer has asked before reading the data)."""
+    world) is refused before anything is loaded (the Trainer has asked before reading the data).
+    ``context``: a trainer.context_parallel.ContextParallel whose attention the model runs
+    (installed after the spec's preparation, before wrapping)."""
     chosen = strategy(train.parallelism)
     chosen.check(train, env)
     if chosen.build is not None:
@@ -56,6 +61,8 @@ def build_model(spec: ModelSpec, train: TrainSpec, env: DistEnv, *, packing: boo
     compile_blocks = compiles_blocks(train, env.device)
 
     def ready(model: torch.nn.Module) -> torch.nn.Module:
+        if context is not None:
+            context.install(model)
         return wrap(compile_decoder_blocks(model) if compile_blocks else model, train, env)
 
     if not chosen.loads_sharded:

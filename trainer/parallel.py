@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from jobgen.spec import ModelSpec
+    from trainer.context_parallel import ContextParallel
     from trainer.step_runner import StepRunner
 
 log = logging.getLogger("trainer.parallel")
@@ -247,7 +248,26 @@ def _data_parallel_steps(trainer: Any) -> StepRunner:
 
 
 def _every_rank_its_rows(train: TrainSpec, env: DistEnv) -> tuple[int, int]:
-    return env.rank, env.world_size
+    # A context-parallel group's N consecutive ranks read the same rows, each a share of them.
+    n = train.context_parallel
+    return env.rank // n, env.world_size // n
+
+
+def context_parallel_for(train: TrainSpec, env: DistEnv) -> ContextParallel | None:
+    """This rank's context-parallel group (ranks r - r % N .. + N - 1, one node's when N
+    divides its processes), or None without ``train.context_parallel``."""
+    if train.context_parallel == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.context_parallel import ContextParallel
+
+    problem = train.world_problem(env.world_size)
+    if problem:  # the loader checked the spec's worlds; a resume may have formed another
+        raise ParallelismError(f"this task's world: {problem[1]}")
+    shape = (env.world_size // train.context_parallel, train.context_parallel)
+    mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=("dp", "cp"))
+    return ContextParallel(mesh.get_group("cp"))
 
 
 def _pipeline_steps(trainer: Any) -> StepRunner:

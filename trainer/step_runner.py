@@ -55,13 +55,25 @@ class DataParallelSteps:
         t = self.trainer
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, batch in enumerate(micro_batches):
-            inputs = t.data.model_inputs(batch, t.env.device)
-            with offload_activations(t.offloader):
+            with self._share_of(batch) as (inputs, labels), offload_activations(t.offloader):
                 with t._sync_context(i == len(micro_batches) - 1), autocast_for(t.env.device):
-                    summed = self.forward_loss_sum(inputs, batch["labels"])
+                    summed = self.forward_loss_sum(inputs, labels)
                 (summed * scale).backward()  # with optimizer_in_backward, the parameters step here
             loss_sum += summed.detach().double().cpu()
         return loss_sum
+
+    @contextlib.contextmanager
+    def _share_of(self, batch: dict[str, Any]):
+        """The model's inputs and the labels of this rank's share of ``batch``: all of it, or
+        with train.context_parallel its tokens of every row, with the group's attention layout
+        active through forward and backward (checkpointed attention runs again in backward)."""
+        t = self.trainer
+        if t.context is None:
+            yield t.data.model_inputs(batch, t.env.device), batch["labels"]
+            return
+        local = t.context.shard(batch)
+        with t.context.active(local):
+            yield local.model_inputs(t.env.device), local.labels
 
     def forward_loss_sum(self, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
         """The micro-batch's summed next-token loss: from the logits, or with loss_chunk_tokens
@@ -69,7 +81,9 @@ class DataParallelSteps:
         t = self.trainer
         if t.chunked_loss is None:
             logits = t.model(**inputs).logits
-            summed, _count = t.data.loss_sum(logits.float(), to_device(labels, t.env.device))
+            # A context-parallel share's labels are shifted already (across its chunks' edges).
+            loss_sum = t.data.loss_sum if t.context is None else t.context.loss_sum
+            summed, _count = loss_sum(logits.float(), to_device(labels, t.env.device))
             return summed
         with t.chunked_loss.targets(labels):
             output = t.model(**inputs).logits
