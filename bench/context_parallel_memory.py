@@ -1,15 +1,18 @@
 """Peak memory per rank of one forward and backward of a long packed row: context parallelism
-(trainer/context_parallel.py) on N = 2 and 4 ranks against N = 1, the model's own sdpa attention
-(what the trainer runs without ``train.context_parallel``). ``1m`` is N = 1 through the module
-(one process, nothing gathered): it separates the module's own saving (one additive mask shared
-by every layer, where transformers' boolean mask makes SDPA save a converted copy per layer)
-from the split of the row.
+(trainer/context_parallel.py) on N = 2 and 4 ranks against N = 1, the model's own attention
+(what the trainer runs without ``train.context_parallel``). ``--attention`` picks the kernel of
+both sides: ``sdpa`` (the module's SDPA path, a dense (L/N) x L mask) or ``flex_attention`` (the
+model's flex at N = 1, the module's flex path with its block mask at N > 1; the trainer's GPU
+default for packed rows). ``1m`` is N = 1 through the module (one process, nothing gathered): it
+separates the module's own cost or saving from the split of the row (with sdpa: one additive
+mask shared by every layer, where transformers' boolean mask makes SDPA save a converted copy
+per layer).
 
 A random tiny-but-long Llama (hidden 256, 4 layers, 4 query and 2 key/value heads, vocabulary
 2048, untied: 3.95M parameters) gets one row of ``--max-length`` tokens packed with four documents
 (the last one shorter, so the row is not a multiple of 2N and the padding path runs). With N ranks
 each rank holds L/N of the row's tokens, and attention runs its L/N queries against the
-all-gathered keys under a (L/N) x L document-causal mask. Each N is its own ``torchrun`` (gloo),
+all-gathered keys under the document-causal mask. Each N is its own ``torchrun`` (gloo),
 launched by this script, in a fresh process per rank; no FSDP (the weights are a few MiB).
 
 Figures per rank (the largest over the N ranks):
@@ -17,23 +20,24 @@ Figures per rank (the largest over the N ranks):
 - ``--device cpu``: the first step's peak resident set above the resident set just before it
   (``ru_maxrss``; a fresh process, so the step is the process's peak), and a second step's peak
   of live tensor bytes, weights and gradients included, from torch's ``MemTracker``
-  (a dispatch mode: slow, exact for tensors, blind to allocator slack).
-- ``--device cuda``: after a warm-up step, ``torch.cuda.max_memory_allocated`` of one step, and
-  the same above what was allocated before it (the step's own peak). Ranks share the GPUs
-  round-robin: several ranks on one GPU is fine, since the backend stays gloo (NCCL refuses two
-  ranks on one device); K/V travel through host memory then (``_HostGather``), which costs time,
-  not device memory. bf16 autocast as the trainer uses on CUDA.
+  (a dispatch mode: slow, exact for tensors, blind to allocator slack). sdpa only: torch 2.13's
+  flex_attention has no backward on CPU (the script says so before it starts).
+- ``--device cuda``: after a warm-up step (which also compiles flex), ``torch.cuda.max_memory_allocated``
+  of one step, and the same above what was allocated before it (the step's own peak). Ranks share
+  the GPUs round-robin: several ranks on one GPU is fine, since the backend stays gloo (NCCL
+  refuses two ranks on one device); K/V travel through host memory then (``_HostGather``), which
+  costs time, not device memory. bf16 autocast as the trainer uses on CUDA.
 
 The ratio is peak(N) / peak(1), measured in the same invocation. On this machine (2 cores,
 about 4 minutes):
 
     .venv/bin/python bench/context_parallel_memory.py --device cpu --max-length 8192 --cp 1,1m,2,4
 
-on a GPU machine (one GPU is enough), once against each baseline attention (packed rows on a
-GPU train with flex_attention by default, whose block mask is not quadratic):
+on a GPU machine (one GPU is enough), once with each kernel. Measured on an H100 at 32768 with
+sdpa (allocated peak): N = 1 11208 MiB, 1m 15032, N = 2 7631, N = 4 3930; N = 1 with flex 2681.
 
-    .venv/bin/python bench/context_parallel_memory.py --device cuda --max-length 65536 --cp 1,1m,2,4
-    .venv/bin/python bench/context_parallel_memory.py --device cuda --max-length 65536 --cp 1 --attention flex_attention
+    python3 bench/context_parallel_memory.py --device cuda --max-length 32768 --cp 1,1m,2,4
+    python3 bench/context_parallel_memory.py --device cuda --max-length 32768 --cp 1,1m,2,4 --attention flex_attention
 
 Prints one line per N and writes them to ``--out`` (default: ``WORK/context_parallel_memory.json``).
 """
@@ -109,12 +113,12 @@ def worker(args: argparse.Namespace) -> None:
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    attention = {} if args.module else {"attn_implementation": args.attention}
+    attention = {"attn_implementation": args.attention}
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **attention).to(device)
     batch = long_row(args.max_length)
-    cp = ContextParallel(dist.group.WORLD if world > 1 else None) if args.module else None
+    cp = ContextParallel(dist.group.WORLD if world > 1 else None, args.attention) if args.module else None
     if cp is not None:
-        cp.install(model)
+        cp.install(model)  # the SDPA or the flex path, as args.attention says
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def step() -> float:
@@ -196,7 +200,10 @@ def main() -> None:
         help="context-parallel sizes, comma-separated, the baseline first; 1m: N=1 through the module",
     )
     parser.add_argument(
-        "--attention", default="sdpa", help="the N=1 baseline's attention (flex_attention: the trainer's GPU default)"
+        "--attention",
+        choices=["sdpa", "flex_attention"],
+        default="sdpa",
+        help="the kernel of the N=1 baseline and of the module (flex_attention: the trainer's GPU default)",
     )
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
@@ -208,6 +215,13 @@ def main() -> None:
         worker(args)
         return
     sizes = args.cp.split(",")
+    if args.attention == "flex_attention" and args.device == "cpu":  # torch 2.13: no backward
+        sys.path.insert(0, str(REPO))
+        from trainer.context_parallel import flex_backward_error
+
+        error = flex_backward_error(args.device)
+        if error:
+            raise SystemExit(f"cannot measure flex_attention's forward and backward here: {error}")
     work = args.work or Path(tempfile.mkdtemp(prefix="cp-memory-"))
     work.mkdir(parents=True, exist_ok=True)
     model = save_model(work / "model", args.max_length)
@@ -217,9 +231,10 @@ def main() -> None:
     for n, figures in results.items():
         figures["ratio"] = figures[key] / base
         shown = "  ".join(f"{k} {v:.2f}" if k in ("seconds", "ratio") else f"{k} {v:.0f}" for k, v in figures.items())
-        print(f"CP={n} max_length={args.max_length} {args.device}: {shown}")
+        print(f"CP={n} max_length={args.max_length} {args.device} {args.attention}: {shown}")
     out = args.out or work / "context_parallel_memory.json"
-    out.write_text(json.dumps({"device": args.device, "max_length": args.max_length, "ratio_of": key, **results}))
+    head = {"device": args.device, "max_length": args.max_length, "attention": args.attention, "ratio_of": key}
+    out.write_text(json.dumps({**head, **results}))
     print(f"written to {out}")
 
 

@@ -38,6 +38,12 @@ What the estimate models (``trainer/model.py``, ``trainer/loop.py``, ``trainer/o
       moves those block inputs to pinned host memory.
     - logits: ``B*T*vocab`` of them, float32 for the loss and its gradient; a chunked loss
       (``loss_chunk_tokens``) keeps ``chunk*vocab``.
+    - pipeline (``train.parallelism = "pipeline"``, :attr:`PlanInputs.pipeline`): not here;
+      :mod:`jobgen.pipeline_memory` estimates each pipeline position from these same parts
+      (:func:`state_bytes`, :func:`activation_parts`, :func:`logit_bytes`,
+      :func:`step_phases`) on the position's share of the model, and ``jobgen plan`` calls it
+      through :func:`jobgen.pipeline_memory.estimate_run`. :func:`estimate` itself refuses a
+      pipeline, which it would otherwise treat as FSDP over the world.
 
 The constants below were calibrated on CPU against a 374M-parameter Llama
 (``bench/memory_targets.py`` measures the trainer and prints measured against predicted).
@@ -92,6 +98,18 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
+class PipelineInputs:
+    """[train.pipeline] as the estimate reads it (jobgen.pipeline_spec.PipelineSpec's keys)."""
+
+    size: int | None = None  # ranks per pipeline (None: the world)
+    stages: int | None = None  # None: one per pipeline rank (two for the multi-stage schedules)
+    schedule: str = "1f1b"
+    microbatches: int | None = None  # pieces each micro-batch is split into (None: micro_batch_size)
+    layers_per_stage: tuple[int, ...] | None = None
+    data_parallel: str = "fsdp"  # how the world / size replicas combine: "fsdp" or "ddp"
+
+
+@dataclass(frozen=True)
 class PlanInputs:
     """Everything of the spec that changes memory, in one place (suggestions vary these)."""
 
@@ -117,6 +135,8 @@ class PlanInputs:
     cpu_offload: bool = False
     global_batch_size: int | None = None  # train.global_batch_size: grad_accum follows the world
     nccl: NcclSettings = field(default_factory=NcclSettings)  # the site's network and NCCL variables
+    pipeline: PipelineInputs | None = None  # [train.pipeline] when parallelism is "pipeline"
+    context_parallel: int = 1  # train.context_parallel; seq_len is then one rank's share of a row
 
     @property
     def param_bytes(self) -> int:
@@ -203,7 +223,7 @@ def layer_activation_bytes(model: ModelInfo, inputs: PlanInputs, lora_modules: i
 
 
 @dataclass(frozen=True)
-class _Trainable:
+class Trainable:
     """What the optimizer trains: the whole model, or LoRA's adapters with the base frozen."""
 
     lora: bool
@@ -218,10 +238,10 @@ class _Trainable:
         return self.count * self.grad_bytes
 
 
-def _trainable(model: ModelInfo, inputs: PlanInputs) -> _Trainable:
+def _trainable(model: ModelInfo, inputs: PlanInputs) -> Trainable:
     lora = inputs.lora_r is not None
     lora_params, lora_largest, lora_modules = _lora_trainable(model, inputs) if lora else (0, 0, 0)
-    return _Trainable(
+    return Trainable(
         lora=lora,
         adapter_params=lora_params,
         count=lora_params if lora else model.param_count,
@@ -231,18 +251,14 @@ def _trainable(model: ModelInfo, inputs: PlanInputs) -> _Trainable:
     )
 
 
-def _shard(inputs: PlanInputs) -> int:
-    return inputs.shard
-
-
-def _parameter_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable) -> float:
+def _parameter_bytes(model: ModelInfo, inputs: PlanInputs, tr: Trainable) -> float:
     """The shard of every parameter (adapters included)."""
-    return (model.param_count * inputs.param_bytes + tr.adapter_params * 4) / _shard(inputs)
+    return (model.param_count * inputs.param_bytes + tr.adapter_params * 4) / inputs.shard
 
 
-def _optimizer_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable) -> tuple[float, float]:
+def _optimizer_bytes(model: ModelInfo, inputs: PlanInputs, tr: Trainable) -> tuple[float, float]:
     """(the optimizer's state, its step's temporaries)."""
-    shard = _shard(inputs)
+    shard = inputs.shard
     state_bytes = 4 if inputs.device == "cpu" or tr.lora else inputs.param_bytes
     if inputs.optimizer == "adamw":
         opt_state = 2 * tr.count * state_bytes / shard
@@ -257,14 +273,14 @@ def _optimizer_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable) -> tu
     return opt_state, step_temp
 
 
-def _gradient_bytes(inputs: PlanInputs, tr: _Trainable) -> float:
+def _gradient_bytes(inputs: PlanInputs, tr: Trainable) -> float:
     if inputs.optimizer_in_backward:
         # The hook steps and frees each gradient before autograd computes the next one.
-        return tr.largest * tr.grad_bytes / _shard(inputs)
-    return tr.count * tr.grad_bytes / _shard(inputs)
+        return tr.largest * tr.grad_bytes / inputs.shard
+    return tr.count * tr.grad_bytes / inputs.shard
 
 
-def _ddp_bucket_bytes(inputs: PlanInputs, tr: _Trainable) -> int:
+def _ddp_bucket_bytes(inputs: PlanInputs, tr: Trainable) -> int:
     """DDP's gradient buckets, which live as long as the model."""
     if inputs.sharded or inputs.offloaded:
         return 0
@@ -273,7 +289,7 @@ def _ddp_bucket_bytes(inputs: PlanInputs, tr: _Trainable) -> int:
     return tr.bytes  # also on one rank
 
 
-def _fsdp_gather_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable) -> int:
+def _fsdp_gather_bytes(model: ModelInfo, inputs: PlanInputs, tr: Trainable) -> int:
     """FSDP's gathered parameters and unsharded gradients, alive only through forward/backward."""
     if not (inputs.sharded or inputs.offloaded):
         return 0
@@ -292,7 +308,7 @@ def _fsdp_gather_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable) -> 
     return (gathered + 2 * model.block_numel) * pb + (0 if tr.lora else unsharded_grads * grad_dtype)
 
 
-def _runtime_buffer_bytes(model: ModelInfo, inputs: PlanInputs) -> tuple[int, int]:
+def runtime_buffer_bytes(model: ModelInfo, inputs: PlanInputs) -> tuple[int, int]:
     """Buffers not in the files: (the rotary tables, the attention mask)."""
     tokens = inputs.micro_batch_size * inputs.seq_len
     rotary = tokens * (2 * model.hidden_size // model.num_heads) * 4
@@ -300,26 +316,43 @@ def _runtime_buffer_bytes(model: ModelInfo, inputs: PlanInputs) -> tuple[int, in
     return rotary, mask
 
 
-def _activation_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable, notes: list[str]) -> tuple[int, int]:
-    """(activations on the device, block inputs offloaded to the host)."""
+@dataclass(frozen=True)
+class ActivationParts:
+    """What one micro-batch of B rows leaves in memory between its forward and backward."""
+
+    kept_per_layer: int  # what each decoder layer keeps (its block input only, checkpointed)
+    working: int  # one block's backward at a time (plus its recomputed forward, checkpointed)
+    final_norm: int  # the final norm's saved input and output
+
+
+def activation_parts(model: ModelInfo, inputs: PlanInputs, lora_modules: int = 0) -> ActivationParts:
+    """The parts of :func:`_activation_bytes` for a micro-batch of ``inputs.micro_batch_size`` rows."""
     ab = inputs.act_bytes
     tokens = inputs.micro_batch_size * inputs.seq_len
-    per_layer = layer_activation_bytes(model, inputs, tr.lora_modules)
+    per_layer = layer_activation_bytes(model, inputs, lora_modules)
     backward_work = tokens * ab * (BACKWARD_WORK_H * model.hidden_size + BACKWARD_WORK_I * model.intermediate_size)
     final_norm = tokens * model.hidden_size * (8 if ab == 4 else 10)
     if not inputs.gradient_checkpointing:
+        return ActivationParts(per_layer, backward_work, final_norm)
+    return ActivationParts(tokens * model.hidden_size * ab, per_layer + backward_work, final_norm)
+
+
+def _activation_bytes(model: ModelInfo, inputs: PlanInputs, tr: Trainable, notes: list[str]) -> tuple[int, int]:
+    """(activations on the device, block inputs offloaded to the host)."""
+    parts = activation_parts(model, inputs, tr.lora_modules)
+    if not inputs.gradient_checkpointing:
         if inputs.activation_offloading:
             notes.append("activation_offloading needs gradient_checkpointing in this estimate; ignored")
-        return model.num_layers * per_layer + backward_work + final_norm, 0
+        return model.num_layers * parts.kept_per_layer + parts.working + parts.final_norm, 0
     host_offload = 0
-    block_inputs = model.num_layers * tokens * model.hidden_size * ab
+    block_inputs = model.num_layers * parts.kept_per_layer
     if inputs.activation_offloading:
         host_offload = block_inputs
-        block_inputs = 2 * tokens * model.hidden_size * ab  # the one in flight each way
-    return block_inputs + per_layer + backward_work + final_norm, host_offload
+        block_inputs = 2 * parts.kept_per_layer  # the one in flight each way
+    return block_inputs + parts.working + parts.final_norm, host_offload
 
 
-def _logit_bytes(model: ModelInfo, inputs: PlanInputs) -> int:
+def logit_bytes(model: ModelInfo, inputs: PlanInputs) -> int:
     ab = inputs.act_bytes
     tokens = inputs.micro_batch_size * inputs.seq_len
     vocab = model.vocab_size
@@ -330,11 +363,11 @@ def _logit_bytes(model: ModelInfo, inputs: PlanInputs) -> int:
     return tokens * vocab * (ab + 4 * copies)
 
 
-def _overhead_bytes(inputs: PlanInputs) -> int:
+def overhead_bytes(inputs: PlanInputs) -> int:
     return CPU_RUNTIME_BYTES if inputs.device == "cpu" else GPU_WORKSPACE_BYTES
 
 
-def _load_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable, params: float, overhead: int) -> float:
+def _load_bytes(model: ModelInfo, inputs: PlanInputs, tr: Trainable, params: float, overhead: int) -> float:
     """The load phase: the parameters and the tensor being read."""
     load_transient = LOAD_TRANSIENT * model.largest_numel * inputs.param_bytes
     # FSDP ranks read only their slices of the safetensors (trainer.sharded_load): a 374M model's
@@ -351,7 +384,7 @@ def _load_bytes(model: ModelInfo, inputs: PlanInputs, tr: _Trainable, params: fl
     return load
 
 
-def _step_phases(inputs: PlanInputs, raw: dict[str, float], buffers: int, transient: int) -> tuple[float, float]:
+def step_phases(inputs: PlanInputs, raw: dict[str, float], buffers: int, transient: int) -> tuple[float, float]:
     """(first step, steady state) from the unrounded components ``raw`` (``step_temp`` added),
     with ``buffers`` (held throughout) and FSDP's ``transient`` apart.
 
@@ -389,9 +422,9 @@ def nccl_buffer_bytes(inputs: PlanInputs) -> int:
     return buffer_bytes(inputs.nccl, inputs.world_size, inputs.shard, hierarchical)
 
 
-def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
-    """One rank's memory for ``inputs`` (see the module docstring for the model)."""
-    notes: list[str] = []
+def state_bytes(model: ModelInfo, inputs: PlanInputs) -> tuple[dict[str, float], Trainable]:
+    """The rank's shard of the parameters, gradients and optimizer state, and the optimizer
+    step's temporaries (``step_temp``); with what the optimizer trains."""
     tr = _trainable(model, inputs)
     opt_state, step_temp = _optimizer_bytes(model, inputs, tr)
     states = {
@@ -400,26 +433,35 @@ def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
         "optimizer_state": opt_state,
         "step_temp": step_temp,
     }
+    return states, tr
+
+
+def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
+    """One rank's memory for ``inputs`` (see the module docstring for the model)."""
+    if inputs.parallelism == "pipeline":
+        raise ValueError("a pipeline is estimated per position: jobgen.pipeline_memory.estimate_run")
+    notes: list[str] = []
+    states, tr = state_bytes(model, inputs)
     states, host_states = _offload_states(inputs, states)
     # Gradients and the buffers that hold them in flight: DDP's buckets live as long as the
     # model; FSDP's gathered parameters and unsharded gradients only through forward/backward.
-    rotary, mask = _runtime_buffer_bytes(model, inputs)
+    rotary, mask = runtime_buffer_bytes(model, inputs)
     buffers = _ddp_bucket_bytes(inputs, tr) + rotary + mask
     transient = _fsdp_gather_bytes(model, inputs, tr)
     activations, host_offload = _activation_bytes(model, inputs, tr, notes)
-    overhead = _overhead_bytes(inputs)
+    overhead = overhead_bytes(inputs)
     raw = {
         "parameters": states["parameters"],
         "gradients": states["gradients"],
         "optimizer_state": states["optimizer_state"],
         "activations": activations,
-        "logits": _logit_bytes(model, inputs),
+        "logits": logit_bytes(model, inputs),
         "buffers": buffers + transient,
         "overhead": overhead,
     }
     # NCCL's buffers are not in max_memory_allocated, so not in the phases: headroom() adds them.
     components = {name: int(value) for name, value in raw.items()} | {"nccl_buffers": nccl_buffer_bytes(inputs)}
-    first_step, steady = _step_phases(inputs, {**raw, "step_temp": states["step_temp"]}, buffers, transient)
+    first_step, steady = step_phases(inputs, {**raw, "step_temp": states["step_temp"]}, buffers, transient)
     load = _load_bytes(model, inputs, tr, states["parameters"], overhead)
     phases = {"load": int(load), "first_step": int(first_step), "steady": int(steady)}
     if inputs.cpu_offload and not inputs.offloaded:

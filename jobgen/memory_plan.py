@@ -2,6 +2,12 @@
 estimate for its resolved spec, the budget it must fit, the verdict, and the changes that
 would make it fit, each evaluated with the same estimator (:mod:`jobgen.memory_estimate`).
 
+A pipeline (``train.parallelism = "pipeline"``) is estimated per position
+(:mod:`jobgen.pipeline_memory`): the busiest position's figures are the rank's, and the
+table lists every position's. On an Ethernet site a run of several nodes that shards or
+replicates over the network is shown the pipeline, with its memory and what it costs
+(:func:`jobgen.plan_suggestions.network_suggestions`), whatever its verdict.
+
 The verdict compares what a rank requires, the predicted peak plus the headroom a GPU needs
 beyond it (NCCL's buffers, the CUDA context, the allocator's fragmentation:
 :func:`jobgen.memory_estimate.headroom`), with the budget: "fits" up to 90 % of it, "tight"
@@ -16,17 +22,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobgen.context_parallel_memory import share_of_row
 from jobgen.global_batch import GlobalBatchError, grad_accum_for
 from jobgen.memory_estimate import (
     FRAGMENTATION_MARGIN,
+    PipelineInputs,
     PlanInputs,
-    estimate,
     headroom,
     host_bytes_per_node,
 )
 from jobgen.model_files import ModelFileError, PlanError, UnsizedModel, read_model
 from jobgen.nccl_memory import settings_from
-from jobgen.plan_suggestions import TIGHT_FRACTION, Budgets, Suggestion, suggestions, verdict_for
+from jobgen.pipeline_memory import Layout, PipelineEstimate, PipelineLayoutError, PositionEstimate, estimate_run
+from jobgen.plan_suggestions import (
+    TIGHT_FRACTION,
+    Budgets,
+    Suggestion,
+    network_suggestions,
+    suggestions,
+    verdict_for,
+)
 from jobgen.sizes import MIB, format_bytes, parse_size
 
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations", "logits", "buffers", "overhead")
@@ -64,6 +79,9 @@ class MemoryPlan:
     host_per_node: int = 0  # pinned host memory of a node's ranks (cpu_offload, offloaded activations)
     host_budget: int | None = None  # a node's host memory (site slurm.mem), None when unknown
     host_budget_source: str = ""
+    pipeline: Layout | None = None  # a pipeline's layout, and each position's estimate
+    positions: list[PositionEstimate] = field(default_factory=list)
+    network_suggestions: list[Suggestion] = field(default_factory=list)  # Ethernet: a pipeline, whatever the verdict
 
     @property
     def required(self) -> int:
@@ -117,11 +135,53 @@ class MemoryPlan:
             "host_budget_bytes": self.host_budget,
             "host_budget_source": self.host_budget_source,
             "suggestions": [s.to_json() for s in self.suggestions],
+            "network_suggestions": [s.to_json() for s in self.network_suggestions],
+            "pipeline": self._pipeline_json(),
             "unavailable": self.unavailable,
             "notes": list(self.notes),
             "inputs": asdict(self.inputs) if self.inputs else None,
             "measured": self.measured,
         }
+
+    def _pipeline_json(self) -> dict[str, Any] | None:
+        if self.pipeline is None:
+            return None
+        layout = self.pipeline
+        return {
+            "positions": layout.pp,
+            "replicas": layout.dp,
+            "stages": len(layout.ranges),
+            "schedule": layout.schedule,
+            "pieces": layout.pieces,
+            "rows_per_piece": layout.rows,
+            "per_position": [p.to_json() for p in self.positions],
+        }
+
+    def _pipeline_lines(self) -> list[str]:
+        """Every position's peak and what it holds, the busiest marked (its figures are above)."""
+        if self.pipeline is None:
+            return []
+        busiest = max(self.positions, key=lambda p: p.estimate.peak).position
+        lines = ["per pipeline position (peak; what it holds):"]
+        for p in self.positions:
+            mark = "  <- the busiest: the figures above" if p.position == busiest else ""
+            lines.append(f"  {p.line(self.pipeline.pieces)}{mark}")
+        return lines
+
+    def _network_lines(self) -> list[str]:
+        """Ethernet's suggestions not already among the changes that would make the run fit."""
+        shown = {s.change for s in self.suggestions if s.fits} if (self.fits is False or self.tight) else set()
+        extra = [s for s in self.network_suggestions if s.change not in shown]
+        if not extra:
+            return []
+        where = "GPU" if self.device == "cuda" else "rank"
+        lines = ["on Ethernet between nodes (site network.transport = 'socket'), consider:"]
+        for s in extra:
+            verdict = f", {s.verdict}" if s.verdict != "no budget" else ""
+            lines.append(
+                f"  {s.change}  -> {format_bytes(s.required)} per {where}, the busiest position{verdict} ({s.cost})"
+            )
+        return lines
 
     def _host_clause(self) -> str:
         if not self.host_per_node:
@@ -199,6 +259,7 @@ class MemoryPlan:
             f" ({self.trainable_params / 1e6:.1f}M trainable)"
             + (", counted from config.json (no safetensors)" if self.param_source == "config.json" else ""),
             f"{i.parallelism} on {i.world_size} rank(s)"
+            + (f" ({self.pipeline.describe()})" if self.pipeline else "")
             + (f" ({' + '.join(map(str, i.node_procs))} per node)" if i.node_procs else "")
             + f", {kind}; micro-batch {i.micro_batch_size} x "
             f"{i.seq_len} tokens, {i.optimizer}"
@@ -210,6 +271,7 @@ class MemoryPlan:
             + (f", loss chunks of {i.loss_chunk_tokens}" if i.loss_chunk_tokens else ""),
             "",
             *self._table(),
+            *self._pipeline_lines(),
             "",
             self.summary(),
         ]
@@ -218,7 +280,7 @@ class MemoryPlan:
             lines.append(f"warning: tight: {self.required / max(1, self.budget or 1):.0%} of the budget")
         if self.fits is False or self.tight:
             lines += self.fit_advice()
-        return "\n".join(lines)
+        return "\n".join(lines + self._network_lines())
 
 
 def _peak_phase(phases: dict[str, int]) -> str:
@@ -253,7 +315,9 @@ def inputs_for(spec: Any) -> PlanInputs:
         nodes=run.job.nodes,
         node_procs=spec.node_procs if run.job.unequal_nodes else (),
         micro_batch_size=train.micro_batch_size,
-        seq_len=data.max_length,
+        seq_len=share_of_row(data.max_length, train.context_parallel),
+        context_parallel=train.context_parallel,
+        attn_implementation=_attention(model.attention, spec.site.slurm.gpus_per_node > 0, data.packing),
         grad_accum=grad_accum,
         optimizer=train.optimizer,
         gradient_checkpointing=model.gradient_checkpointing,
@@ -267,7 +331,24 @@ def inputs_for(spec: Any) -> PlanInputs:
         cpu_offload=train.cpu_offload,
         global_batch_size=train.global_batch_size,
         nccl=settings_from(spec.site.network.transport, job_environment(spec)),
+        pipeline=_pipeline_inputs(train),
     )
+
+
+def _attention(attention: str, gpu: bool, packing: bool) -> str:
+    """model.attention as the trainer resolves "auto" (trainer.model_prep.attention_implementation)."""
+    if attention != "auto":
+        return attention
+    return "flex_attention" if gpu and packing else "sdpa"
+
+
+def _pipeline_inputs(train: Any) -> PipelineInputs | None:
+    """[train.pipeline] of a pipeline run (None for any other parallelism)."""
+    pipe = getattr(train, "pipeline", None)
+    if train.parallelism != "pipeline" or pipe is None:
+        return None
+    layers = tuple(pipe.layers_per_stage) if pipe.layers_per_stage is not None else None
+    return PipelineInputs(pipe.size, pipe.stages, pipe.schedule, pipe.microbatches, layers, pipe.data_parallel)
 
 
 def job_environment(spec: Any) -> dict[str, str]:
@@ -337,8 +418,14 @@ def plan_run(spec: Any) -> MemoryPlan:
         plan.unavailable = str(exc)
         return plan
     inputs = inputs_for(spec)
-    est = estimate(model, inputs)
+    try:
+        est = estimate_run(model, inputs)
+    except PipelineLayoutError as exc:
+        plan.unavailable = f"the pipeline cannot be laid out: {exc}"
+        return plan
     plan.inputs = inputs
+    if isinstance(est, PipelineEstimate):
+        plan.pipeline, plan.positions = est.layout, est.positions
     plan.components, plan.phases, plan.peak = est.components, est.phases, est.peak
     plan.host_offload_bytes = est.host_offload_bytes
     plan.param_count, plan.trainable_params = model.param_count, est.trainable_params
@@ -350,7 +437,10 @@ def plan_run(spec: Any) -> MemoryPlan:
     plan.host_budget, plan.host_budget_source = host_budget_for(spec)
     plan.budget, plan.budget_source = budget_for(spec)
     plan.measured = read_measured(spec.run_dir)
-    if plan.budget is not None and (plan.fits is False or plan.tight):
-        budgets = Budgets(plan.budget, plan.host_budget)
-        plan.suggestions = suggestions(model, inputs, budgets, spec.procs_per_node, tight=plan.tight)
+    budgets = Budgets(plan.budget, plan.host_budget) if plan.budget is not None else None
+    # A pipeline refuses [eval] for now; the other keys it refuses are in the inputs.
+    pipeline = getattr(run, "eval", None) is None
+    if budgets is not None and (plan.fits is False or plan.tight):
+        plan.suggestions = suggestions(model, inputs, budgets, spec.procs_per_node, tight=plan.tight, pipeline=pipeline)
+    plan.network_suggestions = network_suggestions(model, inputs, budgets, pipeline=pipeline)
     return plan

@@ -11,13 +11,44 @@ How attention sees the whole row (Llama 3's approach)
     Each rank attends its own queries to the keys and values of the *whole* row: K and V are
     all-gathered across the group (torch's ``cplib::flex_cp_allgather`` custom op, whose
     backward is a reduce-scatter of dK and dV, so each rank gets back the gradients that every
-    other rank's queries sent to its keys). The mask is built from the *global* position ids:
-    a key is visible when it is in the same document (a new document wherever the position ids
-    do not count up by one, transformers' packed-sequence rule) and not after the query;
-    padding is a document of its own, so no row of the mask is ever empty (an empty row gives
-    NaN, and NaN times a zero gradient is still NaN). torch's own ``context_parallel()`` cannot
-    do this: its SDPA path takes no mask (only ``is_causal``), so packed documents would see
-    each other, and it has no CPU lowering.
+    other rank's queries sent to its keys). The mask follows the *global* position of each
+    token: a key is visible when it is in the same document (a new document wherever the
+    position ids do not count up by one, transformers' packed-sequence rule) and not after the
+    query; padding is a document of its own, so no row of the mask is ever empty (an empty row
+    gives NaN, and NaN times a zero gradient is still NaN). torch's own ``context_parallel()``
+    cannot do this with SDPA: that path takes no mask (only ``is_causal``), so packed documents
+    would see each other, and it has no CPU lowering.
+
+Two kernels, one rule
+    - flex_attention (:data:`FLEX_ATTENTION`), when the model's attention resolves to
+      ``flex_attention`` (:func:`trainer.model_prep.attention_implementation`: a GPU and packed
+      rows, by default) or ``ContextParallel(group, attention="flex_attention")`` /
+      ``install(model, attention="flex_attention")`` asks for it. One ``BlockMask`` per sharded
+      micro-batch (``Q_LEN = L/N`` local queries, ``KV_LEN = L`` gathered keys), built on first
+      use by torch's compiled ``create_block_mask`` from a ``mask_mod`` that maps the local
+      query index and the gathered key index to global positions through the load balancer's
+      index tables (as torch's ``_create_cp_block_mask`` does), document ids per token from the
+      global position ids; shared by every layer and by backward. torch's compiled
+      ``flex_attention`` (as transformers' flex integration compiles it; the plain one inside a
+      graph torch.compile is already tracing), GQA through ``enable_gqa``.
+    - SDPA (:data:`ATTENTION`), otherwise (CPU, ``attention = "sdpa"``, unpacked rows): one
+      additive ``(L/N) x L`` mask per row from the same rule.
+
+What runs where, and why flex on GPUs
+    Measured on an H100 (``bench/context_parallel_memory.py --device cuda --max-length 32768``,
+    one packed row, a tiny 4-layer Llama, bf16 autocast, allocated peak per rank): CP=1 with
+    the model's sdpa 11208 MiB; the SDPA path on 1 rank 15032, CP=2 7631, CP=4 3930; but CP=1
+    with the model's flex_attention 2681 MiB. The dense ``(L/N) x L`` mask made context
+    parallelism worse than flex without it, so on GPUs (packed rows) the flex path runs, which
+    holds nothing ``O(L^2)``: the mask_mod's index and document vectors are ``O(L)`` and the
+    block tables ``O((L/128)^2 / N)`` integers.
+    On CPU training runs the SDPA path: torch 2.13's flex_attention has no backward there
+    (``NotImplementedError: FlexAttention does not support backward on CPU``, re-raised as
+    :class:`ContextParallelError`). Forward-only flex on CPU (the tests' check of the block
+    mask) works, through torch's eager flex_attention (an unfused reference that materializes
+    the scores) and an eager ``create_block_mask`` (the compiled one does not build on CPU:
+    inductor's C++ code for this mask_mod fails to compile, "operands to '?:' have different
+    types VecMask<int,1> and VecMask<float,1>"): ``O(L^2 / N)`` there, on CPU only.
 
 Load balance
     Under a causal mask the last tokens attend to the most keys. Rows are padded to a multiple
@@ -31,20 +62,24 @@ Labels
 
 Memory
     Per rank: ``1/N`` of the activations, the gathered K/V of each layer (``O(L)``, kept for
-    backward), and one additive mask of ``(L/N) x L`` per row in the attention's dtype, built
-    once per micro-batch on first use and shared by every layer and by backward. Nothing
-    ``O(L^2)`` over the whole row lives on one rank.
+    backward), and the micro-batch's mask, built on first use and shared by every layer and by
+    backward: flex's block mask, or SDPA's additive ``(L/N) x L`` per row in the attention's
+    dtype. Nothing ``O(L^2)`` over the whole row lives on one rank.
 
 How transformers is told
-    :func:`register` adds :data:`ATTENTION` to transformers' ``AttentionInterface``;
-    :meth:`ContextParallel.install` switches the model to it. No mask function is registered on
-    purpose: for an implementation missing from ``AttentionMaskInterface``,
-    ``masking_utils.create_causal_mask`` (and the sliding-window variant) returns ``None`` at
-    once (even when given a 2-D padding mask), so the model builds no ``L x L`` mask of its own
-    and never tries to read packing from the permuted, sharded position ids. The attention
-    function reads the layout from :meth:`ContextParallel.active` instead, which must stay open
-    through backward too (activation checkpointing runs the attention forward again there, on
-    CUDA in autograd's own thread: hence a module-level stack, not a thread-local).
+    :func:`register` adds :data:`ATTENTION` and :data:`FLEX_ATTENTION` to transformers'
+    ``AttentionInterface``; :meth:`ContextParallel.install` switches the model to one of them.
+    No mask function is registered on purpose: for an implementation missing from
+    ``AttentionMaskInterface``, ``masking_utils.create_causal_mask`` (and the sliding-window
+    variant) returns ``None`` at once (even when given a 2-D padding mask), so the model builds
+    no ``L x L`` mask (or block mask) of its own and never tries to read packing from the
+    permuted, sharded position ids (the names contain neither "flex_attention" nor "sdpa", so
+    transformers runs no dispatch checks of its own on them either). The attention functions
+    read the layout from :meth:`ContextParallel.active` instead, which must stay open through
+    backward too (activation checkpointing runs the attention forward again there, on CUDA in
+    autograd's own thread: hence a module-level stack, not a thread-local). Looking the layout
+    and its mask up is kept out of torch.compile (``torch.compiler.disable``), so compiled
+    decoder blocks reuse the micro-batch's mask.
 """
 
 from __future__ import annotations
@@ -52,17 +87,26 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
+from trainer.context_parallel_layout import (
+    Layout,
+    LocalBatch,
+    _compiled,
+    document_ids,
+    head_tail_indices,
+)
 from trainer.model_errors import ModelError
 from trainer.packing import IGNORE_INDEX
 
-ATTENTION = "jobgen_context_parallel"
+ATTENTION = "jobgen_context_parallel"  # the SDPA path
+FLEX_ATTENTION = "jobgen_context_parallel_flex"  # the flex_attention path
+KERNELS = {"sdpa": ATTENTION, "flex_attention": FLEX_ATTENTION}  # what ``attention=`` accepts
 KEY = "train.context_parallel"
 
 
@@ -74,101 +118,8 @@ class ContextParallelError(ModelError):
 # ---------------------------------------------------------------- layout
 
 
-def document_ids(position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Per token, which document of its row it belongs to; ``-1`` for padding.
-
-    A new document starts wherever the position ids do not count up by one: the rule
-    transformers applies to packed rows (``masking_utils.find_packed_sequence_indices``), so
-    the mask here agrees with the one the model builds without context parallelism. Padding
-    (``valid`` false) is one document of its own: padded queries then attend to padding only,
-    which keeps every mask row non-empty and every real token away from them.
-    """
-    first = position_ids[:, :1] - 1
-    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
-    return torch.where(valid, starts.long().cumsum(-1), torch.full_like(position_ids, -1))
-
-
-def head_tail_indices(length: int, size: int, rank: int) -> torch.Tensor:
-    """The token indices rank ``rank`` of ``size`` holds of a row of ``length`` (a multiple of 2*size).
-
-    Chunks ``rank`` and ``2*size-1-rank`` of ``2*size``: the early chunk has little causal work,
-    the late one much, so every rank's sum is the same.
-    """
-    chunk = length // (2 * size)
-    head = torch.arange(rank * chunk, (rank + 1) * chunk)
-    tail = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk)
-    return torch.cat([head, tail])
-
-
-@dataclass
-class Layout:
-    """What attention needs to know of one sharded micro-batch: the group to gather over and,
-    per row, the global index and document of the local queries and of the gathered keys (in
-    the order the all-gather concatenates them: rank 0's tokens, then rank 1's, ...).
-
-    The ``O(L)`` vectors live on the host; the ``(L/N) x L`` mask is built from them on the
-    attention's device the first time a layer asks and is kept until :meth:`ContextParallel.active`
-    closes (one per sliding-window size, for models that have them).
-    """
-
-    group: dist.ProcessGroup | None
-    query_index: torch.Tensor  # [local]
-    key_index: torch.Tensor  # [padded length]
-    query_docs: torch.Tensor  # [batch, local]
-    key_docs: torch.Tensor  # [batch, padded length]
-    documents: bool = True  # False only in the tests' negative control
-    _masks: dict[tuple[int | None, torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)
-
-    def mask(self, device: torch.device, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
-        """``[batch, 1, local, length]``, additive in the queries' dtype: 0 where the query may
-        attend to the key, -inf elsewhere.
-
-        Additive, not boolean: SDPA turns a boolean mask into an additive one on every call and
-        saves that copy for backward, one ``(L/N) x L`` tensor per layer; the same additive
-        tensor given to every layer is saved once.
-        """
-        cached = self._masks.get((window, device, dtype))
-        if cached is not None:
-            return cached
-        q_idx = self.query_index.to(device)[None, :, None]
-        k_idx = self.key_index.to(device)[None, None, :]
-        allowed = k_idx <= q_idx
-        if window is not None:
-            allowed = allowed & (q_idx - k_idx < window)  # transformers' sliding_window_overlay
-        if self.documents:
-            q_docs = self.query_docs.to(device)[:, :, None]
-            allowed = allowed & (q_docs == self.key_docs.to(device)[:, None, :])
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-        mask = mask.unsqueeze(1)
-        self._masks[(window, device, dtype)] = mask
-        return mask
-
-    def release(self) -> None:
-        self._masks.clear()
-
-
-@dataclass
-class LocalBatch:
-    """This rank's share of a micro-batch: model inputs of ``L/N`` tokens per row, the labels
-    already shifted (``labels[:, t]`` is the target of position ``t``), and the attention layout."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    labels: torch.Tensor
-    layout: Layout
-
-    def model_inputs(self, device: torch.device | str | None = None) -> dict[str, Any]:
-        """The forward's keyword arguments. No ``attention_mask`` (the layout is the mask) and
-        ``use_cache=False`` (a cache would make transformers size masks from it)."""
-        return {
-            "input_ids": self.input_ids.to(device),
-            "position_ids": self.position_ids.to(device),
-            "use_cache": False,
-        }
-
-
-# ---------------------------------------------------------------- attention
-
+# The layouts open in ContextParallel.active(): a module-level stack, not a thread-local
+# (checkpointed attention runs again in backward, on CUDA in autograd's own thread).
 _ACTIVE: list[Layout] = []
 
 
@@ -224,6 +175,24 @@ def _refuse_unsupported(module: torch.nn.Module, attention_mask: Any, kwargs: Ma
             raise ContextParallelError(f"{KEY} does not support attention with {name}; set {KEY} = 1")
 
 
+@torch.compiler.disable
+def _layout_mask(kind: str, device: torch.device, dtype: torch.dtype, window: int | None) -> tuple[Layout, Any]:
+    """The active layout and its mask for ``kind`` ("sdpa" or "flex_attention"), outside any
+    torch.compile trace: built once per micro-batch, then the cached one."""
+    layout = _ACTIVE[-1]
+    if kind == "flex_attention":
+        return layout, layout.block_mask(device, window)
+    return layout, layout.mask(device, dtype, window)
+
+
+def _check_shapes(layout: Layout, query: torch.Tensor, key: torch.Tensor) -> None:
+    if key.shape[2] != layout.key_index.numel() or query.shape[2] != layout.query_index.numel():
+        raise ContextParallelError(
+            f"{KEY}: attention got {query.shape[2]} queries and {key.shape[2]} keys, the active layout "
+            f"{layout.query_index.numel()} and {layout.key_index.numel()}: is the batch the one shard() made?"
+        )
+
+
 def context_parallel_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -243,31 +212,84 @@ def context_parallel_attention(
     (its flash kernel) and uses the memory-efficient kernel on CUDA (flash takes no mask).
     """
     _refuse_unsupported(module, attention_mask, kwargs)
-    layout = _ACTIVE[-1]
+    layout, mask = _layout_mask("sdpa", query.device, query.dtype, sliding_window)
     key, value = _gather(key, value, layout.group)
-    if key.shape[2] != layout.key_index.numel() or query.shape[2] != layout.query_index.numel():
-        raise ContextParallelError(
-            f"{KEY}: attention got {query.shape[2]} queries and {key.shape[2]} keys, the active layout "
-            f"{layout.query_index.numel()} and {layout.key_index.numel()}: is the batch the one shard() made?"
-        )
+    _check_shapes(layout, query, key)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    mask = layout.mask(query.device, query.dtype, sliding_window)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
+def context_parallel_flex_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """:func:`context_parallel_attention` through flex_attention: the local queries against the
+    gathered K/V under the micro-batch's :meth:`Layout.block_mask`.
+
+    GQA stays GQA (``enable_gqa``; K/V repeated only for a query head count that is not a power
+    of two, as transformers' flex integration does). No dropout (flex has none).
+    """
+    _refuse_unsupported(module, attention_mask, kwargs)
+    if dropout:
+        raise ContextParallelError(f"{KEY} with flex_attention has no attention dropout; set it to 0 or use sdpa")
+    layout, block_mask = _layout_mask("flex_attention", query.device, query.dtype, sliding_window)
+    key, value = _gather(key, value, layout.group)
+    _check_shapes(layout, query, key)
+    heads = query.shape[1]
+    gqa = heads != key.shape[1]
+    if gqa and heads & (heads - 1):
+        key = key.repeat_interleave(heads // key.shape[1], dim=1)
+        value = value.repeat_interleave(heads // value.shape[1], dim=1)
+        gqa = False
+    compiled = query.device.type != "cpu" and not torch.compiler.is_compiling()
+    kernel = _compiled("flex_attention") if compiled else flex_attention
+    try:
+        out = kernel(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=gqa)
+    except NotImplementedError as error:  # torch 2.13: no backward on CPU
+        raise ContextParallelError(
+            f"{KEY} with flex_attention on {query.device.type}: {error} (use attention sdpa there)"
+        ) from error
+    return out.transpose(1, 2).contiguous(), None
+
+
 def register() -> None:
-    """Adds :data:`ATTENTION` to transformers' attention functions (idempotent). No mask function:
-    see the module docstring."""
+    """Adds :data:`ATTENTION` and :data:`FLEX_ATTENTION` to transformers' attention functions
+    (idempotent). No mask function: see the module docstring."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, context_parallel_attention)
+    AttentionInterface.register(FLEX_ATTENTION, context_parallel_flex_attention)
+
+
+def flex_backward_error(device: torch.device | str) -> str | None:
+    """Why flex_attention cannot train on ``device`` (torch's own error, from a tiny forward and
+    backward), or ``None`` when it can. For scripts that want to refuse before they start."""
+    q, k, v = (torch.zeros(1, 1, 16, 16, device=device, requires_grad=True) for _ in range(3))
+    try:
+        flex_attention(q, k, v).sum().backward()
+    except NotImplementedError as error:
+        return f"flex_attention on {torch.device(device).type} in torch {torch.__version__}: {error}"
+    return None
 
 
 # ---------------------------------------------------------------- the per-process object
+
+
+def _kernel(attention: str) -> str:
+    if attention not in KERNELS:
+        raise ContextParallelError(f"{KEY} runs its attention with one of {sorted(KERNELS)}, not {attention!r}")
+    return attention
 
 
 class ContextParallel:
@@ -275,18 +297,25 @@ class ContextParallel:
 
     ``group`` holds the ranks that read the same rows (a device mesh's ``"cp"`` dimension);
     ``None`` or a group of one runs unsharded through the same code (for comparisons).
+    ``attention`` ("sdpa" or "flex_attention", see :data:`KERNELS`) is the kernel
+    :meth:`install` gives models; ``None``: the one each model's own attention resolves to.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, attention: str | None = None) -> None:
         self.group = group
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
+        self.attention = None if attention is None else _kernel(attention)
 
-    def install(self, model: torch.nn.Module) -> torch.nn.Module:
+    def install(self, model: torch.nn.Module, attention: str | None = None) -> torch.nn.Module:
         """Switches ``model`` (before FSDP/DDP wrapping) to the context-parallel attention.
 
-        Refuses models whose attention does not go through transformers' AttentionInterface
-        (the switch would silently keep the old attention, which sees a fraction of the row).
+        The kernel: ``attention`` ("sdpa" or "flex_attention"), else the one given to the
+        constructor, else the model's own: its flex_attention becomes the flex path, any other
+        (sdpa, eager, ...) the SDPA path (the trainer sets the model's attention first,
+        :func:`trainer.model_prep.prepare`). Refuses models whose attention does not go
+        through transformers' AttentionInterface (the switch would silently keep the old
+        attention, which sees a fraction of the row).
         """
         register()
         config = getattr(model, "config", None)
@@ -296,8 +325,13 @@ class ContextParallel:
             raise ContextParallelError(f"{KEY} supports causal (decoder) models only")
         if getattr(config, "attn_logit_softcapping", None):
             raise ContextParallelError(f"{KEY} does not support attention logit soft-capping ({config.model_type})")
-        model.set_attn_implementation(ATTENTION)
-        if config._attn_implementation != ATTENTION:
+        kind = _kernel(attention) if attention is not None else self.attention
+        if kind is None:
+            own = getattr(config, "_attn_implementation", None)
+            kind = "flex_attention" if own in ("flex_attention", FLEX_ATTENTION) else "sdpa"
+        name = KERNELS[kind]
+        model.set_attn_implementation(name)
+        if config._attn_implementation != name:
             raise ContextParallelError(
                 f"{type(model).__name__} cannot switch its attention implementation (it does not use "
                 f"transformers' AttentionInterface), so it cannot run with {KEY} > 1"

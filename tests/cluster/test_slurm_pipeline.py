@@ -55,6 +55,12 @@ def pipeline(schedule: str, **keys: object) -> dict[str, object]:
     return {"nodes": 2, "procs_per_node": 1, "parallelism": "pipeline", "pipeline": {"schedule": schedule}, **keys}
 
 
+def ended(job: int) -> dict[str, str] | None:
+    """The job's record once Slurm no longer runs it (the trainer's exit line comes first)."""
+    (record,) = slurm.show_job(job)
+    return record if record["JobState"] not in ("RUNNING", "COMPLETING") else None
+
+
 def metric(run: Path, name: str) -> dict[int, float]:
     return {r["step"]: r[name] for r in read_jsonl(run / "metrics.jsonl") if r.get("event") != "eval"}
 
@@ -94,7 +100,7 @@ def test_time_limit_then_kill_switch_stop_a_pipeline_at_step_boundaries(deep_run
     task1 = running_task(job, 1, timeout=240)
     done = wait_for(lambda: exit_record(run.path, task1), 240, "the time limit to stop task 1")
     assert done["exit_code"] in (ExitCode.DEADLINE, ExitCode.SIGNALLED), done
-    (record,) = slurm.show_job(task1)
+    record = wait_for(lambda: ended(task1), 120, "task 1's batch script to end")
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), record
     k = done["end_step"]
     assert [p.name for p in complete_checkpoints(run.path / "checkpoints")] == [f"step-{k:08d}"]
@@ -107,7 +113,8 @@ def test_time_limit_then_kill_switch_stop_a_pipeline_at_step_boundaries(deep_run
     wait_until_gone([job], timeout=240)
     stopped = exit_record(run.path, task2)
     assert stopped["exit_code"] == ExitCode.KILL_SWITCH, stopped
-    assert [p.name for p in complete_checkpoints(run.path / "checkpoints")][-1] == f"step-{stopped['end_step']:08d}"
+    newest = max(p.name for p in complete_checkpoints(run.path / "checkpoints"))
+    assert newest == f"step-{stopped['end_step']:08d}", newest
     # Every step the second task logged continues the first's: no step twice, none skipped.
     steps = [r["step"] for r in read_jsonl(run.path / "metrics.jsonl") if r.get("event") != "eval"]
     assert steps == list(range(1, stopped["end_step"] + 1)), steps

@@ -11,9 +11,15 @@ trainer's loss, :func:`trainer.packing.token_loss_sum`):
   checkpointing (attention runs again in backward);
 - the negative control: with the document mask off (attention across packed documents) the
   packed loss differs, so the comparison can fail;
+- the flex_attention path on 2 ranks, forward only (torch 2.13's flex_attention has no backward
+  on CPU; its backward is bench/gpu_context_parallel_check.py's): the Llama's and the Mistral's
+  packed and unpacked rows give the unsharded sdpa model's loss, the negative control differs;
+  its block mask is the SDPA path's dense mask (element by element, and block by block), for
+  every rank of CP=1, 2 and 4 and with a sliding window; on CPU it refuses backward by name;
 - the host-staged all-gather (gloo with CUDA tensors) equals torch's op, forward and backward;
 - refusals: attention outside ``active()``, a batch that is not the active layout's, a model
-  that is not a transformers model.
+  that is not a transformers model, a kernel other than sdpa and flex_attention; and which
+  kernel ``install`` picks (asked for, else the model's own).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ WORKER = textwrap.dedent(
     from trainer.packing import collate, model_inputs, token_loss_sum
 
     models, out, replicas = sys.argv[1].split(","), sys.argv[2], [int(n) for n in sys.argv[3].split(",")]
+    flex = sys.argv[4] == "flex"  # also the flex_attention path, forward only
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
 
@@ -87,6 +94,18 @@ WORKER = textwrap.dedent(
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         return float(totals[0]), int(totals[1]), grads
 
+    def flex_forward(model_dir, batch, documents=True):
+        # No backward: flex_attention has none on CPU.
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        cp.install(model, attention="flex_attention")
+        local = cp.shard(share(batch))
+        local.layout.documents = documents
+        with torch.no_grad(), cp.active(local):
+            summed, count = cp.loss_sum(model(**local.model_inputs()).logits, local.labels)
+        totals = torch.stack([summed, count.to(summed.dtype)])
+        dist.all_reduce(totals)
+        return float(totals[0]), int(totals[1])
+
     report = {}
     for dp in replicas:  # the data-parallel replicas; world // dp context-parallel ranks each
         mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "cp"))
@@ -108,6 +127,14 @@ WORKER = textwrap.dedent(
             if packing:
                 loss, _, _ = sharded(model_dir, batch, documents=False)
                 report[name]["no_documents"] = abs(loss - ref_loss) / ref_count
+            if flex:
+                loss, count = flex_forward(model_dir, batch)
+                flex_name = name.replace("-checkpointed", "") + "-flex"
+                report[flex_name] = {"loss": abs(loss - ref_loss) / ref_count, "loss_sum": abs(loss - ref_loss),
+                                     "count": [count, ref_count]}
+                if packing:
+                    loss, _ = flex_forward(model_dir, batch, documents=False)
+                    report[flex_name]["no_documents"] = abs(loss - ref_loss) / ref_count
 
     # The host-staged gather against torch's op, forward and backward.
     group = mesh["cp"].get_group()
@@ -159,15 +186,20 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     return {kind: save_model(root, kind) for kind in ("llama", "mistral")}
 
 
-def launch(tmp_path: Path, models: list[str], procs: int, replicas: str) -> list[dict]:
-    """The worker on ``procs`` gloo processes; every rank's report."""
+def launch(tmp_path: Path, models: list[str], procs: int, replicas: str, flex: bool = False) -> list[dict]:
+    """The worker on ``procs`` gloo processes (``flex``: the flex path's forward too); every rank's report."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "report"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     cmd = [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc-per-node={procs}", str(script)]
     proc = subprocess.run(
-        [*cmd, ",".join(models), str(out), replicas], env=env, capture_output=True, text=True, timeout=300, check=False
+        [*cmd, ",".join(models), str(out), replicas, "flex" if flex else "-"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(procs)]
@@ -182,11 +214,12 @@ def check(reports: list[dict], cases: list[str]) -> dict[str, float]:
         worst["host_gather"] = max(worst["host_gather"], report["host_gather"])
         for case in cases:
             got = report[case]
-            assert got["params"], case
             assert got["count"][0] == got["count"][1], (case, got["count"])
             worst["loss"] = max(worst["loss"], got["loss"])
             worst["loss_sum"] = max(worst["loss_sum"], got["loss_sum"])
-            worst["grad"] = max(worst["grad"], got["grad"])
+            if not case.endswith("-flex"):  # forward only
+                assert got["params"], case
+                worst["grad"] = max(worst["grad"], got["grad"])
             if "no_documents" in got:
                 worst["no_documents"] = min(worst["no_documents"], got["no_documents"])
     print(json.dumps(worst))
@@ -196,10 +229,11 @@ def check(reports: list[dict], cases: list[str]) -> dict[str, float]:
 
 
 def test_two_ranks_equal_the_unsharded_model(tmp_path, tiny_models):
-    reports = launch(tmp_path, [tiny_models["llama"], tiny_models["mistral"]], 2, "1")
-    check(
-        reports, ["llama-packed-dp1-checkpointed", "llama-unpacked-dp1", "mistral-packed-dp1", "mistral-unpacked-dp1"]
-    )
+    """SDPA path forward and backward; flex path forward."""
+    reports = launch(tmp_path, [tiny_models["llama"], tiny_models["mistral"]], 2, "1", flex=True)
+    sdpa = ["llama-packed-dp1-checkpointed", "llama-unpacked-dp1", "mistral-packed-dp1", "mistral-unpacked-dp1"]
+    flex = [f"{m}-{p}-dp1-flex" for m in ("llama", "mistral") for p in ("packed", "unpacked")]
+    check(reports, [*sdpa, *flex])
 
 
 def test_four_ranks_equal_the_unsharded_model(tmp_path, tiny_models):
@@ -213,7 +247,7 @@ def test_refusals(tiny_models):
     from torch import nn
     from transformers import AutoModelForCausalLM
 
-    from trainer.context_parallel import ContextParallel, ContextParallelError
+    from trainer.context_parallel import ATTENTION, FLEX_ATTENTION, ContextParallel, ContextParallelError
     from trainer.packing import collate
 
     cp = ContextParallel(None)
@@ -227,5 +261,52 @@ def test_refusals(tiny_models):
         model(input_ids=unsharded["input_ids"], position_ids=unsharded["position_ids"], use_cache=False)
     with pytest.raises(ContextParallelError, match=r"train\.context_parallel"):
         cp.install(nn.Linear(2, 2))
+    with pytest.raises(ContextParallelError, match=r"train\.context_parallel.*not 'eager'"):
+        ContextParallel(None, attention="eager")
+    # The kernel: asked for, else the model's own (its flex_attention: the flex path; sdpa: SDPA).
+    assert model.config._attn_implementation == ATTENTION
+    own = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], attn_implementation="flex_attention")
+    assert cp.install(own).config._attn_implementation == FLEX_ATTENTION
+    assert cp.install(own, "sdpa").config._attn_implementation == ATTENTION
+    # flex_attention has no backward on CPU (torch 2.13): refused by name, torch's reason kept.
+    flex = cp.install(AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32), "flex_attention")
+    with cp.active(local), pytest.raises(ContextParallelError, match=r"train\.context_parallel.*backward on CPU"):
+        flex(**local.model_inputs())
     # One rank runs the same code unsharded: rows padded to a multiple of 16, labels shifted.
     assert local.input_ids.shape == (1, 16) and local.labels.tolist() == [[2, 3] + [-100] * 14]
+
+
+def test_flex_block_mask_is_the_dense_mask():
+    """The flex path's mask_mod, element by element, and its BlockMask, block by block, against
+    the SDPA path's dense mask (itself proven against the model above): every rank of CP=1, 2
+    and 4 (layouts made without processes), packed rows padded at the end, with and without a
+    sliding window, rows long enough for several 128-token blocks per rank."""
+    import torch
+    import torch.nn.functional as F
+
+    from trainer.context_parallel import ContextParallel
+    from trainer.packing import collate
+
+    g = torch.Generator().manual_seed(0)
+
+    def example(n):
+        ids = torch.randint(0, 128, (n,), generator=g).tolist()
+        return {"input_ids": ids, "labels": ids}
+
+    batch = collate([[example(509), example(341), example(146)], [example(984)]], pad_token_id=0, packing=True)
+    cpu = torch.device("cpu")
+    for size in (1, 2, 4):
+        for rank in range(size):
+            cp = ContextParallel(None)
+            cp.size, cp.rank = size, rank  # rank `rank` of `size`: the layout needs no group
+            layout = cp.shard(batch).layout
+            for window in (None, 100):
+                dense = torch.isfinite(layout.mask(cpu, torch.float32, window))[:, 0]
+                rows, queries, keys = dense.shape
+                b, q, k = torch.arange(rows)[:, None, None], torch.arange(queries)[:, None], torch.arange(keys)
+                assert torch.equal(layout.mask_mod(cpu, window)(b, 0, q, k), dense), (size, rank, window)
+                blocks = layout.block_mask(cpu, window)
+                assert blocks.shape == (rows, 1, queries, keys)
+                padded = F.pad(dense, (0, -keys % 128, 0, -queries % 128))
+                per_block = padded.unflatten(2, (-1, 128)).unflatten(1, (-1, 128)).any(4).any(2)
+                assert torch.equal(blocks.to_dense()[:, 0].bool(), per_block), (size, rank, window)

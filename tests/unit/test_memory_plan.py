@@ -185,6 +185,48 @@ def test_cpu_budget_from_slurm_mem(tmp_path: Path):
     assert plan.budget == 4 * GIB and plan.fits is False and plan.suggestions
 
 
+def pipeline_spec(tmp_path: Path, model: Path, **pipeline) -> Path:
+    """A pipeline over 2 nodes x 2 processes of the local site."""
+    return run_spec(
+        tmp_path,
+        "memplan",
+        site={"profile": "local", "slurm": {"device_memory": "64GiB"}},
+        job={"time": "1h", "runs_root": str(tmp_path / "runs"), "nodes": 2, "procs_per_node": 2},
+        model={"path": model},
+        data={"path": DATA, "max_length": 512},
+        train={"micro_batch_size": 4, "parallelism": "pipeline", "pipeline": pipeline},
+    )
+
+
+def test_plan_of_a_pipeline_lists_every_position(tmp_path: Path):
+    spec = pipeline_spec(tmp_path, fake_model(tmp_path / "m"))
+    text = jobgen("plan", str(spec), check=True).stdout
+    assert "pipeline on 4 rank(s) (4 positions x 1 replica, 4 stages, schedule 1f1b, 4 pieces of 1 row a step)" in text
+    # 24 blocks, the embedding's and the head's stages lighter (each about 2.5 blocks' parameters).
+    for line in (
+        "position 0, stage 0 (blocks 0-4, embedding): ",
+        "position 1, stage 1 (blocks 5-11): ",
+        "position 2, stage 2 (blocks 12-18): ",
+        "position 3, stage 3 (blocks 19-23, norm + lm_head + loss): ",
+    ):
+        assert line in text, text
+    assert text.count("<- the busiest") == 1 and "(4 of 4 pieces in flight)" in text
+    data = json.loads(jobgen("plan", str(spec), "--json", check=True).stdout)
+    positions = data["pipeline"]["per_position"]
+    assert [p["blocks"] for p in positions] == [[[0, 4]], [[5, 11]], [[12, 18]], [[19, 23]]]
+    assert data["peak_bytes"] == max(p["peak_bytes"] for p in positions)
+    assert [p["pieces_in_flight"] for p in positions] == [4, 3, 2, 1]
+    assert data["inputs"]["pipeline"]["schedule"] == "1f1b"
+
+
+def test_plan_of_a_pipeline_that_cannot_be_split(tmp_path: Path):
+    """More stages than blocks: the loader cannot know (it does not read the model); the plan says why."""
+    spec = pipeline_spec(tmp_path, fake_model(tmp_path / "m", layers=2))
+    proc = jobgen("plan", str(spec))
+    assert proc.returncode == 0 and "cannot estimate: the pipeline cannot be laid out" in proc.stdout, proc.stdout
+    assert "more than the model's 2 decoder blocks" in proc.stdout
+
+
 def test_memory_peaks_record_phases():
     pytest.importorskip("torch")
     from trainer.memory_peaks import MemoryPeaks, combine_ranks
