@@ -4,7 +4,7 @@ across the ranks of a context-parallel group, which read the same rows.
 - CP = 2 on 2 processes trains exactly as one process does on the same rows (packed rows of
   several documents, so the document-causal mask matters): every step's loss and gradient norm
   equal within float tolerance, and the target tokens are counted once.
-- CP = 2 x 2 replicas under FSDP2 (4 processes) trains as DDP on 2 processes.
+- CP = 2 x 2 replicas under FSDP2 (4 processes) trains as DDP on 2 processes (marker ``full``).
 - A stop by the kill switch and the resume give exactly the uninterrupted run's losses.
 """
 
@@ -87,6 +87,7 @@ def test_two_ranks_splitting_each_row_train_as_one_process(tmp_path, tiny_model,
     assert_same_training(context_parallel, reference)
 
 
+@pytest.mark.full  # tests/distributed/test_context_parallel.py proves CP=2 x 2 under FSDP2 in CI
 def test_two_groups_under_fsdp_train_as_ddp_on_two(tmp_path, tiny_model):
     reference = make_run(tmp_path / "ddp", tiny_model, 2, "ddp")
     trained(reference, 2)
