@@ -311,11 +311,12 @@ def train_spec(
     site: str | dict[str, object] = "local",
     eval: dict[str, object] | None = None,
     job: dict[str, object] | None = None,
+    data: dict[str, object] | None = None,
     **train: object,
 ) -> Path:
     """A training run for the dev cluster (``directory/NAME.toml``) that trains until it is
     stopped (max_steps 1e6); ``train`` overrides or adds [train] keys, ``eval`` writes [eval],
-    ``job`` adds [job] keys (min_nodes, nodelist...)."""
+    ``job`` adds [job] keys (min_nodes, nodelist...), ``data`` [data] keys (packing...)."""
     SUBMITTED_NAMES.append(name)
     settings = {
         "micro_batch_size": 4,
@@ -343,7 +344,7 @@ def train_spec(
             **(job or {}),
         },
         model={"path": tiny_model},
-        data={"path": DATA, "max_length": 256},
+        data={"path": DATA, "max_length": 256, **(data or {})},
         train=settings,
         eval=eval,
     )
@@ -383,6 +384,56 @@ def cancel_submitted() -> None:
 def losses(run: Path) -> dict[int, float]:
     """Step -> training loss, from metrics.jsonl (evaluation lines left out)."""
     return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if r.get("event") != "eval"}
+
+
+def metric(run: Path, name: str) -> dict[int, float]:
+    """Step -> one training metric (grad_norm, step_target_tokens...), from metrics.jsonl."""
+    return {r["step"]: r[name] for r in read_jsonl(run / "metrics.jsonl") if r.get("event") != "eval"}
+
+
+def assert_same_training(run: Path, reference: Path, steps: int) -> None:
+    """``run`` trained as ``reference`` did: steps 1..steps, every loss (float tolerance),
+    gradient norm and target-token count."""
+    import pytest
+
+    curve, expected = losses(run), losses(reference)
+    assert sorted(curve) == list(range(1, steps + 1)), sorted(curve)
+    for step in curve:
+        assert curve[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-5), (step, curve, expected)
+    norms, expected_norms = metric(run, "grad_norm"), metric(reference, "grad_norm")
+    for step in norms:
+        assert norms[step] == pytest.approx(expected_norms[step], rel=1e-3), (step, norms, expected_norms)
+    assert metric(run, "step_target_tokens") == metric(reference, "step_target_tokens")
+
+
+def local_run(directory: Path, model: Path, procs: int, name: str, *, data: dict[str, object], **train: object) -> Path:
+    """A materialized run directory for ``torchrun`` on this machine (tests/distributed): the
+    trainer's settings of TRAINER_SETTINGS overridden by ``train``, float32 weights, ``data``
+    added to the data table."""
+    from jobgen.loader import load_run
+    from jobgen.render import render
+    from jobgen.rundir import materialize
+
+    spec_file = run_spec(
+        directory,
+        name,
+        site={"profile": "local", "slurm": {"cpus_per_node": 4}},
+        filename=f"{name}.toml",
+        job={"time": "1h", "runs_root": "runs", "procs_per_node": procs},
+        model={"path": model, "dtype": "float32"},
+        data={"path": DATA, **data},
+        train={**TRAINER_SETTINGS, **train},
+    )
+    spec = load_run(spec_file)
+    run, _ = materialize(spec, render(spec), spec_file.read_text())
+    return run.path
+
+
+def trained_locally(run: Path, procs: int) -> str:
+    """torchrun's output of ``run`` on ``procs`` local processes, which must end with 0."""
+    proc = torchrun(run, nproc=procs, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
 
 
 def eval_losses(run: Path) -> dict[int, float]:

@@ -13,8 +13,6 @@ network namespaces (gloo over TCP, as a pipeline crosses Ethernet between machin
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from helpers import (
@@ -23,6 +21,7 @@ from helpers import (
     first_step_record,
     last_step,
     losses,
+    metric,
     read_jsonl,
     running_task,
     submit,
@@ -59,10 +58,6 @@ def ended(job: int) -> dict[str, str] | None:
     """The job's record once Slurm no longer runs it (the trainer's exit line comes first)."""
     (record,) = slurm.show_job(job)
     return record if record["JobState"] not in ("RUNNING", "COMPLETING") else None
-
-
-def metric(run: Path, name: str) -> dict[int, float]:
-    return {r["step"]: r[name] for r in read_jsonl(run / "metrics.jsonl") if r.get("event") != "eval"}
 
 
 @pytest.mark.parametrize("schedule", [pytest.param(s, marks=() if s in IN_CI else pytest.mark.full) for s in SCHEDULES])

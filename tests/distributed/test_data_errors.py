@@ -95,11 +95,12 @@ def tokenizer_without_pad_or_eos(tiny_model, tmp_path) -> Path:
 @pytest.mark.torch
 def test_tokenizer_without_pad_or_eos_is_refused_naming_model_path(tokenizer_without_pad_or_eos):
     pytest.importorskip("transformers")
-    from trainer import model as model_mod
+    from trainer.model import load_tokenizer
+    from trainer.model_errors import ModelError
 
     with pytest.raises(Exception) as info:
-        model_mod.load_tokenizer(str(tokenizer_without_pad_or_eos))
-    assert isinstance(info.value, model_mod.ModelError)
+        load_tokenizer(str(tokenizer_without_pad_or_eos))
+    assert isinstance(info.value, ModelError)
     message = str(info.value)
     assert f"model.path: {tokenizer_without_pad_or_eos}" in message
     assert "neither a pad token nor an eos token" in message and "eos_token" in message
