@@ -234,6 +234,12 @@ class TrainSpec(StrictModel):
                     f"{key} cannot be combined with train.parallelism = 'pipeline': the last stage computes the "
                     "loss inside the schedule, and each stage steps its own optimizer after the schedule"
                 )
+        if self.grad_clip > 0 and self.grad_clip_mode == "per_parameter":
+            # The pipeline's step clips by the whole model's norm, summed over its stages.
+            raise ValueError(
+                "train.grad_clip_mode = 'per_parameter' cannot be combined with train.parallelism = 'pipeline' "
+                "yet: a pipeline clips by the global gradient norm; set grad_clip_mode = 'global' or grad_clip = 0"
+            )
         return self
 
     @model_validator(mode="after")

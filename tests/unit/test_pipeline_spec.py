@@ -59,6 +59,9 @@ def spec(tmp_path, *, job=None, train=None, extra=None):
         pytest.param({}, {"parallelism": "fsdp", "pipeline": {}}, "train", "only used with", id="table-without"),
         pytest.param({}, {"loss_chunk_tokens": 64}, "train", "train.loss_chunk_tokens cannot", id="chunked-loss"),
         pytest.param({}, {"optimizer_in_backward": True, "grad_clip": 0}, "train", "cannot be combined", id="oib"),
+        pytest.param(
+            {}, {"grad_clip_mode": "per_parameter"}, "train", "grad_clip_mode = 'per_parameter'", id="per-parameter"
+        ),
     ],
 )
 def test_a_layout_that_cannot_run_is_refused_with_its_key(tmp_path, job, train, key, words):
