@@ -187,11 +187,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _sync_context(self, last_micro: bool):
-        """No gradient all-reduce on the micro-steps before the last one, as the parallelism's
-        entry in trainer.parallel does it (DDP's no_sync, FSDP2's switches)."""
-        return strategy(self.cfg.parallelism).sync_context(self.model, last_micro)
-
     def train_step(self) -> dict[str, float]:
         micro_batches = [self.data.next_batch() for _ in range(self.batch.grad_accum)]
         local_targets = sum(int(count_targets(b["labels"])) for b in micro_batches)

@@ -244,7 +244,7 @@ def _refuse_in_backward(params: list[torch.nn.Parameter]) -> dist.ProcessGroup |
 def _data_parallel_steps(trainer: Any) -> StepRunner:
     from trainer.step_runner import DataParallelSteps
 
-    return DataParallelSteps(trainer)
+    return DataParallelSteps(trainer, STRATEGIES[trainer.cfg.parallelism].sync_context)
 
 
 def _every_rank_its_rows(train: TrainSpec, env: DistEnv) -> tuple[int, int]:

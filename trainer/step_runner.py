@@ -16,6 +16,7 @@ world divided by the global target count is the step's token-mean loss.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -45,18 +46,25 @@ def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+# trainer.parallel's Strategy.sync_context: (model, last micro-step) -> context manager.
+SyncSwitch = Callable[[torch.nn.Module, bool], contextlib.AbstractContextManager]
+
+
 class DataParallelSteps:
     """Every rank runs the whole model (or its FSDP units) on its own rows."""
 
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: Any, sync_context: SyncSwitch):
+        """``sync_context``: the parallelism's switch that skips the gradient sync before the
+        last micro-step (DDP's no_sync, FSDP2's switches: trainer.parallel's entry)."""
         self.trainer = trainer
+        self.sync_context = sync_context
 
     def forward_backward(self, micro_batches: list[dict[str, Any]], scale: float) -> torch.Tensor:
         t = self.trainer
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, batch in enumerate(micro_batches):
             with self._share_of(batch) as (inputs, labels), offload_activations(t.offloader):
-                with t._sync_context(i == len(micro_batches) - 1), autocast_for(t.env.device):
+                with self.sync_context(t.model, i == len(micro_batches) - 1), autocast_for(t.env.device):
                     summed = self.forward_loss_sum(inputs, labels)
                 (summed * scale).backward()  # with optimizer_in_backward, the parameters step here
             loss_sum += summed.detach().double().cpu()
