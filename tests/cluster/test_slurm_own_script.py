@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DATA, REPO, command_spec, jobgen, read_jsonl, submitted_job_id, wait_for
+from helpers import DATA, REPO, command_spec, jobgen, read_jsonl, running_task, submitted_job_id, wait_for
 from helpers import status as run_status
 from jobgen import slurm
 from jobgen.exit_codes import ExitCode
@@ -73,6 +73,27 @@ def plan_of(run: Path, job_id: str) -> dict:
     return json.loads((run / "logs" / f"command-plan.{job_id}.0.json").read_text())
 
 
+def resumed_at(run: Path, job_id: str) -> int:
+    """The step of the ``checkpoint-N`` a task's plan resumed from (0: none)."""
+    checkpoint = plan_of(run, job_id)["checkpoint"]
+    return int(Path(checkpoint).name.split("-")[1]) if checkpoint else 0
+
+
+def hold(job_id: int) -> None:
+    """``scontrol hold``: the array's pending tasks wait (the running one goes on). scontrol
+    exits 1 for the tasks that have ended ("Job has already finished") yet holds the others:
+    what counts is that every pending task is held."""
+    subprocess.run(["scontrol", "hold", str(job_id)], capture_output=True, text=True, check=False)
+    reasons = subprocess.run(
+        ["squeue", "-h", "-j", str(job_id), "-t", "PD", "-o", "%r"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert reasons and all(r == "JobHeldAdmin" for r in reasons), reasons
+
+
+def release(job_id: int) -> None:
+    subprocess.run(["scontrol", "release", str(job_id)], capture_output=True, text=True, check=False)
+
+
 def steps_logged(run: Path, job_id: str) -> int:
     """The Trainer's logged steps in a task (``--logging_steps 1``: one ``{'loss': ...}`` line a
     step) in rank 0's log of that job."""
@@ -114,40 +135,48 @@ def finished_in(run: Path, tasks: int) -> int | None:
 
 
 def test_an_unedited_trainer_script_through_time_limits(cluster, tmp_path, tiny_model):
-    # Arrays longer than the runs need (tasks differ in length: Slurm sends the lead-time
-    # signal early by up to a minute, and 2 cores are shared): the tasks after the one that
-    # finished and the next are cancelled.
-    hf_tasks, rs_tasks = 10, 8
+    # One task more than the runs need: it finds the run finished and leaves.
+    hf_tasks = rs_tasks = 4
     hf_spec = own_script_spec(
         tmp_path, "hf", trainer_args(tiny_model, 100000), nodes=2, array=hf_tasks, hf_trainer=True
     )
-    plain_args = trainer_args(tiny_model, SAVE_STEPS)
     resume = ["--resume_from_checkpoint", "{latest_checkpoint}"]
     rs_spec = own_script_spec(
-        tmp_path, "rs", plain_args, nodes=1, array=rs_tasks, resume_args=resume, stop_signal="none"
+        tmp_path,
+        "rs",
+        trainer_args(tiny_model, SAVE_STEPS),
+        nodes=1,
+        array=rs_tasks,
+        resume_args=resume,
+        stop_signal="none",
     )
     hf_run, rs_run = tmp_path / "runs" / "hf", tmp_path / "runs" / "rs"
     hf = submitted_job_id(jobgen("submit", str(hf_spec), check=True).stdout)
     rs = submitted_job_id(jobgen("submit", str(rs_spec), check=True).stdout)
 
-    # Task 1 of each meets its limit. From its steps, each run ends a few limits later.
-    wait_for(lambda: batch_record(hf_run, 1), 240, "the Trainer's task 1 to meet its limit")
-    hf_exit = next(r for r in read_jsonl(hf_run / "tasks.jsonl") if r["event"] == "exit")
-    k1 = hf_exit["end_step"]
-    assert hf_exit["exit_code"] == ExitCode.SIGNALLED and hf_exit["exit_reason"].startswith("time limit (USR1 "), (
-        hf_exit
-    )
-    total = 4 * k1
+    # Tasks 1 and 2 of each meet their limits (--max_steps 1000000). While task 2 runs, the
+    # array's next tasks are held; once it has ended, --max_steps is set a little past where it
+    # got, then they are released: each run ends in task 3 whatever the speed of a task (CI's
+    # other worker shares the 2 cores: tasks of one run have differed threefold in steps).
+    running_task(hf, 2, timeout=300)
+    hold(hf)
+    running_task(rs, 2, timeout=300)
+    hold(rs)
+    wait_for(lambda: batch_record(hf_run, 2), 300, "the Trainer's task 2 to meet its limit")
+    hf_exits = [r for r in read_jsonl(hf_run / "tasks.jsonl") if r["event"] == "exit"]
+    assert [e["exit_code"] for e in hf_exits] == [ExitCode.SIGNALLED] * 2, hf_exits
+    assert all(e["exit_reason"].startswith("time limit (USR1 ") for e in hf_exits), hf_exits
+    total = hf_exits[-1]["end_step"] + 10
     set_max_steps(hf_run, total)
-    first_rs = wait_for(lambda: batch_record(rs_run, 1), 240, "the plain script's task 1 to be killed")
-    r1 = steps_logged(rs_run, first_rs["job_id"])
-    rs_total = 4 * r1
+    release(hf)
+    second_rs = wait_for(lambda: batch_record(rs_run, 2), 300, "the plain script's task 2 to be killed")
+    rs_total = resumed_at(rs_run, second_rs["job_id"]) + steps_logged(rs_run, second_rs["job_id"]) + SAVE_STEPS // 2
     set_max_steps(rs_run, rs_total)
+    release(rs)
 
-    hf_end = wait_for(lambda: finished_in(hf_run, hf_tasks), 1200, "the Trainer's run to finish")
-    slurm.cancel(str(hf))  # the tasks still queued: each would only find the run finished
-    rs_end = wait_for(lambda: finished_in(rs_run, rs_tasks), 1200, "the plain script's run to finish")
-    slurm.cancel(str(rs))
+    hf_end = wait_for(lambda: finished_in(hf_run, hf_tasks), 600, "the Trainer's run to finish")
+    rs_end = wait_for(lambda: finished_in(rs_run, rs_tasks), 600, "the plain script's run to finish")
+    assert (hf_end, rs_end) == (3, 3), (hf_end, rs_end)
     # Accounting of the tasks that ran (cancelled ones stay one `JOB_[a-b]` row).
     hf_rows, rs_rows = ended(hf, min(hf_end + 1, hf_tasks)), ended(rs, min(rs_end + 1, rs_tasks))
 
@@ -172,7 +201,6 @@ def test_an_unedited_trainer_script_through_time_limits(cluster, tmp_path, tiny_
     # The task that finished is the one whose program exited 0 on its own; the ones before met
     # their limits. Slurm calls the finisher TIMEOUT when it ended past its limit (it finished
     # while Slurm was ending it: seen once, 5 s past the 2 minutes), else COMPLETED.
-    assert rs_end >= 3, rs_rows  # at least two limits crossed
     states = [rs_rows[f"{rs}_{i}"]["state"] for i in range(1, rs_end + 1)]
     assert set(states[:-1]) == {"TIMEOUT"}, rs_rows
     assert states[-1] == "COMPLETED" or (
@@ -188,10 +216,9 @@ def test_an_unedited_trainer_script_through_time_limits(cluster, tmp_path, tiny_
         assert index == rs_end or rows[f"{rs}_{index}"]["state"] == "TIMEOUT", rows
         assert "crashed" not in rows[f"{rs}_{index}"]["exit_reason"], rows
         job_id = batch_record(rs_run, index)["job_id"]
-        plan = plan_of(rs_run, job_id)
-        resumed_at = int(Path(plan["checkpoint"]).name.split("-")[1]) if plan["checkpoint"] else 0
-        assert 0 <= reached - resumed_at <= SAVE_STEPS, (index, reached, plan)
-        reached = resumed_at + steps_logged(rs_run, job_id)
+        start = resumed_at(rs_run, job_id)
+        assert 0 <= reached - start <= SAVE_STEPS, (index, reached, plan_of(rs_run, job_id))
+        reached = start + steps_logged(rs_run, job_id)
     assert reached == rs_total
 
 
