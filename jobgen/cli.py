@@ -7,6 +7,7 @@
     jobgen status [RUN] [--json]  |  stop / save / abort RUN  |  logs RUN [-f]
     jobgen doctor [--nodes N]     |  schema  |  cluster up|down|status
     jobgen serve RUN|DIR [--best|--step N] [--local] [--status|--stop]  |  chat RUN
+    jobgen compare SWEEP|RUN... [-o FILE.png] [--json]
     jobgen watchdog install|list|remove|run
 
 Every command imports what it needs inside its function: ``jobgen --help`` must
@@ -25,7 +26,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -47,6 +47,10 @@ def main() -> None:
 @click.argument("spec_file", type=click.Path(dir_okay=False))
 def validate(spec_file: str) -> None:
     """Validate RUN.toml and its site profile; list every problem by file and key."""
+    from jobgen.cli_sweep import sweep_file, validate_sweep
+
+    if sweep_file(spec_file):
+        return validate_sweep(spec_file)  # every point, each as a full spec
     spec = _load(spec_file)
     click.echo(
         f"{spec_file}: ok ({spec.run.job.program} on {spec.layout} "
@@ -63,9 +67,12 @@ def validate(spec_file: str) -> None:
 def render(spec_file: str, output_dir: str | None) -> None:
     """Print (or write) the exact sbatch script that submit would use."""
     from jobgen.atomic import write_text_atomic
+    from jobgen.cli_sweep import render_sweep_command, sweep_file
     from jobgen.render import render as render_script
     from jobgen.render import script_name
 
+    if sweep_file(spec_file):
+        return render_sweep_command(spec_file, output_dir)  # the sweep's script and the point table
     spec = _load(spec_file)
     text = render_script(spec)
     if output_dir is None:
@@ -193,19 +200,21 @@ def _switch_command(name: str, doc: str):
     @main.command(name=name, help=doc)
     @click.argument("run_ref", metavar="RUN")
     def command(run_ref: str) -> None:
+        from jobgen.cli_sweep import switch_targets
         from jobgen.rundir import KILL_SWITCH, RunDirError
         from jobgen.stop_requests import clear_stale
 
-        run = _find_run(run_ref)
-        try:
-            path, created = run.set_switch({"stop": KILL_SWITCH}.get(name, name))
-        except RunDirError as exc:  # e.g. a switches/ the user may not write: a sentence, not a traceback
-            _fail(f"jobgen: {exc}")
-        click.echo(f"{path} created" if created else f"{path} already set")
-        try:
-            clear_stale(run)  # stop requests of ended attempts: tidying, never the command's failure
-        except (OSError, ValueError):
-            pass
+        runs = switch_targets(run_ref)  # a sweep: every point; SWEEP/POINT: that point
+        for run in [_find_run(run_ref)] if runs is None else runs:
+            try:
+                path, created = run.set_switch({"stop": KILL_SWITCH}.get(name, name))
+            except RunDirError as exc:  # e.g. a switches/ the user may not write: a sentence, not a traceback
+                _fail(f"jobgen: {exc}")
+            click.echo(f"{path} created" if created else f"{path} already set")
+            try:
+                clear_stale(run)  # stop requests of ended attempts: tidying, never the command's failure
+            except (OSError, ValueError):
+                pass
 
     return command
 
@@ -224,46 +233,16 @@ _switch_command("abort", "Abort switch: exit at once without saving.")
 @click.option("--grep", "pattern", help="only lines matching this regular expression")
 def logs(run_ref: str, follow: bool, task: str | None, node: str | None, rank: int | None, pattern: str | None) -> None:
     """The run's logs merged into one stream: the batch logs and every rank's output, each
-    line prefixed with its task (ARRAYID_TASK), node and rank.
+    line prefixed with its task (ARRAYID_TASK), node and rank. A sweep: every point's, each
+    line prefixed with its point too.
 
     \b
     jobgen logs RUN -f                     # follow a live job, all nodes and ranks
     jobgen logs RUN --task 2 --rank 3      # one rank of one array task
     jobgen logs RUN --grep 'loss|ERROR'"""
-    import re
+    from jobgen.cli_logs import logs_command
 
-    from jobgen.logs import Filters, find_sources, merged, unknown_ranks
-    from jobgen.logs import follow as follow_logs
-
-    run = _find_run(run_ref)
-    try:
-        grep = re.compile(pattern) if pattern else None
-    except re.error as exc:
-        _fail(f"jobgen: --grep {pattern!r}: {exc}")
-    filters = Filters(task=task, node=node, rank=rank, grep=grep)
-    name = run.load_spec().run.job.name
-    if rank is not None:  # ranks --rank cannot find: say where they are instead of printing nothing
-        for where in unknown_ranks(find_sources(run, name, Filters(task=task, node=node))):
-            click.echo(f"jobgen logs: {where}: global ranks unknown (no rank map); --node shows them", err=True)
-    if not follow:
-        for line in merged(find_sources(run, name, filters), filters):
-            click.echo(line)
-        return
-    from jobgen.status import run_status
-
-    last_check = [0.0]
-
-    def finished() -> bool:
-        # Ask Slurm at most every 10 s whether anything of the run is still queued or running.
-        if time.time() - last_check[0] < 10:
-            return False
-        last_check[0] = time.time()
-        return run_status(run, details=False).state not in ("pending", "running", "unknown")
-
-    try:
-        follow_logs(lambda: find_sources(run, name, filters), filters, click.echo, until=finished)
-    except KeyboardInterrupt:
-        pass
+    logs_command(run_ref, follow=follow, task=task, node=node, rank=rank, pattern=pattern)
 
 
 @main.command()
@@ -455,6 +434,7 @@ def _export_for_serve(run, checkpoint: str | None, target: Path) -> str:
 
 
 def _register_groups() -> None:
+    from jobgen.cli_compare import compare_command
     from jobgen.devcluster.cli import cluster
     from jobgen.serve_cli import chat, serve_command
     from watchdogs.cli import watchdog
@@ -463,6 +443,7 @@ def _register_groups() -> None:
     main.add_command(watchdog)
     main.add_command(serve_command(_export_for_serve))
     main.add_command(chat)
+    main.add_command(compare_command)
 
 
 _register_groups()

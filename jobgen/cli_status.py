@@ -22,6 +22,11 @@ from jobgen.status_format import format_listing, format_status
 
 def status_command(run_ref: str | None, as_json: bool, watch: bool, alerts: WatchdogAlerts) -> None:
     """``jobgen status`` with its options (see jobgen.cli.status)."""
+    from jobgen.cli_sweep import status_sweep, sweep_ref
+
+    sweep = sweep_ref(run_ref) if run_ref else None
+    if sweep is not None and not watch:
+        return status_sweep(sweep, as_json)  # one line per point
     run = _readable_run(run_ref) if run_ref else None
     if watch:
         if run is None:
@@ -48,8 +53,14 @@ def _readable_run(run_ref: str) -> RunDir:
 
 
 def _all_runs() -> list[RunDir]:
+    from jobgen.sweep_runs import is_sweep_dir
+
     root = default_runs_root()
-    return sorted((RunDir(p.parent) for p in root.glob("*/spec.json")), key=lambda r: r.path) if root else []
+    if root is None:
+        return []
+    runs = [RunDir(p.parent) for p in root.glob("*/spec.json")]
+    runs += [RunDir(p.parent) for p in root.glob("*/*/spec.json") if is_sweep_dir(p.parent.parent)]  # sweeps' points
+    return sorted(runs, key=lambda r: r.path)
 
 
 def _statuses(

@@ -11,12 +11,11 @@ from typing import NoReturn
 
 import click
 
-from jobgen.cli_common import fail, load, print_findings
+from jobgen.cli_common import NO_CLUSTER, fail, load, print_findings, submission_errors
 from jobgen.preflight import command_findings, memory_findings
 from jobgen.resolved import ResolvedSpec
-from jobgen.rundir import RunDir, RunDirError
-from jobgen.slurm import SlurmError, SlurmUnavailable
-from jobgen.submit import SubmitError, SubmitResult, run_local
+from jobgen.rundir import RunDir
+from jobgen.submit import SubmitResult, run_local
 from jobgen.submit import submit as do_submit
 
 
@@ -31,9 +30,16 @@ def submit_command(
     wait: bool,
 ) -> None:
     """``jobgen submit`` with its options (see jobgen.cli.submit)."""
+    from jobgen.cli_sweep import submit_sweep_command, sweep_file
+
+    if sweep_file(spec_file):
+        if local or array is not None or wait:
+            fail("jobgen: a sweep is submitted as one Slurm array: --local, --array and --wait are for single runs")
+        submit_sweep_command(spec_file, after=after, dry_run=dry_run, ignore_memory_plan=ignore_memory_plan)
+        return
     spec = load(spec_file)
     source = Path(spec_file).read_text()
-    try:
+    with submission_errors(NO_CLUSTER + "; `jobgen submit --local` runs one node on this machine without Slurm"):
         if local:
             _run_local(spec, source, ignore_memory_plan)
         result = do_submit(
@@ -44,17 +50,6 @@ def submit_command(
             dry_run=dry_run,
             ignore_memory_plan=ignore_memory_plan,
         )
-    except SubmitError as exc:
-        click.echo(f"jobgen: not submitted, {len(exc.findings)} problem(s):", err=True)
-        print_findings(exc.findings)
-        sys.exit(2)
-    except SlurmUnavailable as exc:
-        fail(
-            f"jobgen: not submitted: {exc}\n  no cluster here? `jobgen cluster up --netns` starts a local one; "
-            "`jobgen submit --local` runs one node on this machine without Slurm"
-        )
-    except (SlurmError, RunDirError) as exc:
-        fail(f"jobgen: not submitted: {exc}")
     print_findings([f for f in result.findings if f.level == "warning"])
     if dry_run:
         print_findings([f for f in result.findings if f.level == "info"])

@@ -49,6 +49,7 @@ from jobgen import slurm
 from jobgen.atomic import write_json_atomic
 from jobgen.fields import SlurmName, StrictModel
 from jobgen.rundir import RunDir
+from jobgen.sweep_runs import point_runs, slurm_view, sweep_of
 
 
 @dataclass(frozen=True)
@@ -144,8 +145,14 @@ def exclude_from_pending(run: RunDir, spec) -> list[str]:
     the run's excluded nodes; returns the job ids updated. ``ExcNodeList`` replaces the list,
     so it always carries the spec's own exclusions too. (A ``job.min_nodes`` run asks for a
     node range, so a task starts on the nodes left; Slurm cannot resize an array's tasks.)"""
-    exclude = ",".join(excluded_nodes(run, list(spec.run.job.exclude)))
-    pending = [e for e in slurm.queue_named(spec.run.job.name) if e.state in slurm.JOB_PENDING]
+    # A sweep's point: the sweep's pending tasks may run any point, so they keep off every
+    # node any of its points quarantined.
+    name, _ = slurm_view(run, spec.run.job.name)
+    sweep = sweep_of(run)
+    runs = [point for _, point in point_runs(sweep) if point.exists()] if sweep is not None else [run]
+    nodes = {n for r in runs for n in read(r)}
+    exclude = ",".join([*spec.run.job.exclude, *sorted(n for n in nodes if n not in spec.run.job.exclude)])
+    pending = [e for e in slurm.queue_named(name) if e.state in slurm.JOB_PENDING]
     updated = []
     for entry in pending:
         job = entry.slurm_id

@@ -354,13 +354,18 @@ def update_job(job_id: int | str, **fields: str) -> None:
     run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())])
 
 
-def cancel(job_id: int | str, *, signal: str | None = None, batch_only: bool = False) -> None:
+def cancel(
+    job_id: int | str, *, signal: str | None = None, batch_only: bool = False, pending_only: bool = False
+) -> None:
     """``scancel``. An array task must be named ``ARRAYID_TASK``: Slurm 22.05 answers
     ``scancel <the task's own job id>`` with exit 0 and does nothing (slurmctld logs
-    "invalid JobId"; measured on the dev cluster)."""
+    "invalid JobId"; measured on the dev cluster). ``pending_only``: an array's tasks that
+    have not started, its running ones left alone."""
     args = ["scancel"]
     if signal:
         args.append(f"--signal={signal}")
     if batch_only:
         args.append("--batch")
+    if pending_only:
+        args.append("--state=PENDING")
     run([*args, str(job_id)])

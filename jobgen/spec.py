@@ -26,6 +26,7 @@ from jobgen.fields import (
     StrictModel,
 )
 from jobgen.serve_spec import ServeSpec
+from jobgen.sweep_spec import SweepSpec
 from jobgen.train_spec import TrainSpec
 from jobgen.watchdog_settings import WatchdogSettings
 
@@ -365,6 +366,15 @@ class RunSpec(StrictModel):
     serve: ServeSpec = Field(
         default_factory=ServeSpec,
         description="`jobgen serve RUN`: an OpenAI-compatible server for an export of the run's checkpoint.",
+    )
+    sweep: SweepSpec | None = Field(
+        None,
+        description=(
+            "A file with [sweep] is a sweep: each point is this file with the point's keys set, run in its own "
+            "directory runs_root/<job.name>/<point> (named by its overrides, e.g. lr-0.0003_r-16, or 'base' "
+            "for none); the sweep's directory runs_root/<job.name> holds them all, and the Slurm array is "
+            "named job.name."
+        ),
     )
 
     @model_validator(mode="after")

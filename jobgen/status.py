@@ -38,6 +38,7 @@ from jobgen.status_facts import RunRecords, SlurmFacts, ask_kill_window, ask_slu
 from jobgen.status_facts import queue_for as queue_for
 from jobgen.status_facts import slurm_may_know as slurm_may_know
 from jobgen.stop_requests import ended_attempts, stale_requests
+from jobgen.sweep_runs import point_open, slurm_view
 from jobgen.task_table import TaskStatus, build_tasks
 
 # What the run's watchdogs alert about right now, one line each (supplied by jobgen/cli.py).
@@ -153,10 +154,11 @@ def run_status(
     found = read_run_records(run)
     job = found.spec.run.job
     asked = ask_slurm(run, found.task_records, queue, details if ended is None else ended, conf)
+    name, only = slurm_view(run, job.name)
     tasks = build_tasks(
         run,
-        job.name,
-        asked.queue,
+        name,
+        point_queue(run, asked.queue, only) if only is not None else asked.queue,
         asked.ended,
         found.reports,
         found.task_records,
@@ -171,6 +173,17 @@ def run_status(
     )
     alerts = list(watchdog_alerts(found.spec)) if watchdog_alerts is not None else []
     return decide_status(str(run.path), found, asked, tasks, window, alerts)
+
+
+def point_queue(run: RunDir, queue: list[slurm.QueueEntry], claimed: set[int]) -> list[slurm.QueueEntry]:
+    """A sweep's point's share of the sweep's array: the tasks that claimed it, and while it
+    is open the array's tasks that have not started yet (one of them will come to it)."""
+    waiting = point_open(run)
+    return [
+        e
+        for e in queue
+        if e.job_id in claimed or (waiting and e.state in slurm.JOB_PENDING and e.job_id == e.array_job_id)
+    ]
 
 
 def decide_status(

@@ -18,6 +18,7 @@ from jobgen.preflight import kill_window
 from jobgen.program_records import trainer_checkpoints
 from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir
+from jobgen.sweep_runs import slurm_view, sweep_jobs
 from jobgen.task_table import read_task_records, unexplained_submissions
 
 
@@ -43,9 +44,12 @@ def slurm_may_know(
 
 
 def queue_for(runs: list[RunDir]) -> list[slurm.QueueEntry]:
-    """One ``squeue`` for every submission of these runs (raises SlurmUnavailable)."""
-    ids = sorted({int(j["job_id"]) for run in runs for j in run.jobs() if not j.get("local")})
-    return slurm.queue(ids) if ids else []
+    """One ``squeue`` for every submission of these runs, and for a sweep's point the tasks
+    that claimed it (raises SlurmUnavailable)."""
+    ids = {int(j["job_id"]) for run in runs for j in run.jobs() if not j.get("local")}
+    for run in runs:
+        ids |= (slurm_view(run, "")[1] or set()) | set(sweep_jobs(run))
+    return slurm.queue(sorted(ids)) if ids else []
 
 
 @dataclass

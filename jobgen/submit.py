@@ -72,13 +72,15 @@ def active_jobs(run: RunDir) -> list[slurm.QueueEntry]:
 
 
 def _quarantined(spec: ResolvedSpec) -> list[str]:
+    return quarantined_nodes(spec.run_dir) if spec.run_dir.is_dir() else []
+
+
+def quarantined_nodes(run_dir: Path) -> list[str]:
     """The nodes the run quarantined, for --exclude. A file that cannot be read refuses the
     submission (one error line naming it): submitting without it could land on a node the
     run found broken."""
-    if not spec.run_dir.is_dir():
-        return []
     try:
-        return sorted(quarantine.read(RunDir(spec.run_dir)))
+        return sorted(quarantine.read(RunDir(run_dir)))
     except quarantine.QuarantineError as exc:
         raise SubmitError([Finding("error", "", str(exc))]) from None
     except OSError as exc:

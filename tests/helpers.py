@@ -371,6 +371,19 @@ def command_spec(
     )
 
 
+def small_sweep(directory: Path, *, train: dict[str, object] | None = None) -> Path:
+    """A sweep file for the unit tests (``directory/run.toml``): 2 points over train.lr, at
+    most 2 at once, 3 tasks each, a model directory and one data row beside it (nothing is
+    trained: the tests look at what submission writes)."""
+    (directory / "model").mkdir(exist_ok=True)
+    (directory / "data.jsonl").write_text('{"instruction": "hi", "output": "hello"}\n')
+    job = {"time": "2m", "exit_grace": "50s", "array": 3, "runs_root": "runs"}
+    extra = '[sweep]\nmax_parallel = 2\n[sweep.grid]\n"train.lr" = [1e-3, 2e-3]\n'
+    return run_spec(
+        directory, "lrs", job=job, model={"path": "model"}, data={"path": "data.jsonl"}, train=train, extra=extra
+    )
+
+
 def cancel_submitted() -> None:
     """``scancel`` every job of the runs ``train_spec`` wrote since the last call."""
     for name in SUBMITTED_NAMES:

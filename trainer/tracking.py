@@ -26,6 +26,7 @@ from typing import Any
 
 from jobgen.atomic import write_text_atomic
 from jobgen.rundir import RunDir
+from jobgen.sweep_runs import sweep_name
 
 log = logging.getLogger("trainer.tracking")
 
@@ -131,7 +132,7 @@ def wandb_run_id(run: RunDir) -> str:
 class WandbTracker(Tracker):
     name = "wandb"
 
-    def __init__(self, run: RunDir, name: str, project: str, config: dict[str, Any]):
+    def __init__(self, run: RunDir, name: str, project: str, config: dict[str, Any], group: str | None = None):
         super().__init__()
         import wandb
 
@@ -140,6 +141,7 @@ class WandbTracker(Tracker):
         self.run = wandb.init(
             project=project,
             name=name,
+            group=group,  # a sweep's points: one group per sweep, one run per point
             id=wandb_run_id(run),
             resume="allow",
             dir=str(run.wandb_dir),
@@ -187,7 +189,14 @@ class Trackers:
 
 
 def open_trackers(
-    report_to: list[str], run: RunDir, *, name: str, project: str, start_step: int, config: dict
+    report_to: list[str],
+    run: RunDir,
+    *,
+    name: str,
+    project: str,
+    start_step: int,
+    config: dict,
+    group: str | None = None,
 ) -> Trackers:
     """Start what ``report_to`` asks for; one that cannot start is left out with a warning."""
     out: list[Tracker] = []
@@ -196,7 +205,7 @@ def open_trackers(
             if backend == "tensorboard":
                 out.append(TensorBoardTracker(run, start_step))
             elif backend == "wandb":
-                out.append(WandbTracker(run, name, project, config))
+                out.append(WandbTracker(run, name, project, config, group))
         except Exception as exc:  # noqa: BLE001 - a missing package or a server error must not stop training
             log.warning("%s logging is off for this job: %s: %s", backend, type(exc).__name__, exc)
     return Trackers(out)
@@ -214,4 +223,5 @@ def trackers_for_run(spec, run: RunDir, start_step: int, *, enabled: bool) -> Tr
         project=train.wandb_project,
         start_step=start_step,
         config=spec.run.model_dump(mode="json", exclude={"env"}),
+        group=sweep_name(run),
     )

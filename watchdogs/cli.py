@@ -35,10 +35,15 @@ def _run(ref: str):
         if not run.exists():
             raise click.ClickException(f"{ref}: run {run.path} does not exist yet; `jobgen submit {ref}` first")
         return run
+    from jobgen.sweep_runs import find_point
+
     try:
         return find_run(ref, default_runs_root())
     except RunDirError as exc:
-        raise click.ClickException(str(exc)) from None
+        point = find_point(ref, default_runs_root())  # SWEEP/POINT
+        if point is None:
+            raise click.ClickException(str(exc)) from None
+        return point
 
 
 def _homes_and_run(run_ref: str | None, home_path: str | None):
@@ -78,6 +83,8 @@ def install(run_ref: str | None, partition: str | None) -> None:
 
     Without RUN: every active run under the runs root, the runs root's filesystem, and a
     sweep that installs the runs that become active later."""
+    from jobgen.rundir import default_runs_root
+    from jobgen.sweep_runs import find_sweep, point_runs
     from watchdogs.runs_root import remember_home
     from watchdogs.scheduler import WatchdogHome, install_run
     from watchdogs.target import watchdog_home
@@ -85,17 +92,20 @@ def install(run_ref: str | None, partition: str | None) -> None:
     if run_ref is None:
         _install_root(partition)
         return
-    run = _run(run_ref)
-    spec = run.load_spec()
-    home = WatchdogHome(watchdog_home(spec))
-    try:
-        lines = install_run(home, run.path, spec, partition)
-    except Exception as exc:  # noqa: BLE001 - sbatch's refusal, as submitit reports it
-        raise click.ClickException(f"nothing installed: {str(exc).strip()}") from None
-    remember_home(home.path)
-    for line in lines:
-        click.echo(line)
-    click.echo(f"home {home.path}")
+    sweep = find_sweep(run_ref, default_runs_root())
+    # A sweep: every point that has a run directory, each watched as the run it is.
+    runs = [run for _, run in point_runs(sweep) if run.exists()] if sweep is not None else [_run(run_ref)]
+    for run in runs:
+        spec = run.load_spec()
+        home = WatchdogHome(watchdog_home(spec))
+        try:
+            lines = install_run(home, run.path, spec, partition)
+        except Exception as exc:  # noqa: BLE001 - sbatch's refusal, as submitit reports it
+            raise click.ClickException(f"nothing installed for {run.path}: {str(exc).strip()}") from None
+        remember_home(home.path)
+        for line in lines:
+            click.echo(line)
+        click.echo(f"home {home.path}")
 
 
 def _install_root(partition: str | None) -> None:

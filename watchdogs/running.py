@@ -21,6 +21,7 @@ from typing import Any
 from jobgen import slurm
 from jobgen.rundir import STARTUP_SWITCHES
 from jobgen.status import RunStatus, run_status
+from jobgen.sweep_runs import sweep_of
 from watchdogs.base import main as check_main
 from watchdogs.target import CheckResult, Target
 
@@ -66,7 +67,7 @@ def check(target: Target) -> CheckResult:
         return CheckResult(
             "running", target.name, False, f"stopped on purpose (switch {', '.join(status.switches)}), {step}", [], data
         )
-    if not target.run.jobs():
+    if not target.run.jobs() and sweep_of(target.run) is None:  # a sweep's point: the sweep's jobs
         return CheckResult("running", target.name, True, "never submitted: no job in jobs.json", [], data)
     return _ended(target, status, step, data)
 

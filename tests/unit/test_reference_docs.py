@@ -15,6 +15,7 @@ import tomllib
 from helpers import REPO
 from jobgen.loader import SpecError, resolve
 from jobgen.reference import RUN_COMMAND, SITE_COMMAND, run_markdown, site_markdown
+from jobgen.sweep_points import expand, is_sweep
 
 REFERENCES = [
     ("docs/reference/run-toml.md", run_markdown, RUN_COMMAND),
@@ -125,6 +126,9 @@ def test_toml_snippet_validates(snippet, tmp_path):
     doc = _wrap(tomllib.loads(snippet))
     _stub_files(doc, tmp_path)
     try:
-        resolve(doc, spec_file=tmp_path / "run.toml", base_dir=tmp_path)
+        if is_sweep(doc):  # every point, each a full spec
+            expand(doc, tmp_path / "run.toml")
+        else:
+            resolve(doc, spec_file=tmp_path / "run.toml", base_dir=tmp_path)
     except SpecError as exc:
         pytest.fail("the snippet does not validate:\n" + "\n".join(map(str, exc.issues)))

@@ -1,0 +1,93 @@
+"""``jobgen logs RUN|SWEEP`` (see jobgen.cli.logs): one run's logs merged into one stream, or
+every point's of a sweep, each line prefixed with its point.
+
+    jobgen logs RUN -f --rank 0
+    jobgen logs lr-sweep --grep 'ERROR|time limit'
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from jobgen.cli_common import fail, find_run
+from jobgen.logs import Filters, Source, find_sources, merged, unknown_ranks
+from jobgen.logs import follow as follow_logs
+
+# Ask Slurm at most this often, while following, whether anything is still queued or running.
+CHECK_EVERY_S = 10.0
+
+
+def _sweep_sources(directory: Path, filters: Filters) -> list[Source]:
+    """Every point's sources, their task names prefixed with the point's."""
+    from jobgen.sweep_runs import point_runs
+
+    out = []
+    for entry, run in point_runs(directory):
+        if run.exists():
+            out += [replace(s, name=f"{entry['name']} {s.name}") for s in find_sources(run, entry["name"], filters)]
+    return out
+
+
+def _finished(is_over: Callable[[], bool]) -> Callable[[], bool]:
+    last_check = [0.0]
+
+    def finished() -> bool:
+        if time.time() - last_check[0] < CHECK_EVERY_S:
+            return False
+        last_check[0] = time.time()
+        return is_over()
+
+    return finished
+
+
+Sources = Callable[[Filters], list[Source]]
+
+
+def _what_to_read(run_ref: str) -> tuple[Sources, Callable[[], bool]]:
+    """Where RUN's (or SWEEP's) logs are, and whether nothing of it is queued or running."""
+    from jobgen.cli_sweep import sweep_ref
+    from jobgen.status import run_status
+    from jobgen.sweep_status import sweep_status
+
+    sweep = sweep_ref(run_ref)
+    if sweep is not None:
+
+        def sweep_sources(filters: Filters) -> list[Source]:
+            return _sweep_sources(sweep, filters)
+
+        return sweep_sources, lambda: sweep_status(sweep)["state"] not in ("pending", "running")
+    run = find_run(run_ref)
+    name = run.load_spec().run.job.name
+
+    def run_sources(filters: Filters) -> list[Source]:
+        return find_sources(run, name, filters)
+
+    return run_sources, lambda: run_status(run, details=False).state not in ("pending", "running", "unknown")
+
+
+def logs_command(
+    run_ref: str, *, follow: bool, task: str | None, node: str | None, rank: int | None, pattern: str | None
+) -> None:
+    try:
+        grep = re.compile(pattern) if pattern else None
+    except re.error as exc:
+        fail(f"jobgen: --grep {pattern!r}: {exc}")
+    filters = Filters(task=task, node=node, rank=rank, grep=grep)
+    sources, over = _what_to_read(run_ref)
+    if rank is not None:  # ranks --rank cannot find: say where they are instead of printing nothing
+        for where in unknown_ranks(sources(Filters(task=task, node=node))):
+            click.echo(f"jobgen logs: {where}: global ranks unknown (no rank map); --node shows them", err=True)
+    if not follow:
+        for line in merged(sources(filters), filters):
+            click.echo(line)
+        return
+    try:
+        follow_logs(lambda: sources(filters), filters, click.echo, until=_finished(over))
+    except KeyboardInterrupt:
+        pass
