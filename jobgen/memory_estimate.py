@@ -128,6 +128,8 @@ class PlanInputs:
     activation_offloading: bool = False
     optimizer_in_backward: bool = False
     loss_chunk_tokens: int = 0
+    # train.grad_clip_mode = "per_parameter" with grad_clip > 0 (a pipeline refuses it)
+    per_parameter_clip: bool = False
     lora_r: int | None = None
     lora_targets: tuple[str, ...] = ()
     attn_implementation: str = "sdpa"

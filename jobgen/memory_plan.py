@@ -325,6 +325,7 @@ def inputs_for(spec: Any) -> PlanInputs:
         activation_offloading=bool(getattr(model, "activation_offloading", False)),
         optimizer_in_backward=bool(getattr(train, "optimizer_in_backward", False)),
         loss_chunk_tokens=int(getattr(train, "loss_chunk_tokens", 0) or 0),
+        per_parameter_clip=train.grad_clip > 0 and train.grad_clip_mode == "per_parameter",
         lora_r=lora.r if lora is not None else None,
         lora_targets=tuple(lora.target_modules) if lora is not None else (),
         shard_size=train.shard_size,

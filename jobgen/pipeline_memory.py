@@ -236,6 +236,7 @@ def pipeline_problem(model: ModelInfo, inputs: PlanInputs) -> str | None:
         "train.cpu_offload": inputs.cpu_offload,
         "train.optimizer_in_backward": inputs.optimizer_in_backward,
         "train.loss_chunk_tokens": inputs.loss_chunk_tokens > 0,
+        "train.grad_clip_mode = 'per_parameter'": inputs.per_parameter_clip,
     }
     for key, on in refused.items():
         if on:

@@ -212,6 +212,8 @@ def test_layouts_the_trainer_refuses_are_problems(model: ModelInfo):
     assert "stages" in pipeline_problem(model, pipeline(2, stages=26, schedule="looped-bfs"))
     assert "micro_batch_size" in pipeline_problem(model, pipeline(2, microbatches=3))
     assert "optimizer_in_backward" in pipeline_problem(model, replace(pipeline(2), optimizer_in_backward=True))
+    # Per-parameter clipping: the spec refuses it under a pipeline, so the plan never offers one to it.
+    assert "per_parameter" in pipeline_problem(model, replace(pipeline(2), per_parameter_clip=True))
     tied = replace(model, tie_word_embeddings=True)
     assert "ties" in pipeline_problem(tied, pipeline(2))
 

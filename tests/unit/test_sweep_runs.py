@@ -122,3 +122,12 @@ def test_compare_calls_a_point_with_its_kill_switch_stopped(sweep):
     RunDir(sweep / "lr-0.002").set_switch("kill")
     rows = {row.name: row.state for row in compare([str(sweep)], None)}
     assert rows == {"lr-0.001": "submitted", "lr-0.002": "stopped"}
+
+
+def test_the_listing_of_runs_has_every_point_of_a_sweep(sweep, monkeypatch):
+    from jobgen import cli_status
+
+    (sweep.parent / "alone").mkdir()
+    (sweep.parent / "alone" / "spec.json").write_text((sweep / "lr-0.001" / "spec.json").read_text())
+    monkeypatch.setattr(cli_status, "default_runs_root", lambda: sweep.parent)
+    assert [r.path for r in cli_status._all_runs()] == [sweep.parent / "alone", sweep / "lr-0.001", sweep / "lr-0.002"]
