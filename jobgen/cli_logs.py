@@ -53,15 +53,20 @@ def _what_to_read(run_ref: str) -> tuple[Sources, Callable[[], bool]]:
     """Where RUN's (or SWEEP's) logs are, and whether nothing of it is queued or running."""
     from jobgen.cli_sweep import sweep_ref
     from jobgen.status import run_status
+    from jobgen.sweep_runs import SweepError, read_sweep
     from jobgen.sweep_status import sweep_status
 
     sweep = sweep_ref(run_ref)
     if sweep is not None:
+        try:
+            read_sweep(sweep)  # a sentence, not a traceback, for one that cannot be read
+        except SweepError as exc:
+            fail(f"jobgen: {exc}")
 
         def sweep_sources(filters: Filters) -> list[Source]:
             return _sweep_sources(sweep, filters)
 
-        return sweep_sources, lambda: sweep_status(sweep)["state"] not in ("pending", "running")
+        return sweep_sources, lambda: sweep_status(sweep)["state"] not in ("pending", "running", "unknown")
     run = find_run(run_ref)
     name = run.load_spec().run.job.name
 

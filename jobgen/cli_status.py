@@ -25,7 +25,9 @@ def status_command(run_ref: str | None, as_json: bool, watch: bool, alerts: Watc
     from jobgen.cli_sweep import status_sweep, sweep_ref
 
     sweep = sweep_ref(run_ref) if run_ref else None
-    if sweep is not None and not watch:
+    if sweep is not None:
+        if watch:
+            fail(f"jobgen status --watch follows one run: give a point, {run_ref}/POINT (jobgen status {run_ref})")
         return status_sweep(sweep, as_json)  # one line per point
     run = _readable_run(run_ref) if run_ref else None
     if watch:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from jobgen.cli_common import NO_CLUSTER, default_runs_root, load, print_findings, submission_errors
+from jobgen.cli_common import NO_CLUSTER, default_runs_root, fail, load, print_findings, submission_errors
 
 
 def sweep_file(spec_file: str) -> bool:
@@ -111,17 +111,24 @@ def point_ref(ref: str):
 def switch_targets(ref: str) -> list | None:
     """The run directories a switch command acts on when ``ref`` names a sweep (every point
     that has one) or a point, else None (a single run: the caller finds it)."""
-    from jobgen.sweep_runs import point_runs
+    from jobgen.sweep_runs import SweepError, point_runs
 
     directory = sweep_ref(ref)
     if directory is not None:
-        return [run for _, run in point_runs(directory) if run.exists()]
+        try:
+            return [run for _, run in point_runs(directory) if run.exists()]
+        except SweepError as exc:
+            fail(f"jobgen: {exc}")
     point = point_ref(ref)
     return [point] if point is not None else None
 
 
 def status_sweep(directory: Path, as_json: bool) -> None:
+    from jobgen.sweep_runs import SweepError
     from jobgen.sweep_status import format_sweep_status, sweep_status
 
-    status = sweep_status(directory)
+    try:
+        status = sweep_status(directory)
+    except SweepError as exc:
+        fail(f"jobgen: {exc}")
     click.echo(json.dumps(status, indent=2) if as_json else format_sweep_status(status))

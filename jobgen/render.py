@@ -291,8 +291,11 @@ def _run_dir_context(spec: ResolvedSpec) -> dict[str, Any]:
         "exit_code_file": _shell_path("$RUN_DIR", run.path, run.exit_code_file(SHELL_JOB_ID, SHELL_RESTART)),
         "task_record": _shell_path("$RUN_DIR", run.path, run.task_record("${SLURM_JOB_ID:-none}", SHELL_RESTART)),
         "repro_dir": _shell_path("$RUN_DIR", run.path, run.repro(SHELL_JOB_ID)),
-        # srun expands %x, %j and %N (job name, id, node) in --output.
-        "node_log": _shell_path("$RUN_DIR", run.path, run.node_log("%x", "%j", "%N")),
+        # srun expands %j and %N (job id, node) in --output. The job name is written out, not
+        # %x: inside a sweep %x is the sweep's name (the array's), not this point's.
+        "node_log": _shell_path(
+            "$RUN_DIR", run.path, run.node_log(slurm_filename_literal(spec.run.job.name), "%j", "%N")
+        ),
         # In the node script srun runs on each node (only the environment reaches it).
         "rank_logs": _shell_path("$JOBGEN_RUN_DIR", run.path, run.rank_logs(SHELL_JOB_ID, SHELL_NODE)),
         # NCCL expands %h (host) and %p (pid), and reads '%%' as '%': a '%' in the run dir is doubled.
@@ -300,12 +303,23 @@ def _run_dir_context(spec: ResolvedSpec) -> dict[str, Any]:
     }
 
 
+def python_context(spec: ResolvedSpec) -> dict[str, Any]:
+    """What ``_python_env.j2`` needs (the job's Python: venv, modules or container image):
+    the run's script and a sweep's (jobgen.sweep_render) take it from here."""
+    py = spec.site.python
+    mounts = [f"{spec.runs_root}:{spec.runs_root}", f"{PROJECT_ROOT}:{PROJECT_ROOT}", *py.container_mounts]
+    return {
+        "project_root": str(PROJECT_ROOT),
+        "python": py,
+        "container_mounts": ",".join(mounts),
+    }
+
+
 def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
     """The site's part of :func:`build_context`: Python, network, environment, the start
     probe, and the exit codes."""
     site = spec.site
-    slurm, net, py = site.slurm, site.network, site.python
-    mounts = [f"{spec.runs_root}:{spec.runs_root}", f"{PROJECT_ROOT}:{PROJECT_ROOT}", *py.container_mounts]
+    slurm, net = site.slurm, site.network
 
     env = dict(site.env)
     if site.paths.hf_home:
@@ -316,10 +330,8 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
         env.pop(name, None)
 
     return {
+        **python_context(spec),
         "output_per_node": slurm.output_per_node,
-        "project_root": str(PROJECT_ROOT),
-        "python": py,
-        "container_mounts": ",".join(mounts),
         "ifname": net.ifname,
         "transport": net.transport,
         "ib_hca": net.ib_hca,

@@ -48,6 +48,7 @@ from jobgen.serve_render import (
 )
 from jobgen.serve_spec import ServeSpec
 from jobgen.site import SiteProfile
+from jobgen.sweep_runs import find_point
 
 # (run, checkpoint name or None for the newest that loads, a new directory) → the name of the
 # checkpoint exported into that directory. jobgen.cli wires trainer.export in.
@@ -78,6 +79,9 @@ def find_target(ref: str, runs_root: Path | None) -> Target:
     try:
         run = find_run(ref, runs_root)
     except RunDirError as exc:
+        point = find_point(ref, runs_root)  # SWEEP/POINT
+        if point is not None:
+            return find_target(str(point.path), None)
         directory = Path(ref).expanduser()
         if directory.is_dir() and all((directory / name).is_file() for name in MODEL_FILES):
             return Target(RunDir(directory.absolute()), None)

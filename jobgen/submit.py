@@ -223,12 +223,14 @@ def _queue(
     Returns whether the run directory was created, and the job id; a run directory created
     here is removed again when sbatch fails."""
     run, created = _materialize(spec, script, source_text, new_only=new_only)
-    clear_failure(run)
+    cleared = clear_failure(run)
     try:
         job_id = slurm.sbatch(run.script(spec.run.job.program), options)
     except BaseException:
         if created:
             remove_new(run)
+        elif cleared is not None:  # not queued: the failure still stands
+            os.replace(cleared, run.failed_marker)
         raise
     tasks = (array or spec.run.job.array) if spec.run.job.resumable else None
     run.record_job({"job_id": job_id, "options": options, "array": tasks, "after": after})
@@ -260,12 +262,16 @@ def _writer_busy(spec: ResolvedSpec) -> list[Finding]:
     ]
 
 
-def clear_failure(run: RunDir) -> None:
+def clear_failure(run: RunDir) -> Path | None:
     """A resubmission is the user's word that the failure which stopped the run is fixed:
-    the ``failed`` marker moves into history/, where it stays on record."""
-    if run.failed_marker.exists():
-        stamp = time.strftime("%Y%m%dT%H%M%S")
-        os.replace(run.failed_marker, run.path / "history" / f"failed-{stamp}.json")
+    the ``failed`` marker moves into history/, where it stays on record. Returns where it
+    went (None: there was none), so that a submission that fails can put it back."""
+    if not run.failed_marker.exists():
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    moved = run.path / "history" / f"failed-{stamp}.json"
+    os.replace(run.failed_marker, moved)
+    return moved
 
 
 def local_environment(spec: ResolvedSpec, job_id: int) -> dict[str, str]:

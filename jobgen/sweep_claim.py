@@ -1,21 +1,24 @@
 """Which point of a sweep an array task runs: the claim the sweep's batch script makes first.
 
     python -m jobgen.sweep_claim --sweep DIR --job "$SLURM_JOB_ID" \\
-        --array-job "$SLURM_ARRAY_JOB_ID" --task "$SLURM_ARRAY_TASK_ID" --restart "${SLURM_RESTART_COUNT:-0}"
+        --array-job "$SLURM_ARRAY_JOB_ID" --task "$SLURM_ARRAY_TASK_ID" \\
+        --restart "${SLURM_RESTART_COUNT:-0}" --live JOBID,JOBID...   # or --live-unknown
 
-prints the chosen point's directory, script and batch log (three lines), or nothing when no
-point is left to run. A sweep is one Slurm array ``--array=1-M%K``: its tasks are workers,
-not points. Each task takes, under a lock on the sweep directory, the point that is neither
-finished, failed, stopped, out of tasks nor held by a live task, with the fewest tasks so
-far (ties: the order of sweep.json), so K points advance in turn and a point never runs
-twice at once. Then it sets the array's throttle to min(K, points still open): once fewer
-points are left than K, Slurm starts no task that would find nothing to do, and a sweep with
-nothing left has its pending tasks cancelled instead of burning through them.
+prints ``claimed N`` and the chosen point's directory, script and batch log (one line
+each), or ``held N`` (every open point is held by a live task: the script asks again) or
+``none N`` (nothing left); N is the array's throttle to set, min(max_parallel, open
+points), 0 when none is open (the script then cancels the pending tasks).
+
+A sweep is one Slurm array ``--array=1-M%K``: its tasks are workers, not points. Each task
+takes, under a lock on the sweep directory, the point that is neither finished, failed,
+stopped, out of tasks nor held by a live task, with the fewest tasks so far (ties: the order
+of sweep.json), so K points advance in turn and a point never runs twice at once. ``--live``
+is the array's tasks Slurm still runs or is ending (the batch script asks squeue, on the
+node: a container image may have no Slurm client); ``--live-unknown`` (squeue failed) counts
+every claim as live.
 
 The task decides once, here, on the batch node; the point's own script then runs exactly as
-a single run's array task does. Standard library and jobgen's Slurm client only: it runs
-before the job's environment is set up (a container site runs it with the node's python3),
-and sweep.json names every file it reads.
+a single run's array task does. sweep.json names every file this reads.
 """
 
 from __future__ import annotations
@@ -31,28 +34,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from jobgen import slurm
+from jobgen import slurm  # its table of job states
 from jobgen.atomic import write_json_atomic
 
 SWEEP_INDEX = "sweep.json"  # the sweep's points and the files each claim reads
 # A job that still holds its point: it runs, or is ending (its processes may still write the
 # point's checkpoint). A pending job (a requeued one) claims again when it starts.
 HOLDING_STATES = slurm.JOB_ACTIVE - slurm.JOB_PENDING
-# A task that finds every open point held waits this long for one to come free: the task that
-# held it has just met its limit and Slurm is still ending it (KillWait is 30 s by default).
-WAIT_FOR_FREE_S = 180.0
-POLL_S = 5.0
-
 Alive = Callable[[str], bool]
-
-
-def slurm_job_alive(job_id: str) -> bool:
-    """Whether Slurm still runs (or is ending) ``job_id``. Unsure (Slurm did not answer)
-    counts as alive: two tasks on one point would be worse than a task that waits or leaves."""
-    try:
-        return any(e.job_id == int(job_id) and e.state in HOLDING_STATES for e in slurm.queue([int(job_id)]))
-    except (slurm.SlurmError, ValueError):  # SlurmUnavailable is one
-        return True
 
 
 @contextmanager
@@ -86,15 +75,29 @@ def current_claim(sweep: Path, point: str) -> dict[str, Any] | None:
         return None
 
 
+# The switches that keep a run's tasks from starting (jobgen.rundir.STARTUP_SWITCHES), by the
+# name of their file next to the kill switch that sweep.json names.
+STARTUP_SWITCH_NAMES = ("kill", "abort")
+
+
+def stopped_by(kill_switch: Path) -> str | None:
+    """The startup switch set on a point (a regular file, not a link), or None."""
+    for name in STARTUP_SWITCH_NAMES:
+        path = kill_switch.with_name(name)
+        if path.is_file() and not path.is_symlink():
+            return name
+    return None
+
+
 def closed_reason(point: dict[str, Any], used: int) -> str | None:
     """Why a point takes no more tasks, or None while it is open."""
     if Path(point["done"]).exists():
         return "finished"
     if Path(point["failed"]).exists():
         return "failed"
-    kill = Path(point["kill"])
-    if kill.is_file() and not kill.is_symlink():
-        return "stopped"
+    switch = stopped_by(Path(point["kill"]))
+    if switch is not None:
+        return f"stopped ({switch} switch)"
     if used >= int(point["attempts"]):
         return f"out of tasks ({used} of {point['attempts']})"
     return None
@@ -115,10 +118,12 @@ def choose(
     """The point to run (or None), how many points are still open, and how many of those
     are held by other live tasks."""
     # Tasks of this array only: a re-submission gives every open point job.array tasks again.
-    used: dict[str, int] = {}
+    # A job requeued (same id) is one task, as it is one index of the array.
+    jobs: dict[str, set[str]] = {}
     for claim in read_claims(sweep):
         if str(claim.get("array_job_id")) == array_job:
-            used[claim["point"]] = used.get(claim["point"], 0) + 1
+            jobs.setdefault(claim["point"], set()).add(str(claim.get("job_id")))
+    used = {point: len(ids) for point, ids in jobs.items()}
     best, best_used, open_points, held = None, 0, 0, 0
     for point in index["points"]:
         if "script" not in point:  # written into the file, not submitted yet
@@ -145,6 +150,10 @@ def record_claim(sweep: Path, point: str, args: argparse.Namespace) -> None:
         "time": time.time(),
     }
     (sweep / "claims").mkdir(exist_ok=True)
+    # A requeued job that now takes another point gives up the one its earlier attempt held.
+    for path in (sweep / "claims").glob("*.json"):
+        if path.name != f"{point}.json" and str((current_claim(sweep, path.stem) or {}).get("job_id")) == str(args.job):
+            path.unlink(missing_ok=True)
     write_json_atomic(sweep / "claims" / f"{point}.json", claim)
     with open(sweep / "claims.jsonl", "a") as handle:
         handle.write(json.dumps(claim) + "\n")
@@ -152,33 +161,15 @@ def record_claim(sweep: Path, point: str, args: argparse.Namespace) -> None:
         os.fsync(handle.fileno())
 
 
-def set_throttle(array_job: str, open_points: int, max_parallel: int) -> None:
-    """At most min(K, open points) tasks at once; none left: cancel the pending ones."""
-    if not array_job:
-        return
-    try:
-        if open_points == 0:
-            slurm.cancel(array_job, pending_only=True)
-        else:
-            slurm.update_job(array_job, ArrayTaskThrottle=str(min(max_parallel, open_points)))
-    except slurm.SlurmError:  # SlurmUnavailable too
-        pass  # the throttle only saves tasks; the claims stay right without it
-
-
-def claim(sweep: Path, args: argparse.Namespace, alive: Alive = slurm_job_alive) -> dict[str, Any] | None:
-    """Take a point for this task (waiting while every open point is held by a task that
-    is ending), set the throttle, and return the point's entry of sweep.json."""
-    deadline = time.monotonic() + args.wait
-    while True:
-        with locked(sweep):
-            index = json.loads((sweep / SWEEP_INDEX).read_text())
-            point, open_points, held = choose(sweep, index, str(args.job), str(args.array_job or args.job), alive)
-            if point is not None:
-                record_claim(sweep, point["name"], args)
-        set_throttle(str(args.array_job or ""), open_points, int(index["max_parallel"]))
-        if point is not None or held == 0 or time.monotonic() >= deadline:
-            return point
-        time.sleep(POLL_S)
+def claim(sweep: Path, args: argparse.Namespace, alive: Alive) -> tuple[dict[str, Any] | None, int, int]:
+    """Take a point for this task: its entry of sweep.json (or None), the points still open and
+    how many of them other live tasks hold."""
+    with locked(sweep):
+        index = json.loads((sweep / SWEEP_INDEX).read_text())
+        point, open_points, held = choose(sweep, index, str(args.job), str(args.array_job or args.job), alive)
+        if point is not None:
+            record_claim(sweep, point["name"], args)
+    return point, min(int(index["max_parallel"]), open_points), held
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -188,17 +179,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--array-job", default="", help="$SLURM_ARRAY_JOB_ID")
     parser.add_argument("--task", default="", help="$SLURM_ARRAY_TASK_ID")
     parser.add_argument("--restart", type=int, default=0, help="$SLURM_RESTART_COUNT")
-    parser.add_argument("--wait", type=float, default=WAIT_FOR_FREE_S, help="seconds to wait for a held point")
+    live = parser.add_mutually_exclusive_group(required=True)
+    live.add_argument(
+        "--live", default=None, help="job ids of the array's tasks that run or are ending, comma-separated"
+    )
+    live.add_argument("--live-unknown", action="store_true", help="Slurm did not answer: every claim is live")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    point = claim(args.sweep, args)
-    if point is not None:
-        print(point["dir"])
-        print(point["script"])
-        print(point["log"].replace("{job_id}", str(args.job)))
+    live = {j for j in (args.live or "").split(",") if j}
+    point, throttle, held = claim(args.sweep, args, lambda job: args.live_unknown or job in live)
+    if point is None:
+        print(f"{'held' if held else 'none'} {throttle}")
+        return 0
+    print(f"claimed {throttle}")
+    print(point["dir"])
+    print(point["script"])
+    print(point["log"].replace("{job_id}", str(args.job)))
     return 0
 
 

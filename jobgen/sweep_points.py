@@ -197,6 +197,12 @@ def _value_text(value: Any) -> str:
     return _UNSAFE.sub("-", text)
 
 
+def overrides_key(overrides: dict[str, Any]) -> str:
+    """What makes two points the same point, whatever their names: their overrides, as
+    canonical JSON (sweep.json keeps them; a re-submission matches points by this)."""
+    return _canonical(overrides)
+
+
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 

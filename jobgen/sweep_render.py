@@ -12,11 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from jobgen import __version__
-from jobgen.paths import PROJECT_ROOT
-from jobgen.render import Trusted, sbatch_arg, slurm_filename_literal, template_environment
+from jobgen.render import Trusted, python_context, sbatch_arg, slurm_filename_literal, template_environment
+from jobgen.sweep_claim import HOLDING_STATES
 from jobgen.sweep_points import Sweep, allocation
 
 SWEEP_SCRIPT = "sweep.sbatch"
+# A task that finds every open point held by a task Slurm is still ending waits this long
+# for one (KillWait is 30 s by default; the claim is asked again every 5 s).
+CLAIM_WAIT_SECONDS = 180
 
 
 def sweep_log(directory: Path) -> Path:
@@ -37,17 +40,6 @@ def sweep_directives(sweep: Sweep) -> list[Trusted]:
     return own + shared
 
 
-def python_activate(sweep: Sweep) -> str | None:
-    """The script that puts the job's Python on PATH before the claim, when the site names one.
-    A container site claims with the node's python3: the claim needs the standard library only."""
-    py = sweep.base.site.python
-    if py.kind == "venv" and py.venv:
-        return f"{py.venv}/bin/activate"
-    if py.kind == "modules" and py.module_venv:
-        return f"{py.module_venv}/bin/activate"
-    return None
-
-
 def sweep_context(sweep: Sweep) -> dict[str, Any]:
     return {
         "jobgen_version": __version__,
@@ -60,8 +52,11 @@ def sweep_context(sweep: Sweep) -> dict[str, Any]:
         "point_count": len(sweep.points),
         "points": [p.name for p in sweep.points],
         "sbatch_directives": sweep_directives(sweep),
-        "python_activate": python_activate(sweep),
-        "project_root": str(PROJECT_ROOT),
+        # squeue's states of a task that still holds its point: it runs or is ending.
+        "holding_states": ",".join(sorted(HOLDING_STATES)),
+        "claim_wait_seconds": CLAIM_WAIT_SECONDS,
+        # The job's Python (_python_env.j2), as the base run's script has it: the claim runs there.
+        **python_context(sweep.base),
     }
 
 

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jobgen.rundir import RunDir, switch_is_set
-from jobgen.sweep_claim import SWEEP_INDEX, read_claims
+from jobgen.rundir import KILL_SWITCH, RunDir
+from jobgen.sweep_claim import SWEEP_INDEX, read_claims, stopped_by
 
 
 class SweepError(RuntimeError):
@@ -46,10 +46,21 @@ def find_point(ref: str, runs_root: Path | None) -> RunDir | None:
 
 
 def read_sweep(directory: Path) -> dict[str, Any]:
+    """sweep.json, checked for what every reader takes from it (raises SweepError naming the
+    file: a hand edit or a cut write is a sentence, not a traceback)."""
+    path = directory / SWEEP_INDEX
     try:
-        return json.loads((directory / SWEEP_INDEX).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SweepError(f"cannot read {directory / SWEEP_INDEX}: {exc}") from None
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SweepError(f"cannot read {path}: {exc}") from None
+    points = index.get("points") if isinstance(index, dict) else None
+    if not isinstance(points, list) or not all(
+        isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("dir"), str) for p in points
+    ):
+        raise SweepError(f"{path} is not a sweep's index: it needs 'points', each with a 'name' and a 'dir'")
+    if not all(isinstance(j, dict) and str(j.get("job_id", "")).isdigit() for j in index.get("jobs", [])):
+        raise SweepError(f"{path}: 'jobs' must list objects with a numeric 'job_id'")
+    return index
 
 
 def point_runs(directory: Path) -> list[tuple[dict[str, Any], RunDir]]:
@@ -91,8 +102,9 @@ def sweep_jobs(run: RunDir) -> list[int]:
 
 
 def point_open(run: RunDir) -> bool:
-    """Whether a point may still be given a task: not finished, failed or stopped."""
-    return not (run.done_marker.exists() or run.failed_marker.exists() or switch_is_set(run.switch("kill")))
+    """Whether a point may still be given a task: not finished, failed or stopped (kill or
+    abort switch)."""
+    return not (run.done_marker.exists() or run.failed_marker.exists() or stopped_by(run.switch(KILL_SWITCH)))
 
 
 def slurm_view(run: RunDir, job_name: str) -> tuple[str, set[int] | None]:

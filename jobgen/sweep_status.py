@@ -15,8 +15,8 @@ from typing import Any
 
 from jobgen import slurm
 from jobgen.compare import read_row, sweep_points
-from jobgen.rundir import RunDir, switch_is_set
-from jobgen.sweep_claim import current_claim
+from jobgen.rundir import KILL_SWITCH, RunDir
+from jobgen.sweep_claim import current_claim, stopped_by
 from jobgen.sweep_runs import read_sweep
 
 
@@ -28,14 +28,17 @@ def _live(jobs: list[int]) -> tuple[list[slurm.QueueEntry], str | None]:
         return [], f"Slurm not reachable ({exc}): states from the sweep's directory only"
 
 
-def point_state(run: RunDir, claim: dict[str, Any] | None, running: set[int], queued: bool) -> str:
+def point_state(run: RunDir, claim: dict[str, Any] | None, running: set[int], queued: bool | None) -> str:
+    """``queued``: whether the sweep has a task in Slurm's queue (None: Slurm did not answer)."""
     if run.done_marker.exists():
         return "finished"
     if run.failed_marker.exists():
         return "failed"
+    if stopped_by(run.switch(KILL_SWITCH)) is None and queued is None:
+        return "unknown"
     if claim is not None and str(claim.get("job_id", "")).isdigit() and int(claim["job_id"]) in running:
         return "running"
-    if switch_is_set(run.switch("kill")) or not queued:
+    if stopped_by(run.switch(KILL_SWITCH)) or not queued:
         return "stopped"
     return "pending"
 
@@ -43,7 +46,7 @@ def point_state(run: RunDir, claim: dict[str, Any] | None, running: set[int], qu
 def sweep_state(states: list[str]) -> str:
     if not states or all(s == "finished" for s in states):
         return "finished"
-    for state in ("running", "pending"):
+    for state in ("running", "pending", "unknown"):
         if state in states:
             return state
     return "failed" if "failed" in states else "stopped"
@@ -55,13 +58,16 @@ def sweep_status(directory: Path) -> dict[str, Any]:
     jobs = [int(j["job_id"]) for j in index.get("jobs", [])]
     entries, problem = _live(jobs)
     running = {e.job_id for e in entries if e.state not in slurm.JOB_PENDING}
-    queued = bool(entries)
+    queued = None if problem else bool(entries)
     points = []
     for target in sweep_points(directory):
         run = RunDir(target.path)
         claim = current_claim(directory, target.name)
         row = read_row(target, warn=lambda message: None)
-        state = point_state(run, claim, running, queued) if run.exists() else ("pending" if queued else "stopped")
+        if run.exists():
+            state = point_state(run, claim, running, queued)
+        else:  # written into the file, not submitted yet
+            state = "unknown" if queued is None else "pending" if queued else "stopped"
         task = (claim.get("array_job_id"), claim.get("task")) if claim else (None, None)
         points.append(
             {

@@ -115,7 +115,8 @@ def test_venv_modules_container():
 
 def test_per_node_output_and_debug():
     text = by_name("consumer-nfs-train")
-    assert '--output="$RUN_DIR/logs/%x-%j-%N.out"' in text
+    # The run's own name, not %x: inside a sweep %x is the sweep's name, not the point's.
+    assert '--output="$RUN_DIR/logs/lora-sft-%j-%N.out"' in text
     assert "export NCCL_DEBUG=INFO" in text
     assert 'NCCL_DEBUG_FILE="${RUN_DIR//\\%/%%}/logs/nccl-$SLURM_JOB_ID-%h-%p.log"' in text
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in text and "export NCCL_P2P_DISABLE=1" in text

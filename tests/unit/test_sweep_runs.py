@@ -131,3 +131,29 @@ def test_the_listing_of_runs_has_every_point_of_a_sweep(sweep, monkeypatch):
     (sweep.parent / "alone" / "spec.json").write_text((sweep / "lr-0.001" / "spec.json").read_text())
     monkeypatch.setattr(cli_status, "default_runs_root", lambda: sweep.parent)
     assert [r.path for r in cli_status._all_runs()] == [sweep.parent / "alone", sweep / "lr-0.001", sweep / "lr-0.002"]
+
+
+def test_a_sweep_without_slurm_to_ask_is_unknown_not_stopped(sweep, monkeypatch):
+    def unreachable(ids):
+        raise slurm.SlurmUnavailable(["squeue"], 124, "no answer within 60s (is slurmctld up?)")
+
+    monkeypatch.setattr(slurm, "queue", unreachable)
+    status = sweep_status(sweep)
+    assert [p["state"] for p in status["points"]] == ["unknown", "unknown"] and status["state"] == "unknown"
+    assert "Slurm not reachable" in status["notes"][0]
+
+
+def test_a_sweep_index_that_cannot_be_read_is_a_sentence(sweep):
+    env = {"JOBGEN_RUNS_ROOT": str(sweep.parent)}
+    (sweep / "sweep.json").write_text('{"points": [{"name": "x"}]}')
+    for command in (["status", "lrs"], ["stop", "lrs"], ["logs", "lrs"]):
+        out = jobgen(*command, env=env)
+        assert out.returncode != 0 and "Traceback" not in out.stderr and "sweep.json" in out.stderr, (command, out)
+
+
+def test_serve_and_status_watch_take_a_point_not_a_sweep(sweep):
+    from jobgen.serve import find_target
+
+    assert find_target("lrs/lr-0.001", sweep.parent).state.path == sweep / "lr-0.001"
+    out = jobgen("status", "lrs", "--watch", env={"JOBGEN_RUNS_ROOT": str(sweep.parent)})
+    assert out.returncode != 0 and "lrs/POINT" in out.stderr, out.stderr
