@@ -65,17 +65,12 @@ def default_runs_root() -> Path | None:
 
 def find_run(ref: str):
     from jobgen.rundir import RunDirError
-    from jobgen.rundir import find_run as find
-    from jobgen.sweep_runs import find_point
+    from jobgen.sweep_runs import find_run_or_point
 
-    root = default_runs_root()
     try:
-        return find(ref, root)
+        return find_run_or_point(ref, default_runs_root())
     except RunDirError as exc:
-        point = find_point(ref, root)  # SWEEP/POINT: a sweep's point is a run like any other
-        if point is None:
-            fail(f"jobgen: {exc}")
-        return point
+        fail(f"jobgen: {exc}")
 
 
 def print_findings(findings) -> None:

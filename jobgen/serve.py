@@ -37,7 +37,7 @@ from jobgen import quarantine, slurm
 from jobgen.atomic import write_json_atomic, write_text_atomic
 from jobgen.loader import resolve
 from jobgen.resolved import ResolvedSpec
-from jobgen.rundir import RunDir, RunDirError, find_run
+from jobgen.rundir import RunDir, RunDirError
 from jobgen.serve_render import (
     SCRIPT_PROGRAM,
     ServeJob,
@@ -48,7 +48,7 @@ from jobgen.serve_render import (
 )
 from jobgen.serve_spec import ServeSpec
 from jobgen.site import SiteProfile
-from jobgen.sweep_runs import find_point
+from jobgen.sweep_runs import find_run_or_point
 
 # (run, checkpoint name or None for the newest that loads, a new directory) → the name of the
 # checkpoint exported into that directory. jobgen.cli wires trainer.export in.
@@ -77,11 +77,8 @@ class Target:
 def find_target(ref: str, runs_root: Path | None) -> Target:
     """A run (its directory, or its name under the runs root), else a model directory."""
     try:
-        run = find_run(ref, runs_root)
+        run = find_run_or_point(ref, runs_root)
     except RunDirError as exc:
-        point = find_point(ref, runs_root)  # SWEEP/POINT
-        if point is not None:
-            return find_target(str(point.path), None)
         directory = Path(ref).expanduser()
         if directory.is_dir() and all((directory / name).is_file() for name in MODEL_FILES):
             return Target(RunDir(directory.absolute()), None)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jobgen.rundir import KILL_SWITCH, RunDir
+from jobgen.rundir import KILL_SWITCH, RunDir, RunDirError, find_run
 from jobgen.sweep_claim import SWEEP_INDEX, read_claims, stopped_by
 
 
@@ -43,6 +43,18 @@ def find_point(ref: str, runs_root: Path | None) -> RunDir | None:
         return None
     path = runs_root / parts[0] / parts[1]
     return RunDir(path) if is_sweep_dir(path.parent) and (path / "spec.json").is_file() else None
+
+
+def find_run_or_point(ref: str, runs_root: Path | None) -> RunDir:
+    """jobgen.rundir.find_run, where ``SWEEP/POINT`` names a sweep's point too (a run like any
+    other); find_run's RunDirError when ``ref`` names neither."""
+    try:
+        return find_run(ref, runs_root)
+    except RunDirError:
+        point = find_point(ref, runs_root)
+        if point is None:
+            raise
+        return point
 
 
 def read_sweep(directory: Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from watchdogs import CHECKS
 def _run(ref: str):
     """A run by name, by directory, or by the run.toml it was submitted from."""
     from jobgen.loader import SpecError, load_run
-    from jobgen.rundir import RunDir, RunDirError, default_runs_root, find_run
+    from jobgen.rundir import RunDir, RunDirError, default_runs_root
 
     if ref.endswith(".toml") and Path(ref).is_file():
         try:
@@ -35,15 +35,12 @@ def _run(ref: str):
         if not run.exists():
             raise click.ClickException(f"{ref}: run {run.path} does not exist yet; `jobgen submit {ref}` first")
         return run
-    from jobgen.sweep_runs import find_point
+    from jobgen.sweep_runs import find_run_or_point
 
     try:
-        return find_run(ref, default_runs_root())
+        return find_run_or_point(ref, default_runs_root())
     except RunDirError as exc:
-        point = find_point(ref, default_runs_root())  # SWEEP/POINT
-        if point is None:
-            raise click.ClickException(str(exc)) from None
-        return point
+        raise click.ClickException(str(exc)) from None
 
 
 def _homes_and_run(run_ref: str | None, home_path: str | None):

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from jobgen.resolved import ResolvedSpec
-from jobgen.rundir import RunDir, RunDirError, default_runs_root, find_run
-from jobgen.sweep_runs import find_point
+from jobgen.rundir import RunDir, default_runs_root
+from jobgen.sweep_runs import find_run_or_point
 from jobgen.watchdog_settings import WatchdogSettings
 
 OK, ALERT, USAGE = 0, 1, 2
@@ -80,13 +80,7 @@ def load_target(run_ref: str | None, paths: list[str], home: str | None = None) 
     run = spec = None
     settings = WatchdogSettings()
     if run_ref:
-        root = default_runs_root()
-        try:
-            run = find_run(run_ref, root)
-        except RunDirError:
-            run = find_point(run_ref, root)  # SWEEP/POINT
-            if run is None:
-                raise
+        run = find_run_or_point(run_ref, default_runs_root())
         spec = run.load_spec()
         settings = spec.run.watchdogs
     return Target(
