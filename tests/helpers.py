@@ -384,6 +384,24 @@ def small_sweep(directory: Path, *, train: dict[str, object] | None = None) -> P
     )
 
 
+def check_shell(text: str, directory: Path, name: str = "check.sbatch") -> None:
+    """``text`` as a bash script (``directory/name``) passes ``bash -n`` and shellcheck at
+    style level; shellcheck missing is a failure, not a skip (.ci/run installs it)."""
+    import shutil
+
+    import pytest
+
+    script = directory / name
+    script.write_text(text)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.fail("shellcheck is not installed (apt-get install shellcheck); .ci/run installs it")
+    proc = subprocess.run(
+        ["shellcheck", "--shell=bash", "--severity=style", str(script)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout
+
+
 def cancel_submitted() -> None:
     """``scancel`` every job of the runs ``train_spec`` wrote since the last call."""
     for name in SUBMITTED_NAMES:

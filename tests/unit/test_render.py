@@ -10,13 +10,12 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import GOLDEN, doctor_spec, jobgen, run_spec
+from helpers import GOLDEN, check_shell, doctor_spec, jobgen, run_spec
 from jobgen.exit_codes import ExitCode
 from jobgen.loader import load_run
 from jobgen.paths import PROJECT_ROOT
@@ -63,15 +62,7 @@ def test_matches_golden(spec_path: Path, update_golden: bool):
 
 @pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.stem)
 def test_bash_syntax_and_shellcheck(spec_path: Path, tmp_path: Path):
-    script = tmp_path / "job.sbatch"
-    script.write_text(rendered(spec_path))
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    if shutil.which("shellcheck") is None:
-        pytest.fail("shellcheck is not installed (apt-get install shellcheck); .ci/run installs it")
-    proc = subprocess.run(
-        ["shellcheck", "--shell=bash", "--severity=style", str(script)], capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stdout
+    check_shell(rendered(spec_path), tmp_path, "job.sbatch")
 
 
 def directives(text: str) -> list[str]:
@@ -325,16 +316,6 @@ def batch_filename(pattern: str, job_name: str, job_id: int) -> str:
     anywhere turns every replacement off, '%%' is a '%', %x and %j are the name and id."""
     assert "\\" not in pattern, "a backslash would turn off %x and %j"
     return re.sub(r"%([%xj])", lambda m: {"%": "%", "x": job_name, "j": str(job_id)}[m.group(1)], pattern)
-
-
-def check_shell(text: str, tmp_path: Path) -> None:
-    script = tmp_path / "check.sbatch"
-    script.write_text(text)
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    proc = subprocess.run(
-        ["shellcheck", "--shell=bash", "--severity=style", str(script)], capture_output=True, text=True, check=False
-    )
-    assert proc.returncode == 0, proc.stdout
 
 
 def test_spec_path_cannot_break_out_of_the_header_comment(tmp_path: Path):

@@ -5,13 +5,11 @@ per-node launch logs carry the point's name, where ``jobgen logs`` looks for the
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import run_spec
+from helpers import check_shell, run_spec
 from jobgen.render import render
 from jobgen.rundir import RunDir
 from jobgen.sweep_points import Sweep, load_sweep
@@ -44,15 +42,7 @@ def test_the_claim_runs_in_the_jobs_own_python(tmp_path: Path, profile: str, kin
     sweep = sweep_on(tmp_path, profile)
     assert sweep.base.site.python.kind == kind
     text = render_sweep(sweep)
-    script = tmp_path / "sweep.sbatch"
-    script.write_text(text)
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    if shutil.which("shellcheck") is None:
-        pytest.fail("shellcheck is not installed (apt-get install shellcheck); .ci/run installs it")
-    out = subprocess.run(
-        ["shellcheck", "--shell=bash", "--severity=style", str(script)], capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stdout
+    check_shell(text, tmp_path, "sweep.sbatch")
 
     assert "if ! answer=$(py_on_head python -m jobgen.sweep_claim --sweep" in text
     assert "python3" not in text

@@ -7,7 +7,6 @@ The dev cluster runs it: tests/cluster/test_slurm_unequal_nodes.py."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import click
 import pytest
 
 from fake_models import fake_model
-from helpers import DATA, jobgen, run_spec, spec_issues
+from helpers import DATA, check_shell, jobgen, run_spec, spec_issues
 from jobgen.cli import _procs_per_node
 from jobgen.doctor import doctor_spec
 from jobgen.loader import load_run
@@ -179,15 +178,10 @@ def test_each_node_runs_torchrun_with_its_own_count(tmp_path, node_id, nproc, th
 
 def test_the_node_scripts_pass_shellcheck(tmp_path):
     """shellcheck sees a here-document as text: the node and probe scripts are checked alone."""
-    if shutil.which("shellcheck") is None:
-        pytest.fail("shellcheck is not installed (apt-get install shellcheck); .ci/run installs it")
     site = {"profile": "local", "slurm": {"cpus_per_node": 4, "gpus_per_node": 4}}
     text = render(load_run(spec(tmp_path, site=site)))
     for delimiter in ("NODE", "PROBE"):
-        script = tmp_path / f"{delimiter}.sh"
-        script.write_text("#!/bin/bash\nipv4_on() { :; }\n" + heredoc(text, delimiter) + "\n")
-        proc = subprocess.run(["shellcheck", "--severity=style", str(script)], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stdout
+        check_shell("#!/bin/bash\nipv4_on() { :; }\n" + heredoc(text, delimiter) + "\n", tmp_path, f"{delimiter}.sh")
     assert "NPROC=${NODE_PROCS[$SLURM_NODEID]}" in heredoc(text, "PROBE")
 
 
