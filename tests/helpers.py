@@ -593,6 +593,22 @@ def running_task(array_job_id: int, index: int, timeout: float = 120) -> int:
     return wait_for(find, timeout, f"array task {array_job_id}_{index} to run")
 
 
+def stopped_at_lead_time_then_finished(run: Path, job: int, stop_after: int, max_steps: int) -> dict[str, Any]:
+    """Task 1 of the array ``job`` trains to step ``stop_after`` and gets what Slurm's
+    ``--signal=B:USR1@...`` sends the batch shell before a time limit: it saves and stops
+    (SIGNALLED, before ``max_steps``), and task 2 resumes and finishes. Task 1's exit record."""
+    from jobgen import slurm
+    from jobgen.exit_codes import ExitCode
+
+    task = running_task(job, 1, timeout=240)
+    wait_for(lambda: last_step(run, task) >= stop_after, 240, f"step {stop_after}", interval=0.1)
+    slurm.cancel(f"{job}_1", signal="USR1", batch_only=True)
+    first = wait_for(lambda: exit_record(run, task), 180, "task 1 to save and stop")
+    assert first["exit_code"] == ExitCode.SIGNALLED and first["end_step"] < max_steps, first
+    wait_for(lambda: (run / "done").exists(), 300, "task 2 to resume and finish")
+    return first
+
+
 def stop_run(run: Path, job_ids: list[int], timeout: float = 240) -> None:
     """The kill switch, then until the jobs have left the queue."""
     (run / "switches" / "kill").touch()

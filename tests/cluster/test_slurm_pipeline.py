@@ -24,6 +24,7 @@ from helpers import (
     metric,
     read_jsonl,
     running_task,
+    stopped_at_lead_time_then_finished,
     submit,
     train_spec,
     wait_for,
@@ -67,12 +68,7 @@ def test_schedule_across_two_nodes_equals_one_process_and_resumes_exactly(deep_r
     run = deep_run(f"pp-{schedule}", array=2, max_steps=MAX_STEPS, **pipeline(schedule))
     job = submit(run.spec)
 
-    task = running_task(job, 1, timeout=240)
-    wait_for(lambda: last_step(run.path, task) >= STOP_AFTER, 240, f"step {STOP_AFTER}", interval=0.1)
-    slurm.cancel(f"{job}_1", signal="USR1", batch_only=True)  # what --signal=B:USR1@... sends
-    first = wait_for(lambda: exit_record(run.path, task), 180, "task 1 to save and stop")
-    assert first["exit_code"] == ExitCode.SIGNALLED and first["end_step"] < MAX_STEPS, first
-    wait_for(lambda: (run.path / "done").exists(), 300, "task 2 to resume and finish")
+    first = stopped_at_lead_time_then_finished(run.path, job, STOP_AFTER, MAX_STEPS)
     wait_for(lambda: (reference.path / "done").exists(), 300, "the one-process run to finish")
 
     starts = [r["start_step"] for r in read_jsonl(run.path / "tasks.jsonl") if r["event"] == "first_step"]

@@ -17,10 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import exit_record, jobgen, last_step, losses, read_jsonl, running_task, submit, wait_for
+from helpers import (
+    jobgen,
+    losses,
+    read_jsonl,
+    stopped_at_lead_time_then_finished,
+    submit,
+    wait_for,
+)
 from helpers import status as run_status
-from jobgen import slurm
-from jobgen.exit_codes import ExitCode
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
@@ -52,12 +57,7 @@ def test_three_and_one_processes_train_resume_exactly_and_complete(cluster, clus
     reference = cluster_run("uneq-ref", procs_per_node=4, site=SITE, job={"nodelist": ["node3"]}, **TRAIN)
     submit(reference.spec)
 
-    task = running_task(job, 1, timeout=240)
-    wait_for(lambda: last_step(run.path, task) >= STOP_AFTER, 240, f"step {STOP_AFTER}", interval=0.1)
-    slurm.cancel(f"{job}_1", signal="USR1", batch_only=True)  # what --signal=B:USR1@… sends
-    first = wait_for(lambda: exit_record(run.path, task), 180, "task 1 to save and stop")
-    assert first["exit_code"] == ExitCode.SIGNALLED and first["end_step"] < MAX_STEPS, first
-    wait_for(lambda: (run.path / "done").exists(), 300, "task 2 to resume and finish")
+    first = stopped_at_lead_time_then_finished(run.path, job, STOP_AFTER, MAX_STEPS)
     wait_for(lambda: (reference.path / "done").exists(), 300, "the uninterrupted run to finish")
 
     # Ranks 0-2 on the first node of the allocation, 3 on the second, in both tasks.
