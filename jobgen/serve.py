@@ -41,7 +41,7 @@ from jobgen.loader import key_path, resolve
 from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir, RunDirError
 from jobgen.serve_address import key_problem
-from jobgen.serve_process import identity
+from jobgen.serve_records import identity
 from jobgen.serve_render import (
     SCRIPT_PROGRAM,
     ServeJob,

@@ -20,6 +20,7 @@ import hmac
 import http.client
 import json
 import socket
+import socketserver
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 # Headers of one connection, not of the request (RFC 9110 7.6.1), and those the proxy sets itself.
@@ -61,6 +62,12 @@ class KeyProxy(ThreadingHTTPServer):
         self.upstream = upstream
         self.expected = f"Bearer {key}".encode()
         super().__init__(address, _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer's own asks the resolver for the address's name (getfqdn): seconds on a
+        # node whose reverse DNS does not answer, for a name nothing here uses.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -9,6 +9,13 @@ address the job writes once the server answers (jobgen.serve_node). Slurm says w
 job is still queued or running (through jobgen.slurm); a GET of ``/v1/models`` says whether
 the server answers. Looking changes nothing: a stale ``serve.json`` (a job killed outright,
 a lost node) is removed by ``--stop`` and by the next ``jobgen serve``.
+
+Both records are input (jobgen.serve_records): a damaged one is a ServeStateError naming the
+file. A ``serve-job.json`` is this directory's only when the script it names is this
+directory's ``serve.sbatch``: a copied run keeps its original's, whose job is not acted on
+from the copy. A ``--local`` pid is signalled only while it is provably the script jobgen
+started (jobgen.serve_records). With ``[serve] api_key_env`` the key is read from this
+process's environment, by the name serve.json records.
 """
 
 from __future__ import annotations
@@ -26,8 +33,7 @@ from typing import Any
 from jobgen import slurm
 from jobgen.rundir import RunDir
 from jobgen.serve_node import answers, refuses_without_key
-from jobgen.serve_process import NotOurs, same_path, signal_if_ours, why_not_ours
-from jobgen.serve_records import RecordError, read_record
+from jobgen.serve_records import NotOurs, RecordError, read_record, same_path, signal_if_ours, why_not_ours
 from jobgen.serve_render import SCRIPT_PROGRAM
 
 # How long --stop waits for the job to leave the queue: Slurm's KillWait (30 s) and a margin.
@@ -108,7 +114,7 @@ class ServeStatus:
     elapsed: str | None = None
     time_limit: str | None = None
     notes: list[str] = field(default_factory=list)
-    # Why a --local record's pid was not taken for its server's script (jobgen.serve_process).
+    # Why a --local record's pid was not taken for its server's script (jobgen.serve_records).
     not_ours: NotOurs | None = None
 
     @property
@@ -170,7 +176,7 @@ class ServeStatus:
 def _local_alive(state: RunDir, job: dict[str, Any], status: ServeStatus) -> bool | None:
     """Whether a --local server's script is still running; None when it was started on
     another machine, where only its address can tell. A pid that is not provably the script
-    jobgen started (jobgen.serve_process) is not taken for it."""
+    jobgen started (jobgen.serve_records) is not taken for it."""
     if job.get("host") != socket.gethostname():
         return None
     why = why_not_ours(state, job, state.script(SCRIPT_PROGRAM))

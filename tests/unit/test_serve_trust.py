@@ -11,6 +11,7 @@ on the directory it was given; damaged records and odd paths are one line, never
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,7 @@ from jobgen import serve_address
 from jobgen.loader import load_run
 from jobgen.rundir import RunDir, checkpoint_name
 from jobgen.serve import Target, serve_job, write_script
-from jobgen.serve_process import identity
+from jobgen.serve_records import identity
 from jobgen.serve_spec import numeric_address
 from jobgen.serve_status import ServeStateError, read_address, serve_status, stop_serve
 
@@ -484,3 +486,84 @@ def test_damaged_records_through_the_commands(tmp_path: Path):
     proc = jobgen("serve", str(state.path), "--status", timeout=60)
     assert proc.returncode == 1 and f"{state.serve_address} is unreadable: a symbolic link" in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- the key proxy
+
+
+class _Upstream(BaseHTTPRequestHandler):
+    """The engine behind the proxy: /stream sends server-sent events without a length, in
+    pieces; anything else echoes what reached it."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/stream":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for n in range(3):
+                piece = f"data: {n}\n\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        echo = json.dumps({"body": body.decode(), "auth": self.headers.get("Authorization")}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(echo)))
+        self.end_headers()
+        self.wfile.write(echo)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_key_proxy_refuses_before_reading_and_relays_streams(tmp_path: Path):
+    import socketserver
+    import threading
+
+    from jobgen.serve_proxy import KeyProxy
+
+    class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+
+        def get_request(self):
+            request, _ = super().get_request()
+            return request, ("local", 0)
+
+    key = secrets.token_hex(16)
+    upstream_path = str(tmp_path / "engine.sock")
+    proxy = KeyProxy(("127.0.0.1", 0), upstream_path, key)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{proxy.server_address[1]}"
+
+    def post(path: str, key: str | None, body: bytes = b"{}", length: int | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.server_address[1], timeout=30)
+        headers = {"Content-Length": str(len(body) if length is None else length)}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        conn.request("POST", path, body=body, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+
+    try:
+        assert post("/v1/models", key)[0] == 502  # no engine behind it yet
+        upstream = UnixHTTPServer(upstream_path, _Upstream)
+        threading.Thread(target=upstream.serve_forever, daemon=True).start()
+        # A body announced as 10 GB and never sent: refused at once, not read.
+        status, body = post("/v1/chat/completions", None, b"", length=10 << 30)
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+        assert post("/v1/models", key[:-1] + "x")[0] == 401
+        status, body = post("/echo", key, b'{"prompt": "hi"}')
+        assert status == 200 and json.loads(body) == {"body": '{"prompt": "hi"}', "auth": None}  # key not passed on
+        assert post("/stream", key) == (200, b"data: 0\n\ndata: 1\n\ndata: 2\n\n")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{url}/v1/models", timeout=30)
+        assert refused.value.code == 401 and refused.value.headers["WWW-Authenticate"] == "Bearer"
+        upstream.shutdown()
+        upstream.server_close()
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
