@@ -117,15 +117,16 @@ def engine_command(
     """The engine's serve command as an argument list. ``transformers serve`` answers to the name
     of the model it was started with, a path: it runs where ``model_name`` is a link to the model
     directory (:func:`name_link`), so clients send the name, not the path. With ``socket_path``
-    it listens there instead (jobgen.serve_uds), behind the key proxy that holds host and port."""
+    it listens there instead (vLLM's --uds; transformers through jobgen.serve_uds), behind the
+    key proxy that holds host and port."""
     executable = engine_executable(engine)
     if executable is None:
         hint = "pip install 'jobgen[serve]'" if engine == "transformers" else "install vLLM for the site's CUDA"
         raise ServeNodeError(f"no '{engine}' command in this job's environment ({hint})")
     if engine == "vllm":
         command = [executable, "serve", str(model_dir), "--served-model-name", model_name]
-        command += ["--host", host, "--port", str(port), "--dtype", dtype]
-        command += ["--tensor-parallel-size", str(max(gpus, 1))]
+        command += ["--host", host, "--port", str(port)] if socket_path is None else ["--uds", socket_path]
+        command += ["--dtype", dtype, "--tensor-parallel-size", str(max(gpus, 1))]
     elif socket_path is not None:
         command = [sys.executable, "-m", "jobgen.serve_uds", socket_path, "serve", model_name, "--dtype", dtype]
         command += ["--device", "auto" if gpus else "cpu"]
@@ -217,7 +218,7 @@ class _Stop:
 
 @dataclass
 class Server:
-    """The engine's process, and the key proxy in front of it (transformers with a key)."""
+    """The engine's process, and the key proxy in front of it (with serve.api_key_env)."""
 
     proc: subprocess.Popen
     proxy: KeyProxy | None = None
@@ -230,13 +231,15 @@ class Server:
 
 
 def start_server(args: argparse.Namespace, engine: str, host: str, port: int, key: str | None, workdir: Path) -> Server:
-    """The engine, started in a session of its own; with a key, vLLM gets it as VLLM_API_KEY
-    (its environment is not world-readable, a command line is) and transformers a socket in
-    ``workdir`` (mode 0700) behind jobgen's proxy on host and port."""
+    """The engine, started in a session of its own. With a key, it listens on a Unix socket in
+    ``workdir`` (mode 0700: no other user of the node can open it) and jobgen's proxy holds host
+    and port, asking for the key on every path: vLLM's own key covers /v1 and a few more
+    prefixes only, and transformers has none. vLLM gets the key as well, as VLLM_API_KEY (an
+    environment is not world-readable, a command line is)."""
     model_dir = Path(args.model_dir)
     if engine == "transformers":
         name_link(workdir / "models", args.model_name, model_dir)
-    socket_path = str(workdir / "engine.sock") if key and engine == "transformers" else None
+    socket_path = str(workdir / "engine.sock") if key else None
     command = engine_command(
         engine,
         model_dir=model_dir,
@@ -258,6 +261,18 @@ def start_server(args: argparse.Namespace, engine: str, host: str, port: int, ke
     return Server(subprocess.Popen(command, cwd=workdir / "models", start_new_session=True, env=env), proxy)
 
 
+def private_workdir() -> Path:
+    """A directory of the supervisor's, mode 0700 (mkdtemp): the engine's socket there is no
+    one else's to open. A Unix socket's path holds at most 107 bytes: under a long TMPDIR it
+    goes under /tmp instead."""
+    workdir = Path(tempfile.mkdtemp(prefix="jobgen-serve-"))
+    if len(os.fsencode(workdir / "engine.sock")) > 100:
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir = Path(tempfile.mkdtemp(prefix="jobgen-serve-", dir="/tmp"))
+    (workdir / "models").mkdir()
+    return workdir
+
+
 def supervise(args: argparse.Namespace) -> int:
     run = RunDir(Path(args.state_dir))
     stop = _Stop()
@@ -267,9 +282,7 @@ def supervise(args: argparse.Namespace) -> int:
     host = listen_address(args.host, args.interface, expose=args.expose)
     port = args.port or free_port(host)
     base_url = f"http://{url_host(host)}:{port}/v1"
-    # Mode 0700 (mkdtemp): the engine's socket there is no one else's to open.
-    workdir = Path(tempfile.mkdtemp(prefix="jobgen-serve-"))
-    (workdir / "models").mkdir()
+    workdir = private_workdir()
     server: Server | None = None
     try:
         server = start_server(args, engine, host, port, key, workdir)

@@ -3,13 +3,15 @@
     proxy = KeyProxy(("10.1.2.3", 8000), "/tmp/jobgen-sock-x/engine.sock", key)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
 
-``transformers serve`` has no API key. With ``[serve] api_key_env`` it listens on a Unix
-socket in a directory only the job's user can open (jobgen.serve_uds), and this proxy
-listens where the server would have (serve.host, serve.port): each request must carry
-``Authorization: Bearer <key>`` (what the ``openai`` client sends), else it gets OpenAI's
-401 before its body is read; an authorized one is passed to the socket as it is, and the
-answer streamed back piece by piece (server-sent events included). The key is compared in
-constant time and never logged. vLLM checks its key itself (VLLM_API_KEY) and needs none of this.
+``transformers serve`` has no API key, and vLLM's covers only some paths (/v1, /v2,
+/inference, ...; /invocations, /tokenize, /pause stay open). With ``[serve] api_key_env``
+the engine listens on a Unix socket in a directory only the job's user can open (vLLM's
+--uds; transformers through jobgen.serve_uds), and this proxy listens where the server would
+have (serve.host, serve.port): each request, on every path, must carry ``Authorization:
+Bearer <key>`` (what the ``openai`` client sends), else it gets OpenAI's 401 before its body
+is read; an authorized one is passed to the socket as it is (its Authorization too: vLLM
+checks the key again), and the answer streamed back piece by piece (server-sent events
+included). The key is compared in constant time and never logged.
 
 Standard library only: it runs in the supervisor (jobgen.serve_node), on the node.
 """
@@ -26,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 # Headers of one connection, not of the request (RFC 9110 7.6.1), and those the proxy sets itself.
 HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding"}
-    | {"upgrade", "host", "authorization", "server", "date"}
+    | {"upgrade", "host", "server", "date"}
 )
 # A generation on CPU may take long before its first byte; a dead engine must not hold a thread forever.
 UPSTREAM_TIMEOUT_SECONDS = 3600.0

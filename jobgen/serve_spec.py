@@ -145,9 +145,10 @@ class ServeSpec(StrictModel):
             "The NAME of an environment variable, e.g. 'SERVE_API_KEY', whose value clients must send as their API "
             f"key (`Authorization: Bearer ...`; the `openai` client's api_key). Export it in the shell you run "
             "`jobgen serve` from: Slurm passes it to the job, and jobgen never writes its value (serve.sbatch, "
-            "serve.json and the logs hold the name only). vLLM gets it as VLLM_API_KEY; `transformers serve`, "
-            "which has no key of its own, listens on a socket only you can open, behind jobgen's proxy that "
-            "checks the key. `jobgen chat` reads the same variable. The value must be set, printable and at "
+            "serve.json and the logs hold the name only). The engine then listens on a socket only you can open, "
+            "behind jobgen's proxy that asks for the key on every path (`transformers serve` has no key, vLLM's "
+            "covers only some paths); vLLM also gets it as VLLM_API_KEY. `jobgen chat` reads the same variable. "
+            "The value must be set, printable and at "
             f"least {MIN_API_KEY_LENGTH} characters long (e.g. `export SERVE_API_KEY=$(openssl rand -hex 24)`)."
         ),
     )

@@ -154,6 +154,28 @@ def test_the_node_resolves_a_name_and_checks_every_address_it_binds(monkeypatch:
         listen(None, "eth0")
 
 
+def test_with_a_key_both_engines_listen_on_the_socket_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    from jobgen import serve_node
+
+    monkeypatch.setattr(serve_node, "engine_executable", lambda name: f"/opt/bin/{name}")
+    common = {"model_dir": tmp_path, "model_name": "llm", "host": "10.1.2.3", "port": 8000, "dtype": "auto", "gpus": 1}
+    vllm = serve_node.engine_command("vllm", socket_path="/tmp/s/engine.sock", extra=["--max-model-len", "9"], **common)
+    assert vllm == [
+        *("/opt/bin/vllm", "serve", str(tmp_path), "--served-model-name", "llm", "--uds", "/tmp/s/engine.sock"),
+        *("--dtype", "auto", "--tensor-parallel-size", "1", "--max-model-len", "9"),
+    ]
+    transformers = serve_node.engine_command("transformers", socket_path="/tmp/s/engine.sock", **common)
+    assert transformers == [
+        *(sys.executable, "-m", "jobgen.serve_uds", "/tmp/s/engine.sock", "serve", "llm"),
+        *("--dtype", "auto", "--device", "auto"),
+    ]
+    workdir = serve_node.private_workdir()
+    try:
+        assert (workdir.stat().st_mode & 0o777) == 0o700 and (workdir / "models").is_dir()
+    finally:
+        shutil.rmtree(workdir)
+
+
 def _fake_engine(tmp_path: Path, body: str) -> tuple[Path, dict[str, str]]:
     """A stand-in `vllm` first on PATH."""
     bin_dir = tmp_path / "bin"
@@ -192,27 +214,35 @@ def test_the_supervisor_refuses_before_it_starts_anything(tmp_path: Path, option
 
 
 FAKE_VLLM = """#!{python}
-# A stand-in vllm that asks for VLLM_API_KEY as vLLM does (401 without it) and lists its model.
-import json, os, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
+# A stand-in vllm on --uds that, like vLLM, asks for VLLM_API_KEY on /v1 only (401 without it),
+# lists its model there, and answers /invocations to anyone.
+import json, os, socketserver, sys
+from http.server import BaseHTTPRequestHandler
 argv = sys.argv
-host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
-name, key = argv[argv.index("--served-model-name") + 1], os.environ["VLLM_API_KEY"]
+path, name = argv[argv.index("--uds") + 1], argv[argv.index("--served-model-name") + 1]
+key = os.environ["VLLM_API_KEY"]
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
-        ok = self.headers.get("Authorization") == "Bearer " + key
+        ok = not self.path.startswith("/v1") or self.headers.get("Authorization") == "Bearer " + key
         body = json.dumps({{"data": [{{"id": name}}]}} if ok else {{"error": "no key"}}).encode()
         self.send_response(200 if ok else 401)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+    do_POST = do_GET
     def log_message(self, *args):
         pass
-HTTPServer((host, port), Handler).serve_forever()
+class Server(socketserver.UnixStreamServer):
+    def get_request(self):
+        return self.socket.accept()[0], ("local", 0)
+Server(path, Handler).serve_forever()
 """
 
 
-def test_vllm_gets_the_key_from_the_environment_never_its_command_line(tmp_path: Path):
+def test_vllm_listens_behind_the_key_on_every_path_and_gets_it_by_environment(tmp_path: Path):
+    """vLLM's own key covers /v1 and a few prefixes; /invocations and the rest stay open. With
+    a key it listens on a private socket, and jobgen's proxy asks for the key on every path;
+    vLLM gets the key as VLLM_API_KEY (it would not start without), never on its command line."""
     import psutil
 
     key = secrets.token_hex(16)
@@ -222,11 +252,16 @@ def test_vllm_gets_the_key_from_the_environment_never_its_command_line(tmp_path:
     try:
         address = wait_for(lambda: read_address(RunDir(tmp_path)), 60, "serve.json", process=proc)
         assert address["api_key_env"] == KEY_NAME and key not in json.dumps(address)
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(f"{address['url']}/models", timeout=10)
-        assert refused.value.code == 401
+        for path in ("/v1/models", "/invocations", "/pause"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"http://{address['address']}{path}", timeout=10)
+            assert refused.value.code == 401, path
+        asked = urllib.request.Request(f"{address['url']}/models", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(asked, timeout=10) as answer:  # vLLM checked the key again
+            assert json.loads(answer.read())["data"] == [{"id": "m"}]
         engines = [p for p in psutil.process_iter(["cmdline"]) if str(fake) in " ".join(p.info["cmdline"] or [])]
         assert engines and not any(key in " ".join(p.info["cmdline"]) for p in engines)
+        assert "--uds" in engines[0].info["cmdline"] and "--host" not in engines[0].info["cmdline"]
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
@@ -557,7 +592,7 @@ def test_the_key_proxy_refuses_before_reading_and_relays_streams(tmp_path: Path)
         assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
         assert post("/v1/models", key[:-1] + "x")[0] == 401
         status, body = post("/echo", key, b'{"prompt": "hi"}')
-        assert status == 200 and json.loads(body) == {"body": '{"prompt": "hi"}', "auth": None}  # key not passed on
+        assert status == 200 and json.loads(body) == {"body": '{"prompt": "hi"}', "auth": f"Bearer {key}"}
         assert post("/stream", key) == (200, b"data: 0\n\ndata: 1\n\ndata: 2\n\n")
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(f"{url}/v1/models", timeout=30)
