@@ -8,6 +8,8 @@ the server's ``/v1/chat/completions`` (which applies the model's chat template),
 reply is printed as it streams in, then kept for the next turn. Server-sent events are read
 with the standard library: the CLI stays fast and needs no client package. Any OpenAI
 client works as well: base URL and model name are in ``serve.json`` (``jobgen serve RUN --status``).
+A server started with ``[serve] api_key_env`` gets the key from the variable of that name in
+the user's environment (serve.json holds the name, never the value).
 
 A request the server refuses (a 4xx: too long, a bad parameter) is reported and left out of
 the conversation; the chat goes on. A server that cannot be reached ends it.
@@ -46,6 +48,7 @@ class Conversation:
     system: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
+    api_key: str | None = None  # sent as 'Authorization: Bearer ...' when the server asks for one
     timeout: float = 600.0
     messages: list[dict[str, str]] = field(default_factory=list)
 
@@ -61,11 +64,11 @@ class Conversation:
             body["max_tokens"] = self.max_tokens
         if self.temperature is not None:
             body["temperature"] = self.temperature
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         return urllib.request.Request(
-            f"{self.url.rstrip('/')}/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
-            method="POST",
+            f"{self.url.rstrip('/')}/chat/completions", data=json.dumps(body).encode(), headers=headers, method="POST"
         )
 
     def ask(self, text: str) -> Iterator[str]:

@@ -33,11 +33,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from jobgen import quarantine, slurm
 from jobgen.atomic import write_json_atomic, write_text_atomic
-from jobgen.loader import resolve
+from jobgen.loader import key_path, resolve
 from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir, RunDirError
+from jobgen.serve_address import key_problem
+from jobgen.serve_records import identity
 from jobgen.serve_render import (
     SCRIPT_PROGRAM,
     ServeJob,
@@ -81,18 +85,37 @@ def find_target(ref: str, runs_root: Path | None) -> Target:
     except RunDirError as exc:
         directory = Path(ref).expanduser()
         if directory.is_dir() and all((directory / name).is_file() for name in MODEL_FILES):
-            return Target(RunDir(directory.absolute()), None)
+            return Target(RunDir(checked_path(directory.absolute())), None)
         raise ServeError(f"{exc}; nor a model directory (one holds {', '.join(MODEL_FILES)})") from None
+    checked_path(run.path)
     try:
         spec = run.load_spec()
-    except (OSError, ValueError) as exc:
-        raise ServeError(f"cannot read {run.spec_file}: {exc}") from None
+    except ValidationError as exc:
+        first, more = exc.errors()[0], exc.error_count() - 1
+        message = str(first["msg"]).removeprefix("Value error, ") + (f" (and {more} more)" if more else "")
+        raise ServeError(f"cannot read {run.spec_file}: {key_path(first['loc'])}: {message}") from None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        reason = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {str(exc)[:200]}"
+        raise ServeError(f"cannot read {run.spec_file}: {reason}") from None
     if spec.run.model is None:
         raise ServeError(
             f"{run.path} is a '{spec.run.job.program}' run, which trains no model: serve an exported model "
             "directory instead (jobgen serve DIR)"
         )
     return Target(run, spec)
+
+
+def checked_path(path: Path) -> Path:
+    """``path``, if the serve script can name it: #SBATCH lines are one line each, and a
+    backslash in --output turns off Slurm's replacements (the loader refuses such run
+    directories; a model directory or a renamed run reaches here)."""
+    text = str(path)
+    if re.search(r"[\x00-\x08\x0a-\x1f\x7f]", text) or "\\" in text:
+        raise ServeError(
+            f"cannot serve {text!r}: its path holds a control character (a newline, ...) or a backslash, which "
+            "an #SBATCH line cannot hold; rename it"
+        )
+    return path
 
 
 # ---------------------------------------------------------------- the model
@@ -111,7 +134,10 @@ def exported_model(run: RunDir, checkpoint: str | None, export: Exporter) -> tup
             return run.served / newest, newest
     elif (run.served / checkpoint).is_dir():
         return run.served / checkpoint, checkpoint
-    run.served.mkdir(exist_ok=True)
+    try:
+        run.served.mkdir(exist_ok=True)
+    except OSError as exc:  # a file of that name, or no permission
+        raise ServeError(f"cannot make {run.served}: {exc.strerror} (exports for serving go there)") from None
     # Exported under a name of its own, then renamed to the checkpoint's (known only once the
     # exporter has found the newest that loads); a reader never sees half an export.
     staging = run.served / f".export-{secrets.token_hex(4)}"
@@ -189,14 +215,26 @@ def serve_job(
         except RunDirError as exc:
             raise ServeError(str(exc)) from None
         model_dir, checkpoint = exported_model(target.state, chosen, export)
-        job = serve_job_for_run(target.spec, model_dir, checkpoint)
+        job = serve_job_for_run(target.spec, model_dir, checkpoint, state_dir=target.state.path)
     if time_limit is not None:
         job = replace(job, serve=job.serve.model_copy(update={"time": time_limit}))
     try:
         job.check()
     except ServeSpecError as exc:
         raise ServeError(str(exc)) from None
+    check_api_key(job.serve.api_key_env)
     return job
+
+
+def check_api_key(name: str | None) -> None:
+    """serve.api_key_env must name a usable key in this shell: sbatch passes it to the job
+    from here (and `--local` runs here). Refused now rather than a job that fails at start."""
+    problem = None if name is None else key_problem(os.environ.get(name, ""))
+    if problem:
+        raise ServeError(
+            f"serve.api_key_env: ${name} {problem} in this shell: export it before `jobgen serve` (the job gets "
+            "it from here, and jobgen never writes it)"
+        )
 
 
 # ---------------------------------------------------------------- starting it
@@ -223,6 +261,7 @@ def _record(job: ServeJob, job_id: int, **extra: object) -> None:
             "model_dir": str(job.model_dir),
             "checkpoint": job.checkpoint,
             "engine": job.serve.engine,
+            "api_key_env": job.serve.api_key_env,
             "time_limit_seconds": job.serve.time,
             "submitted_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             **extra,
@@ -276,7 +315,8 @@ def run_local(job: ServeJob, echo: Callable[[bytes], None]) -> int:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        _record(job, job_id, local=True, pid=proc.pid, host=socket.gethostname(), script=str(script))
+        # The pid with its start time and boot: --stop signals it only while it is this process.
+        _record(job, job_id, local=True, host=socket.gethostname(), script=str(script), **identity(proc.pid))
 
         def terminate(*_args: object) -> None:
             if proc.poll() is None:

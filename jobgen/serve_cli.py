@@ -15,6 +15,7 @@ jobgen.chat.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
@@ -200,7 +201,7 @@ def chat(ref: str, system: str | None, max_tokens: int | None, temperature: floa
     from jobgen import slurm
     from jobgen.chat import Conversation
     from jobgen.chat import chat as run_chat
-    from jobgen.serve_status import ServeStateError, serve_status
+    from jobgen.serve_status import ServeStateError, client_key, serve_status, shown
 
     target = _target(ref)
     try:
@@ -209,8 +210,18 @@ def chat(ref: str, system: str | None, max_tokens: int | None, temperature: floa
         _fail(f"jobgen chat: {exc}")
     if status.state != "up":
         _fail(f"jobgen chat: no server answers for {target.label}:\n{status.format()}")
+    name, key = status.address.get("api_key_env"), client_key(target.state.path, status.address)
+    if isinstance(name, str) and key is None:
+        why = (
+            f"{target.state.serve_address} was not written by the directory's owner: jobgen sends your key to no "
+            "address someone else wrote"
+            if os.environ.get(name)
+            else f"export {shown(name, 128)} (jobgen never stores the key)"
+        )
+        _fail(f"jobgen chat: the server asks for the API key in ${shown(name, 128)}: {why}")
     conversation = Conversation(
         url=str(status.url),
+        api_key=key,
         model=str(status.address.get("model")),
         system=system,
         max_tokens=max_tokens,

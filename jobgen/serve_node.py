@@ -7,8 +7,11 @@ The serve job's script (jobgen.serve_render) starts it under srun, on the one no
 It decides what only the node can know, then supervises a server that is not jobgen's:
 
 - the engine: 'auto' is vLLM when vLLM is installed and a GPU is visible, else ``transformers
-  serve``; the address: the node's IPv4 on the site's interface (never a wildcard); the port:
-  a free one when the spec says 0;
+  serve``; the address: serve.host resolved here, else the node's IPv4 on the site's interface,
+  never a wildcard or a public one without serve.expose (jobgen.serve_address); the port: a
+  free one when the spec says 0; the API key (serve.api_key_env), read from the job's
+  environment by name: vLLM checks it itself, transformers listens on a private socket behind
+  jobgen's key proxy (jobgen.serve_proxy);
 - the server starts in a session of its own, and ``/v1/models`` is polled until it lists the
   model; then ``serve.json`` (RunDir.serve_address) is written atomically: host, port, model,
   engine, job. Clients (``jobgen chat``, ``jobgen serve --status``) read it;
@@ -34,25 +37,25 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from jobgen.atomic import write_json_atomic
 from jobgen.exit_codes import ExitCode
 from jobgen.rundir import RunDir
-from jobgen.serve_spec import WILDCARD_HOSTS
+from jobgen.serve_address import ServeNodeError, api_key, free_port, listen_address, url_host
+from jobgen.serve_proxy import KeyProxy, bearer
+from jobgen.serve_records import RecordError, read_record
 
 # Between the server's SIGTERM and its SIGKILL: below Slurm's default KillWait (30 s), so
 # that this process, not slurmstepd, ends the server and removes the address file.
 STOP_GRACE_SECONDS = 20.0
 POLL_SECONDS = 0.5
-
-
-class ServeNodeError(RuntimeError):
-    """The server cannot be started here (no address on the interface, no engine)."""
 
 
 def log(message: str) -> None:
@@ -99,47 +102,6 @@ def engine_executable(name: str) -> str | None:
     return shutil.which(name)
 
 
-def interface_address(interface: str) -> str | None:
-    """This node's first IPv4 address on ``interface``; None when it has none."""
-    import psutil
-
-    for addr in psutil.net_if_addrs().get(interface, []):
-        if addr.family == socket.AF_INET:
-            return addr.address
-    return None
-
-
-def listen_address(host: str | None, interface: str | None) -> str:
-    """serve.host as given, else the node's address on the site's interface, else the address its
-    hostname resolves to. Never a wildcard: the server has no authentication."""
-    if host:
-        address = host
-    elif interface:
-        address = interface_address(interface)
-        if address is None:
-            raise ServeNodeError(
-                f"node {socket.gethostname()} has no IPv4 address on interface '{interface}' (site network.ifname)"
-            )
-    else:
-        address = socket.gethostbyname(socket.gethostname())
-    if address in WILDCARD_HOSTS:
-        raise ServeNodeError(f"refusing to listen on '{address}' (every interface): name one address in serve.host")
-    return address
-
-
-def free_port(host: str) -> int:
-    """A port nothing listens on now. The server binds it a moment later; another process could
-    take it in between, which a restart of the job answers."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
-def url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
 def engine_command(
     engine: str,
     *,
@@ -150,18 +112,24 @@ def engine_command(
     gpus: int,
     dtype: str,
     extra: Sequence[str] = (),
+    socket_path: str | None = None,
 ) -> list[str]:
     """The engine's serve command as an argument list. ``transformers serve`` answers to the name
     of the model it was started with, a path: it runs where ``model_name`` is a link to the model
-    directory (:func:`name_link`), so clients send the name, not the path."""
+    directory (:func:`name_link`), so clients send the name, not the path. With ``socket_path``
+    it listens there instead (vLLM's --uds; transformers through jobgen.serve_uds), behind the
+    key proxy that holds host and port."""
     executable = engine_executable(engine)
     if executable is None:
         hint = "pip install 'jobgen[serve]'" if engine == "transformers" else "install vLLM for the site's CUDA"
         raise ServeNodeError(f"no '{engine}' command in this job's environment ({hint})")
     if engine == "vllm":
         command = [executable, "serve", str(model_dir), "--served-model-name", model_name]
-        command += ["--host", host, "--port", str(port), "--dtype", dtype]
-        command += ["--tensor-parallel-size", str(max(gpus, 1))]
+        command += ["--host", host, "--port", str(port)] if socket_path is None else ["--uds", socket_path]
+        command += ["--dtype", dtype, "--tensor-parallel-size", str(max(gpus, 1))]
+    elif socket_path is not None:
+        command = [sys.executable, "-m", "jobgen.serve_uds", socket_path, "serve", model_name, "--dtype", dtype]
+        command += ["--device", "auto" if gpus else "cpu"]
     else:
         command = [executable, "serve", model_name, "--host", host, "--port", str(port), "--dtype", dtype]
         command += ["--device", "auto" if gpus else "cpu"]
@@ -175,15 +143,27 @@ def name_link(workdir: Path, model_name: str, model_dir: Path) -> None:
     link.symlink_to(model_dir.resolve(), target_is_directory=True)
 
 
-def answers(base_url: str, model_name: str, timeout: float = 2.0) -> bool:
-    """Whether the server lists the model on /v1/models."""
+def answers(base_url: str, model_name: str, timeout: float = 2.0, key: str | None = None) -> bool:
+    """Whether the server lists the model on /v1/models (asked with ``key``, when it takes one)."""
+    request = urllib.request.Request(f"{base_url}/models", headers=bearer(key) if key else {})
     try:
-        with urllib.request.urlopen(f"{base_url}/models", timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             listing = json.loads(response.read())
     except (OSError, ValueError):
         return False
     data = listing.get("data") if isinstance(listing, dict) else None
     return any(isinstance(m, dict) and m.get("id") == model_name for m in data or [])
+
+
+def refuses_without_key(base_url: str, timeout: float = 2.0) -> bool:
+    """Whether the server answers /v1/models with 401: it is up, and asks for a key."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/models", timeout=timeout):
+            return False
+    except urllib.error.HTTPError as exc:
+        return exc.code == 401
+    except (OSError, ValueError):
+        return False
 
 
 # ---------------------------------------------------------------- the address file
@@ -196,10 +176,10 @@ def write_address(run: RunDir, record: dict[str, object]) -> None:
 def remove_address(run: RunDir, job_id: str) -> bool:
     """Remove serve.json if this job wrote it; a newer job's file stays."""
     try:
-        record = json.loads(run.serve_address.read_text())
-    except (OSError, ValueError):
+        record = read_record(run.serve_address)
+    except RecordError:
         return False
-    if not isinstance(record, dict) or str(record.get("job_id")) != job_id:
+    if record is None or str(record.get("job_id")) != job_id:
         return False
     with contextlib.suppress(FileNotFoundError):
         run.serve_address.unlink()
@@ -236,60 +216,120 @@ class _Stop:
         self.signal = signal.Signals(signum).name
 
 
+@dataclass
+class Server:
+    """The engine's process, and the key proxy in front of it (with serve.api_key_env)."""
+
+    proc: subprocess.Popen
+    proxy: KeyProxy | None = None
+
+    def stop(self, grace: float) -> None:
+        stop_group(self.proc, grace)
+        if self.proxy is not None:
+            self.proxy.shutdown()
+            self.proxy.server_close()
+
+
+def start_server(args: argparse.Namespace, engine: str, host: str, port: int, key: str | None, workdir: Path) -> Server:
+    """The engine, started in a session of its own. With a key, it listens on a Unix socket in
+    ``workdir`` (mode 0700: no other user of the node can open it) and jobgen's proxy holds host
+    and port, asking for the key on every path: vLLM's own key covers /v1 and a few more
+    prefixes only, and transformers has none. vLLM gets the key as well, as VLLM_API_KEY (an
+    environment is not world-readable, a command line is)."""
+    model_dir = Path(args.model_dir)
+    if engine == "transformers":
+        name_link(workdir / "models", args.model_name, model_dir)
+    socket_path = str(workdir / "engine.sock") if key else None
+    command = engine_command(
+        engine,
+        model_dir=model_dir,
+        model_name=args.model_name,
+        host=host,
+        port=port,
+        gpus=args.gpus,
+        dtype=args.dtype,
+        extra=args.extra,
+        socket_path=socket_path,
+    )
+    env = {**os.environ, "VLLM_API_KEY": key} if key and engine == "vllm" else None
+    proxy = None
+    if socket_path is not None and key is not None:
+        proxy = KeyProxy((host, port), socket_path, key)  # the port is held from now on
+        threading.Thread(target=proxy.serve_forever, name="key-proxy", daemon=True).start()
+        log(f"API key proxy on {url_host(host)}:{port} for {socket_path}")
+    log(f"starting {engine}: {' '.join(command)}" + (f" (API key from ${args.api_key_env})" if key else ""))
+    return Server(subprocess.Popen(command, cwd=workdir / "models", start_new_session=True, env=env), proxy)
+
+
+def private_workdir() -> Path:
+    """A directory of the supervisor's, mode 0700 (mkdtemp): the engine's socket there is no
+    one else's to open. A Unix socket's path holds at most 107 bytes: under a long TMPDIR it
+    goes under /tmp instead."""
+    workdir = Path(tempfile.mkdtemp(prefix="jobgen-serve-"))
+    if len(os.fsencode(workdir / "engine.sock")) > 100:
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir = Path(tempfile.mkdtemp(prefix="jobgen-serve-", dir="/tmp"))
+    (workdir / "models").mkdir()
+    return workdir
+
+
 def supervise(args: argparse.Namespace) -> int:
     run = RunDir(Path(args.state_dir))
     stop = _Stop()
     stop.install()
+    key = api_key(args.api_key_env)
     engine = resolve_engine(args.engine, args.gpus)
-    host = listen_address(args.host, args.interface)
+    host = listen_address(args.host, args.interface, expose=args.expose)
     port = args.port or free_port(host)
     base_url = f"http://{url_host(host)}:{port}/v1"
-    workdir = Path(tempfile.mkdtemp(prefix="jobgen-serve-"))
-    proc: subprocess.Popen | None = None
-    ready_at: float | None = None
+    workdir = private_workdir()
+    server: Server | None = None
     try:
-        model_dir = Path(args.model_dir)
-        if engine == "transformers":
-            name_link(workdir, args.model_name, model_dir)
-        command = engine_command(
-            engine,
-            model_dir=model_dir,
-            model_name=args.model_name,
-            host=host,
-            port=port,
-            gpus=args.gpus,
-            dtype=args.dtype,
-            extra=args.extra,
-        )
-        log(f"starting {engine}: {' '.join(command)}")
-        started = time.monotonic()
-        proc = subprocess.Popen(command, cwd=workdir, start_new_session=True)
-        deadline = started + args.ready_timeout
-        while stop.signal is None:
-            code = proc.poll()
-            if code is not None:
-                if ready_at is None:
-                    log(f"the {engine} server exited with status {code} before it answered (its output is above)")
-                    return int(ExitCode.LAUNCH_ERROR)
-                log(f"the {engine} server exited with status {code} on its own")
-                return code or int(ExitCode.CRASHED)
-            if ready_at is None and answers(base_url, args.model_name):
-                ready_at = time.monotonic()
-                write_address(run, _record(args, engine, host, port, base_url, proc.pid, ready_at - started))
-                log(f"ready after {ready_at - started:.1f}s: model '{args.model_name}' at {base_url}")
-            elif ready_at is None and time.monotonic() > deadline:
-                log(f"the server did not answer within serve.ready_timeout ({args.ready_timeout:.0f}s): stopping it")
-                return int(ExitCode.LAUNCH_ERROR)
-            time.sleep(POLL_SECONDS)
-        log(f"received {stop.signal}: stopping the server")
-        return int(ExitCode.OK)
+        server = start_server(args, engine, host, port, key, workdir)
+        return watch(args, run, server, engine, host, port, base_url, key, stop)
     finally:
-        if proc is not None:
-            stop_group(proc, args.stop_grace)
+        if server is not None:
+            server.stop(args.stop_grace)
         if remove_address(run, args.job_id):
             log(f"removed {run.serve_address}")
         shutil.rmtree(workdir, ignore_errors=True)
         log("server stopped")
+
+
+def watch(
+    args: argparse.Namespace,
+    run: RunDir,
+    server: Server,
+    engine: str,
+    host: str,
+    port: int,
+    base_url: str,
+    key: str | None,
+    stop: _Stop,
+) -> int:
+    """Until a signal: the address written once the server answers, its end if it exits."""
+    started = time.monotonic()
+    deadline = started + args.ready_timeout
+    ready_at: float | None = None
+    while stop.signal is None:
+        code = server.proc.poll()
+        if code is not None:
+            if ready_at is None:
+                log(f"the {engine} server exited with status {code} before it answered (its output is above)")
+                return int(ExitCode.LAUNCH_ERROR)
+            log(f"the {engine} server exited with status {code} on its own")
+            return code or int(ExitCode.CRASHED)
+        if ready_at is None and answers(base_url, args.model_name, key=key):
+            ready_at = time.monotonic()
+            record = _record(args, engine, host, port, base_url, server.proc.pid, ready_at - started)
+            write_address(run, record)
+            log(f"ready after {ready_at - started:.1f}s: model '{args.model_name}' at {base_url}")
+        elif ready_at is None and time.monotonic() > deadline:
+            log(f"the server did not answer within serve.ready_timeout ({args.ready_timeout:.0f}s): stopping it")
+            return int(ExitCode.LAUNCH_ERROR)
+        time.sleep(POLL_SECONDS)
+    log(f"received {stop.signal}: stopping the server")
+    return int(ExitCode.OK)
 
 
 def _record(
@@ -310,6 +350,8 @@ def _record(
         "pid": pid,
         "ready_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "ready_seconds": round(ready_seconds, 1),
+        # The variable's name only: clients (jobgen chat) read the key from their own environment.
+        "api_key_env": args.api_key_env,
     }
 
 
@@ -326,6 +368,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default=None, help="address to listen on (default: --interface's)")
     parser.add_argument("--interface", default=None, help="the site's network interface")
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
+    parser.add_argument("--expose", action="store_true", help="serve.expose: a wildcard or public address is allowed")
+    parser.add_argument("--api-key-env", default=None, help="the NAME of the variable holding the API key")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the first answer")
     parser.add_argument("--stop-grace", type=float, default=STOP_GRACE_SECONDS)
     parser.add_argument("extra", nargs="*", help="after '--': arguments for the engine's serve command")

@@ -91,12 +91,14 @@ def site_environment(site: SiteProfile, run_env: dict[str, str] | None = None) -
     return env
 
 
-def serve_job_for_run(spec: ResolvedSpec, model_dir: Path, checkpoint: str | None) -> ServeJob:
-    """The serve job of a run: its site, [serve], Slurm keys and [env]."""
+def serve_job_for_run(spec: ResolvedSpec, model_dir: Path, checkpoint: str | None, *, state_dir: Path) -> ServeJob:
+    """The serve job of a run: its site, [serve], Slurm keys and [env]. ``state_dir`` is the run
+    directory `jobgen serve` was given: spec.json's run_dir says where the run was made, and a
+    run directory copied or moved since is served where it is now."""
     job, serve = spec.run.job, spec.run.serve
     return ServeJob(
         name=f"{job.name}-serve",
-        state_dir=spec.run_dir,
+        state_dir=state_dir,
         model_dir=model_dir,
         model_name=serve.model_name or job.name,
         serve=serve,
@@ -179,6 +181,8 @@ def build_serve_context(job: ServeJob) -> dict[str, Any]:
         "dtype": serve.dtype,
         "host": serve.host,
         "port": serve.port,
+        "expose": serve.expose,
+        "api_key_env": serve.api_key_env,
         "time_human": format_human(serve.time),
         "ready_timeout_seconds": serve.ready_timeout,
         "stop_grace_seconds": int(STOP_GRACE_SECONDS),

@@ -7,35 +7,105 @@ server for the run's exported model as a Slurm job.
     port = 0               # 0: a free port on the node, chosen when the server starts
 
 The server is a well-kept one, not jobgen's: ``transformers serve`` (CPU or GPU) or
-``vllm serve`` (GPU sites). It listens on one address of its node, never on every
-interface: the endpoint has no authentication. Descriptions are the reference
+``vllm serve`` (GPU sites). It listens on one address of its node: a wildcard (every
+interface) or a public address only with ``expose = true``, which needs an API key
+(``api_key_env``, the name of a variable whose value is never written). Addresses are read as
+the OS reads them (:func:`numeric_address`), and names are resolved on the node
+(jobgen.serve_node), where the same check runs again. Descriptions are the reference
 documentation (``jobgen schema``).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, StringConstraints, field_validator, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
-from jobgen.fields import Duration, EnvValue, SlurmMemory, SlurmName, StrictModel
+from jobgen.fields import Duration, EnvName, EnvValue, SlurmMemory, SlurmName, StrictModel
+from jobgen.repro import ENV_DENY
 
-# Addresses that mean "every interface": an unauthenticated endpoint there is open to every
-# network the node is on, including ones that are none of the cluster's.
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*", "0"})
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# The engine options that say where the server listens and who may ask it: jobgen sets them
+# (serve.host, serve.port, serve.api_key_env), so serve.args may not, in any spelling the
+# engines take. Each maps to what to use instead.
+OWNED_OPTIONS = {
+    "--host": "serve.host (serve.expose for every interface)",
+    "--port": "serve.port",
+    "--uds": "serve.host",
+    "--api-key": (
+        "serve.api_key_env, the NAME of a variable exported in the submitting shell (a key written in the spec "
+        "would be copied in plain text into the run directory)"
+    ),
+}
+# The shortest API key the server takes: guessing it over the network must be hopeless.
+MIN_API_KEY_LENGTH = 16
 
 
-def _not_wildcard(host: str) -> str:
-    if host in WILDCARD_HOSTS:
+def numeric_address(host: str) -> IPAddress | None:
+    """``host`` read as the OS reads an address literal, or None for a host name. The C library
+    decides, not a string comparison: '0', '00', '0x0' and '0.0' are 0.0.0.0 to inet_aton,
+    '::0' and '0:0:0:0:0:0:0:0' are '::'. No name is looked up (AI_NUMERICHOST)."""
+    text = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        found = socket.getaddrinfo(text, None, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except (socket.gaierror, UnicodeError, ValueError):
+        return None
+    return ipaddress.ip_address(str(found[0][4][0]).split("%")[0])
+
+
+def exposure(address: IPAddress) -> str | None:
+    """What listening on ``address`` opens the server to, when that is more than the cluster's
+    own networks: every interface (a wildcard), or the internet (a globally routable address)."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # '::ffff:0.0.0.0' binds as 0.0.0.0 does
+    if address.is_unspecified:
+        return "every interface of the node"
+    if address.is_global:
+        return "a public (globally routable) address"
+    return None
+
+
+def exposure_refusal(host: str, address: IPAddress, what: str) -> str:
+    """The one-line refusal of a wildcard or public address without serve.expose."""
+    shown = host if host == str(address) else f"{host} ({address})"
+    return (
+        f"'{shown}' is {what}: the model server would answer anyone who can reach the node. Leave serve.host out "
+        "(the node's address on the site's network.ifname), name one address of the cluster's network, or set "
+        "serve.expose = true with serve.api_key_env to share it knowingly"
+    )
+
+
+def _owned_option(arg: str) -> str:
+    """Refuse an engine argument that sets what jobgen sets: '--host', '--host=...', vLLM's
+    '--api_key' (it reads '_' as '-') and any prefix argparse would take for one ('--ho')."""
+    if arg.startswith("--"):
+        name = arg.split("=", 1)[0].replace("_", "-")
+        for option, instead in OWNED_OPTIONS.items():
+            if len(name) > 2 and option.startswith(name):
+                raise ValueError(f"'{arg}' is the engine's {option}, which jobgen sets: use {instead}")
+    return arg
+
+
+def _secret_name(name: str) -> str:
+    """The key's variable must be one jobgen never records by value (repro/env.txt)."""
+    if not any(word in name.upper() for word in ENV_DENY):
         raise ValueError(
-            f"'{host}' listens on every interface of the node, and the server has no authentication; "
-            "leave serve.host out (the node's address on the site's network.ifname) or name one address"
+            f"'{name}' does not look like a secret's name: a run's repro/env.txt may record its value. Name it "
+            f"with one of {', '.join(ENV_DENY)} in it, e.g. SERVE_API_KEY"
         )
-    return host
+    return name
 
 
-# An IPv4 or IPv6 address or a host name, as the server's --host takes it.
-ServeHost = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:\[\]-]{1,253}$"), AfterValidator(_not_wildcard)]
+# An IPv4 or IPv6 address or a host name, as the server's --host takes it. Wildcard and public
+# addresses need serve.expose (ServeSpec._host_exposure); a name is resolved on the node.
+ServeHost = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:\[\]-]{1,253}$")]
+# One argument of the engine's serve command.
+EngineArg = Annotated[EnvValue, AfterValidator(_owned_option)]
+# The name of the variable that holds the API key.
+ApiKeyName = Annotated[EnvName, AfterValidator(_secret_name)]
 # The name clients send as "model": one or two path-like words ('tiny-sft', 'team/llama-sft').
 # transformers serve reads a name with ':...gguf' or '@revision' as something else, so neither is allowed.
 ModelName = Annotated[
@@ -69,12 +139,37 @@ class ServeSpec(StrictModel):
         le=65535,
         description="TCP port to listen on; 0 picks a free one on the node when the server starts (the default).",
     )
+    api_key_env: ApiKeyName | None = Field(
+        None,
+        description=(
+            "The NAME of an environment variable, e.g. 'SERVE_API_KEY', whose value clients must send as their API "
+            f"key (`Authorization: Bearer ...`; the `openai` client's api_key). Export it in the shell you run "
+            "`jobgen serve` from: Slurm passes it to the job, and jobgen never writes its value (serve.sbatch, "
+            "serve.json and the logs hold the name only). The engine then listens on a socket only you can open, "
+            "behind jobgen's proxy that asks for the key on every path (`transformers serve` has no key, vLLM's "
+            "covers only some paths); vLLM also gets it as VLLM_API_KEY. `jobgen chat` reads the same variable. "
+            "The value must be set, printable and at "
+            f"least {MIN_API_KEY_LENGTH} characters long (e.g. `export SERVE_API_KEY=$(openssl rand -hex 24)`)."
+        ),
+    )
+    expose: bool = Field(
+        False,
+        description=(
+            "Allow serve.host to be a wildcard ('0.0.0.0', '::', in any spelling: every interface of the node) "
+            "or a public, globally routable address, and the node's address on network.ifname to be one. The "
+            "server then answers anyone who can reach the node, inside the cluster or beyond it: a choice to make "
+            "knowingly. Needs serve.api_key_env: jobgen never opens a server without a key beyond the cluster's "
+            "own network."
+        ),
+    )
     host: ServeHost | None = Field(
         None,
         description=(
             "Address to listen on. Default: the node's IPv4 address on the site's network.ifname (the address "
-            "its hostname resolves to on sites without one; 127.0.0.1 with --local). A wildcard such as "
-            "'0.0.0.0' is refused: the server has no authentication."
+            "its hostname resolves to on sites without one; 127.0.0.1 with --local). A wildcard (every "
+            "interface: '0.0.0.0', '0', '0x0', '::', ...) or a public address is refused unless serve.expose. "
+            "A host name is resolved on the node as the job starts, and refused there if any of its addresses "
+            "is one of those; the server listens on the address it resolved to."
         ),
     )
     model_name: ModelName | None = Field(
@@ -112,12 +207,13 @@ class ServeSpec(StrictModel):
             "if it has not answered by then."
         ),
     )
-    args: list[EnvValue] = Field(
+    args: list[EngineArg] = Field(
         default_factory=list,
         description=(
             "Extra arguments for the engine's serve command, each passed as one argument, e.g. "
             "['--max-model-len', '8192'] for vllm or ['--continuous-batching'] for transformers. Needs "
-            "engine = 'transformers' or 'vllm': the two take different options."
+            "engine = 'transformers' or 'vllm': the two take different options. Where the server listens and "
+            "its key are jobgen's: --host, --port, --uds and --api-key (in any spelling) are refused here."
         ),
     )
 
@@ -127,6 +223,25 @@ class ServeSpec(StrictModel):
         if 0 < port < 1024:
             raise ValueError(f"port {port} is privileged (below 1024): choose 1024-65535, or 0 for a free one")
         return port
+
+    @field_validator("expose")
+    @classmethod
+    def _exposed_with_a_key(cls, expose: bool, info: ValidationInfo) -> bool:
+        if expose and not info.data.get("api_key_env"):
+            raise ValueError(
+                "serve.expose = true needs serve.api_key_env: a server open beyond the cluster's network must ask "
+                "for a key"
+            )
+        return expose
+
+    @field_validator("host")
+    @classmethod
+    def _host_exposure(cls, host: str | None, info: ValidationInfo) -> str | None:
+        address = None if host is None else numeric_address(host)
+        what = None if address is None else exposure(address)
+        if what and not info.data.get("expose"):
+            raise ValueError(exposure_refusal(host, address, what))
+        return host
 
     @model_validator(mode="after")
     def _args_need_an_engine(self) -> ServeSpec:

@@ -9,13 +9,20 @@ address the job writes once the server answers (jobgen.serve_node). Slurm says w
 job is still queued or running (through jobgen.slurm); a GET of ``/v1/models`` says whether
 the server answers. Looking changes nothing: a stale ``serve.json`` (a job killed outright,
 a lost node) is removed by ``--stop`` and by the next ``jobgen serve``.
+
+Both records are input (jobgen.serve_records): a damaged one is a ServeStateError naming the
+file. A ``serve-job.json`` is this directory's only when the script it names is this
+directory's ``serve.sbatch``: a copied run keeps its original's, whose job is not acted on
+from the copy. A ``--local`` pid is signalled only while it is provably the script jobgen
+started (jobgen.serve_records). With ``[serve] api_key_env`` the key is read from this
+process's environment, by the name serve.json records.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import re
 import signal
 import socket
 import time
@@ -25,7 +32,9 @@ from typing import Any
 
 from jobgen import slurm
 from jobgen.rundir import RunDir
-from jobgen.serve_node import answers
+from jobgen.serve_node import answers, refuses_without_key
+from jobgen.serve_records import NotOurs, RecordError, read_record, same_path, signal_if_ours, why_not_ours
+from jobgen.serve_render import SCRIPT_PROGRAM
 
 # How long --stop waits for the job to leave the queue: Slurm's KillWait (30 s) and a margin.
 STOP_WAIT_SECONDS = 60.0
@@ -39,26 +48,54 @@ class ServeStateError(RuntimeError):
 
 
 def _read(path: Path) -> dict[str, Any] | None:
+    """A serve record, None when there is none; one that cannot be read is a ServeStateError
+    naming the file (a traceback never, nor a guess at what it meant)."""
     try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise ServeStateError(f"{path} is unreadable: {exc}") from None
-    return value if isinstance(value, dict) else None
+        return read_record(path)
+    except RecordError as exc:
+        raise ServeStateError(str(exc)) from None
 
 
 def read_job(state: RunDir) -> dict[str, Any] | None:
     """serve-job.json: the serve job `jobgen serve` started last."""
     job = _read(state.serve_job)
-    if job is not None and not str(job.get("job_id", "")).isdigit():
-        raise ServeStateError(f"{state.serve_job} names no job id: {job}")
-    return job
+    if job is None:
+        return None
+    job_id = job.get("job_id")
+    if isinstance(job_id, bool) or not re.fullmatch(r"[0-9]{1,18}", str(job_id)):
+        raise ServeStateError(f"{state.serve_job} names no job id (job_id {shown(job_id, 40)})")
+    return {**job, "job_id": str(job_id)}
 
 
 def read_address(state: RunDir) -> dict[str, Any] | None:
     """serve.json: where the server answers, while one does."""
-    return _read(state.serve_address)
+    address = _read(state.serve_address)
+    if address is not None and not (isinstance(address.get("url"), str) and "job_id" in address):
+        raise ServeStateError(f"{state.serve_address} is unreadable: it names no url and job_id")
+    return address
+
+
+def _address_noted(state: RunDir, notes: list[str]) -> dict[str, Any] | None:
+    """serve.json, or None with a note when it cannot be read: an address is only a hint
+    (the job is what Slurm or the process says), and a damaged one must not stop a --stop."""
+    try:
+        return read_address(state)
+    except ServeStateError as exc:
+        notes.append(f"{exc}: ignored")
+        return None
+
+
+def shown(value: object, limit: int = 200) -> str:
+    """A value from a file, as one line a terminal shows as it is: control characters escaped."""
+    text = str(value)[:limit]
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
+def is_here(state: RunDir, job: dict[str, Any]) -> bool:
+    """Whether serve-job.json was written for this directory: the script it names is this
+    directory's serve.sbatch. A run directory copied or moved keeps the record of the
+    directory it was copied from, whose job is not this one's to report or stop."""
+    return same_path(job.get("script"), state.script(SCRIPT_PROGRAM))
 
 
 @dataclass
@@ -77,6 +114,8 @@ class ServeStatus:
     elapsed: str | None = None
     time_limit: str | None = None
     notes: list[str] = field(default_factory=list)
+    # Why a --local record's pid was not taken for its server's script (jobgen.serve_records).
+    not_ours: NotOurs | None = None
 
     @property
     def active(self) -> bool:
@@ -112,16 +151,17 @@ class ServeStatus:
         }
 
     def format(self) -> str:
-        info = self.to_json()
+        info = {key: None if value is None else shown(value) for key, value in self.to_json().items()}
+        notes = [f"  {shown(note, 400)}" for note in self.notes]
         if self.state == "none":
-            return f"{self.path}: no server has been started here (jobgen serve {self.path})"
+            return "\n".join([f"{self.path}: no server has been started here (jobgen serve {self.path})", *notes])
         where = f" at {info['address']} ({info['url']})" if self.state in ("up", "not answering") else ""
         lines = [f"{self.path}: {self.state}{where}"]
-        job = f"job {info['job_id']}" + (" (--local)" if info["local"] else "")
+        job = f"job {info['job_id']}" + (" (--local)" if self.to_json()["local"] else "")
         if self.slurm_state:
             job += f", {self.slurm_state}"
             if self.reason and self.reason != "None":
-                job += f" ({self.reason})"
+                job += f" ({shown(self.reason)})"
         if self.elapsed and self.time_limit:
             job += f", {self.elapsed} of {self.time_limit}"
         if info["node"]:
@@ -130,40 +170,73 @@ class ServeStatus:
         checkpoint = f", checkpoint {info['checkpoint']}" if info["checkpoint"] else ""
         lines.append(f"  model '{info['model']}'{checkpoint}, engine {info['engine']}: {info['model_dir']}")
         lines.append(f"  log {info['log']}")
-        lines += [f"  {note}" for note in self.notes]
-        return "\n".join(lines)
+        return "\n".join(lines + notes)
 
 
-def _local_alive(job: dict[str, Any]) -> bool | None:
+def _local_alive(state: RunDir, job: dict[str, Any], status: ServeStatus) -> bool | None:
     """Whether a --local server's script is still running; None when it was started on
-    another machine, where only its address can tell."""
-    import psutil
-
+    another machine, where only its address can tell. A pid that is not provably the script
+    jobgen started (jobgen.serve_records) is not taken for it."""
     if job.get("host") != socket.gethostname():
         return None
+    why = why_not_ours(state, job, state.script(SCRIPT_PROGRAM))
+    status.not_ours = why
+    if why is not None and not why.gone:
+        status.notes.append(f"not taken for this directory's server: {why}")
+    return why is None
+
+
+def _probe(status: ServeStatus, address: dict[str, Any]) -> str:
+    """'up' or 'not answering': one GET of /v1/models, with the key when the server asks for
+    one and this shell has it (from a serve.json this directory's owner wrote, never another's)."""
+    url, model, name = str(address.get("url")), str(address.get("model")), address.get("api_key_env")
+    key = client_key(status.path, address) if isinstance(name, str) else None
+    if answers(url, model, timeout=5.0, key=key):
+        return "up"
+    if isinstance(name, str) and key is None and refuses_without_key(url, timeout=5.0):
+        status.notes.append(f"the server asks for the API key in ${shown(name, 128)}, which is not set here")
+        return "up"
+    return "not answering"
+
+
+def client_key(path: Path, address: dict[str, Any]) -> str | None:
+    """The API key a client sends to the server serve.json names: the value of the variable
+    serve.json names, in this process's environment. None when it is not set, or when serve.json
+    is not the directory owner's: a file someone else put there could point the key at their
+    own address."""
+    name = address.get("api_key_env")
+    if not isinstance(name, str) or not os.environ.get(name):
+        return None
     try:
-        process = psutil.Process(int(job["pid"]))
-        return str(job.get("script", "")) in " ".join(process.cmdline()) and process.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return False
+        if (path / "serve.json").stat().st_uid != path.stat().st_uid:
+            return None
+    except OSError:
+        return None
+    return os.environ[name]
 
 
 def serve_status(state: RunDir, *, probe: bool = True) -> ServeStatus:
     """Where the server of ``state`` stands: one squeue call, and with ``probe`` one GET of
     /v1/models when an address is recorded."""
     job = read_job(state)
-    address = read_address(state)
+    notes: list[str] = []
+    address = _address_noted(state, notes)
+    if job is not None and not is_here(state, job):
+        script = job.get("script")
+        of = f"of {shown(script)}, not of this directory (copied or moved?)" if script else "and no script of it"
+        notes.append(f"{state.serve_job} names serve job {job['job_id']} {of}: not acted on here")
+        job = None
     if job is None:
-        status = ServeStatus(state.path, "none", address=address)
+        status = ServeStatus(state.path, "none", address=address, notes=notes)
         if address:
-            status.notes.append(f"{state.serve_address} has no serve-job.json beside it: stale")
+            status.notes.append(f"{state.serve_address} has no serve-job.json of this directory beside it: stale")
         return status
-    ours = address is not None and str(address.get("job_id")) == str(job.get("job_id"))
-    status = ServeStatus(state.path, "ended", job=job, address=address if ours else None)
+    ours = address is not None and str(address.get("job_id")) == job["job_id"]
+    status = ServeStatus(state.path, "ended", job=job, address=address if ours else None, notes=notes)
     if job.get("local"):
-        alive = _local_alive(job)
+        alive = _local_alive(state, job, status)
         if alive is None:
-            status.notes.append(f"started with --local on {job.get('host')}: stop it there")
+            status.notes.append(f"started with --local on {shown(job.get('host'))}: stop it there")
             if not ours:
                 status.state = "unknown"
                 return status
@@ -189,25 +262,27 @@ def serve_status(state: RunDir, *, probe: bool = True) -> ServeStatus:
     if not ours:
         status.state = "starting"
         return status
-    up = not probe or answers(str(address.get("url")), str(address.get("model")), timeout=5.0)
-    status.state = "up" if up else "not answering"
+    status.state = _probe(status, address) if probe else "up"
     return status
 
 
 def stop_serve(state: RunDir, *, wait: float = STOP_WAIT_SECONDS) -> str:
-    """Stop the serve job of ``state`` (scancel, or SIGTERM to a --local script) and wait, at most
-    ``wait`` seconds, for it to end; then no serve.json of it is left. Returns what was done."""
+    """Stop the serve job of ``state`` (scancel, or SIGTERM to a --local script that is
+    provably the one jobgen started) and wait, at most ``wait`` seconds, for it to end; then
+    no serve.json of it is left. Returns what was done."""
     status = serve_status(state, probe=False)
     job = status.job
     if job is None:
-        return f"{state.path}: no serve job to stop"
-    job_id = str(job["job_id"])
+        done = "; ".join([f"{state.path}: no serve job to stop", *status.notes])
+        return done + ("; nothing was signalled" if status.notes else "")
+    job_id = job["job_id"]
     if job.get("local") and job.get("host") != socket.gethostname():
-        raise ServeStateError(f"serve job {job_id} runs with --local on {job.get('host')}: stop it there")
+        raise ServeStateError(f"serve job {job_id} runs with --local on {shown(job.get('host'))}: stop it there")
     if status.active:
         if job.get("local"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(job["pid"]), signal.SIGTERM)
+            why = signal_if_ours(state, job, state.script(SCRIPT_PROGRAM), signal.SIGTERM)
+            if why is not None and not why.gone:
+                return f"serve job {job_id} not stopped: {why}; nothing was signalled"
         else:
             slurm.cancel(job_id)
         deadline = time.monotonic() + wait
@@ -218,7 +293,11 @@ def stop_serve(state: RunDir, *, wait: float = STOP_WAIT_SECONDS) -> str:
             done = f"asked serve job {job_id} to stop; it is still {still.state} after {wait:.0f}s"
     else:
         done = f"serve job {job_id} had already ended"
-    address = read_address(state)
+        why = status.not_ours
+        if why is not None:
+            done = f"{done} ({shown(why, 400)})" if why.gone else f"serve job {job_id} not stopped: {shown(why, 400)}"
+            done += "; nothing was signalled"
+    address = _address_noted(state, [])
     if address is not None and str(address.get("job_id")) == job_id:
         # The job was killed before it could remove its address (SIGKILL, a lost node, a
         # job still completing after the wait): the file must not point clients at nothing.
@@ -236,8 +315,7 @@ def ensure_not_serving(state: RunDir) -> None:
             f"{state.path} is already served by job {job_id} ({status.state}): "
             f"jobgen serve {state.path} --status, or --stop it first"
         )
-    address = read_address(state)
-    if address is not None:
+    if state.serve_address.is_file():
         with contextlib.suppress(FileNotFoundError):
             state.serve_address.unlink()
 

@@ -7,13 +7,16 @@ template) and completions, streamed and not, equal greedy generation from the ex
 a wrong model name or a malformed body gets the server's 4xx and the server keeps answering;
 ``jobgen chat`` keeps the conversation from piped stdin; ``--stop`` ends the job at once, its
 address goes and no process of it is left. In the full suite a served job also meets its
-2-minute time limit (TIMEOUT) and cleans up the same way. Every request has a timeout; every
-wait is bounded.
+2-minute time limit (TIMEOUT) and cleans up the same way. A copy of the run served with
+``[serve] api_key_env`` answers only with the key, which sbatch passed from the submitting
+shell and nothing wrote. Every request has a timeout; every wait is bounded.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import subprocess
 import time
 from pathlib import Path
@@ -220,3 +223,49 @@ def test_stop_ends_the_serve_job_and_removes_its_address(served_run: Path, clust
     assert record["JobState"] == "CANCELLED", record
     chat = jobgen("chat", str(served_run))
     assert chat.returncode == 1 and "no server answers" in chat.stderr
+
+
+def test_a_copy_served_with_an_api_key_answers_only_with_it(served_run: Path, cluster, tmp_path: Path):
+    """A copy of the run (serve.json and logs go into the copy, not the original) with
+    [serve] api_key_env: sbatch passes the key from this shell to the job, which is the only
+    place that has it; the openai client gets 401 without it and answers with it."""
+    import shutil
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    copy = Path(shutil.copytree(served_run, tmp_path / "copy"))
+    spec = json.loads((copy / "spec.json").read_text())
+    spec["run"]["serve"]["api_key_env"] = "SERVE_API_KEY"
+    (copy / "spec.json").write_text(json.dumps(spec))
+    key = secrets.token_hex(16)
+    env = {"SERVE_API_KEY": key}
+    proc = jobgen("serve", str(copy), "--best", "--wait", env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    address = json.loads((copy / "serve.json").read_text())
+    assert address["api_key_env"] == "SERVE_API_KEY" and not (served_run / "serve.json").exists()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{address['url']}/models", timeout=REQUEST_TIMEOUT)
+        assert refused.value.code == 401
+        wrong = openai.OpenAI(base_url=address["url"], api_key="wrong", max_retries=0, timeout=REQUEST_TIMEOUT)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        client = openai.OpenAI(base_url=address["url"], api_key=key, timeout=REQUEST_TIMEOUT, max_retries=1)
+        assert [m.id for m in client.models.list().data] == [NAME]
+        chat = subprocess.run(
+            [str(VENV_BIN / "jobgen"), "chat", str(copy), "--max-tokens", "4"],
+            input="Hello\n",
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, **env},
+            check=False,
+        )
+        assert chat.returncode == 0 and chat.stdout.strip(), chat.stderr
+    finally:
+        stopped = jobgen("serve", str(copy), "--stop", timeout=120)
+    assert stopped.returncode == 0 and "stopped serve job" in stopped.stdout, stopped.stdout + stopped.stderr
+    written = [p for p in copy.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert not written, written

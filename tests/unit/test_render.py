@@ -465,7 +465,7 @@ def serve_job_of(spec_path: Path):
     from jobgen.serve_render import serve_job_for_run
 
     spec = load_run(spec_path)
-    return serve_job_for_run(spec, spec.run_dir / "served" / "step-00000040", "step-00000040")
+    return serve_job_for_run(spec, spec.run_dir / "served" / "step-00000040", "step-00000040", state_dir=spec.run_dir)
 
 
 def rendered_serve(spec_path: Path) -> str:
@@ -537,7 +537,7 @@ def test_serve_arguments_reach_the_supervisor_verbatim(tmp_path: Path):
     )
     spec = load_run(spec_file)
     model_dir = spec.run_dir / "served" / "step-00000040"
-    text = render_serve(serve_job_for_run(spec, model_dir, "step-00000040"))
+    text = render_serve(serve_job_for_run(spec, model_dir, "step-00000040", state_dir=spec.run_dir))
     check_shell(text, tmp_path)
     block = text[text.index("\nSERVE=(\n") : text.index("\n)\n", text.index("\nSERVE=(\n")) + 3]
     run_dir_line = next(line for line in text.splitlines() if line.startswith("RUN_DIR="))
