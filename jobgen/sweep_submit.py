@@ -121,15 +121,28 @@ def _match(sweep: Sweep, index: SweepIndex | None) -> tuple[list[PointEntry], li
 
 
 def _kept_problems(sweep: Sweep, index: SweepIndex | None) -> list[Finding]:
-    """Points the sweep has whose allocation the file's base no longer asks for: the array's
-    tasks would not fit their scripts (another node count, partition, time...)."""
+    """Points the sweep has that the array's tasks cannot run: their allocation is not what the
+    file's base asks for now (another node count, partition, time...), or their script names
+    another directory (the sweep was moved or copied: each point's script was rendered for
+    where it was, and a point that exists is never rendered again)."""
     wanted, out = allocation(sweep.base), []
     for entry in index.points if index is not None else []:
+        run = index.run(entry)
         try:
-            have = allocation(index.run(entry).load_spec())
+            spec = run.load_spec()
         except (OSError, ValueError) as exc:
             out.append(Finding("error", "", f"point {entry.name}: cannot read its spec.json: {exc}"))
             continue
+        if spec.run_dir.resolve() != run.path.resolve():
+            out.append(
+                Finding(
+                    "error",
+                    "job.runs_root",
+                    f"point {entry.name} was submitted in {spec.run_dir}, and its script runs there: a sweep that "
+                    "was moved or copied is read, stopped and compared where it is, not submitted again",
+                )
+            )
+        have = allocation(spec)
         if have != wanted:
             diff = sorted(set(have) ^ set(wanted))
             out.append(

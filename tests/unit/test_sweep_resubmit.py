@@ -96,3 +96,16 @@ def test_a_failed_sbatch_of_a_resubmission_leaves_the_sweep_as_it_was(tmp_path, 
         submit(path)
     assert read_index(directory) == before and not (directory / "points" / "lr-0.004").exists()
     assert json.loads(failed.read_text()) == {"reason": "data error"}  # not queued: the failure stands
+
+
+def test_a_moved_sweep_is_not_submitted_again_from_where_it_is_now(tmp_path, sbatch_calls):
+    import shutil
+
+    path = small_sweep(tmp_path)
+    submit(path)
+    shutil.copytree(tmp_path / "runs", tmp_path / "moved")
+    path.write_text(path.read_text().replace('runs_root = "runs"', 'runs_root = "moved"'))
+    words = findings(path)
+    # Its points' scripts were rendered for runs/lrs: the array would run them there.
+    assert "moved or copied" in words and str(tmp_path / "runs" / "lrs") in words, words
+    assert len(sbatch_calls) == 1

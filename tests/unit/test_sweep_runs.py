@@ -125,7 +125,8 @@ def test_a_points_status_has_its_own_tasks_and_while_open_the_arrays_waiting_one
 def test_compare_calls_a_point_with_its_kill_switch_stopped(sweep):
     from jobgen.compare import compare
 
-    (point(sweep, "lr-0.002") / "metrics.jsonl").write_text(json.dumps({"time": 1764219600.0, "step": 2, "loss": 2.5}) + "\n")
+    line = {"time": 1764219600.0, "step": 2, "loss": 2.5}
+    (point(sweep, "lr-0.002") / "metrics.jsonl").write_text(json.dumps(line) + "\n")
     RunDir(point(sweep, "lr-0.002")).set_switch("kill")
     rows = {row.name: row.state for row in compare([str(sweep)], None)}
     assert rows == {"lr-0.001": "unknown", "lr-0.002": "stopped"}  # as jobgen status says: no task known
