@@ -166,7 +166,8 @@ def read_row(target: Target, warn: Callable[[str], None] = _warn, state: str = "
     if not run.exists():
         return row
     row.state = state
-    row.max_steps = _max_steps(run, warn)
+    # An unreadable spec.json was named once already, by run_states.
+    row.max_steps = _max_steps(run, warn if state != UNREADABLE else lambda message: None)
     lines = read_metrics(run.path / "metrics.jsonl")
     if lines.warning():
         warn(lines.warning())

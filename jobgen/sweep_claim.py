@@ -136,6 +136,9 @@ def record_claim(sweep: Path, claims: Claims, point: str, args: argparse.Namespa
         restart=args.restart,
         time=time.time(),
     )
+    for path in (sweep / CLAIMS_DIR, sweep / CLAIMS_LOG):  # written here: never through a link
+        if path.is_symlink():
+            raise SweepFileError(path, "is a symbolic link: a sweep's claims are files of its own")
     (sweep / CLAIMS_DIR).mkdir(exist_ok=True)
     # A requeued job that now takes another point gives up the one its earlier attempt held.
     for path in (sweep / CLAIMS_DIR).glob("*.json"):

@@ -22,6 +22,7 @@ from jobgen.sweep_claim import stopped_by
 from jobgen.sweep_files import (
     POINTS_DIR,
     SWEEP_INDEX,
+    Claim,
     PointEntry,
     SweepFileError,
     SweepIndex,
@@ -136,14 +137,14 @@ def sweep_name(run: RunDir) -> str | None:
         return sweep.name  # the sweep's job.name is its directory's name
 
 
-def point_claims(run: RunDir) -> list[dict]:
+def point_claims(run: RunDir) -> list[Claim]:
     """The claims of ``run`` (a point) by the sweep's tasks, oldest first (lines that cannot
     be read skipped)."""
     sweep = sweep_of(run)
     if sweep is None:
         return []
     try:
-        return [c.to_json() for c in read_claims(sweep).of(run.path.name)]
+        return read_claims(sweep).of(run.path.name)
     except SweepFileError:
         return []
 
@@ -172,4 +173,4 @@ def slurm_view(run: RunDir, job_name: str) -> tuple[str, set[int] | None]:
     name = sweep_name(run)
     if name is None:
         return job_name, None
-    return name, {int(c["job_id"]) for c in point_claims(run)}
+    return name, {int(c.job_id) for c in point_claims(run)}

@@ -268,3 +268,18 @@ def test_a_point_that_is_a_link_out_of_the_sweep_is_refused(tmp_path, capsys, fm
     point_path(sweep, "a", fmt).symlink_to(other)
     code, out, err = run_claim(sweep, 107, "107", capsys)
     assert code == 2 and out == [] and "symbolic link" in err and not (other / "logs").exists(), (out, err)
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+@pytest.mark.parametrize("name", ["claims.jsonl", "claims"])
+def test_claims_are_never_written_through_a_link(tmp_path, capsys, name, fmt):
+    sweep = make_sweep(tmp_path, ["a"], fmt=fmt)
+    elsewhere = tmp_path / "elsewhere"
+    if name == "claims":
+        elsewhere.mkdir()
+    else:
+        elsewhere.write_text("")
+    (sweep / name).symlink_to(elsewhere)
+    code, out, err = run_claim(sweep, 107, "107", capsys)
+    assert code == 2 and out == [] and "symbolic link" in err, (out, err)
+    assert not (any(elsewhere.iterdir()) if elsewhere.is_dir() else elsewhere.read_text())
