@@ -225,6 +225,8 @@ def run_states(runs: list[RunDir], warn: Callable[[str], None] = _warn) -> dict[
         conf = slurm.config() if any(r.jobs() for r in readable) else None
     except slurm.SlurmUnavailable as exc:
         queue = exc  # each run's state from its directory, as jobgen status says then
+        why = ((exc.stderr or str(exc)).strip().splitlines() or ["no answer"])[-1]
+        warn(f"Slurm not reachable ({why}): states from the run directories")
     states = {}
     for path, problem in problems.items():
         if problem:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ POINT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # script is <program>.sbatch in its directory (jobgen.rundir.RunDir.script).
 PROGRAMS = ("train", "doctor", "command")
 _DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII only: '²'.isdigit() is True, int('²') fails
+# An override's key: a dotted key into run.toml, as [sweep] spells them (jobgen.sweep_spec's
+# pattern: tests/unit/test_sweep_files.py keeps the two equal).
+DOTTED_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 class SweepFileError(RunDirError):
@@ -137,7 +141,7 @@ def point_dir(directory: Path, name: str, fmt: int = FORMAT) -> Path:
     (it would lead out of the sweep)."""
     index = directory / SWEEP_INDEX
     if not is_point_name(name) or (fmt == FLAT and name in SWEEP_FILES):
-        raise SweepFileError(index, f"{name!r} is not a point's name (letters, digits and ._- only)")
+        raise SweepFileError(index, f"{name!r:.80} is not a point's name (letters, digits and ._- only)")
     base = directory / POINTS_DIR if fmt != FLAT else directory
     for path in (base, base / name):
         if path.is_symlink():
@@ -173,9 +177,9 @@ def _int(value: Any, lowest: int) -> int | None:
 def parse_index(directory: Path, data: Any) -> SweepIndex:
     if not isinstance(data, dict) or not isinstance(data.get("points"), list):
         raise _fail(directory, "", "not a sweep's index (an object with a list 'points')")
-    fmt = data.get("format", FLAT)
-    if fmt not in (FLAT, FORMAT) or isinstance(fmt, bool):
-        raise _fail(directory, "format", f"{fmt!r} is not a format this jobgen reads (1 or 2)")
+    fmt = _int(data.get("format", FLAT), FLAT)
+    if fmt not in (FLAT, FORMAT):
+        raise _fail(directory, "format", "not a format this jobgen reads (1 or 2)")
     name = data.get("name", directory.name)
     if not is_point_name(name):
         raise _fail(directory, "name", "not a job name")
@@ -183,8 +187,7 @@ def parse_index(directory: Path, data: Any) -> SweepIndex:
     if max_parallel is None:
         raise _fail(directory, "max_parallel", "not an integer of at least 1")
     points = [_entry(directory, f"points[{i}]", p, fmt) for i, p in enumerate(data["points"])]
-    names = [p.name for p in points]
-    twice = sorted({n for n in names if names.count(n) > 1})
+    twice = sorted(name for name, count in Counter(p.name for p in points).items() if count > 1)
     if twice:
         raise _fail(directory, "points", f"two points are named {twice[0]!r}")
     jobs = data.get("jobs", [])
@@ -202,8 +205,8 @@ def _entry(directory: Path, key: str, raw: Any, fmt: int) -> PointEntry:
     if not is_point_name(raw.get("name")):
         raise _fail(directory, f"{key}.name", "not a point's name (letters, digits and ._- only)")
     overrides = raw.get("overrides", {})
-    if not isinstance(overrides, dict):
-        raise _fail(directory, f"{key}.overrides", "not an object")
+    if not isinstance(overrides, dict) or not all(DOTTED_KEY.fullmatch(k) for k in overrides):
+        raise _fail(directory, f"{key}.overrides", "not an object of dotted keys (train.lr, ...)")
     attempts = _int(raw.get("attempts"), 1)
     if attempts is None:
         raise _fail(directory, f"{key}.attempts", "not an integer of at least 1")

@@ -23,7 +23,8 @@ from pydantic import AfterValidator, Field, model_validator
 from jobgen.fields import StrictModel
 
 # Dotted paths of identifiers: TOML bare keys as the spec's tables spell them
-# (field names, [env] variable names). No indices: a list is replaced whole.
+# (field names, [env] variable names). No indices: a list is replaced whole. The same as
+# jobgen.sweep_files.DOTTED_KEY, which reads sweep.json with the standard library alone.
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 # Keys no point may set, with the reason the error gives. job.name and job.runs_root

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from helpers import jobgen, small_sweep
-from jobgen import sweep_claim
+from jobgen import sweep_claim, sweep_spec
 from jobgen.spec import JobSpec
 from jobgen.submit import SubmitError
 from jobgen.sweep_files import (
+    DOTTED_KEY,
     FLAT,
     FORMAT,
     PROGRAMS,
@@ -35,9 +36,10 @@ def submit(path: Path):
     return submit_sweep(load_sweep(path), source_text=path.read_text(), skip_preflight=True)
 
 
-def test_the_programs_a_point_may_run_are_the_specs():
+def test_the_programs_and_override_keys_of_a_point_are_the_specs():
     # The claim (standard library only) cannot import the spec: the two lists are one.
     assert typing.get_args(JobSpec.model_fields["program"].annotation) == PROGRAMS
+    assert sweep_spec._DOTTED.pattern == DOTTED_KEY.pattern
 
 
 @pytest.mark.parametrize("name", SWEEP_FILES)
