@@ -30,7 +30,7 @@ def _sweep_sources(directory: Path, filters: Filters) -> list[Source]:
     out = []
     for entry, run in point_runs(directory):
         if run.exists():
-            out += [replace(s, name=f"{entry['name']} {s.name}") for s in find_sources(run, entry["name"], filters)]
+            out += [replace(s, name=f"{entry.name} {s.name}") for s in find_sources(run, entry.name, filters)]
     return out
 
 

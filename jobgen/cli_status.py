@@ -55,13 +55,13 @@ def _readable_run(run_ref: str) -> RunDir:
 
 
 def _all_runs() -> list[RunDir]:
-    from jobgen.sweep_runs import is_sweep_dir
+    from jobgen.sweep_runs import listed_points
 
     root = default_runs_root()
     if root is None:
         return []
     runs = [RunDir(p.parent) for p in root.glob("*/spec.json")]
-    runs += [RunDir(p.parent) for p in root.glob("*/*/spec.json") if is_sweep_dir(p.parent.parent)]  # sweeps' points
+    runs += listed_points(root)  # sweeps' points
     return sorted(runs, key=lambda r: r.path)
 
 

@@ -51,10 +51,12 @@ def validate_sweep(spec_file: str) -> None:
 
 
 def render_sweep_command(spec_file: str, output_dir: str | None) -> None:
-    """The sweep's script and the point table; with -o, the sweep's script and each point's."""
+    """The sweep's script and the point table; with -o, the sweep's script and each point's,
+    laid out as the sweep's directory is (DIR/sweep.sbatch, DIR/points/<point>/)."""
     from jobgen.atomic import write_text_atomic
     from jobgen.render import render, script_name
-    from jobgen.sweep_render import SWEEP_SCRIPT, render_sweep
+    from jobgen.sweep_files import POINTS_DIR, SWEEP_SCRIPT
+    from jobgen.sweep_render import render_sweep
 
     sweep = load_sweep(spec_file)
     text = render_sweep(sweep)
@@ -67,8 +69,8 @@ def render_sweep_command(spec_file: str, output_dir: str | None) -> None:
     write_text_atomic(out / SWEEP_SCRIPT, text, mode=0o755)
     click.echo(str(out / SWEEP_SCRIPT))
     for point in sweep.points:
-        target = out / point.name / script_name(point.spec)
-        target.parent.mkdir(exist_ok=True)
+        target = out / POINTS_DIR / point.name / script_name(point.spec)
+        target.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(target, render(point.spec), mode=0o755)
         click.echo(str(target))
 
@@ -110,16 +112,18 @@ def point_ref(ref: str):
 
 def switch_targets(ref: str) -> list | None:
     """The run directories a switch command acts on when ``ref`` names a sweep (every point
-    that has one) or a point, else None (a single run: the caller finds it)."""
+    that has one) or a point, else None (a single run: the caller finds it). Each derived
+    from the sweep's directory and the point's name; a sweep.json that cannot be read is one
+    line and no switch at all (exit status 1)."""
     from jobgen.sweep_runs import SweepError, point_runs
 
-    directory = sweep_ref(ref)
-    if directory is not None:
-        try:
+    try:
+        directory = sweep_ref(ref)
+        if directory is not None:
             return [run for _, run in point_runs(directory) if run.exists()]
-        except SweepError as exc:
-            fail(f"jobgen: {exc}")
-    point = point_ref(ref)
+        point = point_ref(ref)
+    except SweepError as exc:
+        fail(f"jobgen: {exc}")
     return [point] if point is not None else None
 
 

@@ -1,14 +1,16 @@
 """``jobgen compare SWEEP|RUN...``: runs side by side, to choose the best of a sweep.
 
-A reference is a sweep's directory (it holds ``sweep.json``; each point's run directory is
-``<sweep dir>/<point name>``), or one run (its directory, or its name under the runs root).
-For each run: its state as its files tell it, its last step of ``max_steps``, its final
-training loss and its best eval loss (``checkpoints/best.json``, else the lowest logged;
-:func:`jobgen.status.eval_progress`). The rows are sorted best first: by best eval loss,
-then runs without one by final training loss, then runs with neither.
+A reference is a sweep (its directory, which holds ``sweep.json``, or its name under the runs
+root: each point's run directory is ``<sweep dir>/points/<point name>``), ``SWEEP/POINT``, or
+one run (its directory, or its name under the runs root).
+For each run: the state ``jobgen status`` shows of it (:func:`run_states`), its last step of
+``max_steps``, its final training loss and its best eval loss (``checkpoints/best.json``, else
+the lowest logged; :func:`jobgen.status.eval_progress`). The rows are sorted best first: by
+best eval loss, then runs without one by final training loss, then runs with neither.
 
-Only files are read: no Slurm, so comparing a sweep of 50 points costs no 50 ``squeue``
-calls; ``jobgen status`` tells a queued run from a running one. The text table and the JSON
+Slurm is asked once for every run, as the listing of runs asks it (comparing a sweep of 50
+points costs one ``squeue``, not 50); out of reach, each state is what the run directory
+records, as ``jobgen status`` then says. The text table and the JSON
 are :mod:`jobgen.cli_compare`'s; :func:`draw` overlays the curves (matplotlib, the optional
 ``[plot]`` extra, imported only there, as :mod:`jobgen.plot` does).
 """
@@ -23,22 +25,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobgen import slurm
 from jobgen.atomic import write_bytes_atomic
 from jobgen.goodput import read_metrics
 from jobgen.program_records import trainer_history
-from jobgen.rundir import KILL_SWITCH, RunDir, RunDirError, find_run, switch_is_set
+from jobgen.rundir import RunDir, RunDirError, find_run
 from jobgen.runtime.records import is_eval_line, training_lines
-from jobgen.status import eval_progress
-from jobgen.sweep_claim import SWEEP_INDEX
-from jobgen.sweep_runs import find_point, find_sweep
+from jobgen.status import eval_progress, queue_for, run_status, unreadable
+from jobgen.sweep_files import SWEEP_INDEX
+from jobgen.sweep_runs import SweepError, find_point, find_sweep, read_sweep, sweep_of
 
-# What a row's state can be, from the run's files alone (see the module docstring).
+# A row's state is jobgen status's (running, pending, finished, failed, stopped, unknown), and:
 PENDING = "pending"  # a sweep point never submitted: no run directory yet
-SUBMITTED = "submitted"  # a run directory, no step logged yet
-STARTED = "started"  # steps logged, neither finished, failed nor stopped (running, or queued again)
-FINISHED = "finished"  # the done marker: max_steps reached
-FAILED = "failed"  # the failed marker: a failure every later task would repeat
-STOPPED = "stopped"  # the kill switch is set: no task will continue it until it is lifted
+UNREADABLE = "unreadable"  # its records cannot be read (jobgen.status.unreadable says why)
 
 
 class CompareError(RuntimeError):
@@ -119,11 +118,13 @@ def resolve(refs: list[str], runs_root: Path | None) -> list[Target]:
         try:
             run = find_run(ref, runs_root)
         except RunDirError as exc:
-            point = find_point(ref, runs_root)  # SWEEP/POINT: with its overrides
+            point = _find_point(ref, runs_root)  # SWEEP/POINT: with its overrides
             if point is None:
                 words = f"'{ref}' is neither a sweep (a directory with {SWEEP_INDEX}) nor a run: {exc}"
                 raise BadReference(words) from None
-            targets.extend(t for t in sweep_points(point.path.parent) if t.name == point.path.name)
+            directory = sweep_of(point)
+            if directory is not None:
+                targets.extend(t for t in sweep_points(directory) if t.path == point.path)
             continue
         targets.append(Target(run.path.name, run.path))
     # A run named twice (by name and by path, or alone and in its sweep) is one row.
@@ -137,35 +138,36 @@ def resolve(refs: list[str], runs_root: Path | None) -> list[Target]:
     return unique
 
 
-def sweep_points(directory: Path) -> list[Target]:
-    """The points ``directory/sweep.json`` lists, each at ``directory/<point name>``."""
-    path = directory / SWEEP_INDEX
+def _find_point(ref: str, runs_root: Path | None) -> RunDir | None:
     try:
-        sweep = json.loads(path.read_text())
-        name = str(sweep.get("name") or directory.name)
-        points = sweep["points"]
-        return [
-            Target(str(p["name"]), directory / str(p["name"]), name, dict(p.get("overrides") or {})) for p in points
-        ]
-    except OSError as exc:
-        raise BadReference(f"{path}: cannot read: {exc.strerror}") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        # A hand edit or a cut write: name the file rather than show a traceback.
-        raise BadReference(
-            f"{path}: not a sweep record (an object with 'points', each with a 'name'): {exc!r}"
-        ) from None
+        return find_point(ref, runs_root)
+    except SweepError as exc:
+        raise BadReference(str(exc)) from None
+
+
+def sweep_points(directory: Path) -> list[Target]:
+    """The points ``directory/sweep.json`` lists, each at its run directory in ``directory``
+    (jobgen.sweep_files); BadReference naming the file when it cannot be read."""
+    try:
+        index = read_sweep(directory)
+    except SweepError as exc:  # a hand edit or a cut write: the file named, never a traceback
+        raise BadReference(str(exc)) from None
+    return [Target(p.name, index.point_dir(p.name), index.name, dict(p.overrides)) for p in index.points]
 
 
 # ---------------------------------------------------------------- reading
 
 
-def read_row(target: Target, warn: Callable[[str], None] = _warn) -> Row:
-    """One run's row: empty values and state ``pending`` for a point with no run directory."""
+def read_row(target: Target, warn: Callable[[str], None] = _warn, state: str = "unknown") -> Row:
+    """One run's row, in ``state`` (:func:`run_states`): empty values and state ``pending``
+    for a point with no run directory."""
     run = RunDir(target.path)
     row = Row(target.name, str(target.path), target.sweep, PENDING, dict(target.overrides))
     if not run.exists():
         return row
-    row.max_steps = _max_steps(run, warn)
+    row.state = state
+    # An unreadable spec.json was named once already, by run_states.
+    row.max_steps = _max_steps(run, warn if state != UNREADABLE else lambda message: None)
     lines = read_metrics(run.path / "metrics.jsonl")
     if lines.warning():
         warn(lines.warning())
@@ -180,7 +182,6 @@ def read_row(target: Target, warn: Callable[[str], None] = _warn) -> Row:
     _, best = eval_progress(lines, run.best())
     if best is not None:
         row.best_eval_loss, row.best_eval_step = best["eval_loss"], best["step"]
-    row.state = _state(run, row.step)
     return row
 
 
@@ -208,14 +209,32 @@ def _curve(lines: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     return points
 
 
-def _state(run: RunDir, step: int | None) -> str:
-    if run.done_marker.exists():
-        return FINISHED
-    if run.failed_marker.exists():
-        return FAILED
-    if switch_is_set(run.switch(KILL_SWITCH)):
-        return STOPPED
-    return SUBMITTED if step is None else STARTED
+def run_states(runs: list[RunDir], warn: Callable[[str], None] = _warn) -> dict[Path, str]:
+    """The state ``jobgen status`` shows of each run that has a directory: its run_status,
+    from one ``squeue`` (and one look at Slurm's configuration) for all of them, as the
+    listing of runs asks; a run whose records cannot be read is ``unreadable``, with a
+    warning naming the file. A run's tasks' records decide as they do there: a task that
+    failed makes the run failed even without a failure marker."""
+    present = [run for run in runs if run.exists()]
+    problems = {run.path: unreadable(run) for run in present}
+    readable = [run for run in present if not problems[run.path]]
+    queue: list[slurm.QueueEntry] | Exception
+    conf: dict[str, str] | Exception | None = None
+    try:
+        queue = queue_for(readable)
+        conf = slurm.config() if any(r.jobs() for r in readable) else None
+    except slurm.SlurmUnavailable as exc:
+        queue = exc  # each run's state from its directory, as jobgen status says then
+        why = ((exc.stderr or str(exc)).strip().splitlines() or ["no answer"])[-1]
+        warn(f"Slurm not reachable ({why}): states from the run directories")
+    states = {}
+    for path, problem in problems.items():
+        if problem:
+            warn(problem)
+            states[path] = UNREADABLE
+    for run in readable:
+        states[run.path] = run_status(run, queue=queue, details=False, ended=True, conf=conf).state
+    return states
 
 
 def sort_key(row: Row) -> tuple[int, float]:
@@ -233,7 +252,8 @@ def compare(refs: list[str], runs_root: Path | None, warn: Callable[[str], None]
     targets = resolve(refs, runs_root)
     if not targets:
         raise CompareError(f"no runs to compare: {', '.join(refs)} list(s) no points")
-    return sorted((read_row(t, warn) for t in targets), key=sort_key)
+    states = run_states([RunDir(t.path) for t in targets], warn)
+    return sorted((read_row(t, warn, states.get(t.path, PENDING)) for t in targets), key=sort_key)
 
 
 def override_keys(rows: list[Row]) -> list[str]:

@@ -24,10 +24,9 @@ Layout::
     tensorboard/ wandb/ wandb-id   experiment tracking (train.report_to)
     serve.json serve-job.json served/ logs/serve/   jobgen serve (the address, the job, the exports)
 
-A new run directory is assembled under a temporary name in the runs root and
-renamed into place, so an error at any point leaves either no directory or a
-complete one. Resubmitting an existing run keeps its checkpoints and logs and
-replaces spec and scripts atomically, one file at a time.
+A new run directory is assembled under a temporary name in the runs root and renamed into place,
+so an error at any point leaves either no directory or a complete one. Resubmitting an existing
+run keeps its checkpoints and logs and replaces spec and scripts atomically, one file at a time.
 """
 
 from __future__ import annotations
@@ -39,12 +38,13 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobgen.atomic import TargetExists, staged_directory, write_json_atomic, write_text_atomic
-from jobgen.resolved import ResolvedSpec
 from jobgen.run_permissions import SWITCH_FILE_MODE, SWITCHES_MODE, repair_modes, why_not_writable
 
+if TYPE_CHECKING:  # pydantic only where a spec is read: a sweep's claim uses RunDir with the standard library
+    from jobgen.resolved import ResolvedSpec
 SUBDIRS = ("switches", "logs", "checkpoints", "repro", "history")
 # Switch files under switches/: kill saves and exits, save saves and goes on, abort exits
 # without saving. kill and abort also keep a task from starting at all (STARTUP_SWITCHES,
@@ -52,8 +52,7 @@ SUBDIRS = ("switches", "logs", "checkpoints", "repro", "history")
 KILL_SWITCH, SAVE_SWITCH, ABORT_SWITCH = "kill", "save", "abort"
 SWITCHES = (KILL_SWITCH, SAVE_SWITCH, ABORT_SWITCH)
 STARTUP_SWITCHES = (KILL_SWITCH, ABORT_SWITCH)
-# The modes of switches/ and of a switch file (SWITCHES_MODE, SWITCH_FILE_MODE), and why:
-# jobgen.run_permissions.
+# The modes of switches/ and of a switch file (SWITCHES_MODE, SWITCH_FILE_MODE), and why: jobgen.run_permissions.
 # Checkpoint directories under checkpoints/: only a rename ever gives a directory its
 # final name, so a name is a promise about the content.
 CHECKPOINT_PREFIX = "step-"  # complete: step-00000120
@@ -352,6 +351,8 @@ class RunDir:
         return self.spec_file.is_file()
 
     def load_spec(self) -> ResolvedSpec:
+        from jobgen.resolved import ResolvedSpec  # (pydantic: see TYPE_CHECKING above)
+
         return ResolvedSpec.from_json(json.loads(self.spec_file.read_text()))
 
     def script(self, program: str) -> Path:

@@ -371,7 +371,7 @@ class RunSpec(StrictModel):
         None,
         description=(
             "A file with [sweep] is a sweep: each point is this file with the point's keys set, run in its own "
-            "directory runs_root/<job.name>/<point> (named by its overrides, e.g. lr-0.0003_r-16, or 'base' "
+            "directory runs_root/<job.name>/points/<point> (named by its overrides, e.g. lr-0.0003_r-16, or 'base' "
             "for none); the sweep's directory runs_root/<job.name> holds them all, and the Slurm array is "
             "named job.name."
         ),

@@ -38,7 +38,7 @@ from jobgen.status_facts import RunRecords, SlurmFacts, ask_kill_window, ask_slu
 from jobgen.status_facts import queue_for as queue_for
 from jobgen.status_facts import slurm_may_know as slurm_may_know
 from jobgen.stop_requests import ended_attempts, stale_requests
-from jobgen.sweep_runs import point_open, slurm_view
+from jobgen.sweep_runs import point_open, point_problem, slurm_view
 from jobgen.task_table import TaskStatus, build_tasks
 
 # What the run's watchdogs alert about right now, one line each (supplied by jobgen/cli.py).
@@ -357,7 +357,7 @@ def unreadable(run: RunDir) -> str | None:
             return f"{run.spec_file}: {where}: {message}" + (f" (and {more} more)" if more else "")
     if not isinstance(jobs, list) or not all(isinstance(j, dict) and isinstance(j.get("job_id"), int) for j in jobs):
         return f"{run.jobs_file}: not a list of submissions (objects with an integer 'job_id')"
-    return None
+    return point_problem(run)  # a sweep's point: its sweep.json too
 
 
 def unreadable_status(run: RunDir, problem: str) -> RunStatus:

@@ -18,7 +18,11 @@ node: a container image may have no Slurm client); ``--live-unknown`` (squeue fa
 every claim as live.
 
 The task decides once, here, on the batch node; the point's own script then runs exactly as
-a single run's array task does. sweep.json names every file this reads.
+a single run's array task does. Every path is derived from ``--sweep`` and a point's name
+(jobgen.sweep_files), never read from a file; a claim line that cannot be read is skipped,
+and the claim says on stderr (the array's log) how many it skipped. A sweep.json that cannot
+be read is one line on stderr and exit status 2: nothing is claimed from an index this
+cannot trust.
 """
 
 from __future__ import annotations
@@ -31,13 +35,25 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from jobgen import slurm  # its table of job states
 from jobgen.atomic import write_json_atomic
+from jobgen.rundir import STARTUP_SWITCHES, RunDir, switch_is_set
+from jobgen.sweep_files import (
+    CLAIMS_DIR,
+    CLAIMS_LOG,
+    LOCK_FILE,
+    Claim,
+    Claims,
+    PointEntry,
+    SweepFileError,
+    SweepIndex,
+    read_claims,
+    read_index,
+)
 
-SWEEP_INDEX = "sweep.json"  # the sweep's points and the files each claim reads
 # A job that still holds its point: it runs, or is ending (its processes may still write the
 # point's checkpoint). A pending job (a requeued one) claims again when it starts.
 HOLDING_STATES = slurm.JOB_ACTIVE - slurm.JOB_PENDING
@@ -47,7 +63,7 @@ Alive = Callable[[str], bool]
 @contextmanager
 def locked(sweep: Path) -> Iterator[None]:
     """flock on the sweep's lock file: one task at a time reads and writes the claims."""
-    with open(sweep / ".claims.lock", "a") as handle:
+    with open(sweep / LOCK_FILE, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -55,84 +71,55 @@ def locked(sweep: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def read_claims(sweep: Path) -> list[dict[str, Any]]:
-    """Every claim ever made (claims.jsonl), oldest first; a torn last line is skipped."""
-    path = sweep / "claims.jsonl"
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+def stopped_by(run: RunDir) -> str | None:
+    """The startup switch set on a point (kill or abort: a regular file, not a link), or None."""
+    return next((name for name in STARTUP_SWITCHES if switch_is_set(run.switch(name))), None)
 
 
-def current_claim(sweep: Path, point: str) -> dict[str, Any] | None:
-    try:
-        return json.loads((sweep / "claims" / f"{point}.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-# The switches that keep a run's tasks from starting (jobgen.rundir.STARTUP_SWITCHES), by the
-# name of their file next to the kill switch that sweep.json names.
-STARTUP_SWITCH_NAMES = ("kill", "abort")
-
-
-def stopped_by(kill_switch: Path) -> str | None:
-    """The startup switch set on a point (a regular file, not a link), or None."""
-    for name in STARTUP_SWITCH_NAMES:
-        path = kill_switch.with_name(name)
-        if path.is_file() and not path.is_symlink():
-            return name
-    return None
-
-
-def closed_reason(point: dict[str, Any], used: int) -> str | None:
+def closed_reason(run: RunDir, attempts: int, used: int) -> str | None:
     """Why a point takes no more tasks, or None while it is open."""
-    if Path(point["done"]).exists():
+    if run.done_marker.exists():
         return "finished"
-    if Path(point["failed"]).exists():
+    if run.failed_marker.exists():
         return "failed"
-    switch = stopped_by(Path(point["kill"]))
+    switch = stopped_by(run)
     if switch is not None:
         return f"stopped ({switch} switch)"
-    if used >= int(point["attempts"]):
-        return f"out of tasks ({used} of {point['attempts']})"
+    if used >= attempts:
+        return f"out of tasks ({used} of {attempts})"
     return None
 
 
-def holder(sweep: Path, point: str, job_id: str, alive: Alive) -> str | None:
+def holder(claims: Claims, point: str, job_id: str, alive: Alive) -> str | None:
     """The live task holding ``point``, or None. This job's own earlier attempt (same id,
     requeued) holds nothing: nothing from an earlier attempt is acted on."""
-    claim = current_claim(sweep, point)
-    if claim is None or str(claim["job_id"]) == job_id:
+    current = claims.current(point)
+    if current is None or current.job_id == job_id:
         return None
-    return str(claim["job_id"]) if alive(str(claim["job_id"])) else None
+    return current.job_id if alive(current.job_id) else None
 
 
 def choose(
-    sweep: Path, index: dict[str, Any], job_id: str, array_job: str, alive: Alive
-) -> tuple[dict | None, int, int]:
+    index: SweepIndex, claims: Claims, job_id: str, array_job: str, alive: Alive
+) -> tuple[PointEntry | None, int, int]:
     """The point to run (or None), how many points are still open, and how many of those
     are held by other live tasks."""
     # Tasks of this array only: a re-submission gives every open point job.array tasks again.
     # A job requeued (same id) is one task, as it is one index of the array.
     jobs: dict[str, set[str]] = {}
-    for claim in read_claims(sweep):
-        if str(claim.get("array_job_id")) == array_job:
-            jobs.setdefault(claim["point"], set()).add(str(claim.get("job_id")))
-    used = {point: len(ids) for point, ids in jobs.items()}
+    for past in claims.log:
+        if past.array_job_id == array_job:
+            jobs.setdefault(past.point, set()).add(past.job_id)
     best, best_used, open_points, held = None, 0, 0, 0
-    for point in index["points"]:
-        if "script" not in point:  # written into the file, not submitted yet
+    for point in index.points:
+        run = index.run(point)
+        if point.program is None or not run.exists():  # written into the file, not submitted yet
             continue
-        count = used.get(point["name"], 0)
-        if closed_reason(point, count) is not None:
+        count = len(jobs.get(point.name, ()))
+        if closed_reason(run, point.attempts, count) is not None:
             continue
         open_points += 1
-        if holder(sweep, point["name"], job_id, alive) is not None:
+        if holder(claims, point.name, job_id, alive) is not None:
             held += 1
             continue
         if best is None or count < best_used:
@@ -140,36 +127,53 @@ def choose(
     return best, open_points, held
 
 
-def record_claim(sweep: Path, point: str, args: argparse.Namespace) -> None:
-    claim = {
-        "point": point,
-        "job_id": args.job,
-        "array_job_id": args.array_job or args.job,
-        "task": args.task,
-        "restart": args.restart,
-        "time": time.time(),
-    }
-    (sweep / "claims").mkdir(exist_ok=True)
+def record_claim(sweep: Path, claims: Claims, point: str, args: argparse.Namespace) -> None:
+    claim = Claim(
+        point=point,
+        job_id=str(args.job),
+        array_job_id=str(args.array_job or args.job),
+        task=str(args.task),
+        restart=args.restart,
+        time=time.time(),
+    )
+    for path in (sweep / CLAIMS_DIR, sweep / CLAIMS_LOG):  # written here: never through a link
+        if path.is_symlink():
+            raise SweepFileError(path, "is a symbolic link: a sweep's claims are files of its own")
+    (sweep / CLAIMS_DIR).mkdir(exist_ok=True)
     # A requeued job that now takes another point gives up the one its earlier attempt held.
-    for path in (sweep / "claims").glob("*.json"):
-        if path.name != f"{point}.json" and str((current_claim(sweep, path.stem) or {}).get("job_id")) == str(args.job):
+    for path in (sweep / CLAIMS_DIR).glob("*.json"):
+        held = claims.current(path.stem)
+        if path.stem != point and held is not None and held.job_id == claim.job_id:
             path.unlink(missing_ok=True)
-    write_json_atomic(sweep / "claims" / f"{point}.json", claim)
-    with open(sweep / "claims.jsonl", "a") as handle:
-        handle.write(json.dumps(claim) + "\n")
+    write_json_atomic(sweep / CLAIMS_DIR / f"{point}.json", claim.to_json())
+    with open(sweep / CLAIMS_LOG, "a") as handle:
+        handle.write(json.dumps(claim.to_json()) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
 
 
-def claim(sweep: Path, args: argparse.Namespace, alive: Alive) -> tuple[dict[str, Any] | None, int, int]:
-    """Take a point for this task: its entry of sweep.json (or None), the points still open and
-    how many of them other live tasks hold."""
+@dataclass(frozen=True)
+class Outcome:
+    """What a task's claim decided."""
+
+    point: PointEntry | None  # the point taken, or None
+    run: RunDir | None  # its run directory
+    throttle: int  # min(max_parallel, open points): the array's throttle to set
+    held: int  # open points held by other live tasks
+    skipped: list[str] = field(default_factory=list)  # what could not be read, and was skipped
+
+
+def claim(sweep: Path, args: argparse.Namespace, alive: Alive) -> Outcome:
+    """Take a point for this task. Raises SweepFileError for a sweep.json that cannot be read."""
     with locked(sweep):
-        index = json.loads((sweep / SWEEP_INDEX).read_text())
-        point, open_points, held = choose(sweep, index, str(args.job), str(args.array_job or args.job), alive)
+        index = read_index(sweep)
+        claims = read_claims(sweep)
+        point, open_points, held = choose(index, claims, str(args.job), str(args.array_job or args.job), alive)
         if point is not None:
-            record_claim(sweep, point["name"], args)
-    return point, min(int(index["max_parallel"]), open_points), held
+            record_claim(sweep, claims, point.name, args)
+    skipped = list(dict.fromkeys(claims.skipped))
+    run = index.run(point) if point is not None else None
+    return Outcome(point, run, min(index.max_parallel, open_points), held, skipped)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -190,14 +194,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     live = {j for j in (args.live or "").split(",") if j}
-    point, throttle, held = claim(args.sweep, args, lambda job: args.live_unknown or job in live)
-    if point is None:
-        print(f"{'held' if held else 'none'} {throttle}")
+    try:
+        outcome = claim(args.sweep, args, lambda job: args.live_unknown or job in live)
+    except SweepFileError as exc:
+        print(f"jobgen.sweep_claim: {exc}", file=sys.stderr)
+        return 2
+    for what in outcome.skipped:  # the claim went on without them
+        print(f"jobgen.sweep_claim: not a claim, skipped: {what}", file=sys.stderr)
+    point, run = outcome.point, outcome.run
+    if point is None or run is None or point.program is None:
+        print(f"{'held' if outcome.held else 'none'} {outcome.throttle}")
         return 0
-    print(f"claimed {throttle}")
-    print(point["dir"])
-    print(point["script"])
-    print(point["log"].replace("{job_id}", str(args.job)))
+    print(f"claimed {outcome.throttle}")
+    print(run.path)
+    print(run.script(point.program))
+    print(run.batch_log(point.name, args.job))
     return 0
 
 

@@ -1,8 +1,9 @@
 """A sweep's points: ``[sweep]`` expanded into one validated run spec per point.
 
 Each point is the file as written, ``[sweep]`` taken out, with the point's dotted keys set,
-``job.name`` set to the point's name and ``job.runs_root`` to the sweep's directory
-(``runs_root/<job.name>``), validated exactly as ``jobgen validate`` validates a run. Every
+``job.name`` set to the point's name and ``job.runs_root`` to the sweep's ``points/``
+(``runs_root/<job.name>/points``: jobgen.sweep_files), validated exactly as ``jobgen
+validate`` validates a run. Every
 problem of every point is collected and raised as one :class:`~jobgen.loader.SpecError`
 whose issues name the point and the sweep key that caused them, e.g.::
 
@@ -32,7 +33,8 @@ from jobgen.loader import SpecError, SpecIssue, key_path, read_toml, resolve
 from jobgen.render import sbatch_directives
 from jobgen.resolved import ResolvedSpec
 from jobgen.spec import MAX_ARRAY
-from jobgen.sweep_spec import SEED_KEY, SweepSpec
+from jobgen.sweep_files import POINTS_DIR
+from jobgen.sweep_spec import SEED_KEY, SweepSpec, related_keys
 
 # A point's name is a job.name (jobgen.fields.JobName): Slurm's %x, a file name, no commas.
 MAX_NAME = 64
@@ -54,7 +56,7 @@ class SweepPoint:
 
     name: str  # the point's run directory name (and its job.name)
     overrides: dict[str, Any]  # dotted key -> value, in the order written (the seed last)
-    spec: ResolvedSpec  # job.name = name, job.runs_root = the sweep's directory, sweep = None
+    spec: ResolvedSpec  # job.name = name, job.runs_root = the sweep's points/, sweep = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Sweep:
     """A run.toml with ``[sweep]``, expanded and validated."""
 
     name: str  # the file's job.name: the Slurm array's name
-    directory: Path  # runs_root/<job.name>: sweep.json and one run directory per point
+    directory: Path  # runs_root/<job.name>: sweep.json, and points/ with one run directory per point
     settings: SweepSpec
     base: ResolvedSpec  # the file without [sweep], validated as a plain run
     points: list[SweepPoint]
@@ -124,6 +126,7 @@ def expand(raw: dict[str, Any], spec_file: Path) -> Sweep:
             built.append(draft)
     issues.extend(_duplicates(built, points, short, label))
     issues.extend(_allocations(base, built, points, short, label))
+    issues.extend(_task_count([point.spec.run.job.array for point in points], label))
     if issues:
         raise SpecError(issues)
     return Sweep(name=base.run.job.name, directory=base.run_dir, settings=settings, base=base, points=points)
@@ -245,6 +248,8 @@ def _sweep_problems(settings: SweepSpec, base: ResolvedSpec, label: str) -> list
                 "MaxArraySize); split the sweep into several files",
             )
         )
+    elif not any(related_keys(key, "job.array") for key in settings.keys):  # else counted once built
+        issues += _task_count([base.run.job.array] * settings.size, label)
     directory = str(base.run_dir)
     try:
         TypeAdapter(SafePath).validate_python(directory)
@@ -305,7 +310,8 @@ def _build(
             issues.append(SpecIssue(label, key_path(draft.location(key)), f"point {desc}: {problem}"))
     if issues:
         return None, issues
-    doc["job"] = {**doc["job"], "name": name, "runs_root": str(directory)}  # a valid base has a [job] table
+    # A valid base has a [job] table. points/: no point's name can be one of the sweep's files.
+    doc["job"] = {**doc["job"], "name": name, "runs_root": str(directory / POINTS_DIR)}
     try:
         return resolve(doc, spec_file=spec_file, base_dir=spec_file.absolute().parent), []
     except SpecError as exc:
@@ -388,6 +394,22 @@ def _allocations(
             )
         )
     return issues
+
+
+def _task_count(arrays: list[int], label: str) -> list[SpecIssue]:
+    """The array gives each point its job.array tasks (``arrays``): more than one array holds
+    is refused at validate, not only when sbatch would refuse it."""
+    if sum(arrays) <= MAX_ARRAY:
+        return []
+    each = f"job.array = {arrays[0]} each" if len(set(arrays)) == 1 else "job.array of each"
+    return [
+        SpecIssue(
+            label,
+            "job.array",
+            f"{len(arrays)} points need {sum(arrays)} array tasks ({each}); one Slurm array holds at most "
+            f"{MAX_ARRAY} (Slurm's default MaxArraySize): lower job.array or split the sweep into several files",
+        )
+    ]
 
 
 def _lookup(table: dict[str, Any], job_key: str) -> Any:

@@ -14,9 +14,9 @@ from typing import Any
 from jobgen import __version__
 from jobgen.render import Trusted, python_context, sbatch_arg, slurm_filename_literal, template_environment
 from jobgen.sweep_claim import HOLDING_STATES
+from jobgen.sweep_files import LOGS_DIR, POINTS_DIR, SWEEP_SCRIPT
 from jobgen.sweep_points import Sweep, allocation
 
-SWEEP_SCRIPT = "sweep.sbatch"
 # A task that finds every open point held by a task Slurm is still ending waits this long
 # for one (KillWait is 30 s by default; the claim is asked again every 5 s).
 CLAIM_WAIT_SECONDS = 180
@@ -24,7 +24,7 @@ CLAIM_WAIT_SECONDS = 180
 
 def sweep_log(directory: Path) -> Path:
     """The sweep script's own output (%x: the sweep's name, %A_%a: array job and task)."""
-    return directory / "logs" / "%x-%A_%a.out"
+    return directory / LOGS_DIR / "%x-%A_%a.out"
 
 
 def sweep_directives(sweep: Sweep) -> list[Trusted]:
@@ -47,6 +47,7 @@ def sweep_context(sweep: Sweep) -> dict[str, Any]:
         "site_name": sweep.base.site.name,
         "sweep_name": sweep.name,
         "sweep_dir": str(sweep.directory),
+        "points_dir": str(sweep.directory / POINTS_DIR),
         "script_name": SWEEP_SCRIPT,
         "max_parallel": sweep.settings.max_parallel,
         "point_count": len(sweep.points),

@@ -23,23 +23,24 @@ from pydantic import AfterValidator, Field, model_validator
 from jobgen.fields import StrictModel
 
 # Dotted paths of identifiers: TOML bare keys as the spec's tables spell them
-# (field names, [env] variable names). No indices: a list is replaced whole.
+# (field names, [env] variable names). No indices: a list is replaced whole. The same as
+# jobgen.sweep_files.DOTTED_KEY, which reads sweep.json with the standard library alone.
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 # Keys no point may set, with the reason the error gives. job.name and job.runs_root
-# place the point's run directory (runs_root/<job.name>/<point>), which the sweep owns;
+# place the point's run directory (runs_root/<job.name>/points/<point>), which the sweep owns;
 # the site is one for the whole array; a point cannot reshape the sweep that made it.
 FORBIDDEN = {
     "site": "the site profile is one for the whole sweep",
     "sweep": "a point cannot change the sweep that makes it",
     "job.name": "job.name names the sweep; each point's run is named by its overrides",
-    "job.runs_root": "each point's run directory is runs_root/<job.name>/<point>",
+    "job.runs_root": "each point's run directory is runs_root/<job.name>/points/<point>",
 }
 
 SEED_KEY = "train.seed"
 
 
-def _related(key: str, other: str) -> bool:
+def related_keys(key: str, other: str) -> bool:
     """One key is the other or lies under it (``job`` and ``job.name``)."""
     return key == other or key.startswith(other + ".") or other.startswith(key + ".")
 
@@ -52,7 +53,7 @@ def _sweep_key(key: str) -> str:
             "(letters, digits and '_' between the dots; a list is replaced whole, not indexed)"
         )
     for forbidden, why in FORBIDDEN.items():
-        if _related(key, forbidden):
+        if related_keys(key, forbidden):
             raise ValueError(f"a sweep may not set {forbidden}: {why}")
     return key
 
@@ -73,7 +74,7 @@ def overlapping_keys(keys: list[str]) -> tuple[str, str] | None:
     """Two keys of which one lies under the other: which wins would depend on their order."""
     for index, key in enumerate(keys):
         for other in keys[index + 1 :]:
-            if _related(key, other):
+            if related_keys(key, other):
                 return key, other
     return None
 
@@ -127,7 +128,7 @@ class SweepSpec(StrictModel):
     def _seeds_own_the_seed(self) -> SweepSpec:
         if self.seeds is None:
             return self
-        if any(_related(key, SEED_KEY) for key in self.keys):
+        if any(related_keys(key, SEED_KEY) for key in self.keys):
             raise ValueError(
                 f"sweep.seeds sets {SEED_KEY} of every point (the file's seed + 0 .. {self.seeds - 1}): "
                 f"sweep {SEED_KEY} itself or use sweep.seeds, not both"

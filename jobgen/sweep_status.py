@@ -15,8 +15,9 @@ from typing import Any
 
 from jobgen import slurm
 from jobgen.compare import read_row, sweep_points
-from jobgen.rundir import KILL_SWITCH, RunDir
-from jobgen.sweep_claim import current_claim, stopped_by
+from jobgen.rundir import RunDir
+from jobgen.sweep_claim import stopped_by
+from jobgen.sweep_files import Claim, read_claims
 from jobgen.sweep_runs import read_sweep
 
 
@@ -28,17 +29,17 @@ def _live(jobs: list[int]) -> tuple[list[slurm.QueueEntry], str | None]:
         return [], f"Slurm not reachable ({exc}): states from the sweep's directory only"
 
 
-def point_state(run: RunDir, claim: dict[str, Any] | None, running: set[int], queued: bool | None) -> str:
+def point_state(run: RunDir, claim: Claim | None, running: set[int], queued: bool | None) -> str:
     """``queued``: whether the sweep has a task in Slurm's queue (None: Slurm did not answer)."""
     if run.done_marker.exists():
         return "finished"
     if run.failed_marker.exists():
         return "failed"
-    if stopped_by(run.switch(KILL_SWITCH)) is None and queued is None:
+    if stopped_by(run) is None and queued is None:
         return "unknown"
-    if claim is not None and str(claim.get("job_id", "")).isdigit() and int(claim["job_id"]) in running:
+    if claim is not None and int(claim.job_id) in running:
         return "running"
-    if stopped_by(run.switch(KILL_SWITCH)) or not queued:
+    if stopped_by(run) or not queued:
         return "stopped"
     return "pending"
 
@@ -55,20 +56,21 @@ def sweep_state(states: list[str]) -> str:
 def sweep_status(directory: Path) -> dict[str, Any]:
     """The sweep's state and one entry per point (``jobgen status SWEEP --json``)."""
     index = read_sweep(directory)
-    jobs = [int(j["job_id"]) for j in index.get("jobs", [])]
+    jobs = [job.job_id for job in index.jobs]
     entries, problem = _live(jobs)
     running = {e.job_id for e in entries if e.state not in slurm.JOB_PENDING}
     queued = None if problem else bool(entries)
+    claims = read_claims(directory)
     points = []
     for target in sweep_points(directory):
         run = RunDir(target.path)
-        claim = current_claim(directory, target.name)
+        claim = claims.current(target.name)
         row = read_row(target, warn=lambda message: None)
         if run.exists():
             state = point_state(run, claim, running, queued)
         else:  # written into the file, not submitted yet
             state = "unknown" if queued is None else "pending" if queued else "stopped"
-        task = (claim.get("array_job_id"), claim.get("task")) if claim else (None, None)
+        task = (claim.array_job_id, claim.task) if claim else (None, None)
         points.append(
             {
                 "name": target.name,
@@ -83,13 +85,15 @@ def sweep_status(directory: Path) -> dict[str, Any]:
                 "task": f"{task[0]}_{task[1]}" if state == "running" else None,
             }
         )
+    notes = [problem] if problem else []
+    notes += [f"not a claim, skipped: {what}" for what in dict.fromkeys(claims.skipped)]
     return {
         "sweep_dir": str(directory),
-        "name": index.get("name", directory.name),
+        "name": index.name,
         "state": sweep_state([p["state"] for p in points]),
-        "max_parallel": index.get("max_parallel"),
+        "max_parallel": index.max_parallel,
         "jobs": jobs,
-        "notes": [problem] if problem else [],
+        "notes": notes,
         "points": points,
     }
 

@@ -1,8 +1,11 @@
 """``jobgen submit SWEEP.toml``: every point's run directory, ``sweep.json`` and ONE array.
 
-The sweep's directory is ``<runs_root>/<job.name>/``: ``sweep.json`` (the points, their
-overrides and the files the claim reads), ``sweep.sbatch`` (jobgen.sweep_render), one run
-directory per point, and the claims (jobgen.sweep_claim). The array is
+The sweep's directory is ``<runs_root>/<job.name>/`` (jobgen.sweep_files): ``sweep.json``
+(the points: their names, overrides, programs and tasks), ``sweep.sbatch``
+(jobgen.sweep_render), one run directory per point under ``points/``, and the claims
+(jobgen.sweep_claim). A sweep of format 1 (points beside sweep.json, jobgen before
+``points/``) continues as it is: its points are continued and retried, and new points are
+refused, since they would not be where its claim and its readers look. The array is
 ``--array=1-TASKS%max_parallel``; TASKS is job.array for every point still open, so each
 point has as many tasks as a single run of it would. Submitting again never changes a
 point that exists: points newly written into the file are added, unfinished ones continue
@@ -13,24 +16,22 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from jobgen import slurm
-from jobgen.atomic import write_json_atomic, write_text_atomic
+from jobgen.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
 from jobgen.preflight import Finding, command_findings, memory_findings, pass_env_findings, preflight
 from jobgen.render import render
 from jobgen.rundir import RunDir, materialize, remove_new
+from jobgen.spec import MAX_ARRAY as MAX_TASKS  # Slurm's default MaxArraySize is 1001: indices 1-1000
 from jobgen.submit import SubmitError, clear_failure
 from jobgen.submit import quarantined_nodes as _quarantined_run
-from jobgen.sweep_claim import SWEEP_INDEX, closed_reason, locked
+from jobgen.sweep_claim import closed_reason, locked
+from jobgen.sweep_files import FLAT, FORMAT, LOGS_DIR, SWEEP_INDEX, SWEEP_SCRIPT, PointEntry, SweepIndex, SweepJob
 from jobgen.sweep_points import Sweep, SweepPoint, allocation, overrides_key
-from jobgen.sweep_render import SWEEP_SCRIPT, render_sweep
+from jobgen.sweep_render import render_sweep
 from jobgen.sweep_runs import SweepError, read_sweep
-
-# Slurm's default MaxArraySize is 1001: indices 1-1000.
-MAX_TASKS = 1000
 
 
 @dataclass
@@ -45,7 +46,7 @@ class SweepSubmitResult:
     job_id: int | None = None
 
 
-def read_index(directory: Path) -> dict[str, Any] | None:
+def read_index(directory: Path) -> SweepIndex | None:
     """sweep.json, or None where there is none (not submitted yet). One that cannot be read
     refuses the submission, naming it: the points it lists would be lost."""
     if not (directory / SWEEP_INDEX).is_file():
@@ -56,20 +57,10 @@ def read_index(directory: Path) -> dict[str, Any] | None:
         raise SubmitError([Finding("error", "", str(exc))]) from None
 
 
-def point_entry(point: SweepPoint) -> dict[str, Any]:
-    """A point as sweep.json records it: what it is and every file the claim reads."""
-    run = RunDir(point.spec.run_dir)
-    return {
-        "name": point.name,
-        "overrides": point.overrides,
-        "dir": str(run.path),
-        "script": str(run.script(point.spec.run.job.program)),
-        "log": str(run.batch_log(point.name, "{job_id}")),
-        "done": str(run.done_marker),
-        "failed": str(run.failed_marker),
-        "kill": str(run.switch("kill")),
-        "attempts": point.spec.run.job.array,
-    }
+def point_entry(point: SweepPoint) -> PointEntry:
+    """A point as sweep.json records it: what it is; where its files are is derived from the
+    sweep's directory and its name (jobgen.sweep_files), never recorded."""
+    return PointEntry(point.name, point.overrides, point.spec.run.job.program, point.spec.run.job.array)
 
 
 def _findings(sweep: Sweep, new: list[SweepPoint], *, ignore_memory_plan: bool) -> list[Finding]:
@@ -82,60 +73,83 @@ def _findings(sweep: Sweep, new: list[SweepPoint], *, ignore_memory_plan: bool) 
     return out
 
 
-def _busy(index: dict[str, Any] | None) -> list[slurm.QueueEntry]:
-    ids = [int(j["job_id"]) for j in (index or {}).get("jobs", [])]
+def _busy(index: SweepIndex | None) -> list[slurm.QueueEntry]:
+    ids = [job.job_id for job in index.jobs] if index is not None else []
     return slurm.queue(ids) if ids else []
 
 
-def _open_tasks(entries: list[dict[str, Any]]) -> tuple[int, int, list[str]]:
+def _open_tasks(index: SweepIndex) -> tuple[int, int, list[str]]:
     """Tasks the array needs (job.array for each open point), the open points, and the
     closed points' words."""
     tasks, open_points, closed = 0, 0, []
-    for entry in entries:
+    for entry in index.points:
         # Counted afresh: a new array gives every point its tasks again (jobgen.sweep_claim
         # counts the claims of its own array only), and a failed point is retried.
-        reason = closed_reason(entry, used=0)
+        reason = closed_reason(index.run(entry), entry.attempts, used=0)
         if reason is None or reason == "failed":
-            tasks += int(entry["attempts"])
+            tasks += entry.attempts
             open_points += 1
         else:
-            closed.append(f"{entry['name']} ({reason})")
+            closed.append(f"{entry.name} ({reason})")
     return tasks, open_points, closed
 
 
-def _match(sweep: Sweep, index: dict[str, Any] | None) -> tuple[list[dict[str, Any]], list[SweepPoint], list[Finding]]:
+def _match(sweep: Sweep, index: SweepIndex | None) -> tuple[list[PointEntry], list[SweepPoint], list[Finding]]:
     """The points the sweep has (sweep.json), the file's points it does not have yet, and the
     problems. A point is the same point when its overrides are: a name that changed because
     other points came (a shorter key no longer unique) keeps the point it names."""
-    known = list((index or {}).get("points", []))
-    by_overrides = {overrides_key(p.get("overrides") or {}) for p in known}
-    names = {p["name"] for p in known}
+    known = list(index.points) if index is not None else []
+    by_overrides = {overrides_key(p.overrides) for p in known}
+    names = {p.name for p in known}
     new = [p for p in sweep.points if overrides_key(p.overrides) not in by_overrides]
     findings = [
         Finding("error", "sweep", f"point {p.name}: the sweep already has a point of that name with other overrides")
         for p in new
         if p.name in names
     ]
+    if new and index is not None and index.format == FLAT:
+        findings.append(
+            Finding(
+                "error",
+                "sweep",
+                f"{index.directory} was submitted by an older jobgen, with its points beside {SWEEP_INDEX}: it "
+                f"continues as it is, but takes no new point ({', '.join(p.name for p in new)}); give the new "
+                "points a sweep of their own (another job.name)",
+            )
+        )
     return known, new, findings
 
 
-def _kept_problems(sweep: Sweep, known: list[dict[str, Any]]) -> list[Finding]:
-    """Points the sweep has whose allocation the file's base no longer asks for: the array's
-    tasks would not fit their scripts (another node count, partition, time...)."""
+def _kept_problems(sweep: Sweep, index: SweepIndex | None) -> list[Finding]:
+    """Points the sweep has that the array's tasks cannot run: their allocation is not what the
+    file's base asks for now (another node count, partition, time...), or their script names
+    another directory (the sweep was moved or copied: each point's script was rendered for
+    where it was, and a point that exists is never rendered again)."""
     wanted, out = allocation(sweep.base), []
-    for entry in known:
+    for entry in index.points if index is not None else []:
+        run = index.run(entry)
         try:
-            have = allocation(RunDir(Path(entry["dir"])).load_spec())
+            spec = run.load_spec()
         except (OSError, ValueError) as exc:
-            out.append(Finding("error", "", f"point {entry['name']}: cannot read its spec.json: {exc}"))
+            out.append(Finding("error", "", f"point {entry.name}: cannot read its spec.json: {exc}"))
             continue
+        if spec.run_dir.resolve() != run.path.resolve():
+            out.append(
+                Finding(
+                    "error",
+                    "job.runs_root",
+                    f"point {entry.name} was submitted in {spec.run_dir}, and its script runs there: a sweep that "
+                    "was moved or copied is read, stopped and compared where it is, not submitted again",
+                )
+            )
+        have = allocation(spec)
         if have != wanted:
             diff = sorted(set(have) ^ set(wanted))
             out.append(
                 Finding(
                     "error",
                     "job",
-                    f"point {entry['name']} was submitted asking Slurm for what the file no longer asks "
+                    f"point {entry.name} was submitted asking Slurm for what the file no longer asks "
                     f"({', '.join(diff)}): one array asks the same of every task; start a new sweep (another "
                     "job.name) for the new allocation",
                 )
@@ -161,14 +175,21 @@ def submit_sweep(
     SubmitError with every finding when one is an error; nothing is written then."""
     index = read_index(sweep.directory)
     known, new, findings = _match(sweep, index)
-    entries = [*known, *(point_entry(p) for p in new)]
-    tasks, open_points, closed = _open_tasks(entries)
-    quarantined = sorted({n for e in known for n in _quarantined(Path(e["dir"]))})
+    planned = SweepIndex(
+        sweep.directory,
+        index.format if index is not None else FORMAT,
+        sweep.name,
+        sweep.settings.max_parallel,
+        [*known, *(point_entry(p) for p in new)],
+        list(index.jobs) if index is not None else [],
+    )
+    tasks, open_points, closed = _open_tasks(planned)
+    quarantined = sorted({n for e in known for n in _quarantined(planned.point_dir(e.name))})
     options = _options(sweep, min(tasks, MAX_TASKS), open_points, quarantined, after)
     result = SweepSubmitResult(sweep.directory, sweep.directory / SWEEP_SCRIPT, new_points=[p.name for p in new])
-    result.kept_points, result.tasks = [e["name"] for e in known], min(tasks, MAX_TASKS)
+    result.kept_points, result.tasks = [e.name for e in known], min(tasks, MAX_TASKS)
     result.command = ["sbatch", "--parsable", *options, str(result.script)]
-    findings += _kept_problems(sweep, known) + _findings(sweep, new, ignore_memory_plan=ignore_memory_plan)
+    findings += _kept_problems(sweep, index) + _findings(sweep, new, ignore_memory_plan=ignore_memory_plan)
     findings += _sweep_findings(sweep, index, tasks, closed, after)
     script = render_sweep(sweep)
     if not skip_preflight and not any(f.level == "error" for f in findings):
@@ -181,7 +202,7 @@ def submit_sweep(
         raise SubmitError(findings)
     if dry_run:
         return result
-    result.job_id = _queue(sweep, new, entries, index, script, source_text, options)
+    result.job_id = _queue(sweep, new, planned, index, script, source_text, options)
     return result
 
 
@@ -198,7 +219,7 @@ def _options(sweep: Sweep, tasks: int, open_points: int, quarantined: list[str],
 
 
 def _sweep_findings(
-    sweep: Sweep, index: dict[str, Any] | None, tasks: int, closed: list[str], after: int | None
+    sweep: Sweep, index: SweepIndex | None, tasks: int, closed: list[str], after: int | None
 ) -> list[Finding]:
     """What the sweep as a whole says: points left alone, nothing to run, too many tasks, a
     single run's directory in the way, an array still queued."""
@@ -232,8 +253,8 @@ def _sweep_findings(
 def _queue(
     sweep: Sweep,
     new: list[SweepPoint],
-    entries: list[dict[str, Any]],
-    index: dict[str, Any] | None,
+    planned: SweepIndex,
+    index: SweepIndex | None,
     script: str,
     source_text: str | None,
     options: list[str],
@@ -242,13 +263,13 @@ def _queue(
     a submission that finds the index changed since it looked (another one of the same sweep)
     is refused. When sbatch fails, the points this submission created are removed and the
     index is as it was."""
-    (sweep.directory / "logs").mkdir(parents=True, exist_ok=True)
+    (sweep.directory / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    index_path = sweep.directory / SWEEP_INDEX
     with locked(sweep.directory):
         if read_index(sweep.directory) != index:
             raise SubmitError([Finding("error", "", f"another submission changed {sweep.directory}: submit again")])
+        before = index_path.read_bytes() if index is not None else None
         created: list[RunDir] = []
-        jobs = list((index or {}).get("jobs", []))
-        body = {"format": 1, "name": sweep.name, "max_parallel": sweep.settings.max_parallel, "points": entries}
         cleared: list[tuple[RunDir, Path]] = []
         try:
             for point in new:
@@ -256,11 +277,11 @@ def _queue(
                 created.append(run)
             # The resubmission is the user's word that the failures are fixed (as for a run);
             # before sbatch: a task may claim at once.
-            for entry in entries[: len(entries) - len(new)]:  # the points the sweep had
-                moved = clear_failure(RunDir(Path(entry["dir"])))
+            for entry in index.points if index is not None else []:  # the points the sweep had
+                moved = clear_failure(planned.run(entry))
                 if moved is not None:
-                    cleared.append((RunDir(Path(entry["dir"])), moved))
-            write_json_atomic(sweep.directory / SWEEP_INDEX, {**body, "jobs": jobs})
+                    cleared.append((planned.run(entry), moved))
+            write_json_atomic(index_path, planned.to_json())
             script_path = sweep.directory / SWEEP_SCRIPT
             write_text_atomic(script_path, script, mode=0o777)
             job_id = slurm.sbatch(script_path, options)
@@ -269,11 +290,10 @@ def _queue(
                 remove_new(run)
             for run, moved in cleared:
                 os.replace(moved, run.failed_marker)
-            if index is not None:
-                write_json_atomic(sweep.directory / SWEEP_INDEX, index)
+            if before is not None:
+                write_bytes_atomic(index_path, before)
             else:
-                (sweep.directory / SWEEP_INDEX).unlink(missing_ok=True)
+                index_path.unlink(missing_ok=True)
             raise
-        jobs.append({"job_id": job_id, "options": options})
-        write_json_atomic(sweep.directory / SWEEP_INDEX, {**body, "jobs": jobs})
+        write_json_atomic(index_path, replace(planned, jobs=[*planned.jobs, SweepJob(job_id, options)]).to_json())
     return job_id

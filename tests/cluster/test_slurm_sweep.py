@@ -60,7 +60,7 @@ def set_max_steps(run: Path, max_steps: int) -> None:
 def task_intervals(sweep: Path) -> list[tuple[float, float]]:
     """(start, end) of every task that ran a point, from the batch scripts' records."""
     out = []
-    for path in sweep.glob("*/logs/task.*.json"):
+    for path in sweep.glob("points/*/logs/task.*.json"):
         record = json.loads(path.read_text())
         if record.get("end") is not None:
             out.append((float(record["job_start"]), float(record["end"])))
@@ -82,19 +82,20 @@ def watch(sweep: Path, job: int, stop_after: str, timeout: float) -> tuple[int, 
     point's max_steps is set past its first time-limit stop, and ``stop_after`` is stopped
     once it has trained a step."""
     deadline, peak, extended, stopped, others_ran_on = time.monotonic() + timeout, 0, set(), False, False
+    points = sweep / "points"  # each point's run directory (jobgen.sweep_files)
     while time.monotonic() < deadline:
         queue = slurm.queue([job])
         running = [e for e in queue if e.state == "RUNNING"]
         peak = max(peak, len(running))
         for name in GRID:
-            first = exits(sweep / name)
+            first = exits(points / name)
             if name not in extended and first and first[0]["exit_reason"].startswith("time limit"):
-                set_max_steps(sweep / name, first[0]["end_step"] + 4)
+                set_max_steps(points / name, first[0]["end_step"] + 4)
                 extended.add(name)
-        if not stopped and read_jsonl(sweep / stop_after / "metrics.jsonl"):
+        if not stopped and read_jsonl(points / stop_after / "metrics.jsonl"):
             jobgen("stop", f"{sweep.name}/{stop_after}", env=runs_root_env(sweep), check=True)
             stopped = True
-        if stopped and not others_ran_on and exits(sweep / stop_after):
+        if stopped and not others_ran_on and exits(points / stop_after):
             # The stopped point's task has ended: another point's task still runs.
             others_ran_on = any(e.state == "RUNNING" for e in slurm.queue([job]))
         if not queue:
@@ -110,6 +111,7 @@ def test_a_sweep_is_one_array_of_at_most_two_points_through_time_limits(cluster,
     text = spec.read_text()
     spec.write_text(text + SWEEP.format(bad=bad, added=""))
     sweep = tmp_path / "runs" / "lrs"
+    points = sweep / "points"  # each point's run directory (jobgen.sweep_files)
     job = submit(spec)
     assert {e.array_job_id for e in slurm.queue([job])} == {job}  # one job in squeue
 
@@ -118,7 +120,7 @@ def test_a_sweep_is_one_array_of_at_most_two_points_through_time_limits(cluster,
     assert others_ran_on, "stopping one point stopped the others"
 
     for name in [n for n in GRID if n != STOPPED]:
-        run = sweep / name
+        run = points / name
         ended = exits(run)
         assert len(ended) == 2 and ended[0]["exit_reason"].startswith("time limit"), ended
         starts = [r["start_step"] for r in read_jsonl(run / "tasks.jsonl") if r["event"] == "first_step"]
@@ -127,11 +129,11 @@ def test_a_sweep_is_one_array_of_at_most_two_points_through_time_limits(cluster,
         assert ended[1]["end_step"] == spec_json["run"]["train"]["max_steps"] and (run / "done").exists()
         view = json.loads(jobgen("status", f"lrs/{name}", "--json", env=runs_root_env(sweep), check=True).stdout)
         assert view["state"] == "finished" and all(not t.get("recomputed_steps") for t in view["tasks"]), view
-    assert "kill switch" in exits(sweep / STOPPED)[-1]["exit_reason"] and not (sweep / STOPPED / "done").exists()
+    assert "kill switch" in exits(points / STOPPED)[-1]["exit_reason"] and not (points / STOPPED / "done").exists()
     bad_name = next(
         p["name"] for p in json.loads((sweep / "sweep.json").read_text())["points"] if p["name"] not in GRID
     )
-    failed = json.loads((sweep / bad_name / "failed").read_text())
+    failed = json.loads((points / bad_name / "failed").read_text())
     assert "needs column(s)" in failed["reason"], failed
 
     status = json.loads(jobgen("status", str(sweep), "--json", check=True).stdout)
@@ -139,18 +141,18 @@ def test_a_sweep_is_one_array_of_at_most_two_points_through_time_limits(cluster,
     assert states == {**dict.fromkeys(GRID, "finished"), STOPPED: "stopped", bad_name: "failed"}, status
 
     # Again, with a point added: it runs; the finished points are not touched.
-    before = {name: (sweep / name / "metrics.jsonl").stat().st_mtime_ns for name in GRID}
+    before = {name: (points / name / "metrics.jsonl").stat().st_mtime_ns for name in GRID}
     claims_before = len(read_jsonl(sweep / "claims.jsonl"))
     spec.write_text(text + SWEEP.format(bad=bad, added=", " + ADDED))
     second = submit(spec)
     wait_until_gone([second], timeout=600)
     added = "lr-0.003_max_steps-3"
-    assert json.loads((sweep / added / "done").read_text()), added
-    assert {name: (sweep / name / "metrics.jsonl").stat().st_mtime_ns for name in GRID} == before
+    assert json.loads((points / added / "done").read_text()), added
+    assert {name: (points / name / "metrics.jsonl").stat().st_mtime_ns for name in GRID} == before
     later = read_jsonl(sweep / "claims.jsonl")[claims_before:]
     assert not {c["point"] for c in later} & set(GRID), later
     # The failed point was tried again (a resubmission is the word that it is fixed): failed again.
-    assert (sweep / bad_name / "failed").exists() and list((sweep / bad_name / "history").glob("failed-*"))
+    assert (points / bad_name / "failed").exists() and list((points / bad_name / "history").glob("failed-*"))
 
     # Logs and watchdogs per point and for the whole sweep.
     lines = jobgen("logs", "lrs", "--grep", "array task", env=runs_root_env(sweep), check=True).stdout

@@ -44,19 +44,23 @@ def fake_sweep(directory: Path, spec_json: str) -> Path:
     """A sweep of four points: two evaluated, one trained without evaluations, one never started."""
     names = ["lr-0.0003_r-16", "lr-0.001_r-16", "lr-0.0003_r-32", "lr-0.001_r-32"]
     points = [
-        {"name": name, "overrides": {"train.lr": float(name[3:].split("_")[0]), "model.lora.r": int(name[-2:])}}
+        {
+            "name": name,
+            "overrides": {"train.lr": float(name[3:].split("_")[0]), "model.lora.r": int(name[-2:])},
+            "program": "train",
+            "attempts": 1,
+        }
         for name in names
     ]
     directory.mkdir(parents=True)
     (directory / "sweep.json").write_text(
-        json.dumps({"format": 1, "name": "lr", "max_parallel": 2, "points": points, "jobs": []})
+        json.dumps({"format": 2, "name": "lr", "max_parallel": 2, "points": points, "jobs": []})
     )
-    fake_run(directory / names[0], spec_json, {10: 2.5, 20: 2.0}, {10: 2.4, 20: 2.2})
+    fake_run(directory / "points" / names[0], spec_json, {10: 2.5, 20: 2.0}, {10: 2.4, 20: 2.2})
     # best.json wins over the logged evaluations: the checkpoint the trainer chose.
-    fake_run(
-        directory / names[1], spec_json, {10: 2.2, 20: 1.9}, {10: 2.1, 20: 2.3}, best={"step": 10, "eval_loss": 2.1}
-    )
-    fake_run(directory / names[2], spec_json, {10: 2.6, 30: 1.5})
+    best = {"step": 10, "eval_loss": 2.1}
+    fake_run(directory / "points" / names[1], spec_json, {10: 2.2, 20: 1.9}, {10: 2.1, 20: 2.3}, best=best)
+    fake_run(directory / "points" / names[2], spec_json, {10: 2.6, 30: 1.5})
     return directory
 
 
@@ -78,10 +82,11 @@ def test_plain_runs_without_evaluations_sort_by_final_loss(tmp_path, spec_json):
     empty.mkdir()
     (empty / "spec.json").write_text(spec_json)
     rows = compare([str(empty), str(high), str(low)], None)
+    # Never submitted (no jobs.json): jobgen status knows no task of theirs, nor does compare.
     assert [(r.name, r.state, r.final_loss, r.overrides) for r in rows] == [
-        ("low", "started", 1.0, {}),
-        ("high", "started", 2.0, {}),
-        ("empty", "submitted", None, {}),
+        ("low", "unknown", 1.0, {}),
+        ("high", "unknown", 2.0, {}),
+        ("empty", "unknown", None, {}),
     ]
 
 
@@ -100,7 +105,8 @@ def test_names_under_the_runs_root_and_each_run_once(tmp_path, spec_json):
     root = tmp_path / "runs"
     fake_sweep(root / "lr", spec_json)
     single = fake_run(root / "single", spec_json, {10: 4.0})
-    rows = compare(["single", "lr", str(single), str(root / "lr" / "lr-0.001_r-16")], root)
+    point = str(root / "lr" / "points" / "lr-0.001_r-16")
+    rows = compare(["single", "lr", str(single), point, "lr/lr-0.0003_r-32"], root)
     points = [p["name"] for p in json.loads((root / "lr" / "sweep.json").read_text())["points"]]
     assert sorted(r.name for r in rows) == sorted(["single", *points])
 
@@ -112,8 +118,8 @@ def test_the_table_has_a_column_per_override_and_the_json_every_field(tmp_path, 
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["NAME", "STATE", "train.lr", "model.lora.r", "STEP", "LOSS", "BEST", "EVAL"]
-    assert lines[1].split() == ["lr-0.001_r-16", "started", "0.001", "16", "20/60", "1.9000", "2.1000", "(step", "10)"]
-    assert lines[2].split() == ["baseline", "started", "-", "-", "10/60", "2.0000", "2.1500", "(step", "10)"]
+    assert lines[1].split() == ["lr-0.001_r-16", "unknown", "0.001", "16", "20/60", "1.9000", "2.1000", "(step", "10)"]
+    assert lines[2].split() == ["baseline", "unknown", "-", "-", "10/60", "2.0000", "2.1500", "(step", "10)"]
     assert lines[5].split() == ["lr-0.001_r-32", "pending", "0.001", "32", "-", "-", "-"]
     assert lines[0].index("STEP") == lines[1].index("20/60") == lines[2].index("10/60")  # aligned
 
@@ -122,9 +128,9 @@ def test_the_table_has_a_column_per_override_and_the_json_every_field(tmp_path, 
     first = json.loads(result.stdout)[0]
     assert first == {
         "name": "lr-0.001_r-16",
-        "run_dir": str(sweep / "lr-0.001_r-16"),
+        "run_dir": str(sweep / "points" / "lr-0.001_r-16"),
         "sweep": "lr",
-        "state": "started",
+        "state": "unknown",
         "overrides": {"train.lr": 0.001, "model.lora.r": 16},
         "step": 20,
         "max_steps": 60,
@@ -141,7 +147,7 @@ def test_a_reference_that_is_neither_a_run_nor_a_sweep(tmp_path, spec_json):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "sweep.json").write_text('{"points": [{"overrides": {}}]}')
-    with pytest.raises(BadReference, match=r"sweep\.json: not a sweep record"):
+    with pytest.raises(BadReference, match=r"sweep\.json: points\[0\]\.name: not a point's name"):
         compare([str(broken)], None)
     (broken / "sweep.json").write_text('{"points": []}')
     result = CliRunner().invoke(main, ["compare", str(broken)])
@@ -169,3 +175,38 @@ def test_the_figure_is_written(tmp_path, spec_json):
     pending = [row for row in compare([str(sweep)], None) if row.state == PENDING]
     with pytest.raises(CompareError, match="nothing to draw"):
         draw(pending, tmp_path / "none.png")
+
+
+def test_each_row_is_in_the_state_jobgen_status_shows(tmp_path, spec_json, monkeypatch):
+    """A run whose only task crashed (a failure that need not repeat: no failed marker) is
+    failed for jobgen status, and compare called it submitted; a run whose task Slurm runs is
+    running. Compare asks Slurm once, as the listing of runs does, and says what it says."""
+    from jobgen import cli_status, slurm
+    from jobgen.rundir import RunDir
+
+    def submitted(name: str, job_id: int, losses: dict[int, float]) -> RunDir:
+        spec = json.loads(spec_json)
+        spec["run"]["job"]["name"] = name  # Slurm knows a run's jobs by its name
+        run = RunDir(fake_run(tmp_path / name, json.dumps(spec), losses))
+        run.logs.mkdir()
+        run.record_job({"job_id": job_id, "array": 1})
+        return run
+
+    crashed = submitted("crashed", 17, {})
+    record = {"job_id": 17, "array_job_id": 17, "array_task": "1", "restart": 0, "job_start": 1000.0}
+    crashed.task_record(17, 0).write_text(json.dumps({**record, "end": 1010.0, "exit_code": 1, "slurm_exit": 1}))
+    running = submitted("running", 18, {10: 2.0})
+    stopped = submitted("stopped", 19, {10: 2.5})
+    stopped.switches.mkdir()
+    stopped.set_switch("kill")
+    finished = submitted("finished", 20, {10: 1.5})
+    finished.done_marker.write_text("{}")
+    entry = slurm.QueueEntry(18, 18, "1", "RUNNING", "None", "0:10", "2:00", "node1", "running", 1764219600.0)
+    monkeypatch.setattr(slurm, "queue", lambda ids: [entry] if 18 in ids else [])
+    monkeypatch.setattr(slurm, "config", lambda: {"MinJobAge": "300"})
+    monkeypatch.setattr(slurm, "ended_jobs", lambda ids, accounting: [])
+    runs = [crashed, running, stopped, finished]
+    rows = {row.name: row.state for row in compare([str(run.path) for run in runs], None)}
+    assert rows == {"crashed": "failed", "running": "running", "stopped": "stopped", "finished": "finished"}
+    listing = cli_status._statuses(runs, dict.fromkeys(runs), None, details=False)  # what jobgen status lists
+    assert {status.name: status.state for status in listing} == rows

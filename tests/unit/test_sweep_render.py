@@ -73,3 +73,22 @@ def test_a_points_node_logs_carry_the_points_name(tmp_path: Path):
         expanded = output.strip('"').replace("$RUN_DIR", str(point.spec.run_dir))
         expanded = expanded.replace("%j", "7").replace("%N", "node1")
         assert expanded == str(RunDir(point.spec.run_dir).node_log(point.name, 7, "node1"))
+
+
+def test_render_o_lays_the_points_out_as_the_sweeps_directory_does(tmp_path: Path):
+    from click.testing import CliRunner
+
+    from jobgen.cli import main
+
+    # Points named as the sweep's own script and index ('__-sweep.sbatch' -> 'sweep.sbatch').
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data.jsonl").write_text('{"instruction": "hi", "output": "hello"}\n')
+    extra = '[sweep]\n[sweep.grid]\n"env.__" = ["sweep.sbatch", "sweep.json"]\n'
+    job = {"time": "2m", "exit_grace": "50s", "runs_root": "runs"}
+    path = run_spec(tmp_path, "lrs", job=job, model={"path": "model"}, data={"path": "data.jsonl"}, extra=extra)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["render", str(path), "-o", str(out)])
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    assert (out / "sweep.sbatch").read_text() == render_sweep(load_sweep(path))
+    for name in ("sweep.sbatch", "sweep.json"):
+        assert (out / "points" / name / "train.sbatch").is_file(), sorted(out.rglob("*"))

@@ -41,7 +41,7 @@ def paths_sweep(directory: Path, extra_point: str = "") -> Path:
 
 def test_a_point_keeps_its_directory_when_another_point_changes_the_names(tmp_path, sbatch_calls):
     submit(paths_sweep(tmp_path))
-    assert [p["name"] for p in read_index(tmp_path / "runs" / "ds")["points"]] == ["path-a.jsonl", "path-b.jsonl"]
+    assert [p.name for p in read_index(tmp_path / "runs" / "ds").points] == ["path-a.jsonl", "path-b.jsonl"]
     # A point with model.path: "path" is no longer one key, the file's names become
     # data.path-a.jsonl...; the sweep's points are the same points all the same.
     result = submit(paths_sweep(tmp_path, '{ "model.path" = "model2" }'))
@@ -67,21 +67,23 @@ def test_a_single_runs_directory_is_not_taken_for_a_sweep(tmp_path, sbatch_calls
 
 def test_the_array_holds_at_most_1000_tasks_and_starts_no_more_than_the_open_points(tmp_path, sbatch_calls):
     path = small_sweep(tmp_path)
-    path.write_text(path.read_text().replace("array = 3", "array = 600"))
-    assert "1200 tasks" in findings(path)
-    path.write_text(path.read_text().replace("array = 600", "array = 3"))
+    # The points the sweep has count too: 2 x 500 tasks submitted, 500 more for a new point.
+    path.write_text(path.read_text().replace("array = 3", "array = 500"))
     submit(path)
+    path.write_text(path.read_text().replace("[1e-3, 2e-3]", "[4e-3]"))
+    assert "1500 tasks" in findings(path)
+    path.write_text(path.read_text().replace("[4e-3]", "[1e-3, 2e-3]").replace("array = 500", "array = 3"))
     index = read_index(tmp_path / "runs" / "lrs")
-    Path(index["points"][0]["done"]).write_text("{}")
+    index.run(index.points[0]).done_marker.write_text("{}")
     submit(path)  # one point open: one task at a time, not max_parallel = 2
-    assert sbatch_calls[-1][1] == "--array=1-3%1"
+    assert sbatch_calls[-1][1] == "--array=1-500%1"  # its tasks as submitted: a point that exists is never changed
 
 
 def test_a_failed_sbatch_of_a_resubmission_leaves_the_sweep_as_it_was(tmp_path, sbatch_calls, monkeypatch):
     path = small_sweep(tmp_path)
     submit(path)
     directory = tmp_path / "runs" / "lrs"
-    failed = directory / "lr-0.002" / "failed"
+    failed = directory / "points" / "lr-0.002" / "failed"
     failed.write_text(json.dumps({"reason": "data error"}))
     before = read_index(directory)
 
@@ -92,5 +94,18 @@ def test_a_failed_sbatch_of_a_resubmission_leaves_the_sweep_as_it_was(tmp_path, 
     path.write_text(path.read_text().replace("[1e-3, 2e-3]", "[1e-3, 2e-3, 4e-3]"))
     with pytest.raises(SlurmError):
         submit(path)
-    assert read_index(directory) == before and not (directory / "lr-0.004").exists()
+    assert read_index(directory) == before and not (directory / "points" / "lr-0.004").exists()
     assert json.loads(failed.read_text()) == {"reason": "data error"}  # not queued: the failure stands
+
+
+def test_a_moved_sweep_is_not_submitted_again_from_where_it_is_now(tmp_path, sbatch_calls):
+    import shutil
+
+    path = small_sweep(tmp_path)
+    submit(path)
+    shutil.copytree(tmp_path / "runs", tmp_path / "moved")
+    path.write_text(path.read_text().replace('runs_root = "runs"', 'runs_root = "moved"'))
+    words = findings(path)
+    # Its points' scripts were rendered for runs/lrs: the array would run them there.
+    assert "moved or copied" in words and str(tmp_path / "runs" / "lrs") in words, words
+    assert len(sbatch_calls) == 1

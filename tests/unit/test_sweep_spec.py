@@ -65,7 +65,7 @@ def test_a_grid_is_the_cross_product_in_the_order_written(workdir):
         run = point.spec.run
         assert run.train.lr == point.overrides["train.lr"] and run.model.lora.r == point.overrides["model.lora.r"]
         assert run.job.name == point.name and run.sweep is None
-        assert point.spec.run_dir == workdir / "runs" / "sft" / point.name
+        assert point.spec.run_dir == workdir / "runs" / "sft" / "points" / point.name
         assert allocation(point.spec) == allocation(sweep.base)
 
 
@@ -196,7 +196,7 @@ def test_two_points_that_resolve_to_one_run(workdir):
         ("site.slurm.partition", '"gpu"', "site profile"),
         ("sweep.max_parallel", "3", "cannot change the sweep"),
         ("job.name", '"other"', "names the sweep"),
-        ("job.runs_root", '"elsewhere"', "runs_root/<job.name>/<point>"),
+        ("job.runs_root", '"elsewhere"', "runs_root/<job.name>/points/<point>"),
         ("job", "{}", "may not set job.name"),
     ],
 )
@@ -257,6 +257,22 @@ def test_too_many_points_are_refused_before_expanding(workdir):
     body = f'[sweep]\n[sweep.grid]\n"train.seed" = {values}\n"data.max_length" = {[8 + v for v in values]}\n'
     found = issues_of(sweep_file(workdir, body))
     assert "10000 points" in found["sweep"]
+
+
+def test_more_array_tasks_than_one_array_holds_are_refused_at_validate(workdir):
+    from click.testing import CliRunner
+
+    from jobgen.cli import main
+
+    # 1000 points of 2 tasks each: refused by jobgen validate, the key named, not first by sbatch.
+    body = f'[sweep]\n[sweep.grid]\n"train.seed" = {list(range(1000))}\n'
+    path = sweep_file(workdir, body, BASE.replace('time = "1h"', 'time = "1h"\n    array = 2'))
+    result = CliRunner().invoke(main, ["validate", str(path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "job.array: 1000 points need 2000 array tasks (job.array = 2 each)" in result.stderr, result.stderr
+    # job.array set by the points: counted once they are built.
+    found = issues_of(sweep_file(workdir, '[sweep]\npoints = [{ "job.array" = 600 }, { "job.array" = 401 }]\n'))
+    assert "2 points need 1001 array tasks" in found["job.array"], found
 
 
 def test_a_file_without_sweep(workdir):

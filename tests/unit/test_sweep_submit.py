@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import small_sweep
-from jobgen import slurm
+from helpers import run_spec, small_sweep
+from jobgen import slurm, sweep_claim
 from jobgen.slurm import SlurmError
 from jobgen.sweep_points import load_sweep
 from jobgen.sweep_render import render_sweep
@@ -49,12 +49,17 @@ def test_submit_writes_every_point_and_the_index_then_one_array(workdir, sbatch_
     assert result.job_id == 101 and result.new_points == ["lr-0.001", "lr-0.002"]
     assert sbatch_calls == [[str(directory / "sweep.sbatch"), "--array=1-6%2"]]  # job.array tasks per point
     index = read_index(directory)
-    assert [p["name"] for p in index["points"]] == ["lr-0.001", "lr-0.002"]
-    assert index["jobs"][0]["job_id"] == 101
-    for point in index["points"]:
-        spec = json.loads((Path(point["dir"]) / "spec.json").read_text())
-        assert spec["run"]["train"]["lr"] == point["overrides"]["train.lr"]
-        assert Path(point["script"]).is_file() and point["attempts"] == 3
+    assert [p.name for p in index.points] == ["lr-0.001", "lr-0.002"]
+    assert [job.job_id for job in index.jobs] == [101]
+    for point in index.points:
+        run = index.run(point)
+        assert run.path == directory / "points" / point.name
+        spec = json.loads(run.spec_file.read_text())
+        assert spec["run"]["train"]["lr"] == point.overrides["train.lr"]
+        assert run.script(point.program).is_file() and point.attempts == 3
+    # What sweep.json records of a point: what it is, never where (that is derived).
+    entry = json.loads((directory / "sweep.json").read_text())["points"][0]
+    assert entry == {"name": "lr-0.001", "overrides": {"train.lr": 0.001}, "program": "train", "attempts": 3}
 
 
 def test_a_failed_sbatch_leaves_no_point_and_no_index(workdir, monkeypatch):
@@ -66,14 +71,14 @@ def test_a_failed_sbatch_leaves_no_point_and_no_index(workdir, monkeypatch):
         submit(small_sweep(workdir))
     directory = workdir / "runs" / "lrs"
     assert not (directory / "sweep.json").exists()
-    assert not list(directory.glob("lr-*"))
+    assert not list(directory.glob("points/lr-*"))
 
 
 def test_resubmitting_adds_new_points_and_never_changes_one_that_exists(workdir, sbatch_calls):
     path = small_sweep(workdir)
     submit(path)
     directory = workdir / "runs" / "lrs"
-    finished = directory / "lr-0.001"
+    finished = directory / "points" / "lr-0.001"
     (finished / "done").write_text("")
     spec_before = (finished / "spec.json").read_text()
     # The file gains a point, and its base changes in a way the existing points would show.
@@ -83,8 +88,8 @@ def test_resubmitting_adds_new_points_and_never_changes_one_that_exists(workdir,
     assert (finished / "spec.json").read_text() == spec_before
     # The finished point takes no task: 3 for the unfinished one, 3 for the new one.
     assert sbatch_calls[-1][1] == "--array=1-6%2"
-    assert [p["name"] for p in read_index(directory)["points"]] == ["lr-0.001", "lr-0.002", "lr-0.004"]
-    assert [j["job_id"] for j in read_index(directory)["jobs"]] == [101, 102]
+    assert [p.name for p in read_index(directory).points] == ["lr-0.001", "lr-0.002", "lr-0.004"]
+    assert [j.job_id for j in read_index(directory).jobs] == [101, 102]
 
 
 def test_a_sweep_with_every_point_finished_is_not_queued(workdir, sbatch_calls):
@@ -92,8 +97,9 @@ def test_a_sweep_with_every_point_finished_is_not_queued(workdir, sbatch_calls):
 
     path = small_sweep(workdir)
     submit(path)
-    for point in read_index(workdir / "runs" / "lrs")["points"]:
-        Path(point["done"]).write_text("")
+    index = read_index(workdir / "runs" / "lrs")
+    for point in index.points:
+        index.run(point).done_marker.write_text("")
     with pytest.raises(SubmitError) as info:
         submit(path)
     assert "nothing to run" in str(info.value.findings)
@@ -107,7 +113,35 @@ def test_resubmitting_keeps_the_array_off_the_nodes_its_points_quarantined(workd
     path = small_sweep(workdir)
     submit(path)
     directory = workdir / "runs" / "lrs"
-    quarantine.add(RunDir(directory / "lr-0.001"), {"node2": "silent ranks"}, "101_1")
-    quarantine.add(RunDir(directory / "lr-0.002"), {"node3": "Slurm marked it down"}, "101_2")
+    quarantine.add(RunDir(directory / "points" / "lr-0.001"), {"node2": "silent ranks"}, "101_1")
+    quarantine.add(RunDir(directory / "points" / "lr-0.002"), {"node3": "Slurm marked it down"}, "101_2")
     submit(path)
     assert sbatch_calls[-1][1:] == ["--array=1-6%2", "--exclude=node2,node3"]
+
+
+def test_points_named_as_the_sweeps_own_files_live_where_no_sweep_file_can(workdir, sbatch_calls, capsys):
+    # The short key "__" is stripped from the names ('__-sweep.json' -> 'sweep.json'): four
+    # points named as the sweep's index, its claims, its logs and its script.
+    (workdir / "model").mkdir()
+    (workdir / "data.jsonl").write_text('{"instruction": "hi", "output": "hello"}\n')
+    names = ["sweep.json", "claims.jsonl", "logs", "sweep.sbatch"]
+    grid = '[sweep]\nmax_parallel = 4\n[sweep.grid]\n"env.__" = ' + json.dumps(names) + "\n"
+    job = {"time": "2m", "exit_grace": "50s", "array": 1, "runs_root": "runs"}
+    path = run_spec(workdir, "lrs", job=job, model={"path": "model"}, data={"path": "data.jsonl"}, extra=grid)
+    assert [p.name for p in load_sweep(path).points] == names
+    submit(path)
+    directory = workdir / "runs" / "lrs"
+    assert [p["name"] for p in json.loads((directory / "sweep.json").read_text())["points"]] == names
+    assert (directory / "sweep.sbatch").is_file()
+    # Every task of the array claims a point, each a different one, and the claims are kept.
+    taken = []
+    for job_id in (201, 202, 203, 204):
+        argv = ["--sweep", str(directory), "--job", str(job_id), "--array-job", "200", "--task", "1"]
+        assert sweep_claim.main([*argv, "--live", str(job_id)]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith("claimed "), out
+        taken.append(Path(out[1]).name)
+        assert (Path(out[1]) / "spec.json").is_file() and Path(out[2]).is_file(), out
+    assert sorted(taken) == sorted(names)
+    lines = (directory / "claims.jsonl").read_text().splitlines()
+    assert [json.loads(line)["point"] for line in lines] == taken
