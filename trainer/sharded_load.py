@@ -82,7 +82,7 @@ def build_skeleton(spec: ModelSpec, dtype: torch.dtype, prepare: Callable[[torch
     """The model on the meta device, with ``prepare`` (checkpointing, LoRA) applied to it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(spec.path)
+    config = AutoConfig.from_pretrained(spec.path, trust_remote_code=False)  # no code from the model directory
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return prepare(model)
