@@ -144,6 +144,7 @@ def read_weights(model: torch.nn.Module, directory: Path, threads: int) -> int:
             "safetensors (convert once: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
             "safe_serialization=True))"
         )
+    # safetensors headers (JSON) and raw tensors only: nothing in a model directory is unpickled here.
     reader = HuggingFaceStorageReader(str(directory), thread_count=max(1, min(threads, len(files))))
     available = set(reader.read_metadata().state_dict_metadata)
     tied = tied_names(model)
