@@ -85,9 +85,10 @@ def checkpoint_step(name: str) -> int | None:
 
 
 def complete_checkpoints_in(directory: Path) -> list[tuple[int, Path]]:
-    """(step, directory) of every complete checkpoint under ``directory``, oldest first."""
+    """(step, directory) of every complete checkpoint under ``directory``, oldest first. Never a
+    link: only a rename makes a checkpoint, and a link may lead to another run's."""
     found = ((checkpoint_step(p.name), p) for p in directory.glob(f"{CHECKPOINT_PREFIX}*"))
-    return sorted((step, p) for step, p in found if step is not None and p.is_dir())
+    return sorted((step, p) for step, p in found if step is not None and p.is_dir() and not p.is_symlink())
 
 
 def broken_checkpoints_in(directory: Path) -> list[Path]:

@@ -61,6 +61,7 @@ from jobgen.rundir import (
     checkpoint_name,
     complete_checkpoints_in,
 )
+from trainer.checkpoint_reader import load, unreadable_cause
 from trainer.distributed import DistEnv, all_gather_object, barrier, broadcast_object, reduce_max
 
 log = logging.getLogger("trainer.checkpoint")
@@ -89,7 +90,11 @@ class ResumeFailed(RuntimeError):
 
 
 def describe_load_error(exc: BaseException) -> str:
-    """One line for a failed load: DCP wraps the real error (with a traceback in its text)."""
+    """One line for a failed load: DCP wraps the real error (with a traceback in its text). A
+    refused or unreadable file (trainer.checkpoint_reader) is its own message: it names the file."""
+    unreadable = unreadable_cause(exc)
+    if unreadable is not None:
+        return " ".join(str(unreadable).split())
     if isinstance(exc, CheckpointException) and exc.failures:
         exc = next(iter(exc.failures.values()))[0]
     text = " ".join(str(exc).split())
@@ -364,7 +369,7 @@ class Checkpointer:
         try:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
             state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=str(path))
+            load(state, path)  # never dcp.load: a planted pickle in the checkpoint would run
             trainer_state = json.loads((path / "trainer_state.json").read_text())
             rng_file = path / f"rng-rank{self.env.rank:05d}.pt"
             rng = load_rng(rng_file) if rng_file.exists() else None

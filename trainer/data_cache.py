@@ -217,6 +217,9 @@ def build_entry(
 
 
 def load_entry(entry: Path) -> tuple[datasets.Dataset, DataStats]:
+    # A shared cache a teammate can write is data, never code: load_from_disk reads Arrow files
+    # and JSON (state.json, dataset_info.json; datasets' extension types deserialise from JSON),
+    # and stats.json is JSON. Nothing here unpickles.
     return datasets.load_from_disk(str(entry / "dataset")), read_stats(entry / "stats.json")
 
 

@@ -69,7 +69,7 @@ def load_raw(path: str, *, cache_dir: str | Path | None = None) -> datasets.Data
 
 def _load_saved(p: Path) -> datasets.Dataset:
     try:
-        loaded = datasets.load_from_disk(str(p))
+        loaded = datasets.load_from_disk(str(p))  # Arrow and JSON: nothing unpickled (see data_cache.load_entry)
     except Exception as exc:
         raise DataError(f"could not load the save_to_disk dataset {p}: {exc}") from exc
     if isinstance(loaded, datasets.DatasetDict):

@@ -107,6 +107,8 @@ def reduce_sum(env: DistEnv, values: list[float]) -> list[float]:
 
 
 def broadcast_object(env: DistEnv, value: object) -> object:
+    # Object collectives pickle: what is unpickled here was pickled by this job's own ranks
+    # (this process's siblings, started together by torchrun), never read from a file.
     box = [value if env.is_main else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]

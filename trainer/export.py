@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -70,14 +71,25 @@ def candidates(run_dir: Path, name: str | None) -> list[Path]:
     """The checkpoint asked for, or every complete one, newest first."""
     root = RunDir(run_dir).checkpoints
     if name:
-        path = root / name
-        if not path.is_dir():
-            raise ExportError(f"no checkpoint {name} in {root}")
-        return [path]
+        return [checkpoint_dir(root, name)]
     found = complete_checkpoints(root)
     if not found:
         raise ExportError(f"no complete checkpoint in {root}")
     return found
+
+
+def checkpoint_dir(root: Path, name: str) -> Path:
+    """The checkpoint ``name`` of the run whose checkpoints are ``root``: a plain name directly
+    in it, never a path or a link out of it (``../../other/checkpoints/step-N`` is another run's
+    checkpoint, which would be exported and reported as this run's)."""
+    if name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise ExportError(f"--checkpoint {name!r}: the name of a checkpoint in {root} (e.g. step-00000120), not a path")
+    path = root / name
+    if not path.is_dir():
+        raise ExportError(f"no checkpoint {name} in {root}")
+    if path.resolve().parent != root.resolve():
+        raise ExportError(f"{path} leads to {path.resolve()}, outside {root}: not this run's checkpoint")
+    return path
 
 
 def export(
@@ -372,10 +384,14 @@ def _skeleton(model_spec: ModelSpec) -> tuple[object, torch.nn.Module]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.from_pretrained(model_spec.path)
+        # The run's model directory may be a teammate's: no code of its own runs.
+        config = AutoConfig.from_pretrained(model_spec.path, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise ExportError(f"model.path {model_spec.path}: {exc}") from exc
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        # peft asks transformers a deprecated question on every LoRA model: not the user's to act on,
+        # and an export's output is its own lines.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         skeleton = AutoModelForCausalLM.from_config(config)
         if model_spec.lora is not None:
             skeleton = add_lora(skeleton, model_spec.model_copy(update={"gradient_checkpointing": False}))

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from trainer.checkpoint_reader import CheckpointReader, load
 
 MAX_SHARD_BYTES = 2 * 1024**3  # per safetensors file, as written (the export dtype)
 READ_BATCH_BYTES = 256 * 1024**2  # held at once while reading: the export's memory beyond the interpreter
@@ -193,30 +193,18 @@ def write_sharded(
     return index
 
 
-class _MetadataOnce(FileSystemReader):
-    """Every dcp.load asks its reader for the metadata again; the answer does not change."""
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self._metadata: Metadata | None = None
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
-
-
 class DcpTensors:
     """Chosen tensors of a DCP checkpoint, read in batches without a process group.
 
     The ``.metadata`` is read once (it lists every tensor's global shape and dtype); each
     :meth:`read` is one ``dcp.load`` of just the keys asked for, which DCP assembles from
-    whichever ranks' shards hold them."""
+    whichever ranks' shards hold them. Both through trainer.checkpoint_reader: nothing the
+    checkpoint holds runs (trainer.checkpoint_reader.UnreadableCheckpoint otherwise)."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._reader = _MetadataOnce(str(path))
-        metadata = self._reader.read_metadata()
+        self._reader = CheckpointReader(path)  # keeps the metadata for every read
+        metadata = self._reader.metadata()
         self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
             key: (tuple(item.size), item.properties.dtype)
             for key, item in metadata.state_dict_metadata.items()
@@ -229,7 +217,7 @@ class DcpTensors:
         state = {key: torch.empty(self.tensors[key][0], dtype=self.tensors[key][1]) for key in keys}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(state, storage_reader=self._reader, no_dist=True)
+            load(state, self.path, reader=self._reader, no_dist=True)
         return state
 
 

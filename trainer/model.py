@@ -37,7 +37,11 @@ def load_model(spec: ModelSpec, device: torch.device, attention: str = "sdpa") -
     for DDP, where every rank holds a replica anyway."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=param_dtype(spec, device))
+    # A model directory may be a teammate's: its custom code never runs, and a .bin file is read
+    # weights-only (transformers' defaults, stated so that no upgrade changes them unseen).
+    model = AutoModelForCausalLM.from_pretrained(
+        spec.path, dtype=param_dtype(spec, device), trust_remote_code=False, weights_only=True
+    )
     return prepare(model, spec, attention).to(device)
 
 

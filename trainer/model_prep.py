@@ -28,7 +28,7 @@ def param_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # a tokenizer's own code never runs
     if tokenizer.pad_token is None and tokenizer.eos_token is None:
         # Refused here, in the job's first seconds and before the data and the model load:
         # without eos no example is taught to end, and without pad the first unpacked

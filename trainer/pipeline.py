@@ -276,7 +276,7 @@ def build_stages(
 
     if data_parallel not in DATA_PARALLEL:
         raise PipelineError(f"train.parallelism = '{data_parallel}' with a pipeline: one of {', '.join(DATA_PARALLEL)}")
-    config = config if config is not None else AutoConfig.from_pretrained(model_path)
+    config = config if config is not None else AutoConfig.from_pretrained(model_path, trust_remote_code=False)
     check_pipelinable(config)  # before anything is built or any collective runs
     directory = model_directory(model_path)
     with torch.device("meta"):

@@ -93,7 +93,7 @@ def build_pipeline_model(spec: ModelSpec, train: TrainSpec, env: DistEnv, packin
 
     assert train.pipeline is not None
     layout = PipelineLayout.of(train, env)
-    config = AutoConfig.from_pretrained(spec.path)
+    config = AutoConfig.from_pretrained(spec.path, trust_remote_code=False)  # no code from the model directory
     stages = train.pipeline.stage_count(env.world_size)
     embed, head = _embed_and_head_weights(config)
     ranges = stage_layers(

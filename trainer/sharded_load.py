@@ -82,7 +82,7 @@ def build_skeleton(spec: ModelSpec, dtype: torch.dtype, prepare: Callable[[torch
     """The model on the meta device, with ``prepare`` (checkpointing, LoRA) applied to it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(spec.path)
+    config = AutoConfig.from_pretrained(spec.path, trust_remote_code=False)  # no code from the model directory
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return prepare(model)
@@ -144,6 +144,7 @@ def read_weights(model: torch.nn.Module, directory: Path, threads: int) -> int:
             "safetensors (convert once: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
             "safe_serialization=True))"
         )
+    # safetensors headers (JSON) and raw tensors only: nothing in a model directory is unpickled here.
     reader = HuggingFaceStorageReader(str(directory), thread_count=max(1, min(threads, len(files))))
     available = set(reader.read_metadata().state_dict_metadata)
     tied = tied_names(model)

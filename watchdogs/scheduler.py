@@ -42,6 +42,7 @@ from jobgen.atomic import write_bytes_atomic, write_json_atomic, write_text_atom
 from jobgen.durations import format_human
 from jobgen.resolved import ResolvedSpec
 from watchdogs import CHECKS
+from watchdogs.home_trust import check_command, private_directory, untrusted
 from watchdogs.notify import append_line, locked
 
 NAMED_INTERVALS = {3600: "hourly", 86400: "daily", 7 * 86400: "weekly"}
@@ -135,9 +136,9 @@ class WatchdogHome:
 def _outside_job_env() -> Iterator[None]:
     """submitit calls sbatch with our environment; from inside a link, drop the link's own
     SLURM_* variables so the successor does not inherit them (see jobgen.slurm.client_env)."""
-    saved = dict(os.environ)
+    saved, wanted = dict(os.environ), slurm.client_env()  # read before the clear, or nothing is left
     os.environ.clear()
-    os.environ.update(slurm.client_env())
+    os.environ.update(wanted)
     try:
         yield
     finally:
@@ -145,12 +146,22 @@ def _outside_job_env() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def submit_link(home: WatchdogHome, chain: Chain, begin_seconds: int) -> int:
-    """Queue one link of the chain to start ``begin_seconds`` from now."""
-    import submitit
+@contextlib.contextmanager
+def _umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
-    executor = submitit.SlurmExecutor(folder=home.log_dir(chain.name), max_num_timeout=0)
+
+def link_parameters(home: WatchdogHome, chain: Chain, begin_seconds: int) -> dict[str, Any]:
+    """submitit's parameters of one link. Before submitit unpickles the link, its batch script
+    checks that the pickle and its directory are this user's alone (watchdogs.home_trust), and
+    it runs in the home: ``python -m`` puts the working directory first on sys.path, and the
+    directory a user happened to install from may be one the team can write."""
     minutes = max(1, chain.time_limit // 60)
+    pickle = f'{shlex.quote(str(home.log_dir(chain.name)))}/"$SLURM_JOB_ID"_submitted.pkl'
     params: dict[str, Any] = dict(
         job_name=chain_job_name(chain.name),
         time=minutes,
@@ -162,14 +173,26 @@ def submit_link(home: WatchdogHome, chain: Chain, begin_seconds: int) -> int:
         stderr_to_stdout=True,
         wckey="",
         signal_delay_s=min(60, minutes * 15),
-        additional_parameters={"begin": f"now+{begin_seconds}"},
+        additional_parameters={"begin": f"now+{begin_seconds}", "chdir": str(home.path)},
+        setup=[check_command(shlex.quote(sys.executable), pickle)],
     )
     if chain.partition:
         params["partition"] = chain.partition
     if chain.account:
         params["account"] = chain.account
-    executor.update_parameters(**params)
-    with _outside_job_env():
+    return params
+
+
+def submit_link(home: WatchdogHome, chain: Chain, begin_seconds: int) -> int:
+    """Queue one link of the chain to start ``begin_seconds`` from now."""
+    import submitit
+
+    for directory in (home.path, home.path / "logs", home.log_dir(chain.name)):
+        private_directory(directory)
+    executor = submitit.SlurmExecutor(folder=home.log_dir(chain.name), max_num_timeout=0)
+    executor.update_parameters(**link_parameters(home, chain, begin_seconds))
+    # umask 022: the pickle submitit writes must pass the link's own check (no write for others).
+    with _outside_job_env(), _umask(0o022):
         job = executor.submit(run_link, str(home.path), chain.name, chain.token)
     return int(job.job_id)
 
@@ -185,7 +208,8 @@ def ensure_chain(
 ) -> tuple[Chain, bool]:
     """Start the chain for this interval unless one is alive; returns it and whether it is new."""
     name = interval_name(seconds)
-    home.cron_dir(name).mkdir(parents=True, exist_ok=True)
+    private_directory(home.path)
+    private_directory(home.cron_dir(name))
     with home.chain_lock(name):
         current = Chain.load(home.chain_file(name))
         if chain_alive(home, current):
@@ -216,8 +240,8 @@ def stop_chain(home: WatchdogHome, name: str) -> list[int]:
 
 
 def write_job_file(home: WatchdogHome, seconds: int, file_name: str, text: str) -> Path:
-    directory = home.cron_dir(interval_name(seconds))
-    directory.mkdir(parents=True, exist_ok=True)
+    private_directory(home.path)
+    directory = private_directory(home.cron_dir(interval_name(seconds)))
     path = directory / file_name
     write_text_atomic(path, text, mode=0o755)
     return path
@@ -251,13 +275,11 @@ def run_job_files(home: WatchdogHome, chain: Chain, deadline: float) -> list[dic
         if left < 5:
             results.append({"job_file": path.name, "skipped": "no time left in this link"})
             continue
-        try:
-            proc = subprocess.run([str(path)], capture_output=True, text=True, timeout=left, stdin=subprocess.DEVNULL)
-            code, output = proc.returncode, (proc.stdout + proc.stderr)
-        except subprocess.TimeoutExpired as exc:
-            code, output = 124, f"{exc.stdout or ''}timed out after {left:.0f}s"
-        except OSError as exc:
-            code, output = 126, f"cannot run: {exc}"
+        refused = untrusted(path)  # another user's file would run as this one
+        if refused is not None:
+            code, output = 126, f"refusing to run {path}: {refused}"
+        else:
+            code, output = _run_job_file(path, left)
         record = {
             "job_file": path.name,
             "started": started,
@@ -272,6 +294,16 @@ def run_job_files(home: WatchdogHome, chain: Chain, deadline: float) -> list[dic
         print(f"{path.name}: exit {code} in {record['seconds']}s\n{output.rstrip()}", flush=True)
         results.append(record)
     return results
+
+
+def _run_job_file(path: Path, left: float) -> tuple[int, str]:
+    try:
+        proc = subprocess.run([str(path)], capture_output=True, text=True, timeout=left, stdin=subprocess.DEVNULL)
+        return proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        return 124, f"{exc.stdout or ''}timed out after {left:.0f}s"
+    except OSError as exc:
+        return 126, f"cannot run: {exc}"
 
 
 def _submit_with_retries(home: WatchdogHome, chain: Chain, attempts: int = 3) -> int:
@@ -328,6 +360,7 @@ def install_run(home: WatchdogHome, run_dir: Path, spec: ResolvedSpec, partition
     that does not exist, a time limit above its MaxTime), the chains this call started
     are stopped and the run's job files are put back as they were."""
     settings, name = spec.run.watchdogs, spec.run.job.name
+    private_directory(home.path)  # another user's home: refused before anything in it is touched
     wanted = {f"{name}.{check}": settings.check(check).every for check in CHECKS if settings.check(check).enabled}
     before = {p: p.read_bytes() for p in home.job_files_of_run(name)}
     started: list[Chain] = []
