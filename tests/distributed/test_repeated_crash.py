@@ -91,3 +91,33 @@ def test_a_crash_followed_by_another_kind_does_not_stop_the_run(tmp_path: Path, 
     # Nor does the same crash again after a resubmission (another array job): it starts afresh.
     assert task(run, plant, 611, array_job_id=610, CRASH_AT="3", CRASH_KIND="key").returncode != 0
     assert not (run / "failed").exists()
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["lora-targets", "pipeline-split"],
+)
+def test_a_model_the_spec_cannot_build_stops_the_run_as_a_model_error(tmp_path: Path, tiny_model: Path, case: str):
+    """What validate refuses for a local model, when it reaches the trainer anyway (a spec.json
+    written before the check, a model changed since): peft's and the pipeline split's typed
+    errors are a model error, which every task would repeat."""
+    if case == "lora-targets":
+        run = make_run(tmp_path, tiny_model, "lora", model={"lora": {"r": 4, "target_modules": ["q_proj"]}})
+        edit = ("model", "lora", "target_modules"), ["no_such_proj"]
+    else:
+        run = make_run(tmp_path, tiny_model, "pipe", parallelism="pipeline", micro_batch_size=4, grad_accum=1)
+        edit = ("train", "pipeline", "layers_per_stage"), [1, 2]  # the tiny model has 2 blocks
+    spec = json.loads((run / "spec.json").read_text())
+    *path, key = edit[0]
+    table = spec["run"]
+    for name in path:
+        table = table[name]
+    table[key] = edit[1]
+    (run / "spec.json").write_text(json.dumps(spec))
+
+    proc = task(run, tmp_path, 701)
+    assert proc.returncode != 0
+    marker = json.loads((run / "failed").read_text())
+    assert marker["exit_code"] == ExitCode.MODEL_ERROR, marker
+    expected = "NoMatchingPeftModuleError" if case == "lora-targets" else "PipelineSplitError"
+    assert marker["reason"].startswith(expected), marker
