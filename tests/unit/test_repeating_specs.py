@@ -199,3 +199,27 @@ def test_an_end_without_its_start_repeats_nothing(tmp_path: Path):
     attempt_started(run, "11", 0, "10")
     attempt_ended(run, "11", 0, boom)
     assert attempt_ended(run, "12", 0, boom) is None  # 12 never recorded its start
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    "targets", [["q_proj", "v_proj"], ["self_attn.o_proj"], ["lm_head"], "all-linear", r".*\.mlp\.(up|down)_proj"]
+)
+def test_jobgen_names_the_layers_peft_adapts(tiny_model: Path, targets):
+    """The validate check and the trainer agree: the modules jobgen.lora_targets works out from the
+    safetensors headers are the ones peft adapts in the loaded model (trainer.model_prep)."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from jobgen.lora_targets import adapted, weight_modules
+    from jobgen.model_files import read_model
+    from jobgen.spec import ModelSpec
+    from trainer.model_prep import add_lora
+
+    info = read_model(tiny_model)
+    expected = adapted(targets, weight_modules((t.name for t in info.tensors), (t.shape for t in info.tensors)))
+    model = add_lora(
+        AutoModelForCausalLM.from_pretrained(tiny_model),
+        ModelSpec(path=str(tiny_model), lora={"target_modules": targets}),
+    )
+    assert sorted(model.targeted_module_names) == expected and expected
