@@ -332,7 +332,7 @@ def record_exit(run, attempt: Attempt, code: ExitCode, reason: str, progress: Pr
     repeated = None
     if progress.started and attempt.job_id:
         try:
-            repeated = attempt_ended(run, attempt.job_id, attempt.restart, progress.crash)
+            repeated = attempt_ended(run, attempt.job_id, attempt.restart, attempt.array_job_id, progress.crash)
         except OSError as exc:
             logging.getLogger("trainer").warning("could not record how this attempt ended: %s", exc)
     return record_failure(run, attempt.job_id, attempt.restart, code, reason, repeated)

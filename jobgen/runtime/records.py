@@ -133,26 +133,20 @@ class CrashSignature:
         frame = exc.__traceback__
         while frame is not None and frame.tb_next is not None:
             frame = frame.tb_next
-        where = (
-            f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno} in {frame.tb_frame.f_code.co_name}"
-            if frame
-            else "?"
-        )
+        where = "?"
+        if frame is not None:
+            code = frame.tb_frame.f_code
+            where = f"{code.co_filename}:{frame.tb_lineno} in {code.co_name}"
         return cls(f"{type(exc).__module__}.{type(exc).__qualname__}", where, step)
 
     @classmethod
     def from_json(cls, value: Any) -> CrashSignature | None:
         """A signature as attempt.json holds it; None for anything else (a file on disk is input)."""
-        if (
-            not isinstance(value, dict)
-            or not isinstance(value.get("type"), str)
-            or not isinstance(value.get("where"), str)
-        ):
+        if not isinstance(value, dict) or not all(isinstance(value.get(key), str) for key in ("type", "where")):
             return None
         step = value.get("step")
-        return cls(
-            value["type"], value["where"], step if isinstance(step, int) and not isinstance(step, bool) else None
-        )
+        whole = isinstance(step, int) and not isinstance(step, bool)
+        return cls(value["type"], value["where"], step if whole else None)
 
     def describe(self) -> str:
         """``at step 7 (ValueError at loop.py:300 in step)``, for the failed marker and status."""
@@ -187,14 +181,16 @@ def attempt_started(run: RunDir, job_id: str, restart: int, array_job_id: str | 
     write_json_atomic(_attempt_file(run), {**record, "previous_crash": previous})
 
 
-def attempt_ended(run: RunDir, job_id: str, restart: int, crash: CrashSignature | None) -> CrashSignature | None:
+def attempt_ended(
+    run: RunDir, job_id: str, restart: int, array_job_id: str | None, crash: CrashSignature | None
+) -> CrashSignature | None:
     """Rank 0, as an attempt that :func:`attempt_started` ends, crashed (``crash``) or not:
     records how, and returns ``crash`` when the previous task of the run crashed exactly so (the
     run must stop: at most one more task was spent on it), else None."""
     last = _last_attempt(run)
     mine = last.get("job_id") == job_id and last.get("restart") == restart and last.get("ended") is False
     repeated = crash is not None and mine and CrashSignature.from_json(last.get("previous_crash")) == crash
-    record = {**last, "job_id": job_id, "restart": restart, "ended": True, "previous_crash": None}
+    record = {"job_id": job_id, "restart": restart, "array_job_id": array_job_id, "ended": True}
     write_json_atomic(_attempt_file(run), {**record, "crash": asdict(crash) if crash else None})
     return crash if repeated else None
 

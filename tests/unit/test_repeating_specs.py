@@ -150,9 +150,9 @@ def run_dir(tmp_path: Path) -> RunDir:
 def test_the_same_crash_in_the_next_task_repeats(tmp_path: Path):
     run, boom = run_dir(tmp_path), crash(ValueError, 7)
     attempt_started(run, "11", 0, "10")
-    assert attempt_ended(run, "11", 0, boom) is None  # the first time
+    assert attempt_ended(run, "11", 0, "10", boom) is None  # the first time
     attempt_started(run, "12", 0, "10")
-    assert attempt_ended(run, "12", 0, crash(ValueError, 7)) == boom
+    assert attempt_ended(run, "12", 0, "10", crash(ValueError, 7)) == boom
     assert boom.describe().startswith("at step 7 (ValueError at test_repeating_specs.py:")
 
 
@@ -171,7 +171,7 @@ def test_the_same_crash_in_the_next_task_repeats(tmp_path: Path):
 def test_anything_between_two_crashes_or_any_difference_is_no_repeat(tmp_path: Path, between: str):
     run, boom = run_dir(tmp_path), crash(ValueError, 7)
     attempt_started(run, "11", 0, "10")
-    attempt_ended(run, "11", 0, boom)
+    attempt_ended(run, "11", 0, "10", boom)
     job, restart, array, again = "12", 0, "10", boom
     if between == "another step":
         again = crash(ValueError, 8)
@@ -179,7 +179,7 @@ def test_anything_between_two_crashes_or_any_difference_is_no_repeat(tmp_path: P
         again = crash(KeyError, 7)
     elif between == "a clean end":
         attempt_started(run, "12", 0, "10")
-        attempt_ended(run, "12", 0, None)
+        attempt_ended(run, "12", 0, "10", None)
         job = "13"
     elif between == "a killed task":
         attempt_started(run, "12", 0, "10")  # and never ended
@@ -191,14 +191,14 @@ def test_anything_between_two_crashes_or_any_difference_is_no_repeat(tmp_path: P
     else:
         (tmp_path / "logs" / "attempt.json").write_text(json.dumps({"job_id": "11", "ended": True, "crash": [1]}))
     attempt_started(run, job, restart, array)
-    assert attempt_ended(run, job, restart, again) is None
+    assert attempt_ended(run, job, restart, array, again) is None
 
 
 def test_an_end_without_its_start_repeats_nothing(tmp_path: Path):
     run, boom = run_dir(tmp_path), crash(ValueError, 7)
     attempt_started(run, "11", 0, "10")
-    attempt_ended(run, "11", 0, boom)
-    assert attempt_ended(run, "12", 0, boom) is None  # 12 never recorded its start
+    attempt_ended(run, "11", 0, "10", boom)
+    assert attempt_ended(run, "12", 0, "10", boom) is None  # 12 never recorded its start
 
 
 @pytest.mark.torch
