@@ -17,7 +17,10 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     PlainSerializer,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
     WithJsonSchema,
+    WrapValidator,
 )
 
 from jobgen.durations import format_human, parse_duration
@@ -184,20 +187,40 @@ def _not_reserved(name: str) -> str:
     return name
 
 
-def _refuse_literal_secrets(env: dict[str, str]) -> dict[str, str]:
-    """A credential's value written in a spec or site file would be copied in plain text into
-    the run directory (run.toml, spec.json, the batch script), which the group may read.
-    jobgen.env_names.secret_problem is the one rule, the job's env.txt uses it too."""
-    problems = {name: secret_problem(name, value) for name, value in env.items()}
+def _literal_secrets(env: object) -> str | None:
+    """Why the table holds a credential's value, or None. Written in a spec or site file, it
+    would be copied in plain text into the run directory (run.toml, spec.json, the batch
+    script), which the group may read. jobgen.env_names.secret_problem is the one rule, the
+    job's env.txt uses it too."""
+    if not isinstance(env, dict):
+        return None
+    texts = {n: v for n, v in env.items() if isinstance(n, str) and isinstance(v, str)}
+    problems = {name: secret_problem(name, value) for name, value in texts.items()}
     secrets = sorted(name for name, problem in problems.items() if problem)
-    if secrets:
-        why = "; ".join(f"{name} {problems[name]}" for name in secrets)
-        raise ValueError(
-            f"{why}: the value would be written in plain text into the run directory "
-            f"(run.toml, spec.json, the batch script). Export it in the shell you submit from and list it in "
-            f"job.pass_env = {secrets!r}: sbatch passes it to the job and jobgen never writes it"
-        )
-    return env
+    if not secrets:
+        return None
+    why = "; ".join(f"{name} {problems[name]}" for name in secrets)
+    return (
+        f"{why}: the value would be written in plain text into the run directory "
+        f"(run.toml, spec.json, the batch script). Export it in the shell you submit from and list it in "
+        f"job.pass_env = {secrets!r}: sbatch passes it to the job and jobgen never writes it"
+    )
+
+
+def _env_table(env: object, handler: ValidatorFunctionWrapHandler) -> dict[str, str]:
+    """The table's names and values checked one by one, and its credentials: all of it
+    reported at once (a refused name does not hide a secret beside it)."""
+    secrets = _literal_secrets(env)
+    try:
+        checked = handler(env)
+    except ValidationError as exc:
+        if secrets is None:
+            raise
+        secret_error = {"type": "value_error", "loc": (), "input": env, "ctx": {"error": ValueError(secrets)}}
+        raise ValidationError.from_exception_data(exc.title, [*exc.errors(), secret_error]) from None
+    if secrets is not None:
+        raise ValueError(secrets)
+    return checked
 
 
 # A name [env] may set: not one the batch script, Slurm, torchrun or the shell owns
@@ -205,4 +228,4 @@ def _refuse_literal_secrets(env: dict[str, str]) -> dict[str, str]:
 EnvKey = Annotated[EnvName, AfterValidator(_not_reserved)]
 # The variables a spec or site exports in the job: names as the shell allows them and no one
 # else owns, values printable, and no credential given as a literal value.
-JobEnv = Annotated[dict[EnvKey, EnvValue], AfterValidator(_refuse_literal_secrets)]
+JobEnv = Annotated[dict[EnvKey, EnvValue], WrapValidator(_env_table)]

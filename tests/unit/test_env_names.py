@@ -118,6 +118,11 @@ def test_reserved_names_are_refused_in_the_site_tables_too(tmp_path: Path):
     assert "batch script itself" in found.get("site.network.env.RUN_DIR (the name)", ""), found
 
 
+def test_a_refused_name_does_not_hide_a_secret_beside_it(tmp_path: Path):
+    found = spec_issues(doctor(tmp_path, {"RUN_DIR": "/elsewhere", "HFTOKEN": "abc"}))
+    assert "env.RUN_DIR (the name)" in found and "HFTOKEN looks like a secret" in found.get("env", ""), found
+
+
 def test_path_and_pythonpath_are_refused_with_advice(tmp_path: Path):
     found = spec_issues(doctor(tmp_path, {"PATH": "/opt/bin", "PYTHONPATH": "/src"}))
     assert "[python]" in found["env.PATH (the name)"]
