@@ -11,21 +11,30 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from jobgen import placeholders
 from jobgen.command_checkpoints import HF_CHECKPOINTS
-from jobgen.fields import EnvValue, SafePath, StrictModel
+from jobgen.fields import EnvValue, SafePath, SpecModel, matching
 
 # A dotted Python module name: my_project.train
-PythonModule = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")]
+PythonModule = matching(
+    r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
+    "a Python module name",
+    "names of letters, digits and '_' joined by dots, e.g. 'my_project.train' (a file belongs in command.script)",
+)
 # One argument of the program; placeholders checked with the key's own rules (jobgen.placeholders).
 CommandArg = Annotated[EnvValue, AfterValidator(lambda v: placeholders.check(v, placeholders.IN_ARGS, "command.args"))]
 ResumeArg = Annotated[
     EnvValue, AfterValidator(lambda v: placeholders.check(v, placeholders.IN_RESUME_ARGS, "command.resume_args"))
 ]
 # A glob over the names in the checkpoint directory: one name, never a path.
-CheckpointRule = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.*?\[\]!+=,@-]{1,128}$")]
+CheckpointRule = matching(
+    r"^[A-Za-z0-9_.*?\[\]!+=,@-]{1,128}$",
+    "a glob over the names in the checkpoint directory",
+    "one name pattern of letters, digits and _ . * ? [ ] ! + = , @ -, e.g. 'step-*' (no '/'), at most 128 characters",
+    chars=r"[A-Za-z0-9_.*?\[\]!+=,@-]",
+)
 
 _PLACEHOLDER_HELP = (
     "Placeholders, expanded by jobgen for each array task (never by a shell): {run_dir}, {checkpoint_dir} "
@@ -33,7 +42,7 @@ _PLACEHOLDER_HELP = (
 )
 
 
-class CommandSpec(StrictModel):
+class CommandSpec(SpecModel):
     """Your own program (job.program = 'command'), started by torchrun on every node as the
     bundled trainer is, through jobgen's launcher (jobgen.runtime.launch), which runs it
     unchanged with the arguments and environment jobgen decided for the task. It reaches

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from jobgen.fields import Duration, EnvValue, StrictModel
+from jobgen.fields import Duration, EnvValue, SpecModel
 
 
-class EvalSpec(StrictModel):
+class EvalSpec(SpecModel):
     """Evaluation on held-out data while training; requires job.program = 'train'."""
 
     path: str | None = Field(

@@ -30,6 +30,7 @@ from jobgen.paths import SITE_CONFIGS_DIR
 from jobgen.resolved import ResolvedSpec
 from jobgen.site import SiteProfile
 from jobgen.spec import RunSpec
+from jobgen.spec_files import data_problems, model_problems
 from jobgen.watchdog_settings import WatchdogSettings
 
 if sys.version_info >= (3, 11):
@@ -163,10 +164,12 @@ def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> R
         issues.extend(SpecIssue(run_label, key_path(e["loc"]), _message(e)) for e in exc.errors())
     issues.extend(_check_paths(raw, base_dir, run_label))
     if run is not None:
-        issues.extend(_check_data_contents(run, run_label))
+        issues.extend(SpecIssue(run_label, key, message) for key, message in data_problems(run))
         issues.extend(_check_env_placeholders(run, run_label))
     if run is not None and site is not None:
         issues.extend(_cross_check(run, site, run_label))
+        worlds = [run.job.world_size(site.slurm.default_procs_per_node, n) for n in run.job.node_counts]
+        issues.extend(SpecIssue(run_label, key, message) for key, message in model_problems(run, worlds))
         issues.extend(_check_run_dir(run, site, run_label, site_path, overrides))
         issues.extend(_check_script_paths(run, site, run_label, site_path, overrides))
         try:
@@ -293,31 +296,6 @@ def _check_paths(raw: dict[str, Any], base_dir: Path, run_label: str) -> list[Sp
         local = _local_path(value, base_dir)
         if not (local.is_file() if kind == "file" else local.is_dir()):
             issues.append(SpecIssue(run_label, f"command.{key}", f"'{value}' is no {kind} (resolved to {local})"))
-    return issues
-
-
-def _check_data_contents(run: RunSpec, run_label: str) -> list[SpecIssue]:
-    """A local data.path that cannot give a single row (an empty file, a directory of
-    empty files or of no data files, an unsupported type) is refused here: the job would
-    fail the same way, only after its wait in the queue. Names and sizes only (and the
-    first bytes of small text files), so this stays instant and needs no ``datasets``;
-    what needs the rows or the tokenizer is checked in the trainer's first seconds."""
-    from jobgen.datafiles import data_path_problem, prompts_file_problem
-
-    issues = []
-    sources = [("data.path", run.data.path if run.data else None), ("eval.path", run.eval.path if run.eval else None)]
-    for key, value in sources:
-        path = Path(value) if value else None
-        if path is None or not (path.is_absolute() and path.exists()):
-            continue  # a hub id, or a missing path that _check_paths reports
-        problem = data_path_problem(path)
-        if problem:
-            issues.append(SpecIssue(run_label, key, problem))
-    prompts = Path(run.eval.prompts_file) if run.eval and run.eval.prompts_file else None
-    if prompts is not None and prompts.is_absolute() and prompts.exists():
-        problem = prompts_file_problem(prompts)
-        if problem:
-            issues.append(SpecIssue(run_label, "eval.prompts_file", problem))
     return issues
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from jobgen.context_parallel_memory import share_of_row
 from jobgen.global_batch import GlobalBatchError, grad_accum_for
+from jobgen.lora_targets import adapted, weight_modules
 from jobgen.memory_estimate import (
     FRAGMENTATION_MARGIN,
     PipelineInputs,
@@ -31,7 +32,7 @@ from jobgen.memory_estimate import (
     headroom,
     host_bytes_per_node,
 )
-from jobgen.model_files import ModelFileError, PlanError, UnsizedModel, read_model
+from jobgen.model_files import ModelFileError, ModelInfo, PlanError, UnsizedModel, read_model
 from jobgen.nccl_memory import settings_from
 from jobgen.pipeline_memory import Layout, PipelineEstimate, PipelineLayoutError, PositionEstimate, estimate_run
 from jobgen.plan_suggestions import (
@@ -298,8 +299,9 @@ def _measured_figure(measured: dict[str, Any] | None, phase: str, device: str) -
     return int(value * MIB) if isinstance(value, (int, float)) else None
 
 
-def inputs_for(spec: Any) -> PlanInputs:
-    """PlanInputs from a ResolvedSpec (duck-typed: jobgen.loader.ResolvedSpec)."""
+def inputs_for(spec: Any, model_info: ModelInfo | None = None) -> PlanInputs:
+    """PlanInputs from a ResolvedSpec (duck-typed: jobgen.loader.ResolvedSpec); ``model_info``
+    names the layers [model.lora] adapts when its targets are a pattern ('all-linear')."""
     run = spec.run
     model, data, train = run.model, run.data, run.train
     lora = model.lora
@@ -327,13 +329,21 @@ def inputs_for(spec: Any) -> PlanInputs:
         loss_chunk_tokens=int(getattr(train, "loss_chunk_tokens", 0) or 0),
         per_parameter_clip=train.grad_clip > 0 and train.grad_clip_mode == "per_parameter",
         lora_r=lora.r if lora is not None else None,
-        lora_targets=tuple(lora.target_modules) if lora is not None else (),
+        lora_targets=_lora_leaves(lora.target_modules, model_info) if lora is not None else (),
         shard_size=train.shard_size,
         cpu_offload=train.cpu_offload,
         global_batch_size=train.global_batch_size,
         nccl=settings_from(spec.site.network.transport, job_environment(spec)),
         pipeline=_pipeline_inputs(train),
     )
+
+
+def _lora_leaves(targets: list[str] | str, model_info: ModelInfo | None) -> tuple[str, ...]:
+    """The last names of the layers LoRA adapts (q_proj...), as the estimate counts them."""
+    if model_info is None:
+        return () if isinstance(targets, str) else tuple(t.rsplit(".", 1)[-1] for t in targets)
+    modules = weight_modules((t.name for t in model_info.tensors), (t.shape for t in model_info.tensors))
+    return tuple(sorted({name.rsplit(".", 1)[-1] for name in adapted(targets, modules)}))
 
 
 def _attention(attention: str, gpu: bool, packing: bool) -> str:
@@ -418,7 +428,7 @@ def plan_run(spec: Any) -> MemoryPlan:
     except PlanError as exc:
         plan.unavailable = str(exc)
         return plan
-    inputs = inputs_for(spec)
+    inputs = inputs_for(spec, model)
     try:
         est = estimate_run(model, inputs)
     except PipelineLayoutError as exc:

@@ -5,11 +5,11 @@ splits) are jobgen/pipeline_split.py's."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
-from jobgen.fields import StrictModel
+from jobgen.fields import SpecModel
 from jobgen.pipeline_split import MICROBATCHES_KEY, SCHEDULE_KEY, SCHEDULES, schedule_problem
 
 SIZE_KEY = "train.pipeline.size"
@@ -20,7 +20,7 @@ ScheduleName = Literal[
 assert set(ScheduleName.__args__) == set(SCHEDULES), "one spec name per schedule in jobgen.pipeline_split"
 
 
-class PipelineSpec(StrictModel):
+class PipelineSpec(SpecModel):
     """Pipeline parallelism: consecutive decoder blocks on consecutive ranks, activations passed
     between them by torch.distributed.pipelining's schedules."""
 
@@ -64,11 +64,13 @@ class PipelineSpec(StrictModel):
             "the whole batch's target tokens, so the split does not change the result."
         ),
     )
-    layers_per_stage: list[int] | None = Field(
+    layers_per_stage: list[Annotated[int, Field(ge=1, le=100_000)]] | None = Field(
         None,
+        min_length=1,
         description=(
-            "Decoder blocks of each stage, e.g. [10, 12, 10] (default: balanced by parameter count, the "
-            "embedding counting towards the first stage and the output layer towards the last)."
+            "Decoder blocks of each stage, e.g. [10, 12, 10], each at least 1, summing to the model's blocks (validate "
+            "checks a local model's) (default: balanced by parameter count, the embedding counting towards the first "
+            "stage and the output layer towards the last)."
         ),
     )
     data_parallel: Literal["fsdp", "ddp"] = Field(

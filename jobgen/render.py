@@ -28,7 +28,6 @@ from jobgen import __version__, placeholders
 from jobgen.durations import format_slurm
 from jobgen.exit_codes import ExitCode
 from jobgen.paths import PROJECT_ROOT, TEMPLATES_DIR
-from jobgen.repro import env_record_patterns
 from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import STARTUP_SWITCHES, RunDir
 
@@ -342,7 +341,8 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
         "net_env": sorted(net.env.items()),
         "env": sorted(env.items()),
         "env_per_task": per_task,
-        "repro_env": env_record_patterns([*env, *net.env]),
+        # The names the spec exports itself: env.txt records their values (jobgen.repro).
+        "repro_own": Trusted("".join(f" --own {shlex.quote(name)}" for name in sorted({*env, *net.env}))),
         "exit": {code.name.lower(): int(code) for code in ExitCode},
         # The start probe (every node, before the launch): what it checks. The doctor runs it
         # too, so that `jobgen doctor --clear` releases a node only if the site's check passes.

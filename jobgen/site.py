@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from jobgen.fields import (
     Constraint,
@@ -26,7 +26,8 @@ from jobgen.fields import (
     SbatchOption,
     SlurmMemory,
     SlurmName,
-    StrictModel,
+    SpecModel,
+    matching,
 )
 from jobgen.watchdog_settings import WatchdogSettings
 
@@ -41,11 +42,37 @@ def _check_size(value: str) -> str:
 
 # A human memory size, kept as written ('80GiB', '24G', '500MiB'); jobgen.sizes parses it.
 DeviceMemory = Annotated[
-    str, StringConstraints(pattern=r"^\s*\d+(\.\d+)?\s*[KMGTPkmgtp]?(i?[Bb])?\s*$"), AfterValidator(_check_size)
+    matching(
+        r"^\s*\d+(\.\d+)?\s*[KMGTPkmgtp]?(i?[Bb])?\s*$",
+        "a memory size",
+        "a number with an optional unit, e.g. '80GiB', '23.5GiB', '24G' or '500MB'",
+    ),
+    AfterValidator(_check_size),
 ]
+GresName = matching(
+    r"^[A-Za-z0-9_]+(:[A-Za-z0-9_.-]+)?$", "a gres name", "a name, optionally typed: 'gpu' or 'gpu:h100'"
+)
+IbHca = matching(
+    r"^[A-Za-z0-9_.:,=^-]{1,256}$",
+    "an NCCL_IB_HCA value",
+    "letters, digits and _ . : , = ^ -, e.g. 'mlx5_0,mlx5_1' or '=mlx5_0:1', at most 256 characters",
+    chars=r"[A-Za-z0-9_.:,=^-]",
+)
+ContainerImage = matching(
+    r"^[A-Za-z0-9_./:@+#-]{1,512}$",
+    "a container image",
+    "letters, digits and _ . / : @ + # -, e.g. 'nvcr.io#nvidia/pytorch:24.05-py3', at most 512 characters",
+    chars=r"[A-Za-z0-9_./:@+#-]",
+)
+SiteName = matching(
+    r"^[A-Za-z0-9_.-]{1,64}$",
+    "a site name",
+    "letters, digits, '_', '.' and '-', at most 64 characters",
+    chars=r"[A-Za-z0-9_.-]",
+)
 
 
-class SlurmSettings(StrictModel):
+class SlurmSettings(SpecModel):
     """How jobs ask Slurm for resources on this cluster."""
 
     partition: SlurmName | None = Field(
@@ -70,9 +97,8 @@ class SlurmSettings(StrictModel):
         "gres",
         description="How GPUs are requested: '--gres=<gres_name>:<n>' or '--gpus-per-node=<n>'.",
     )
-    gres_name: str = Field(
+    gres_name: GresName = Field(
         "gpu",
-        pattern=r"^[A-Za-z0-9_]+(:[A-Za-z0-9_.-]+)?$",
         description="Gres name, optionally typed, e.g. 'gpu' or 'gpu:h100'.",
     )
     cpus_per_node: int = Field(2, ge=1, le=1024, description="CPUs for the one task per node (--cpus-per-task).")
@@ -104,7 +130,7 @@ class SlurmSettings(StrictModel):
         return self.gpus_per_node or 1
 
 
-class NetworkSettings(StrictModel):
+class NetworkSettings(SpecModel):
     """How ranks find each other and which network NCCL/Gloo use."""
 
     ifname: InterfaceName | None = Field(
@@ -118,9 +144,8 @@ class NetworkSettings(StrictModel):
         "socket",
         description="'ib' for InfiniBand/RoCE; 'socket' for Ethernet-only (sets NCCL_IB_DISABLE=1, NCCL_NET=Socket).",
     )
-    ib_hca: str | None = Field(
+    ib_hca: IbHca | None = Field(
         None,
-        pattern=r"^[A-Za-z0-9_.:,=^-]{1,256}$",
         description="NCCL_IB_HCA, e.g. 'mlx5_0,mlx5_1' or '=mlx5_0:1'.",
     )
     resolve_head_ip: bool = Field(
@@ -144,7 +169,13 @@ class NetworkSettings(StrictModel):
         False,
         description="NCCL_DEBUG=INFO with one NCCL_DEBUG_FILE per host and process, TORCH_DISTRIBUTED_DEBUG=DETAIL.",
     )
-    env: JobEnv = Field(default_factory=dict, description="Extra NCCL/GLOO variables, e.g. {NCCL_IB_GID_INDEX = '3'}.")
+    env: JobEnv = Field(
+        default_factory=dict,
+        description=(
+            "Extra NCCL/GLOO variables, e.g. {NCCL_IB_GID_INDEX = '3'}; the same names and values are refused "
+            "as in the run's [env]."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_port(self) -> NetworkSettings:
@@ -156,7 +187,7 @@ class NetworkSettings(StrictModel):
         return self
 
 
-class PathSettings(StrictModel):
+class PathSettings(SpecModel):
     """Shared filesystem locations every node sees."""
 
     runs_root: SafePath = Field(
@@ -168,7 +199,7 @@ class PathSettings(StrictModel):
     )
 
 
-class PythonSettings(StrictModel):
+class PythonSettings(SpecModel):
     """How the job's Python environment is activated on every node."""
 
     kind: Literal["venv", "modules", "container", "none"] = Field(
@@ -180,9 +211,8 @@ class PythonSettings(StrictModel):
         default_factory=list, description="Modules to load in order, when kind = 'modules' (after 'module purge')."
     )
     module_venv: SafePath | None = Field(None, description="Optional virtualenv to activate after loading the modules.")
-    container_image: str | None = Field(
+    container_image: ContainerImage | None = Field(
         None,
-        pattern=r"^[A-Za-z0-9_./:@+#-]{1,512}$",
         description="Container image for pyxis (srun --container-image), e.g. 'nvcr.io#nvidia/pytorch:24.05-py3'.",
     )
     container_mounts: list[str] = Field(
@@ -204,10 +234,10 @@ class PythonSettings(StrictModel):
         return self
 
 
-class SiteProfile(StrictModel):
+class SiteProfile(SpecModel):
     """One cluster."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Short name of the site.")
+    name: SiteName = Field(description="Short name of the site.")
     description: str = Field("", description="What this cluster is, for humans.")
     slurm: SlurmSettings = Field(default_factory=SlurmSettings, description="Slurm resource requests.")
     network: NetworkSettings = Field(default_factory=NetworkSettings, description="Rendezvous and NCCL/Gloo network.")
@@ -216,7 +246,11 @@ class SiteProfile(StrictModel):
         default_factory=lambda: PythonSettings(kind="none"), description="Python environment activation."
     )
     env: JobEnv = Field(
-        default_factory=dict, description="Variables exported in every job of this site (the run's [env] wins)."
+        default_factory=dict,
+        description=(
+            "Variables exported in every job of this site (the run's [env] wins); the same names and values are "
+            "refused as in the run's [env]."
+        ),
     )
     watchdogs: WatchdogSettings = Field(
         default_factory=WatchdogSettings,

@@ -7,6 +7,7 @@ site resolution and error reporting live in :mod:`jobgen.loader`.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -23,8 +24,9 @@ from jobgen.fields import (
     JobName,
     SafePath,
     SlurmName,
-    StrictModel,
+    SpecModel,
 )
+from jobgen.lora_targets import is_all_linear
 from jobgen.serve_spec import ServeSpec
 from jobgen.sweep_spec import SweepSpec
 from jobgen.train_spec import TrainSpec
@@ -37,7 +39,7 @@ MAX_PROCS_PER_NODE = 256
 ProcsPerNode = Annotated[int, Field(ge=1, le=MAX_PROCS_PER_NODE)]
 
 
-class JobSpec(StrictModel):
+class JobSpec(SpecModel):
     """What to ask Slurm for. Keys here override the site profile's."""
 
     name: JobName = Field(description="Job name; also the run directory's name under runs_root.")
@@ -213,19 +215,54 @@ def layout_text(node_procs: tuple[int, ...]) -> str:
     return f"{len(node_procs)} nodes with {' + '.join(map(str, node_procs))} processes"
 
 
-class LoraSpec(StrictModel):
+class LoraSpec(SpecModel):
     """Low-rank adapters through peft (pip install .[lora])."""
 
     r: int = Field(16, ge=1, le=4096, description="Adapter rank.")
     alpha: float = Field(32.0, gt=0, description="Scaling (lora_alpha).")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
-    target_modules: list[str] = Field(
+    target_modules: list[str] | str = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        description="Module names to adapt.",
+        description=(
+            "The layers to adapt, by peft's rules: a list of module names, each matching a layer whose full name "
+            "is it or ends in '.' and it (['q_proj', 'v_proj'], ['self_attn.o_proj']); or one string: 'all-linear' "
+            "(every linear layer but the output layer) or a regular expression the whole name must match "
+            "('.*\\.(q|v)_proj'). With a local model, validate refuses targets that adapt no layer of it."
+        ),
     )
 
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _targets(cls, value: object) -> object:
+        """One message naming the entry, instead of pydantic's one per member of the union."""
+        if isinstance(value, str):
+            return _lora_pattern(value)
+        if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+            raise ValueError("give a list of module names (['q_proj', 'v_proj']), 'all-linear' or a regular expression")
+        if not value:
+            raise ValueError(
+                "an empty list adapts nothing: name the layers, e.g. ['q_proj', 'v_proj'], or 'all-linear'"
+            )
+        for index, name in enumerate(value):
+            if not name.strip() or any(c.isspace() for c in name):
+                raise ValueError(f"entry {index} ({name!r}) is no module name: give one like 'q_proj'")
+        return value
 
-class ModelSpec(StrictModel):
+
+def _lora_pattern(pattern: str) -> str:
+    """'all-linear' or a regular expression that compiles (peft matches it with re.fullmatch)."""
+    if is_all_linear(pattern):
+        return pattern
+    if not pattern.strip():
+        raise ValueError("an empty pattern adapts nothing: give 'all-linear', a regular expression or a list of names")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"{pattern!r} is not a regular expression ({exc})") from None
+    return pattern
+
+
+class ModelSpec(SpecModel):
     """The model to fine-tune."""
 
     path: str = Field(description="Local Hugging Face model directory (relative to run.toml), or a hub id 'org/name'.")
@@ -262,7 +299,7 @@ class ModelSpec(StrictModel):
         return self
 
 
-class DataSpec(StrictModel):
+class DataSpec(SpecModel):
     """The training data."""
 
     path: str = Field(
@@ -337,7 +374,7 @@ def _parse_template(template: str):
         raise ValueError(f"Jinja syntax error at line {exc.lineno} of the template: {exc.message}") from None
 
 
-class RunSpec(StrictModel):
+class RunSpec(SpecModel):
     """A whole run.toml after the site reference has been taken out."""
 
     job: JobSpec = Field(description="Slurm request for each array task.")
@@ -351,8 +388,14 @@ class RunSpec(StrictModel):
     env: JobEnv = Field(
         default_factory=dict,
         description=(
-            "Variables exported in the job, written into the batch script. A secret-looking name (HF_TOKEN, "
-            "WANDB_API_KEY, ...) is refused here: pass it with job.pass_env. With job.program = 'command' a value "
+            "Variables exported in the job, written into the batch script, after the script's own defaults "
+            "(OMP_NUM_THREADS, the NCCL settings), which they override. Refused here: a credential, by its name "
+            "(HF_TOKEN, HFTOKEN, WANDB_API_KEY, GITHUB_PAT, DATABASE_URL, ...) or by its value (user:password@ in "
+            "a URL, a hf_... or ghp_... token): pass it with job.pass_env; and a name the batch script, Slurm, "
+            "torchrun or the shell owns (RUN_DIR, SLURM_*, SRUN_*, JOBGEN_*, RANK, MASTER_PORT, "
+            "CUDA_VISIBLE_DEVICES, IFS, BASH_ENV, PATH, PYTHONPATH, ...). LD_LIBRARY_PATH, LD_PRELOAD, HOME and "
+            "TMPDIR are yours to set (replacing, not appending to, what the site's environment has). "
+            "With job.program = 'command' a value "
             "may hold the placeholders of command.resume_args ({run_dir}, {checkpoint_dir}, {latest_checkpoint}, "
             "{job_id}, {task}; {{ and }} are literal braces), expanded for each task by jobgen; such a variable "
             "is set by jobgen's launcher, not by the script, and one that uses {latest_checkpoint} is left unset "

@@ -6,14 +6,23 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from jobgen.fields import Duration, StrictModel
+from jobgen.durations import format_human
+from jobgen.fields import Duration, SpecModel
 from jobgen.parallelism import ParallelismName
 from jobgen.pipeline_spec import PipelineSpec
 
+# The largest train.seed: the trainer seeds each rank's generator with seed * 1000 + rank
+# (trainer.loop), which torch.manual_seed takes below 2**64 (above: "Overflow when unpacking
+# long long" on every rank), and 2**53 - 1 is the largest integer every JSON reader of
+# spec.json and metrics.json keeps exact. numpy is seeded from a hash of it (trainer.sampler).
+MAX_SEED = 2**53 - 1
+# A collective that may wait a month is no timeout; torch's timedelta overflows near 2.7 million years.
+MAX_COLLECTIVE_TIMEOUT = 30 * 86400
 
-class TrainSpec(StrictModel):
+
+class TrainSpec(SpecModel):
     """The optimisation loop."""
 
     parallelism: ParallelismName = Field(
@@ -159,7 +168,16 @@ class TrainSpec(StrictModel):
     save_every: Duration = Field("30m", description="Also checkpoint after this much wall time since the last save.")
     keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept on disk (oldest deleted first).")
     async_save: bool = Field(False, description="Save in the background; training blocks only for the staging copy.")
-    seed: int = Field(1234, ge=0, description="Seed for data order, initialisation and dropout.")
+    seed: int = Field(
+        1234,
+        ge=0,
+        le=MAX_SEED,
+        description=(
+            f"Seed for data order, initialisation and dropout, from 0 to {MAX_SEED} (2^53 - 1: the trainer seeds "
+            "each rank's generator with seed x 1000 + rank, which torch takes below 2^64, and every JSON reader "
+            "keeps such a number exact)."
+        ),
+    )
     log_every_steps: int = Field(10, ge=1, description="Append a metrics line every N steps.")
     report_to: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list,
@@ -174,7 +192,11 @@ class TrainSpec(StrictModel):
         "jobgen", min_length=1, description="W&B project for report_to = ['wandb']; the run is named after job.name."
     )
     collective_timeout: Duration = Field(
-        "10m", description="Timeout of every collective; a rank that hangs longer ends the job."
+        "10m",
+        description=(
+            "Timeout of every collective; a rank that hangs longer ends the job. From 1s to "
+            f"{format_human(MAX_COLLECTIVE_TIMEOUT)} (torch keeps it as a timedelta)."
+        ),
     )
     max_host_memory_percent: float = Field(
         95.0, gt=0, le=100, description="Save and exit when host memory use exceeds this percentage."
@@ -193,6 +215,16 @@ class TrainSpec(StrictModel):
             "host memory one process may use, glibc otherwise. MALLOC_MMAP_THRESHOLD_ in the environment wins."
         ),
     )
+
+    @field_validator("collective_timeout")
+    @classmethod
+    def _timeout_in_range(cls, seconds: int) -> int:
+        if not 1 <= seconds <= MAX_COLLECTIVE_TIMEOUT:
+            raise ValueError(
+                f"{format_human(seconds)} is outside 1s to {format_human(MAX_COLLECTIVE_TIMEOUT)}: a collective "
+                "timeout of 0 fails the rendezvous itself, and one over a month never ends a hung job"
+            )
+        return seconds
 
     @model_validator(mode="after")
     def _batch_and_parallelism_keys(self) -> TrainSpec:

@@ -22,7 +22,9 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from jobgen.fields import Duration, SafePath, SlurmName, StrictModel
+from jobgen.fields import Duration, EnvName, SafePath, SlurmName, StrictModel, matching
+
+WebhookUrl = matching(r"^https?://\S+$", "a webhook URL", "an http:// or https:// URL without spaces")
 
 _THRESHOLD = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|[KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
@@ -135,10 +137,8 @@ class EmailSettings(StrictModel):
     password_file: SafePath | None = Field(
         None, description="File holding the password (keep it mode 0600); read when a message is sent."
     )
-    password_env: str | None = Field(
-        None,
-        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-        description="Environment variable holding the password, read when a message is sent.",
+    password_env: EnvName | None = Field(
+        None, description="Environment variable holding the password, read when a message is sent."
     )
 
     @model_validator(mode="after")
@@ -153,15 +153,12 @@ class EmailSettings(StrictModel):
 class WebhookSettings(StrictModel):
     """Alerts as a Slack-compatible JSON POST (``{"text": ...}``)."""
 
-    url: str | None = Field(
+    url: WebhookUrl | None = Field(
         None,
-        pattern=r"^https?://\S+$",
         description="Webhook URL. Slack URLs are secrets: prefer url_file or url_env on shared filesystems.",
     )
     url_file: SafePath | None = Field(None, description="File holding the URL; read when a message is sent.")
-    url_env: str | None = Field(
-        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Environment variable holding the URL."
-    )
+    url_env: EnvName | None = Field(None, description="Environment variable holding the URL.")
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> WebhookSettings:

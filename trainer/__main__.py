@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jobgen.exit_codes import ExitCode
 
@@ -86,28 +87,38 @@ def main(argv: list[str] | None = None) -> int:
         from jobgen.runtime.records import reserve_exit_code
 
         reserve_exit_code(run, attempt.job_id, attempt.restart)  # the reason gets out of a full disk
-    lease = WriterLease(run.writer_lease)
-    code, reason = ExitCode.OK, ""
+    return run_attempt(spec, run, env, attempt, startup, WriterLease(run.writer_lease), args.expected_world_size)
+
+
+def run_attempt(spec, run, env, attempt: Attempt, startup, lease, expected_world_size: int | None) -> int:
+    """This attempt, from its start checks to its exit record: what every later task needs to
+    know of it is written by rank 0 however it ends (short of SIGKILL)."""
+    from trainer import distributed
+
+    log = logging.getLogger("trainer")
+    code, reason, progress = ExitCode.OK, "", Progress()
     try:
         # One decision for all ranks, taken by rank 0 before anything is loaded or written.
         refusal = distributed.broadcast_object(
-            env, refuse_to_start(run, lease, env.world_size, args.expected_world_size) if env.is_main else None
+            env, refuse_to_start(run, lease, env.world_size, expected_world_size) if env.is_main else None
         )
         if refusal is not None:
             code, reason = refusal
             return int(code)
+        progress.started = env.is_main and record_start(run, attempt)
         startup.mark("rendezvous")  # the process group, and rank 0's start checks
-        code, reason = train(spec, run, env, attempt, startup)
+        code, reason = train(spec, run, env, attempt, startup, progress)
         return int(code)
     except BaseException as exc:
-        from jobgen.runtime.records import crash_reason
+        from jobgen.runtime.records import CrashSignature, crash_reason
 
         code, reason = ExitCode.CRASHED, crash_reason(exc, run.path)
+        progress.crash = CrashSignature.of(exc, progress.step)
         record_rank_end(run, attempt, env, exc)
         raise
     finally:
         if env.is_main:
-            record_exit(run, attempt, code, reason)
+            reason = record_exit(run, attempt, code, reason, progress)
             log.info("exit %d: %s", int(code), reason or code.reason)
         distributed.shutdown()
 
@@ -119,10 +130,43 @@ class Attempt:
 
     job_id: str | None
     restart: int
+    array_job_id: str | None = None  # one submission's tasks share it
 
     @classmethod
     def from_environ(cls) -> Attempt:
-        return cls(os.environ.get("SLURM_JOB_ID"), int(os.environ.get("SLURM_RESTART_COUNT") or 0))
+        restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        return cls(os.environ.get("SLURM_JOB_ID"), restart, os.environ.get("SLURM_ARRAY_JOB_ID"))
+
+
+@dataclass
+class Progress:
+    """How far this process got, for the rule that stops a run after the same crash in two
+    tasks in a row (jobgen.runtime.records.attempt_ended): whether rank 0 recorded the attempt's
+    start, the Trainer once built (its step), and how it crashed."""
+
+    started: bool = False
+    trainer: Any = None
+    crash: Any = None  # jobgen.runtime.records.CrashSignature
+
+    @property
+    def step(self) -> int | None:
+        """The step the run had reached (the resumed one before this task's first), None before
+        the Trainer exists."""
+        return getattr(self.trainer, "step", None)
+
+
+def record_start(run, attempt: Attempt) -> bool:
+    """Rank 0, past the start checks: this attempt runs (what a crash of it would repeat)."""
+    from jobgen.runtime.records import attempt_started
+
+    if not attempt.job_id:
+        return False
+    try:
+        attempt_started(run, attempt.job_id, attempt.restart, attempt.array_job_id)
+    except OSError as exc:  # bookkeeping for the repeat rule: never a reason not to train
+        logging.getLogger("trainer").warning("could not record this attempt's start: %s", exc)
+        return False
+    return True
 
 
 def record_ranks(run, attempt: Attempt, env) -> None:
@@ -193,17 +237,46 @@ def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None
     return None
 
 
-def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
+def train(spec, run, env, attempt: Attempt, startup, progress: Progress) -> tuple[ExitCode, str]:
     """Build the trainer and fit; failures that every later task would repeat come back as
     their exit codes (typed exceptions, never matched on message text)."""
     from jobgen.global_batch import GlobalBatchChanged
-    from jobgen.runtime.stopping import StopMonitor, StopSettings, job_end_time
-    from trainer import distributed
+    from jobgen.pipeline_split import PipelineSplitError
     from trainer.checkpoint import ResumeFailed
     from trainer.data_cache import DataCacheError
     from trainer.formats import DataError
     from trainer.model_errors import ModelError
     from trainer.sampler import ResumeMismatch
+
+    monitor = stop_monitor(spec, run, env, attempt)
+    from trainer.loop import Trainer
+
+    startup.mark("imports")  # transformers, datasets
+    try:
+        trainer = progress.trainer = Trainer(spec, run.path, env, monitor, startup)
+    except (DataError, DataCacheError) as exc:
+        return ExitCode.DATA_ERROR, f"{type(exc).__name__}: {exc}"
+    except (ModelError, PipelineSplitError, *peft_target_errors(spec)) as exc:
+        # The model cannot be built as [model] and [train] ask: a split that does not fit its
+        # blocks, LoRA targets it lacks (validate checks both for a local model).
+        return ExitCode.MODEL_ERROR, f"{type(exc).__name__}: {exc}"
+    try:
+        code, reason = trainer.fit()
+    except ResumeFailed as exc:
+        code, reason = ExitCode.RESUME_FAILED, str(exc)
+    except ResumeMismatch as exc:
+        code, reason = ExitCode.RESUME_MISMATCH, str(exc)
+    except GlobalBatchChanged as exc:
+        code, reason = ExitCode.BATCH_CHANGED, str(exc)
+    trainer.write_summary(code, reason)
+    return code, reason
+
+
+def stop_monitor(spec, run, env, attempt: Attempt):
+    """What stops this attempt (switches, the stop request, the deadline, the memory guard),
+    its signal handlers installed; the device's memory capped to the site's."""
+    from jobgen.runtime.stopping import StopMonitor, StopSettings, job_end_time
+    from trainer import distributed
 
     graceful = spec.run.job.graceful_stop
     end = distributed.broadcast_object(env, job_end_time(attempt.job_id) if env.is_main and graceful else None)
@@ -234,48 +307,35 @@ def train(spec, run, env, attempt: Attempt, startup) -> tuple[ExitCode, str]:
             logging.getLogger("trainer").info(
                 "GPU memory capped at %s (%.0f%% of the device)", spec.site.slurm.device_memory, 100 * fraction
             )
-    from trainer.loop import Trainer
+    return monitor
 
-    startup.mark("imports")  # transformers, datasets
+
+def peft_target_errors(spec) -> tuple[type[BaseException], ...]:
+    """peft's typed error for LoRA targets that match no module of the model (peft >= 0.14)."""
+    if spec.run.model is None or spec.run.model.lora is None:
+        return ()
     try:
-        trainer = Trainer(spec, run.path, env, monitor, startup)
-    except (DataError, DataCacheError) as exc:
-        return ExitCode.DATA_ERROR, f"{type(exc).__name__}: {exc}"
-    except ModelError as exc:
-        return ExitCode.MODEL_ERROR, f"{type(exc).__name__}: {exc}"
-    try:
-        code, reason = trainer.fit()
-    except ResumeFailed as exc:
-        code, reason = ExitCode.RESUME_FAILED, str(exc)
-    except ResumeMismatch as exc:
-        code, reason = ExitCode.RESUME_MISMATCH, str(exc)
-    except GlobalBatchChanged as exc:
-        code, reason = ExitCode.BATCH_CHANGED, str(exc)
-    trainer.write_summary(code, reason)
-    return code, reason
+        from peft.tuners.tuners_utils import NoMatchingPeftModuleError
+    except ImportError:  # an older peft raises a plain ValueError: the repeat rule catches it
+        return ()
+    return (NoMatchingPeftModuleError,)
 
 
-def record_exit(run, attempt: Attempt, code: ExitCode, reason: str) -> None:
+def record_exit(run, attempt: Attempt, code: ExitCode, reason: str, progress: Progress) -> str:
     """Rank 0, however the process ends short of SIGKILL: the exit code for the batch script
     (this attempt's own file), and the ``failed`` marker when every later task would fail
-    the same way."""
-    from jobgen.atomic import write_json_atomic
-    from jobgen.runtime.records import write_exit_code
+    the same way: a failure of a kind that repeats (``code.repeats``), or a crash that the
+    previous task of the run had exactly so (same exception, same place, same step), which
+    will not go away by itself either. Returns the reason as recorded."""
+    from jobgen.runtime.records import attempt_ended, record_failure
 
-    if attempt.job_id:
-        write_exit_code(run, attempt.job_id, attempt.restart, code, reason)
-    if code.repeats:
-        write_json_atomic(
-            run.failed_marker,
-            {
-                "exit_code": int(code),
-                "reason": reason,
-                "fix": code.fix,
-                "job_id": attempt.job_id,
-                "restart": attempt.restart,
-                "time": time.time(),
-            },
-        )
+    repeated = None
+    if progress.started and attempt.job_id:
+        try:
+            repeated = attempt_ended(run, attempt.job_id, attempt.restart, attempt.array_job_id, progress.crash)
+        except OSError as exc:
+            logging.getLogger("trainer").warning("could not record how this attempt ended: %s", exc)
+    return record_failure(run, attempt.job_id, attempt.restart, code, reason, repeated)
 
 
 def exit_now(code: int) -> None:

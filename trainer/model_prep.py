@@ -89,7 +89,8 @@ def add_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
         r=spec.lora.r,
         lora_alpha=spec.lora.alpha,
         lora_dropout=spec.lora.dropout,
-        target_modules=list(spec.lora.target_modules),
+        # A list of names, or one string: 'all-linear' or a regular expression (jobgen.lora_targets).
+        target_modules=targets if isinstance(targets := spec.lora.target_modules, str) else list(targets),
         task_type="CAUSAL_LM",
     )
     if spec.gradient_checkpointing:

@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +93,106 @@ def write_exit_code(run: RunDir, job_id: str, restart: int, code: ExitCode, reas
             os.close(fd)
 
 
-def record_failure(run: RunDir, job_id: str | None, restart: int, code: ExitCode, reason: str) -> None:
+def record_failure(
+    run: RunDir, job_id: str | None, restart: int, code: ExitCode, reason: str, repeated: CrashSignature | None = None
+) -> str:
     """Rank 0 of a program that cannot go on: the exit record for the batch script and, for a
-    failure every later task would repeat (``code.repeats``), the ``failed`` marker that
-    keeps the queued tasks from starting (the bundled trainer's rule, trainer.__main__)."""
+    failure every later task would repeat (``code.repeats``, or a crash that ``repeated`` the
+    previous task's: :func:`attempt_ended`), the ``failed`` marker that keeps the queued tasks
+    from starting (the bundled trainer's rule, trainer.__main__). Returns the reason recorded."""
+    if repeated is not None:
+        reason = f"crashed twice the same way {repeated.describe()}: {reason}"
     if job_id:
         write_exit_code(run, job_id, restart, code, reason)
-    if code.repeats:
-        marker = {"exit_code": int(code), "reason": reason, "fix": code.fix, "job_id": job_id, "restart": restart}
+    if code.repeats or repeated is not None:
+        fix = code.fix or REPEATED_CRASH_FIX
+        marker = {"exit_code": int(code), "reason": reason, "fix": fix, "job_id": job_id, "restart": restart}
         write_json_atomic(run.failed_marker, {**marker, "time": time.time()})
+    return reason
+
+
+# ---------------------------------------------------------------- a crash that repeats
+
+REPEATED_CRASH_FIX = (
+    "find the cause in the traceback (jobgen logs RUN), change what it names, then `jobgen submit` the run again"
+)
+
+
+@dataclass(frozen=True)
+class CrashSignature:
+    """How a process crashed: the exception's type, where it was raised (the innermost frame of
+    its traceback) and the step the run had reached (None before its first step). Two tasks in
+    a row that crash with one signature met a failure every later task would meet too."""
+
+    type: str
+    where: str
+    step: int | None
+
+    @classmethod
+    def of(cls, exc: BaseException, step: int | None) -> CrashSignature:
+        frame = exc.__traceback__
+        while frame is not None and frame.tb_next is not None:
+            frame = frame.tb_next
+        where = "?"
+        if frame is not None:
+            code = frame.tb_frame.f_code
+            where = f"{code.co_filename}:{frame.tb_lineno} in {code.co_name}"
+        return cls(f"{type(exc).__module__}.{type(exc).__qualname__}", where, step)
+
+    @classmethod
+    def from_json(cls, value: Any) -> CrashSignature | None:
+        """A signature as attempt.json holds it; None for anything else (a file on disk is input)."""
+        if not isinstance(value, dict) or not all(isinstance(value.get(key), str) for key in ("type", "where")):
+            return None
+        step = value.get("step")
+        whole = isinstance(step, int) and not isinstance(step, bool)
+        return cls(value["type"], value["where"], step if whole else None)
+
+    def describe(self) -> str:
+        """``at step 7 (ValueError at loop.py:300 in step)``, for the failed marker and status."""
+        at = f"at step {self.step}" if self.step is not None else "before its first step"
+        file, _, rest = self.where.rpartition(":")
+        return f"{at} ({self.type.rsplit('.', 1)[-1]} at {os.path.basename(file)}:{rest})"
+
+
+def _attempt_file(run: RunDir) -> Path:
+    """The last attempt of the run's program: who, whether it ended, and how it crashed."""
+    return run.logs / "attempt.json"
+
+
+def _last_attempt(run: RunDir) -> dict[str, Any]:
+    try:
+        value = json.loads(_attempt_file(run).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def attempt_started(run: RunDir, job_id: str, restart: int, array_job_id: str | None) -> None:
+    """Rank 0 of a program that is about to run (past its start checks, holding the writer
+    lease): this attempt started, and the crash it would repeat: the previous attempt's, when
+    that one ended in a crash, was another task (a requeued job keeps its id: an earlier
+    attempt of this job does not count) and belongs to this submission (the same array job,
+    so a resubmission starts afresh). An attempt that never ended (killed) leaves none."""
+    last = _last_attempt(run)
+    other_task = last.get("job_id") not in (None, job_id) and last.get("array_job_id") == array_job_id
+    previous = last.get("crash") if last.get("ended") is True and other_task else None
+    record = {"job_id": job_id, "restart": restart, "array_job_id": array_job_id, "ended": False}
+    write_json_atomic(_attempt_file(run), {**record, "previous_crash": previous})
+
+
+def attempt_ended(
+    run: RunDir, job_id: str, restart: int, array_job_id: str | None, crash: CrashSignature | None
+) -> CrashSignature | None:
+    """Rank 0, as an attempt that :func:`attempt_started` ends, crashed (``crash``) or not:
+    records how, and returns ``crash`` when the previous task of the run crashed exactly so (the
+    run must stop: at most one more task was spent on it), else None."""
+    last = _last_attempt(run)
+    mine = last.get("job_id") == job_id and last.get("restart") == restart and last.get("ended") is False
+    repeated = crash is not None and mine and CrashSignature.from_json(last.get("previous_crash")) == crash
+    record = {"job_id": job_id, "restart": restart, "array_job_id": array_job_id, "ended": True}
+    write_json_atomic(_attempt_file(run), {**record, "crash": asdict(crash) if crash else None})
+    return crash if repeated else None
 
 
 def disk_full(exc: BaseException) -> OSError | None:

@@ -33,7 +33,7 @@ HEAD = """
         pytest.param('[command]\nscript = "nope.py"\n', "command.script", "'nope.py' is no file", id="no-such-script"),
         pytest.param('[command]\nmodule = "a.b"\nargs = "--lr 1"\n', "command.args", "valid list", id="args-string"),
         pytest.param('[command]\nmodule = "a.b"\nargs = ["--lr", 1]\n', "command.args[1]", "valid string", id="int"),
-        pytest.param('[command]\nmodule = "a b"\n', "command.module", "should match pattern", id="bad-module"),
+        pytest.param('[command]\nmodule = "a b"\n', "command.module", "is not a Python module name", id="bad-module"),
         pytest.param('[command]\nmodule = "a.b"\nworkdir = "nowhere"\n', "command.workdir", "no directory", id="wd"),
         pytest.param('[command]\nmodule = "a.b"\nmodle = "x"\n', "command.modle", "Extra inputs", id="typo"),
         pytest.param('[command]\nmodule = "a.b"\nargs = ["a\\nb"]\n', "command.args[0]", "control", id="newline"),
@@ -71,7 +71,10 @@ HEAD = """
             '[command]\nmodule = "a.b"\n[env]\nCFG = \'{"a": 1}\'\n', "env.CFG", "for literal braces", id="env-json"
         ),
         pytest.param(
-            '[command]\nmodule = "a.b"\ncheckpoints = "../x-*"\n', "command.checkpoints", "pattern", id="rule-path"
+            '[command]\nmodule = "a.b"\ncheckpoints = "../x-*"\n',
+            "command.checkpoints",
+            "'/' cannot be used",
+            id="rule-path",
         ),
         pytest.param(
             '[command]\nmodule = "a.b"\nstop_signal = "KILL"\n', "command.stop_signal", "'TERM', 'INT'", id="signal"

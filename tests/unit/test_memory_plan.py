@@ -220,11 +220,12 @@ def test_plan_of_a_pipeline_lists_every_position(tmp_path: Path):
 
 
 def test_plan_of_a_pipeline_that_cannot_be_split(tmp_path: Path):
-    """More stages than blocks: the loader cannot know (it does not read the model); the plan says why."""
+    """More stages than blocks: the loader reads a local model's blocks and refuses it with the key
+    (issue 30), before any plan; the plan's own word stays for a model only it can read."""
     spec = pipeline_spec(tmp_path, fake_model(tmp_path / "m", layers=2))
     proc = jobgen("plan", str(spec))
-    assert proc.returncode == 0 and "cannot estimate: the pipeline cannot be laid out" in proc.stdout, proc.stdout
-    assert "more than the model's 2 decoder blocks" in proc.stdout
+    assert proc.returncode == 2 and "train.pipeline.stages" in proc.stderr, proc.stdout + proc.stderr
+    assert "more than the model's 2 decoder blocks" in proc.stderr
 
 
 def test_memory_peaks_record_phases():

@@ -1,11 +1,13 @@
 """The reproducibility record a job writes under ``repro/<jobid>/``: the rendered
-snippet runs in bash against a hostile environment, and no secret reaches env.txt."""
+snippet runs in bash against a hostile environment, and no secret reaches env.txt (the rule
+that validates [env], jobgen.env_names, decides there too)."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,11 @@ SECRETS = {
     "HF_ENDPOINT": "https://bob:endpointpass8@mirror.example",  # an allowed name, credentials in the value
     "NCCL_SECRET_SAUCE": "ncclsecret9",  # a secret inside an allowed prefix
     "torch_auth": "torchauth10",
+    # Spellings without separators and credentials' other names, under allowed prefixes too.
+    "HF_HUBTOKEN": "hubtoken11",
+    "NCCL_PAT": "ncclpat12",
+    "TORCH_DSN": "torchdsn13",
+    "CUDA_MISC": "hf_" + "a" * 34 + "14",  # a Hugging Face token under an allowed name
 }
 ALLOWED = {
     "NCCL_DEBUG": "INFO",
@@ -45,12 +52,11 @@ def repro_section(text: str) -> str:
 
 def record(script_text: str, env: dict[str, str], run_dir: Path) -> str:
     """Run the block in bash with exactly ``env``; the env.txt it wrote."""
-    # The other records (git, pip, scontrol) need a job; only env.txt is under test.
-    stubs = "\n".join(
-        f"{name}() {{ cat >/dev/null; }}"
-        for name in ("log", "node_names", "git", "py_on_head", "scontrol", "run_on_head")
-    )
-    script = f"set -euo pipefail\n{stubs}\non_slurm() {{ false; }}\n{repro_section(script_text)}"
+    # The other records (git, pip, scontrol) need a job; only env.txt is under test: the job's
+    # Python (this one) writes it from the environment bash pipes in.
+    stubs = "\n".join(f"{name}() {{ cat >/dev/null; }}" for name in ("log", "node_names", "git", "scontrol"))
+    python = f'py_on_head() {{ if [[ "$1" == python ]]; then shift; {sys.executable} "$@"; else cat >/dev/null; fi; }}'
+    script = f"set -euo pipefail\n{stubs}\n{python}\non_slurm() {{ false; }}\n{repro_section(script_text)}"
     subprocess.run(
         ["bash", "-c", script], env={**env, "RUN_DIR": str(run_dir)}, check=True, stdin=subprocess.DEVNULL, timeout=60
     )
@@ -65,6 +71,7 @@ def test_env_record_keeps_secrets_out_of_the_run_directory(stem: str, tmp_path: 
 
     for name, value in SECRETS.items():
         secret = re.search(r"[a-z_]+\d+", value).group()  # each value's secret part
+        assert secret in value and len(secret) > 5
         assert secret not in out, f"{name}'s value reached env.txt"
     lines = out.splitlines()
     for name, value in allowed.items():

@@ -57,7 +57,7 @@ def serve_spec(tmp_path: Path, serve: dict[str, object], site: str | dict[str, o
         ({"model_name": "org/model:weights.gguf"}, "serve.model_name", "String should match pattern"),
         ({"args": ["--max-model-len", "4096"]}, "serve", "serve.engine = 'transformers' or 'vllm'"),
         ({"gpus": -1}, "serve.gpus", "greater than or equal to 0"),
-        ({"mem": "lots"}, "serve.mem", "String should match pattern"),
+        ({"mem": "lots"}, "serve.mem", "is not a Slurm memory size"),
     ],
 )
 def test_validate_names_the_file_and_the_serve_key(tmp_path: Path, serve, key, words):
