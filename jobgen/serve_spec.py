@@ -24,7 +24,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from jobgen.fields import Duration, EnvName, EnvValue, SlurmMemory, SlurmName, StrictModel
-from jobgen.repro import ENV_DENY
+from jobgen.env_names import secret_name
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -91,10 +91,10 @@ def _owned_option(arg: str) -> str:
 
 def _secret_name(name: str) -> str:
     """The key's variable must be one jobgen never records by value (repro/env.txt)."""
-    if not any(word in name.upper() for word in ENV_DENY):
+    if not secret_name(name):
         raise ValueError(
             f"'{name}' does not look like a secret's name: a run's repro/env.txt may record its value. Name it "
-            f"with one of {', '.join(ENV_DENY)} in it, e.g. SERVE_API_KEY"
+            "as credentials are named (jobgen.env_names), e.g. SERVE_API_KEY"
         )
     return name
 
