@@ -29,7 +29,7 @@ BAD_LINES = {
     "a list": ("[1, 2, 3]", "a JSON list, not an object"),
     "a string": ('"str"', "a JSON str, not an object"),
     "step a string": ('{"time": 5.0, "step": "abc"}', "'step' is 'abc', not an integer"),
-    "time 1e400": ('{"time": 1e400, "step": 3}', "'time' is inf, not a finite number"),
+    "time 1e400": ('{"time": 1e400, "step": 3}', "'time' is inf, not a time (seconds since 1970)"),
     "no time": ('{"step": 3}', "no 'time'"),
 }
 
