@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from jobgen.run_files import LINES_FILE, DamagedFile, is_int, is_time, read_bytes
+from jobgen.run_files import LINES_FILE, DamagedFile, is_int, is_number, is_time, read_bytes
 
 # exit_grace must be at least this many times (slowest step + slowest save) ...
 LEAD_FACTOR = 2.0
@@ -92,7 +92,7 @@ def _int(value: Any) -> bool:
 
 def _number(value: Any) -> bool:
     # NaN and infinity stay allowed in values: a diverged loss is logged as it was.
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return is_number(value)
 
 
 def _finite(value: Any) -> bool:

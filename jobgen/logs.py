@@ -106,9 +106,11 @@ def _rank_maps(run: RunDir, job_id: str) -> dict[int, dict[tuple[str, int], int]
         try:
             restart = int(path.name.split(".")[1])
             value = read_object(path, "a rank map") or {}
-            out[restart] = {(str(v["node"]), int(v["local_rank"])): int(r) for r, v in value.items()}
+            ranks = {(v["node"], v["local_rank"]): as_int(r) for r, v in value.items()}
         except (FileNotFoundError, ValueError, KeyError, IndexError, TypeError):  # DamagedFile is a ValueError
             continue
+        if all(isinstance(node, str) and is_int(local) and rank is not None for (node, local), rank in ranks.items()):
+            out[restart] = ranks
     return out
 
 

@@ -84,7 +84,10 @@ def read_plot_data(run: RunDir, warn: Callable[[str], None] = _warn) -> PlotData
         # A Trainer run without jobgen's callback: the Trainer's own history is the record.
         lines.extend(trainer_history(run.checkpoints))
     if not lines:
-        raise PlotError(f"{run.path / 'metrics.jsonl'}: no logged steps yet, nothing to plot")
+        raise PlotError(
+            f"{run.path / 'metrics.jsonl'}: no logged steps yet, nothing to plot (nor a Trainer's history: "
+            "no checkpoint with a readable trainer_state.json)"
+        )
     metrics = {}
     for key in ("loss", "lr", "tokens_per_s", "eval_loss"):
         rows = [x for x in lines if _value(x, key) is not None and x.get("step") is not None and x.get("time")]

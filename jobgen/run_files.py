@@ -4,9 +4,11 @@ wrong with it) for anything that is not what jobgen or its trainer writes there.
 
 A run directory is shared: teammates, a user's own program and hand edits all write into
 it, and a crash may cut a write short. So a file is input like any other, and every command
-reads it through the reader of its kind, here or beside the file's owner (the JSONL records
-in :mod:`jobgen.goodput`, ``quarantine.json`` in :mod:`jobgen.quarantine`, a command plan in
-:mod:`jobgen.command_plan`), never with a bare ``json.loads``:
+reads it through the reader of its kind, here or beside the file's owner (``spec.json`` in
+:mod:`jobgen.spec_file`, the JSONL records in :mod:`jobgen.goodput`, ``quarantine.json`` in
+:mod:`jobgen.quarantine`, a command plan in :mod:`jobgen.command_plan`), never with a bare
+``json.loads``. This module imports no spec model: the spec models' own modules read through
+it (a Trainer's checkpoint, jobgen.program_records).
 
 - a file is read only if it is a regular file of at most :data:`SMALL_FILE` bytes
   (:data:`LINES_FILE` for the append-only JSONL records). jobgen writes no symbolic links
@@ -31,12 +33,9 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jobgen.visible import visible
-
-if TYPE_CHECKING:
-    from jobgen.resolved import ResolvedSpec
 
 # The most jobgen reads of one JSON file (a spec, a record, a trainer's history) ...
 SMALL_FILE = 64 << 20
@@ -151,9 +150,18 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= LARGEST_ID
 
 
+def is_number(value: Any) -> bool:
+    """A number a reader can compute with as a float: not a bool, no integer beyond
+    :data:`LARGEST_ID` (10**400 overflows every float made of it). NaN and infinity pass: a
+    diverged loss is logged as it was."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, float) or (isinstance(value, int) and abs(value) <= LARGEST_ID)
+
+
 def is_finite(value: Any) -> bool:
     """A number that is not NaN or infinite (1e400 parses as infinity)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_number(value) and math.isfinite(value)
 
 
 def is_time(value: Any) -> bool:
@@ -169,39 +177,6 @@ def as_int(value: Any) -> int | None:
         return value
     text = value if isinstance(value, str) else ""
     return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
-
-
-# --------------------------------------------------------------------------- spec.json
-
-
-def read_spec(path: Path) -> ResolvedSpec:
-    """``spec.json``: the resolved spec the run was rendered from. Raises :class:`DamagedFile`
-    with the first key that does not validate (and how many more), FileNotFoundError when
-    there is none."""
-    from pydantic import ValidationError
-
-    from jobgen.loader import key_path
-    from jobgen.resolved import ResolvedSpec
-    from jobgen.site import SiteProfile
-    from jobgen.spec import RunSpec
-
-    data = read_json(path)
-    if not isinstance(data, dict) or not isinstance(data.get("run"), dict) or not isinstance(data.get("site"), dict):
-        raise DamagedFile(path, "not a jobgen spec (an object with the objects 'run' and 'site')")
-    for key in ("spec_file", "site_file"):
-        if data.get(key) is not None and not isinstance(data[key], str):
-            raise DamagedFile(path, f"{key}: not a path")
-    for part, model in (("run", RunSpec), ("site", SiteProfile)):
-        try:
-            model.model_validate(data[part])
-        except ValidationError as exc:
-            first, more = exc.errors()[0], len(exc.errors()) - 1
-            where = ".".join(filter(None, (part, key_path(first["loc"]))))
-            message = str(first["msg"]).removeprefix("Value error, ")
-            raise DamagedFile(path, f"{where}: {message}" + (f" (and {more} more)" if more else "")) from None
-        except RecursionError:
-            raise DamagedFile(path, f"{part}: nested too deep to read") from None
-    return ResolvedSpec.from_json(data)
 
 
 # --------------------------------------------------------------------------- jobs.json
@@ -250,7 +225,7 @@ def read_best(path: Path) -> dict[str, Any] | None:
     checks = {
         "step": (lambda v: is_int(v) and v >= 0, "a step"),
         "checkpoint": (lambda v: isinstance(v, str), "a checkpoint's name"),
-        "eval_loss": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+        "eval_loss": (is_number, "a number"),
     }
     for key, (ok, what) in checks.items():
         if not ok(best.get(key)):
@@ -270,3 +245,16 @@ def read_object(path: Path, what: str) -> dict[str, Any] | None:
     if value is not None and not isinstance(value, dict):
         raise DamagedFile(path, f"not {what} (a JSON object)")
     return value
+
+
+def read_failure(path: Path) -> dict[str, Any] | None:
+    """The ``failed`` marker (exit_code, reason, fix, job_id, ...), or None without one. It is
+    there as the batch script tests it (``-e``: a link to a file counts); a marker that cannot
+    be read still stops the run, and says so."""
+    if not path.exists():
+        return None
+    try:
+        return read_object(path, "a failure record") or {}
+    except (DamagedFile, FileNotFoundError) as exc:
+        why = exc.problem if isinstance(exc, DamagedFile) else "removed while read"
+        return {"reason": f"{path} is unreadable ({why})", "fix": "read it, then `jobgen submit` the run again"}

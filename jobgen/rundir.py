@@ -42,8 +42,9 @@ from typing import Any
 
 from jobgen.atomic import TargetExists, staged_directory, write_json_atomic, write_text_atomic
 from jobgen.resolved import ResolvedSpec
-from jobgen.run_files import DamagedFile, read_best, read_jobs, read_json, read_object, read_spec
+from jobgen.run_files import DamagedFile, read_best, read_failure, read_jobs, read_json
 from jobgen.run_permissions import SWITCH_FILE_MODE, SWITCHES_MODE, repair_modes, why_not_writable
+from jobgen.spec_file import read_spec
 
 SUBDIRS = ("switches", "logs", "checkpoints", "repro", "history")
 # Switch files under switches/: kill saves and exits, save saves and goes on, abort exits
@@ -250,16 +251,7 @@ class RunDir:
         """What the ``failed`` marker says (exit_code, reason, fix, job_id, ...), or None when
         the run is not stopped by a repeating failure. An unreadable marker still stops the
         run, and says so."""
-        if not self.failed_marker.exists():  # as the batch script's test: -e
-            return None
-        try:
-            return read_object(self.failed_marker, "a failure record") or {}
-        except (DamagedFile, FileNotFoundError) as exc:
-            why = exc.problem if isinstance(exc, DamagedFile) else "removed while read"
-            return {
-                "reason": f"{self.failed_marker} is unreadable ({why})",
-                "fix": "read it, then `jobgen submit` the run again",
-            }
+        return read_failure(self.failed_marker)
 
     # Names that hold a job id, a restart count or a node take them as text, so that the
     # batch script can be given the same names with shell expressions ("$SLURM_JOB_ID")
@@ -350,7 +342,7 @@ class RunDir:
         return self.spec_file.is_file()
 
     def load_spec(self) -> ResolvedSpec:
-        """spec.json (jobgen.run_files.read_spec: DamagedFile naming the file and key)."""
+        """spec.json (jobgen.spec_file.read_spec: DamagedFile naming the file and key)."""
         return read_spec(self.spec_file)
 
     def script(self, program: str) -> Path:

@@ -123,7 +123,8 @@ def format_listing(statuses: list[RunStatus]) -> str:
     for s in statuses:
         alerts = "-"
         if s.warnings:
-            warning = visible(s.warnings[0])
+            # The run's own files by their names in it: what a truncated column still shows.
+            warning = visible(s.warnings[0].replace(f"{s.run_dir}/", ""))
             first = warning if len(warning) <= 60 else warning[:57] + "..."
             alerts = first + (f" (+{len(s.warnings) - 1})" if len(s.warnings) > 1 else "")
         rows.append(
