@@ -360,13 +360,15 @@ def export(run_ref: str, target: str, checkpoint: str | None, best: bool, step: 
     """A consolidated Hugging Face model (and tokenizer) from the run's checkpoint: the newest
     that loads, the best by eval loss (--best) or a given step (--step N)."""
     run = _find_run(run_ref)
-    from jobgen.run_files import DamagedFile
+    from jobgen.run_files import DamagedFile, read_best
     from jobgen.rundir import RunDirError
 
     if checkpoint and (best or step is not None):
         _fail("jobgen export: --checkpoint names one already; leave out --best and --step", 2)
     try:
-        run.load_spec()  # a damaged spec.json is refused before anything is read or written
+        run.load_spec()  # a damaged spec.json (or best.json) is refused before anything is read or written
+        if best:
+            read_best(run.best_checkpoint)  # what is wrong with it, rather than "missing or unreadable"
         checkpoint = checkpoint or run.checkpoint_for(best=best, step=step)
     except (RunDirError, DamagedFile) as exc:
         _fail(f"jobgen export: {exc}", 2)

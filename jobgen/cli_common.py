@@ -41,7 +41,8 @@ class Commands(click.Group):
         try:
             return super().invoke(ctx)
         except DamagedFile as exc:
-            fail(f"jobgen {ctx.invoked_subcommand or ''}: {exc}".replace(" :", ":"))
+            command = f"jobgen {ctx.invoked_subcommand}" if ctx.invoked_subcommand else "jobgen"
+            fail(f"{command}: {exc}")
 
 
 def load(spec_file: str, loader: Callable[[str], Any] | None = None):

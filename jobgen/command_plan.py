@@ -30,6 +30,7 @@ from jobgen.command_checkpoints import latest_checkpoint
 from jobgen.resolved import ResolvedSpec
 from jobgen.run_files import DamagedFile, read_json
 from jobgen.rundir import RunDir
+from jobgen.visible import visible
 
 PLAN_VERSION = 1
 
@@ -159,8 +160,8 @@ def read_plan(path: str | Path, job_id: str, restart: int) -> CommandPlan:
     plan = CommandPlan.from_json(data, str(path))
     if (plan.job_id, plan.restart) != (job_id, restart):
         raise PlanForAnotherAttempt(
-            f"the command plan {path} was written for job {plan.job_id} attempt {plan.restart}, and this is job "
-            f"{job_id} attempt {restart}: refusing to act on another attempt's decision"
+            f"the command plan {path} was written for job {visible(plan.job_id)} attempt {plan.restart}, and this "
+            f"is job {job_id} attempt {restart}: refusing to act on another attempt's decision"
         )
     return plan
 

@@ -10,6 +10,8 @@ job leaves are written as the trainer, the batch script and the sweep's claim wr
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -242,5 +244,6 @@ def _submit_sweep(root: Path, runs: Path) -> Path:
     path.write_text(path.read_text().replace('runs_root = "runs"', f'runs_root = "{runs}"'))
     submit_sweep(load_sweep(path), source_text=path.read_text(), skip_preflight=True)
     sweep = runs / "lrs"
-    claim(["--sweep", str(sweep), "--job", "20", "--array-job", "19", "--task", "1", "--live-unknown"])
+    with contextlib.redirect_stdout(io.StringIO()):  # what the batch script reads: not the test's output
+        claim(["--sweep", str(sweep), "--job", "20", "--array-job", "19", "--task", "1", "--live-unknown"])
     return sweep

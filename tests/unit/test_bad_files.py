@@ -237,3 +237,17 @@ def test_a_grep_pattern_python_cannot_use_is_one_line(trained, pattern):
     proc = jobgen("logs", str(trained.path), "--grep", pattern)
     _assert_clean(proc, 2)
     assert len(proc.stderr.strip().splitlines()) == 1 and "--grep" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '{"jobs": []}', "garbage"])
+def test_a_damaged_jobs_json_refuses_a_submission_before_sbatch(run, sbatch_calls, text):
+    from jobgen.loader import load_run
+    from jobgen.submit import SubmitError, submit
+
+    run.jobs_file.write_text(text)
+    spec = load_run(str(run.path.parent.parent / "run.toml"))
+    with pytest.raises(SubmitError) as refused:
+        submit(spec, after=5, skip_preflight=True)  # chained: no busy check reads jobs.json first
+    assert sbatch_calls == [], "a job was queued that jobs.json could not record"
+    assert [f for f in refused.value.findings if str(run.jobs_file) in f.message and f.level == "error"]
+    assert run.jobs_file.read_text() == text
