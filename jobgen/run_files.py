@@ -125,11 +125,11 @@ def parse_json(path: Path, data: bytes | str) -> Any:
     try:
         return json.loads(data)
     except UnicodeDecodeError:
-        raise DamagedFile(path, "not JSON: not UTF-8 text") from None
-    except ValueError as exc:  # JSONDecodeError; an integer of more than 4300 digits
-        raise DamagedFile(path, f"not JSON ({getattr(exc, 'msg', exc)}); cut short by a crash, or edited?") from None
+        raise DamagedFile(path, "invalid JSON: not UTF-8 text") from None
+    except ValueError as exc:  # JSONDecodeError (cut short by a crash, or edited); an int of 5000 digits
+        raise DamagedFile(path, f"invalid JSON: {exc}") from None
     except RecursionError:
-        raise DamagedFile(path, "not JSON jobgen writes: nested too deep to read") from None
+        raise DamagedFile(path, "invalid JSON: nested too deep to read") from None
 
 
 def read_json(path: Path, limit: int = SMALL_FILE) -> Any:

@@ -21,6 +21,7 @@ import re
 import resource
 import signal
 import sys
+import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -150,6 +151,7 @@ def _bounded(run: Callable):
     """``run()`` within HANG_SECONDS and MEMORY_BYTES more memory: a command that reads a FIFO
     or /dev/zero is a finding, not a test run that hangs or a machine out of memory."""
     previous = signal.signal(signal.SIGALRM, _alarm)
+    outer, started = signal.getitimer(signal.ITIMER_REAL)[0], time.monotonic()  # pytest-timeout's, if any
     limits = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (_address_space() + MEMORY_BYTES, limits[1]))
     signal.alarm(HANG_SECONDS)
@@ -165,6 +167,8 @@ def _bounded(run: Callable):
         signal.alarm(0)
         resource.setrlimit(resource.RLIMIT_AS, limits)
         signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(0.001, outer - (time.monotonic() - started)))
 
 
 def _address_space() -> int:
