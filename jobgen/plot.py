@@ -28,6 +28,7 @@ from jobgen.goodput import read_metrics, read_tasks
 from jobgen.program_records import trainer_history
 from jobgen.rundir import RunDir
 from jobgen.task_table import read_task_records
+from jobgen.visible import visible
 
 
 class PlotError(RuntimeError):
@@ -69,7 +70,7 @@ def _iso(value: str) -> float | None:
 
 
 def _warn(message: str) -> None:
-    print(f"jobgen plot: warning: {message}", file=sys.stderr)
+    print(f"jobgen plot: warning: {visible(message)}", file=sys.stderr)  # it quotes a file
 
 
 def read_plot_data(run: RunDir, warn: Callable[[str], None] = _warn) -> PlotData:

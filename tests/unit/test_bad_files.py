@@ -251,3 +251,24 @@ def test_a_damaged_jobs_json_refuses_a_submission_before_sbatch(run, sbatch_call
     assert sbatch_calls == [], "a job was queued that jobs.json could not record"
     assert [f for f in refused.value.findings if str(run.jobs_file) in f.message and f.level == "error"]
     assert run.jobs_file.read_text() == text
+
+
+def test_a_link_above_the_file_is_followed_a_link_at_the_file_is_refused(trained, tmp_path):
+    # checkpoints/ on a scratch file system, linked in: its best.json is read as any other.
+    scratch = tmp_path / "scratch" / "checkpoints"
+    scratch.mkdir(parents=True)
+    best = {"step": 25, "checkpoint": "step-00000025", "eval_loss": 1.25}
+    (scratch / "best.json").write_text(json.dumps(best))
+    trained.checkpoints.symlink_to(scratch, target_is_directory=True)
+    proc = jobgen("status", str(trained.path), "--json")
+    _assert_clean(proc)
+    assert json.loads(proc.stdout)["eval_best"]["checkpoint"] == "step-00000025", proc.stdout
+    # best.json itself a link (to a teammate's file): refused, named, and the rest still shown.
+    (scratch / "best.json").unlink()
+    (scratch / "best.json").symlink_to(tmp_path / "teammates-best.json")
+    (tmp_path / "teammates-best.json").write_text(json.dumps(best))
+    proc = jobgen("status", str(trained.path), "--json")
+    _assert_clean(proc)
+    view = json.loads(proc.stdout)
+    assert view["eval_best"]["checkpoint"] is None and view["step"] == 25, view
+    assert [w for w in view["warnings"] if "best.json: is a symbolic link" in w], view["warnings"]
