@@ -31,13 +31,13 @@ from pathlib import Path
 import click
 
 from jobgen import __version__
+from jobgen.cli_common import Commands, print_findings
 from jobgen.cli_common import fail as _fail
 from jobgen.cli_common import find_run as _find_run
 from jobgen.cli_common import load as _load
-from jobgen.cli_common import print_findings
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="jobgen")
 def main() -> None:
     """Generate, submit and supervise multi-node fine-tuning jobs on Slurm."""
@@ -203,6 +203,7 @@ def _switch_command(name: str, doc: str):
         from jobgen.cli_sweep import switch_targets
         from jobgen.rundir import KILL_SWITCH, RunDirError
         from jobgen.stop_requests import clear_stale
+        from jobgen.visible import visible
 
         runs = switch_targets(run_ref)  # a sweep: every point; SWEEP/POINT: that point
         for run in [_find_run(run_ref)] if runs is None else runs:
@@ -210,7 +211,7 @@ def _switch_command(name: str, doc: str):
                 path, created = run.set_switch({"stop": KILL_SWITCH}.get(name, name))
             except RunDirError as exc:  # e.g. a switches/ the user may not write: a sentence, not a traceback
                 _fail(f"jobgen: {exc}")
-            click.echo(f"{path} created" if created else f"{path} already set")
+            click.echo(f"{visible(path)} created" if created else f"{visible(path)} already set")
             try:
                 clear_stale(run)  # stop requests of ended attempts: tidying, never the command's failure
             except (OSError, ValueError):
@@ -359,13 +360,17 @@ def export(run_ref: str, target: str, checkpoint: str | None, best: bool, step: 
     """A consolidated Hugging Face model (and tokenizer) from the run's checkpoint: the newest
     that loads, the best by eval loss (--best) or a given step (--step N)."""
     run = _find_run(run_ref)
+    from jobgen.run_files import DamagedFile, read_best
     from jobgen.rundir import RunDirError
 
     if checkpoint and (best or step is not None):
         _fail("jobgen export: --checkpoint names one already; leave out --best and --step", 2)
     try:
+        run.load_spec()  # a damaged spec.json (or best.json) is refused before anything is read or written
+        if best:
+            read_best(run.best_checkpoint)  # what is wrong with it, rather than "missing or unreadable"
         checkpoint = checkpoint or run.checkpoint_for(best=best, step=step)
-    except RunDirError as exc:
+    except (RunDirError, DamagedFile) as exc:
         _fail(f"jobgen export: {exc}", 2)
     from trainer.export import ExportError
 
@@ -383,10 +388,15 @@ def export(run_ref: str, target: str, checkpoint: str | None, best: bool, step: 
 def samples(run_ref: str, step: int | None, as_json: bool) -> None:
     """The answers to [eval] prompts at each evaluation, side by side across steps."""
     from jobgen.samples import NoSamples, format_samples, read_samples, samples_json
+    from jobgen.visible import visible
 
     run = _find_run(run_ref)
+
+    def warn(line: str) -> None:  # lines that are no samples: skipped, said once
+        click.echo(f"jobgen samples: warning: {visible(line)}", err=True)
+
     try:
-        table = read_samples(run, step)
+        table = read_samples(run, step, warn)
     except NoSamples as exc:
         _fail(f"jobgen samples: {exc}")
     width = shutil.get_terminal_size((100, 24)).columns

@@ -21,8 +21,28 @@ NO_CLUSTER = "no cluster here? `jobgen cluster up --netns` starts a local one"
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    click.echo(message, err=True)
+    """``message`` on stderr, its control characters made visible (it may quote a file:
+    jobgen.visible), and exit with ``code``."""
+    from jobgen.visible import visible_lines
+
+    click.echo(visible_lines(message), err=True)
     sys.exit(code)
+
+
+class Commands(click.Group):
+    """The ``jobgen`` group (and any group under it). A damaged file that a command needs and
+    did not handle itself (jobgen.run_files.DamagedFile) ends the command with one line that
+    names the file, exit status 1: never a traceback. Commands that can show the rest (the
+    listing of runs, compare) or that document another status (export) handle it first."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from jobgen.run_files import DamagedFile
+
+        try:
+            return super().invoke(ctx)
+        except DamagedFile as exc:
+            command = f"jobgen {ctx.invoked_subcommand}" if ctx.invoked_subcommand else "jobgen"
+            fail(f"{command}: {exc}")
 
 
 def load(spec_file: str, loader: Callable[[str], Any] | None = None):
@@ -41,6 +61,7 @@ def load(spec_file: str, loader: Callable[[str], Any] | None = None):
 def submission_errors(no_cluster_hint: str) -> Iterator[None]:
     """A refused submission as its findings (exit status 2), Slurm out of reach with
     ``no_cluster_hint``, any other Slurm or run-directory error as one line (exit status 1)."""
+    from jobgen.run_files import DamagedFile
     from jobgen.rundir import RunDirError
     from jobgen.slurm import SlurmError, SlurmUnavailable
     from jobgen.submit import SubmitError
@@ -53,7 +74,7 @@ def submission_errors(no_cluster_hint: str) -> Iterator[None]:
         sys.exit(2)
     except SlurmUnavailable as exc:
         fail(f"jobgen: not submitted: {exc}\n  {no_cluster_hint}")
-    except (SlurmError, RunDirError) as exc:
+    except (SlurmError, RunDirError, DamagedFile) as exc:
         fail(f"jobgen: not submitted: {exc}")
 
 

@@ -55,9 +55,11 @@ def format_table(rows) -> str:
     final training loss, best eval loss and its step. ``-`` where a value is unknown."""
     from jobgen.compare import override_keys, value_text
     from jobgen.status_format import step_text
+    from jobgen.visible import visible
 
     keys = override_keys(rows)
-    table = [["NAME", "STATE", *keys, "STEP", "LOSS", "BEST EVAL"]]
+    # Names, keys and values come from sweep.json and directory names: shown, never acted on.
+    table = [["NAME", "STATE", *map(visible, keys), "STEP", "LOSS", "BEST EVAL"]]
     for row in rows:
         best = "-"
         if row.best_eval_loss is not None:
@@ -66,9 +68,9 @@ def format_table(rows) -> str:
             )
         table.append(
             [
-                row.name,
+                visible(row.name),
                 row.state,
-                *(value_text(row.overrides[key]) if key in row.overrides else "-" for key in keys),
+                *(visible(value_text(row.overrides[key])) if key in row.overrides else "-" for key in keys),
                 step_text(row),  # a Row has the step and max_steps it reads, as a RunStatus does
                 f"{row.final_loss:.4f}" if row.final_loss is not None else "-",
                 best,

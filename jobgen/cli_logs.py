@@ -18,6 +18,8 @@ import click
 from jobgen.cli_common import fail, find_run
 from jobgen.logs import Filters, Source, find_sources, merged, unknown_ranks
 from jobgen.logs import follow as follow_logs
+from jobgen.run_files import DamagedFile
+from jobgen.visible import visible
 
 # Ask Slurm at most this often, while following, whether anything is still queued or running.
 CHECK_EVERY_S = 10.0
@@ -68,7 +70,12 @@ def _what_to_read(run_ref: str) -> tuple[Sources, Callable[[], bool]]:
 
         return sweep_sources, lambda: sweep_status(sweep)["state"] not in ("pending", "running", "unknown")
     run = find_run(run_ref)
-    name = run.load_spec().run.job.name
+    try:
+        name = run.load_spec().run.job.name
+    except DamagedFile as exc:
+        # The logs are still there: Slurm names them after the job, which is the directory's name.
+        click.echo(f"jobgen logs: warning: {exc}; reading the logs of job name {visible(run.path.name)}", err=True)
+        return lambda filters: find_sources(run, run.path.name, filters), lambda: True
 
     def run_sources(filters: Filters) -> list[Source]:
         return find_sources(run, name, filters)
@@ -81,8 +88,8 @@ def logs_command(
 ) -> None:
     try:
         grep = re.compile(pattern) if pattern else None
-    except re.error as exc:
-        fail(f"jobgen: --grep {pattern!r}: {exc}")
+    except (re.error, OverflowError, RecursionError) as exc:  # 'a{99999999999}' overflows; '((((...' recurses
+        fail(f"jobgen logs: --grep {pattern!r} is no regular expression Python can use: {exc}", 2)
     filters = Filters(task=task, node=node, rank=rank, grep=grep)
     sources, over = _what_to_read(run_ref)
     if rank is not None:  # ranks --rank cannot find: say where they are instead of printing nothing

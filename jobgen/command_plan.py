@@ -19,7 +19,6 @@ for another job or another attempt of the same job (a requeued job keeps its id)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +28,9 @@ from jobgen import placeholders
 from jobgen.atomic import write_json_atomic
 from jobgen.command_checkpoints import latest_checkpoint
 from jobgen.resolved import ResolvedSpec
+from jobgen.run_files import DamagedFile, read_json
 from jobgen.rundir import RunDir
+from jobgen.visible import visible
 
 PLAN_VERSION = 1
 
@@ -88,8 +89,9 @@ class CommandPlan:
         optional = ("module", "script", "checkpoint")
         bad = [k for k, t in types.items() if not isinstance(data.get(k), t)]
         bad += [k for k in optional if data.get(k) is not None and not isinstance(data[k], str)]
-        bad += ["argv"] if not all(isinstance(a, str) for a in data.get("argv") or []) else []
-        bad += ["env"] if not all(isinstance(v, str) for v in (data.get("env") or {}).values()) else []
+        argv, env = data.get("argv"), data.get("env")
+        bad += ["argv"] if isinstance(argv, list) and not all(isinstance(a, str) for a in argv) else []
+        bad += ["env"] if isinstance(env, dict) and not all(isinstance(v, str) for v in env.values()) else []
         if bad or (data.get("module") is None) == (data.get("script") is None):
             raise PlanUnreadable(f"{source} is no valid command plan (bad or missing: {', '.join(bad) or 'module'})")
         return cls(**{k: data.get(k) for k in (*types, *optional)}, version=PLAN_VERSION)
@@ -150,16 +152,16 @@ def write_plan(run: RunDir, plan: CommandPlan) -> Path:
 def read_plan(path: str | Path, job_id: str, restart: int) -> CommandPlan:
     """The plan at ``path``, if it is this attempt's (job ``job_id``, restart ``restart``)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise PlanUnreadable(f"cannot read the command plan {path}: {exc.strerror or exc}") from None
-    except ValueError:
-        raise PlanUnreadable(f"the command plan {path} is not JSON (cut short?)") from None
+        data = read_json(Path(path))
+    except FileNotFoundError:
+        raise PlanUnreadable(f"cannot read the command plan {path}: there is none") from None
+    except DamagedFile as exc:  # not JSON, a link, a FIFO: jobgen.run_files
+        raise PlanUnreadable(f"the command plan {exc}") from None
     plan = CommandPlan.from_json(data, str(path))
     if (plan.job_id, plan.restart) != (job_id, restart):
         raise PlanForAnotherAttempt(
-            f"the command plan {path} was written for job {plan.job_id} attempt {plan.restart}, and this is job "
-            f"{job_id} attempt {restart}: refusing to act on another attempt's decision"
+            f"the command plan {path} was written for job {visible(plan.job_id)} attempt {plan.restart}, and this "
+            f"is job {job_id} attempt {restart}: refusing to act on another attempt's decision"
         )
     return plan
 

@@ -29,11 +29,13 @@ from jobgen import slurm
 from jobgen.atomic import write_bytes_atomic
 from jobgen.goodput import read_metrics
 from jobgen.program_records import trainer_history
+from jobgen.run_files import DamagedFile, read_best
 from jobgen.rundir import RunDir, RunDirError, find_run
 from jobgen.runtime.records import is_eval_line, training_lines
 from jobgen.status import eval_progress, queue_for, run_status, unreadable
 from jobgen.sweep_files import SWEEP_INDEX
 from jobgen.sweep_runs import SweepError, find_point, find_sweep, read_sweep, sweep_of
+from jobgen.visible import visible
 
 # A row's state is jobgen status's (running, pending, finished, failed, stopped, unknown), and:
 PENDING = "pending"  # a sweep point never submitted: no run directory yet
@@ -99,7 +101,7 @@ JSON_FIELDS = (
 
 
 def _warn(message: str) -> None:
-    print(f"jobgen compare: warning: {message}", file=sys.stderr)
+    print(f"jobgen compare: warning: {visible(message)}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- references
@@ -179,17 +181,26 @@ def read_row(target: Target, warn: Callable[[str], None] = _warn, state: str = "
     row.train_curve = _curve(steps, "loss")
     row.final_loss = row.train_curve[-1][1] if row.train_curve else None  # the last logged
     row.eval_curve = _curve([x for x in lines if is_eval_line(x)], "eval_loss")
-    _, best = eval_progress(lines, run.best())
+    _, best = eval_progress(lines, _best(run, warn))
     if best is not None:
         row.best_eval_loss, row.best_eval_step = best["eval_loss"], best["step"]
     return row
 
 
+def _best(run: RunDir, warn: Callable[[str], None]) -> dict[str, Any] | None:
+    """best.json; a damaged one is a warning, and the lowest eval loss logged stands in."""
+    try:
+        return read_best(run.best_checkpoint)
+    except DamagedFile as exc:
+        warn(f"{exc}: the best eval loss shown is the lowest logged")
+        return None
+
+
 def _max_steps(run: RunDir, warn: Callable[[str], None]) -> int | None:
     try:
         spec = run.load_spec()
-    except (OSError, ValueError) as exc:  # JSONDecodeError and pydantic's ValidationError are ValueErrors
-        warn(f"{run.spec_file}: unreadable, max_steps unknown: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
+    except (DamagedFile, FileNotFoundError) as exc:  # jobgen.run_files.read_spec names the file and key
+        warn(f"{exc}: max_steps unknown")
         return None
     # As jobgen status: only the bundled trainer has a known total.
     return spec.run.train.max_steps if spec.run.job.program == "train" else None

@@ -20,11 +20,12 @@ loss) leaves no exit record; its last metrics line stands in. From these:
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from jobgen.run_files import LINES_FILE, DamagedFile, is_int, is_number, is_time, read_bytes
 
 # exit_grace must be at least this many times (slowest step + slowest save) ...
 LEAD_FACTOR = 2.0
@@ -86,17 +87,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return is_int(value)  # bounded: a step of 10**400 overflows every float computed from it
 
 
 def _number(value: Any) -> bool:
     # NaN and infinity stay allowed in values: a diverged loss is logged as it was.
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return is_number(value)
 
 
 def _finite(value: Any) -> bool:
-    # Times become dates and plot axes; 1e400 parses as infinity and overflows both.
-    return _number(value) and math.isfinite(value)
+    # Times become dates and plot axes; 1e400 parses as infinity, 1e300 is no date: both overflow.
+    return is_time(value)
 
 
 def _job_id(value: Any) -> bool:
@@ -110,7 +111,7 @@ def _numbers(value: Any) -> bool:
 _Check = tuple[Callable[[Any], bool], str]
 _INT: _Check = (_int, "an integer")
 _NUMBER: _Check = (_number, "a number")
-_FINITE: _Check = (_finite, "a finite number")
+_FINITE: _Check = (_finite, "a time (seconds since 1970)")
 _JOB_ID: _Check = (_job_id, "a job id (string or integer)")
 
 # (required fields, optional fields: None is allowed for those)
@@ -137,6 +138,7 @@ TASKS_FIELDS: tuple[dict[str, _Check], dict[str, _Check]] = (
         "end_step": _INT,
         "exit_code": _INT,
         "job_start": _FINITE,
+        "exit_reason": (lambda v: isinstance(v, str), "a string"),
         **dict.fromkeys(("world_size", "global_batch"), _INT),
         **dict.fromkeys(
             ("seconds_to_first_step", "step_seconds_total", "step_seconds_max", "eval_round_seconds_max"), _NUMBER
@@ -173,6 +175,7 @@ class Records(list):
         self.kind = kind
         self.skipped = 0
         self.first_problem = ""
+        self.unreadable: str | None = None  # why the file as a whole could not be read
 
     def skip(self, number: int, problem: str) -> None:
         if not self.skipped:
@@ -182,6 +185,8 @@ class Records(list):
     def warning(self) -> str | None:
         """One line for the tools to show, naming the file and what was wrong; None when
         every line was a record."""
+        if self.unreadable is not None:
+            return f"{self.path}: {self.unreadable}: no {self.kind} records read from it"
         if not self.skipped:
             return None
         return (
@@ -193,17 +198,27 @@ class Records(list):
 def read_records(path: Path, fields: tuple[dict[str, _Check], dict[str, _Check]], kind: str) -> Records:
     """The lines of ``path`` that are records (checked against ``fields``); the others are
     skipped and counted. A last line that is no JSON is a write cut by a crash, not a bad
-    record: skipped without counting, as :func:`read_jsonl` does."""
+    record: skipped without counting, as :func:`read_jsonl` does. A file that cannot be read
+    at all (a link, a directory, too large: jobgen.run_files.read_bytes) has no records, and
+    ``warning()`` says why."""
     out = Records(path, kind)
-    if not path.is_file():
+    try:
+        text = read_bytes(path, LINES_FILE).decode(errors="replace")
+    except FileNotFoundError:
         return out
-    lines = path.read_text(errors="replace").splitlines()
+    except DamagedFile as exc:
+        out.unreadable = exc.problem
+        return out
+    # Lines end at "\n" only: a record may hold U+2028 or U+0085, which splitlines() breaks at.
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError; an int of 5000 digits
             if number < len(lines) and line.strip():
-                out.skip(number, f"not JSON ({exc.msg})")
+                out.skip(number, f"not JSON ({getattr(exc, 'msg', 'nested too deep')})")
             continue
         problem = record_problem(record, fields)
         if problem is None:

@@ -26,14 +26,18 @@ from __future__ import annotations
 
 import datetime as dt
 import heapq
-import json
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jobgen.goodput import read_tasks
+from jobgen.run_files import DamagedFile, as_int, is_int, open_regular, read_object
 from jobgen.rundir import RunDir
+from jobgen.task_table import read_task_records
+from jobgen.visible import visible
 
 # torchrun's --tee prefix on the ranks' lines in the batch log: "[default0]:".
 _TEED = re.compile(r"^\[[A-Za-z_]+\d+\]:")
@@ -77,43 +81,36 @@ class Source:
             where.append(f"r{self.rank}")
         elif self.local_rank is not None:
             where.append(f"local{self.local_rank}")
-        return " ".join(where)
+        # Task and node names come from records and directory names: made visible. The lines
+        # after the prefix are the program's own output, shown as it wrote them.
+        return visible(" ".join(where))
 
 
 def _slurm_names(run: RunDir) -> dict[str, str]:
-    """job id -> ARRAYID_TASK, from the records of the batch script and the trainer."""
+    """job id -> ARRAYID_TASK, from the records of the batch script and the trainer (each
+    read by its typed reader: a record that is none is left out)."""
     names: dict[str, str] = {}
-    records = []
-    for path in run.task_records():
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    lines = []
-    tasks = run.path / "tasks.jsonl"
-    if tasks.is_file():
-        for line in tasks.read_text(errors="replace").splitlines():
-            try:
-                lines.append(json.loads(line))
-            except ValueError:
-                continue
-    for record in [*records, *lines]:
+    records = [*read_task_records(run).values(), *read_tasks(run.path / "tasks.jsonl")]
+    for record in records:
         job, array, index = record.get("job_id"), record.get("array_job_id"), record.get("array_task")
-        if job and array and str(index or "").isdigit():
+        if job and array and as_int(index) is not None:
             names[str(job)] = f"{array}_{index}"
     return names
 
 
 def _rank_maps(run: RunDir, job_id: str) -> dict[int, dict[tuple[str, int], int]]:
-    """restart -> {(node, local rank): global rank} from the trainer's rank maps."""
+    """restart -> {(node, local rank): global rank} from the trainer's rank maps; a map that
+    is none (cut, edited, a link) is left out, and its ranks are named another way."""
     out = {}
     for path in run.rank_maps(job_id):
         try:
             restart = int(path.name.split(".")[1])
-            value = json.loads(path.read_text())
-            out[restart] = {(v["node"], int(v["local_rank"])): int(r) for r, v in value.items()}
-        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            value = read_object(path, "a rank map") or {}
+            ranks = {(v["node"], v["local_rank"]): as_int(r) for r, v in value.items()}
+        except (FileNotFoundError, ValueError, KeyError, IndexError, TypeError):  # DamagedFile is a ValueError
             continue
+        if all(isinstance(node, str) and is_int(local) and rank is not None for (node, local), rank in ranks.items()):
+            out[restart] = ranks
     return out
 
 
@@ -174,23 +171,19 @@ def _rank_of(run: RunDir, job: str, node: str, restart: int, local: int, log: Pa
     """A rank's global rank without a rank map: its own record, its lines, or in a one-node
     job its local rank (the only node is group rank 0)."""
     try:
-        value = json.loads(run.rank_identity(job, node, restart, local).read_text())
-        if isinstance(value, dict) and isinstance(value.get("rank"), int):
+        value = read_object(run.rank_identity(job, node, restart, local), "a rank's record")
+        if value is not None and is_int(value.get("rank")):
             return value["rank"]
-    except (OSError, ValueError):
-        pass
+    except DamagedFile:
+        pass  # as good as none: the rank is found from its lines
     rank = _rank_in_file(log.with_name("stdout.log"))
     return local if rank is None and one_node else rank
 
 
 def _one_node(run: RunDir, job: str) -> bool:
     """Whether the batch script recorded this job on a single node (``node3``, not ``node[1-2]``)."""
-    for path in run.task_records():
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and str(record.get("job_id")) == job and record.get("nodes"):
+    for record in read_task_records(run).values():
+        if str(record.get("job_id")) == job and record.get("nodes"):
             return not any(c in str(record["nodes"]) for c in "[,")
     return False
 
@@ -198,7 +191,7 @@ def _one_node(run: RunDir, job: str) -> bool:
 def unknown_ranks(sources: list[Source]) -> list[str]:
     """``ARRAYID_TASK node`` of each node whose ranks' global ranks are unknown (``--rank``
     cannot find them; ``--node`` can)."""
-    return sorted({f"{s.name} {s.node}" for s in sources if s.rank is None and s.local_rank is not None})
+    return sorted({visible(f"{s.name} {s.node}") for s in sources if s.rank is None and s.local_rank is not None})
 
 
 def _keep(source: Source, line: str, filters: Filters) -> bool:
@@ -209,11 +202,11 @@ def _keep(source: Source, line: str, filters: Filters) -> bool:
 
 def _read_new(source: Source) -> list[str]:
     """Complete lines added since the last read (a line still being written waits)."""
-    try:
-        with source.path.open("rb") as fh:
+    try:  # a regular file only: a FIFO or a link to a device would block or never end
+        with os.fdopen(open_regular(source.path), "rb") as fh:
             fh.seek(source.offset)
             data = fh.read()
-    except OSError:
+    except (OSError, DamagedFile):
         return []
     source.offset += len(data)
     text = source.partial + data.decode(errors="replace")
@@ -249,9 +242,9 @@ def _year(path: Path) -> int:
 def _rank_in_file(path: Path) -> int | None:
     """A rank's global rank from its own lines (``trainer[3]``), for runs without a rank map."""
     try:
-        with path.open("rb") as fh:
+        with os.fdopen(open_regular(path), "rb") as fh:
             match = _TRAINER_RANK.search(fh.read(65536))
-    except OSError:
+    except (OSError, DamagedFile):
         return None
     return int(match.group(1)) if match else None
 

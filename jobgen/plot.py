@@ -28,6 +28,7 @@ from jobgen.goodput import read_metrics, read_tasks
 from jobgen.program_records import trainer_history
 from jobgen.rundir import RunDir
 from jobgen.task_table import read_task_records
+from jobgen.visible import visible
 
 
 class PlotError(RuntimeError):
@@ -69,7 +70,7 @@ def _iso(value: str) -> float | None:
 
 
 def _warn(message: str) -> None:
-    print(f"jobgen plot: warning: {message}", file=sys.stderr)
+    print(f"jobgen plot: warning: {visible(message)}", file=sys.stderr)  # it quotes a file
 
 
 def read_plot_data(run: RunDir, warn: Callable[[str], None] = _warn) -> PlotData:
@@ -84,7 +85,10 @@ def read_plot_data(run: RunDir, warn: Callable[[str], None] = _warn) -> PlotData
         # A Trainer run without jobgen's callback: the Trainer's own history is the record.
         lines.extend(trainer_history(run.checkpoints))
     if not lines:
-        raise PlotError(f"{run.path / 'metrics.jsonl'}: no logged steps yet, nothing to plot")
+        raise PlotError(
+            f"{run.path / 'metrics.jsonl'}: no logged steps yet, nothing to plot (nor a Trainer's history: "
+            "no checkpoint with a readable trainer_state.json)"
+        )
     metrics = {}
     for key in ("loss", "lr", "tokens_per_s", "eval_loss"):
         rows = [x for x in lines if _value(x, key) is not None and x.get("step") is not None and x.get("time")]

@@ -15,10 +15,11 @@ CLI never does.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
+
+from jobgen.run_files import DamagedFile, is_int, is_number, read_object
 
 # The Trainer's checkpoint directories: transformers.trainer_utils.PREFIX_CHECKPOINT_DIR + "-<step>".
 TRAINER_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -26,12 +27,12 @@ TRAINER_STATE = "trainer_state.json"
 
 
 def trainer_state(path: Path) -> dict[str, Any] | None:
-    """A Trainer checkpoint's ``trainer_state.json``, or None if it is missing or unreadable."""
+    """A Trainer checkpoint's ``trainer_state.json``, or None if it is missing or no such state
+    (a link, cut, edited: jobgen.run_files); the checkpoint is then no complete one."""
     try:
-        state = json.loads((path / TRAINER_STATE).read_text())
-    except (OSError, ValueError):
+        return read_object(path / TRAINER_STATE, "a Trainer's state")
+    except (FileNotFoundError, DamagedFile):
         return None
-    return state if isinstance(state, dict) else None
 
 
 def trainer_checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -45,9 +46,14 @@ def trainer_checkpoints(directory: Path) -> list[tuple[int, Path]]:
         match = TRAINER_CHECKPOINT.match(path.name)
         if match and path.is_dir():
             state = trainer_state(path)
-            if state is not None and state.get("global_step") == int(match.group(1)):
+            if state is not None and is_int(state.get("global_step")) and state["global_step"] == int(match.group(1)):
                 found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def _number(value: Any) -> bool:
+    # A bool is no loss; an int of 400 digits is no float (jobgen.run_files.is_number).
+    return is_number(value)
 
 
 def trainer_history(directory: Path, time: float | None = None) -> list[dict[str, Any]]:
@@ -62,14 +68,15 @@ def trainer_history(directory: Path, time: float | None = None) -> list[dict[str
     state = trainer_state(path) or {}
     stamp = time if time is not None else (path / TRAINER_STATE).stat().st_mtime
     lines = []
-    for entry in state.get("log_history") or []:
-        if not isinstance(entry, dict) or not isinstance(entry.get("step"), int):
+    history = state.get("log_history")
+    for entry in history if isinstance(history, list) else []:
+        if not isinstance(entry, dict) or not is_int(entry.get("step")):
             continue
         line: dict[str, Any] = {"time": stamp, "step": entry["step"], "job_id": "trainer_state", "restart": 0}
         for theirs, ours in (("loss", "loss"), ("learning_rate", "lr"), ("grad_norm", "grad_norm")):
-            if isinstance(entry.get(theirs), (int, float)):
+            if _number(entry.get(theirs)):
                 line[ours] = float(entry[theirs])
-        if isinstance(entry.get("eval_loss"), (int, float)):
+        if _number(entry.get("eval_loss")):
             line.update(event="eval", eval_loss=float(entry["eval_loss"]))
         if len(line) > 4:
             lines.append(line)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import json
 import logging
 import os
 import sys
@@ -48,6 +47,7 @@ from pydantic import Field, ValidationError
 from jobgen import slurm
 from jobgen.atomic import write_json_atomic
 from jobgen.fields import SlurmName, StrictModel
+from jobgen.run_files import DamagedFile, as_int, is_finite, is_int, read_bytes, read_object
 from jobgen.rundir import RunDir
 from jobgen.sweep_runs import point_runs, slurm_view, sweep_of
 
@@ -90,9 +90,11 @@ def read(run: RunDir) -> dict[str, Quarantined]:
     when it is no quarantine record), never an empty set: it would let a run back onto a node
     it had found broken."""
     try:
-        text = run.quarantine.read_bytes()
+        text = read_bytes(run.quarantine)
     except FileNotFoundError:
         return {}
+    except DamagedFile as exc:  # a link, a FIFO, a directory: no record either
+        raise QuarantineError(run.quarantine, exc.problem) from None
     try:
         parsed = _File.model_validate_json(text)
     except ValidationError as exc:
@@ -209,10 +211,20 @@ def read_rank_ends(run: RunDir, job_id: str, restart: int | str) -> list[RankEnd
     ends = []
     for path in sorted(run.rank_ends(job_id, restart)):
         try:
-            ends.append(RankEnd(**json.loads(path.read_text())))
-        except (OSError, ValueError, TypeError):
-            continue  # a rank killed mid-write: as good as silent
+            ends.append(_rank_end(read_object(path, "a rank's end") or {}))
+        except (FileNotFoundError, ValueError, TypeError):  # DamagedFile is a ValueError
+            continue  # a rank killed mid-write, or no such record: as good as silent
     return ends
+
+
+def _rank_end(value: dict[str, Any]) -> RankEnd:
+    """A RankEnd from its record, every field of its type (TypeError otherwise)."""
+    end = RankEnd(**value)
+    if not (is_int(end.rank) and isinstance(end.node, str) and is_finite(end.waited_seconds)):
+        raise TypeError("not a rank's end")
+    if not isinstance(end.error, str) or not isinstance(end.signalled, str | None):
+        raise TypeError("not a rank's end")
+    return end
 
 
 def silent_nodes(rank_nodes: dict[int, str], ends: list[RankEnd], timeout_seconds: float) -> dict[str, str]:
@@ -246,10 +258,11 @@ def rank_nodes(run: RunDir, job_id: str, restart: int | str) -> dict[int, str]:
     """Global rank → node of one attempt (the trainer's rank map); empty when it never got
     that far."""
     try:
-        raw = json.loads(run.rank_map(job_id, restart).read_text())
-    except (OSError, ValueError):
+        raw = read_object(run.rank_map(job_id, restart), "a rank map") or {}
+    except (FileNotFoundError, DamagedFile):
         return {}
-    return {int(rank): entry["node"] for rank, entry in raw.items()}
+    nodes = {as_int(rank): entry.get("node") if isinstance(entry, dict) else None for rank, entry in raw.items()}
+    return {rank: node for rank, node in nodes.items() if rank is not None and isinstance(node, str)}
 
 
 def unusable_nodes(nodes: list[str]) -> dict[str, str]:

@@ -32,7 +32,6 @@ run keeps its checkpoints and logs and replaces spec and scripts atomically, one
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import shutil
 import stat
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobgen.atomic import TargetExists, staged_directory, write_json_atomic, write_text_atomic
+from jobgen.run_files import DamagedFile, read_best, read_failure, read_jobs, read_json
 from jobgen.run_permissions import SWITCH_FILE_MODE, SWITCHES_MODE, repair_modes, why_not_writable
 
 if TYPE_CHECKING:  # pydantic only where a spec is read: a sweep's claim uses RunDir with the standard library
@@ -205,12 +205,12 @@ class RunDir:
         return self.logs / "serve" / f"{job_id}.out"
 
     def best(self) -> dict[str, Any] | None:
-        """``best.json`` (step, checkpoint, eval_loss, time), or None without a readable one."""
+        """``best.json`` (step, checkpoint, eval_loss, time), or None without a readable one
+        (the trainer writes it again; jobgen.run_files.read_best says what is wrong with it)."""
         try:
-            best = json.loads(self.best_checkpoint.read_text())
-        except (OSError, ValueError):
+            return read_best(self.best_checkpoint)
+        except DamagedFile:
             return None
-        return best if isinstance(best, dict) else None
 
     def checkpoint_for(self, *, best: bool = False, step: int | None = None) -> str | None:
         """The checkpoint ``--best`` or ``--step N`` selects, by name; None for neither (the
@@ -250,18 +250,7 @@ class RunDir:
         """What the ``failed`` marker says (exit_code, reason, fix, job_id, ...), or None when
         the run is not stopped by a repeating failure. An unreadable marker still stops the
         run, and says so."""
-        if not self.failed_marker.exists():
-            return None
-        try:
-            value = json.loads(self.failed_marker.read_text())
-        except (OSError, ValueError):
-            value = None
-        if not isinstance(value, dict):
-            return {
-                "reason": f"{self.failed_marker} is unreadable",
-                "fix": "read it, then `jobgen submit` the run again",
-            }
-        return value
+        return read_failure(self.failed_marker)
 
     # Names that hold a job id, a restart count or a node take them as text, so that the
     # batch script can be given the same names with shell expressions ("$SLURM_JOB_ID")
@@ -352,17 +341,17 @@ class RunDir:
         return self.spec_file.is_file()
 
     def load_spec(self) -> ResolvedSpec:
-        from jobgen.resolved import ResolvedSpec  # (pydantic: see TYPE_CHECKING above)
+        """spec.json (jobgen.spec_file.read_spec: DamagedFile naming the file and key)."""
+        from jobgen.spec_file import read_spec  # (pydantic: see TYPE_CHECKING above)
 
-        return ResolvedSpec.from_json(json.loads(self.spec_file.read_text()))
+        return read_spec(self.spec_file)
 
     def script(self, program: str) -> Path:
         return self.path / f"{program}.sbatch"
 
     def jobs(self) -> list[dict[str, Any]]:
-        if not self.jobs_file.is_file():
-            return []
-        return json.loads(self.jobs_file.read_text())
+        """jobs.json (jobgen.run_files.read_jobs: DamagedFile naming the file and entry)."""
+        return read_jobs(self.jobs_file)
 
     def record_job(self, entry: dict[str, Any]) -> None:
         entry = {"submitted_at": _now(), **entry}
@@ -454,7 +443,9 @@ def _create(run: RunDir, spec_json: dict[str, Any], scripts: dict[str, str], sou
 
 
 def _update(run: RunDir, spec_json: dict[str, Any], scripts: dict[str, str], source_text: str | None) -> None:
-    old = json.loads(run.spec_file.read_text())
+    old = read_json(run.spec_file)  # its identity only: a spec of an older jobgen is no damage
+    if not isinstance(old, dict) or not isinstance(old.get("run"), dict):
+        raise DamagedFile(run.spec_file, "not a jobgen spec (an object with the object 'run'); move it away")
     before, after = _identity(old), _identity(spec_json)
     changed = [k for k in IDENTITY_KEYS if before.get(k) != after.get(k)]
     if changed:
@@ -492,10 +483,10 @@ def default_runs_root() -> Path | None:
 
 def find_run(ref: str, runs_root: Path | None) -> RunDir:
     """A run given as its directory, or as its name under ``runs_root``."""
-    as_path = Path(ref).expanduser()
-    if (as_path / "spec.json").is_file():
+    as_path = Path(ref).expanduser()  # a spec.json that is no file: its reader says so (DamagedFile)
+    if os.path.lexists(as_path / "spec.json"):
         return RunDir(as_path.absolute())
-    if runs_root is not None and "/" not in ref and (runs_root / ref / "spec.json").is_file():
+    if runs_root is not None and "/" not in ref and os.path.lexists(runs_root / ref / "spec.json"):
         return RunDir(runs_root / ref)
     where = f" or under {runs_root}" if runs_root else ""
     raise RunDirError(f"no run '{ref}': not a run directory{where} (a run directory holds spec.json)")

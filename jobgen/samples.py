@@ -8,25 +8,40 @@ redid those steps) shows the newest answer: the one the kept weights gave.
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Callable
 from typing import Any
 
-from jobgen.goodput import read_jsonl
+from jobgen.goodput import read_records
+from jobgen.run_files import is_int
 from jobgen.rundir import RunDir
+from jobgen.visible import visible
 
 
 class NoSamples(RuntimeError):
     """The run has no samples (yet), or none at the step asked for."""
 
 
-def read_samples(run: RunDir, step: int | None = None) -> dict[str, dict[int, str]]:
-    """prompt -> step -> completion, prompts in the order first answered, steps ascending."""
-    lines = [x for x in read_jsonl(run.samples) if isinstance(x.get("prompt"), str) and isinstance(x.get("step"), int)]
+# The fields of a line of samples.jsonl that jobgen shows (jobgen.goodput.read_records).
+SAMPLE_FIELDS = (
+    {"prompt": (lambda v: isinstance(v, str), "a string"), "step": (is_int, "a step")},
+    {"completion": (lambda v: isinstance(v, str), "a string")},
+)
+
+
+def read_samples(
+    run: RunDir, step: int | None = None, warn: Callable[[str], None] = lambda _: None
+) -> dict[str, dict[int, str]]:
+    """prompt -> step -> completion, prompts in the order first answered, steps ascending.
+    Lines that are no samples are skipped, and ``warn`` is told once how many and why."""
+    lines = read_records(run.samples, SAMPLE_FIELDS, "sample")
+    if lines.warning():
+        warn(lines.warning())
     if not lines:
         raise NoSamples(f"{run.samples}: no samples yet (they come with [eval] prompts, at each evaluation)")
     table: dict[str, dict[int, str]] = {}
     for line in lines:
         if step is None or line["step"] == step:
-            table.setdefault(line["prompt"], {})[line["step"]] = str(line.get("completion", ""))
+            table.setdefault(line["prompt"], {})[line["step"]] = line.get("completion") or ""
     if not table:
         steps = sorted({x["step"] for x in lines})
         raise NoSamples(f"{run.samples}: no samples at step {step} (steps with samples: {steps})")
@@ -34,15 +49,17 @@ def read_samples(run: RunDir, step: int | None = None) -> dict[str, dict[int, st
 
 
 def format_samples(table: dict[str, dict[int, str]], width: int = 100) -> str:
-    """Each prompt, then its answer at every step, one under the other, wrapped to ``width``."""
+    """Each prompt, then its answer at every step, one under the other, wrapped to ``width``.
+    Both are a model's or a person's text: every control character in them is shown as an
+    escape (jobgen.visible), never sent to the terminal."""
     steps = sorted({s for by_step in table.values() for s in by_step})
     label = max(len(f"step {s}") for s in steps)
     out: list[str] = []
     for number, (prompt, by_step) in enumerate(table.items(), start=1):
-        out.append(f"prompt {number}: {prompt}")
+        out.append(f"prompt {number}: {visible(prompt)}")
         for step, completion in by_step.items():
             head = f"  {f'step {step}':>{label}} | "
-            text = " ".join(completion.split()) or "(nothing: the end of turn came first)"
+            text = visible(" ".join(completion.split())) or "(nothing: the end of turn came first)"
             wrapped = textwrap.wrap(text, width=max(20, width - len(head))) or [""]
             out.append(head + wrapped[0])
             out.extend(" " * (len(head) - 2) + "| " + line for line in wrapped[1:])

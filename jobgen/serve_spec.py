@@ -23,8 +23,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
-from jobgen.fields import Duration, EnvName, EnvValue, SlurmMemory, SlurmName, StrictModel
 from jobgen.env_names import secret_name
+from jobgen.fields import Duration, EnvName, EnvValue, SlurmMemory, SlurmName, StrictModel
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 

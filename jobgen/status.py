@@ -21,7 +21,6 @@ have no use for them and leave it out.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -30,6 +29,7 @@ from typing import Any
 from jobgen import quarantine, slurm
 from jobgen.goodput import KillWindow, goodput, kill_window_warning, lead_time_warning
 from jobgen.resolved import ResolvedSpec
+from jobgen.run_files import DamagedFile
 from jobgen.rundir import RunDir
 from jobgen.runtime.records import is_eval_line, training_lines
 from jobgen.status_facts import RunRecords, SlurmFacts, ask_kill_window, ask_slurm, read_run_records
@@ -40,6 +40,7 @@ from jobgen.status_facts import slurm_may_know as slurm_may_know
 from jobgen.stop_requests import ended_attempts, stale_requests
 from jobgen.sweep_runs import point_open, point_problem, slurm_view
 from jobgen.task_table import TaskStatus, build_tasks
+from jobgen.visible import visible
 
 # What the run's watchdogs alert about right now, one line each (supplied by jobgen/cli.py).
 WatchdogAlerts = Callable[[ResolvedSpec], list[str]]
@@ -250,6 +251,7 @@ def _warnings(found: RunRecords, window: KillWindow | None, alerts: list[str]) -
             for p in found.broken
         ),
         f"{found.held_problem}: the nodes it held may be used again" if found.held_problem else None,
+        found.best_problem,
         f"quarantined node(s) {', '.join(held)}: later tasks exclude them "
         f"(jobgen doctor --clear {job.name} releases those that pass)"
         if held
@@ -324,39 +326,15 @@ def eval_progress(
 
 def unreadable(run: RunDir) -> str | None:
     """Why run_status cannot read this run's records (spec.json, jobs.json), in one line that
-    names the file and the JSON or validation error; None when it can. A truncated or
-    hand-edited file must not take the status of every other run down with it."""
-    from pydantic import ValidationError
-
-    from jobgen.loader import key_path
-    from jobgen.site import SiteProfile
-    from jobgen.spec import RunSpec
-
-    def read(path):
-        try:
-            return json.loads(path.read_bytes())
-        except OSError as exc:
-            raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
-        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-            raise ValueError(f"{path}: invalid JSON: {exc}") from None
-
+    names the file and the JSON or validation error (jobgen.run_files); None when it can. A
+    truncated or hand-edited file must not take the status of every other run down with it."""
     try:
-        data = read(run.spec_file)
-        jobs = read(run.jobs_file) if run.jobs_file.exists() else []
-    except ValueError as exc:
+        run.load_spec()
+        run.jobs()
+    except DamagedFile as exc:
         return str(exc)
-    if not isinstance(data, dict) or not isinstance(data.get("run"), dict) or not isinstance(data.get("site"), dict):
-        return f"{run.spec_file}: not a jobgen spec (an object with the objects 'run' and 'site')"
-    for part, model in (("run", RunSpec), ("site", SiteProfile)):
-        try:
-            model.model_validate(data[part])
-        except ValidationError as exc:
-            first, more = exc.errors()[0], len(exc.errors()) - 1
-            where = ".".join(filter(None, (part, key_path(first["loc"]))))
-            message = str(first["msg"]).removeprefix("Value error, ")
-            return f"{run.spec_file}: {where}: {message}" + (f" (and {more} more)" if more else "")
-    if not isinstance(jobs, list) or not all(isinstance(j, dict) and isinstance(j.get("job_id"), int) for j in jobs):
-        return f"{run.jobs_file}: not a list of submissions (objects with an integer 'job_id')"
+    except FileNotFoundError as exc:  # removed since the run was found
+        return f"{visible(exc.filename)}: gone"
     return point_problem(run)  # a sweep's point: its sweep.json too
 
 

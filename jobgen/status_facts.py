@@ -6,7 +6,6 @@ queue, what it remembers of ended jobs, its configuration and kill window).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from jobgen.goodput import KillWindow, Records, TaskReport, read_metrics, read_t
 from jobgen.preflight import kill_window
 from jobgen.program_records import trainer_checkpoints
 from jobgen.resolved import ResolvedSpec
+from jobgen.run_files import DamagedFile, read_best, read_object
 from jobgen.rundir import RunDir
 from jobgen.sweep_runs import slurm_view, sweep_jobs
 from jobgen.task_table import read_task_records, unexplained_submissions
@@ -65,6 +65,7 @@ class RunRecords:
     task_records: dict[tuple[int, int], dict[str, Any]]  # the batch script's record of each attempt
     reports: list[TaskReport]
     best: dict[str, Any] | None
+    best_problem: str | None  # why best.json could not be read
     saved: list[tuple[int, Path]]  # complete checkpoints, oldest first
     saved_age_seconds: float | None  # of the newest one; None when its time cannot be read
     broken: list[Path]  # checkpoints set aside
@@ -94,7 +95,7 @@ def read_run_records(run: RunDir) -> RunRecords:
     if job.program == "command":  # a Hugging Face Trainer's checkpoint-N/ count as saved too
         saved = sorted(saved + trainer_checkpoints(run.checkpoints))
     held, held_problem = _read_quarantine(run)
-    doctor = run.path / "doctor.json"
+    best, best_problem = _read_best(run)
     return RunRecords(
         spec=spec,
         metrics=read_metrics(run.path / "metrics.jsonl"),
@@ -103,7 +104,8 @@ def read_run_records(run: RunDir) -> RunRecords:
         stop_requests=run.stop_requests(),
         task_records=read_task_records(run),
         reports=run_reports(run.path, job.time),
-        best=run.best(),
+        best=best,
+        best_problem=best_problem,
         saved=saved,
         saved_age_seconds=_checkpoint_age(saved[-1][1]) if saved else None,
         broken=run.broken_checkpoints(),
@@ -111,10 +113,25 @@ def read_run_records(run: RunDir) -> RunRecords:
         held_problem=held_problem,
         failed=run.failure(),
         done=run.done_marker.exists(),
-        doctor_ok=bool(json.loads(doctor.read_text()).get("ok"))
-        if job.program == "doctor" and doctor.is_file()
-        else None,
+        doctor_ok=_doctor_verdict(run) if job.program == "doctor" else None,
     )
+
+
+def _read_best(run: RunDir) -> tuple[dict[str, Any] | None, str | None]:
+    """best.json, or None and why it cannot be read (a warning: the rest is still shown)."""
+    try:
+        return read_best(run.best_checkpoint), None
+    except DamagedFile as exc:
+        return None, f"{exc}: the best eval loss shown is the lowest logged (the trainer writes the file again)"
+
+
+def _doctor_verdict(run: RunDir) -> bool | None:
+    """doctor.json's verdict (its "ok"); None without one, or when it cannot be read."""
+    try:
+        report = read_object(run.path / "doctor.json", "a doctor report")
+    except DamagedFile:
+        return None
+    return bool(report.get("ok")) if report is not None else None
 
 
 def _checkpoint_age(path: Path) -> float | None:

@@ -1,6 +1,8 @@
 """``jobgen status`` as text: one run's view with its tasks, and the one-line-per-run listing.
 
 Pure functions of :class:`jobgen.status.RunStatus`; the JSON form is ``RunStatus.to_json``.
+Every text that comes from a file or from Slurm (names, reasons, notes, warnings) is shown
+through jobgen.visible: a control character in it is printed as an escape, never acted on.
 """
 
 from __future__ import annotations
@@ -12,14 +14,18 @@ from jobgen.durations import format_human
 from jobgen.spec import layout_text
 from jobgen.status import RunStatus
 from jobgen.task_table import TaskStatus
+from jobgen.visible import visible
 
 
 def _age(seconds: float | None) -> str:
     return "-" if seconds is None else format_human(max(0, int(seconds)))
 
 
-def _clock(epoch: float | None) -> str:
-    return time.strftime("%m-%d %H:%M", time.localtime(epoch)) if epoch else ""
+def _clock(epoch: float | None, form: str = "%m-%d %H:%M") -> str:
+    try:
+        return time.strftime(form, time.localtime(epoch)) if epoch else ""
+    except (OverflowError, OSError, ValueError):  # no date: the readers keep times in range; say so if not
+        return "?"
 
 
 def step_text(status: RunStatus) -> str:
@@ -32,10 +38,10 @@ def step_text(status: RunStatus) -> str:
 def _why(task: TaskStatus) -> str:
     """Why the task waits, or how it ended, in words."""
     if task.state in slurm.JOB_PENDING:
-        return task.reason or ""
+        return visible(task.reason or "")
     if task.state in slurm.JOB_ACTIVE:
         return ""
-    words = task.exit_reason or task.reason or ""
+    words = visible(task.exit_reason or task.reason or "")
     if task.jobgen_exit is not None:
         words = f"exit {task.jobgen_exit}: {words}" if words else f"exit {task.jobgen_exit}"
     return words
@@ -48,8 +54,8 @@ def task_lines(tasks: list[TaskStatus]) -> list[str]:
     )
     lines = [header]
     for t in tasks:
-        name = t.slurm_id + (f" #{t.restart}" if t.restart else "")
-        nodes = t.nodes if t.state not in slurm.JOB_PENDING else ""
+        name = visible(t.slurm_id) + (f" #{t.restart}" if t.restart else "")
+        nodes = visible(t.nodes or "") if t.state not in slurm.JOB_PENDING else ""
         limit = _age(t.time_limit_seconds) if t.time_limit_seconds else "-"
         elapsed = f"{_age(t.elapsed_seconds) if t.elapsed_seconds is not None else '-'}/{limit}"
         steps = f"{t.start_step}->{'' if t.end_step is None else t.end_step}" if t.start_step is not None else ""
@@ -57,7 +63,7 @@ def task_lines(tasks: list[TaskStatus]) -> list[str]:
         first = f"{t.seconds_to_first_step:.0f}s" if t.seconds_to_first_step is not None else ""
         shape = f"{t.world_size}/{t.global_batch}" if t.world_size and t.global_batch else ""
         lines.append(
-            f"{name:<12} {t.state:<10} {(nodes or ''):<14} {_clock(t.start_time):<11}  {elapsed:>15}  "
+            f"{name:<12} {visible(t.state):<10} {nodes:<14} {_clock(t.start_time):<11}  {elapsed:>15}  "
             f"{steps:<11} {redone:>6} {first:>8} {shape:>11}  {_why(t)}".rstrip()
         )
     return lines
@@ -67,8 +73,8 @@ def format_status(status: RunStatus) -> str:
     """One run: its state and progress, then a line per task (``ARRAYID_TASK``, ``#N`` for a
     requeued job's later attempts), notes and warnings."""
     lines = [
-        f"run      {status.name}  ({status.program})",
-        f"dir      {status.run_dir}",
+        f"run      {visible(status.name)}  ({status.program})",
+        f"dir      {visible(status.run_dir)}",
         f"state    {status.state}",
     ]
     if status.node_procs:
@@ -90,22 +96,23 @@ def format_status(status: RunStatus) -> str:
         if status.eval_best is not None:
             best = status.eval_best
             line += f"   best {best['eval_loss']:.4f} at step {best['step']}"
-            line += f" ({best['checkpoint']})" if best.get("checkpoint") else ""
+            line += f" ({visible(best['checkpoint'])})" if best.get("checkpoint") else ""
         lines.append(line)
     if status.last_checkpoint:
-        lines.append(f"saved    {status.last_checkpoint}, {_age(status.last_checkpoint_age_seconds)} ago")
+        lines.append(f"saved    {visible(status.last_checkpoint)}, {_age(status.last_checkpoint_age_seconds)} ago")
     if status.goodput is not None:
         lines.append(f"goodput  {status.goodput:.1%} (time in steps that were kept / time the jobs held)")
     if status.switches:
-        lines.append(f"switches {', '.join(status.switches)}")
+        lines.append(f"switches {', '.join(visible(name) for name in status.switches)}")
     for entry in status.quarantined:
-        stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry["since"]))
-        lines.append(f"quarantined {entry['node']} since {stamp} (job {entry['job']}): {entry['reason']}")
+        stamp = _clock(entry["since"], "%Y-%m-%d %H:%M")
+        node, job, reason = (visible(entry[key]) for key in ("node", "job", "reason"))
+        lines.append(f"quarantined {node} since {stamp} (job {job}): {reason}")
     if status.tasks:
         lines.append("")
         lines.extend(task_lines(status.tasks))
-    lines.extend(f"note     {n}" for n in status.notes)
-    lines.extend(f"WARNING  {w}" for w in status.warnings)
+    lines.extend(f"note     {visible(n)}" for n in status.notes)
+    lines.extend(f"WARNING  {visible(w)}" for w in status.warnings)
     return "\n".join(lines)
 
 
@@ -116,11 +123,13 @@ def format_listing(statuses: list[RunStatus]) -> str:
     for s in statuses:
         alerts = "-"
         if s.warnings:
-            first = s.warnings[0] if len(s.warnings[0]) <= 60 else s.warnings[0][:57] + "..."
+            # The run's own files by their names in it: what a truncated column still shows.
+            warning = visible(s.warnings[0].replace(f"{s.run_dir}/", ""))
+            first = warning if len(warning) <= 60 else warning[:57] + "..."
             alerts = first + (f" (+{len(s.warnings) - 1})" if len(s.warnings) > 1 else "")
         rows.append(
             (
-                s.name,
+                visible(s.name),
                 s.state,
                 step_text(s),
                 f"{s.loss:.4f}" if s.loss is not None else "-",
@@ -134,5 +143,6 @@ def format_listing(statuses: list[RunStatus]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
     # A run that cannot be read says why in full: the file and the error.
-    lines += [f"{s.name}: {s.warnings[0]}" for s in statuses if s.state == "unreadable" and s.warnings]
+    unreadable = [s for s in statuses if s.state == "unreadable" and s.warnings]
+    lines += [f"{visible(s.name)}: {visible(s.warnings[0])}" for s in unreadable]
     return "\n".join(lines)

@@ -76,9 +76,10 @@ def remove(paths: Iterable[Path]) -> list[Path]:
 
 def clear_stale(run: RunDir) -> list[Path]:
     """``jobgen stop``: remove the stale requests the run directory's records show, without
-    asking Slurm (a stop must work while Slurm does not answer)."""
+    asking Slurm (a stop must work while Slurm does not answer) and without spec.json (a stop
+    needs only the directory: a damaged spec must not make a stop that worked look failed).
+    Which attempts ended is the exit records' word alone: no time limit is needed for it."""
     if not run.switches.is_dir():
         return []
-    time_limit = run.load_spec().run.job.time if run.exists() else None
-    ended, active = ended_attempts(read_task_records(run), run_reports(run.path, time_limit))
+    ended, active = ended_attempts(read_task_records(run), run_reports(run.path))
     return remove(stale_requests(run.stop_requests(), ended, active))

@@ -26,6 +26,7 @@ from jobgen.preflight import Finding, command_findings, kill_window, memory_find
 from jobgen.render import render, script_name
 from jobgen.resolved import ResolvedSpec
 from jobgen.resume_check import resume_problem
+from jobgen.run_files import DamagedFile
 from jobgen.rundir import RunDir, RunDirTaken, materialize, remove_new
 
 
@@ -183,6 +184,10 @@ def _resume_findings(spec: ResolvedSpec) -> list[Finding]:
 def _continue_findings(spec: ResolvedSpec, run: RunDir, *, after: int | None, skip_preflight: bool) -> list[Finding]:
     """What a submission that continues the existing ``run`` adds: warnings from its earlier
     tasks' reports, and, unless chained ``after`` a job, an error while it is still busy."""
+    try:
+        run.jobs()  # read before sbatch: a job queued that jobs.json cannot record would be lost
+    except DamagedFile as exc:
+        return [Finding("error", "", f"{exc}: the run's submissions cannot be recorded; repair or move it away")]
     findings: list[Finding] = []
     if spec.run.job.graceful_stop:  # else no save races a time limit or a SIGKILL
         reports = run_reports(run.path, spec.run.job.time)

@@ -19,7 +19,7 @@ restart count tells the attempts apart.
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,9 @@ from jobgen import slurm
 from jobgen.durations import parse_slurm_limit
 from jobgen.exit_codes import ExitCode
 from jobgen.goodput import TaskReport
+from jobgen.run_files import DamagedFile, as_int, is_int, is_time, read_json
 from jobgen.rundir import RunDir
+from jobgen.visible import visible
 
 # A task the time limit killed before its program recorded a stop of its own (a program that
 # ignores the lead-time signal, or a save too slow for exit_grace): Slurm's TIMEOUT.
@@ -75,25 +77,73 @@ class TaskStatus:
     @property
     def slurm_id(self) -> str:
         """Slurm's name for it: ``ARRAYID_TASK`` (``2_1``), or the job id outside an array."""
-        return f"{self.array_job_id}_{self.array_task}" if self.array_task.isdigit() else str(self.job_id)
+        return f"{self.array_job_id}_{self.array_task}" if as_int(self.array_task) is not None else str(self.job_id)
 
 
-def read_task_records(run: RunDir) -> dict[tuple[int, int], dict[str, Any]]:
-    """The batch script's end records, by (job id, restart); unreadable ones are skipped (a
-    node that died mid-write leaves only the temporary file, which is not matched)."""
-    out = {}
+# What each field of a batch script's end record must be when present (None allowed).
+_RECORD_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "array_job_id": (lambda v: v == "" or as_int(v) is not None, "a job id"),
+    "array_task": (lambda v: v == "" or as_int(v) is not None, "an array task"),
+    "nodes": (lambda v: isinstance(v, str), "a node list"),
+    "job_start": (is_time, "a time"),
+    "end": (is_time, "a time"),
+    "exit_code": (is_int, "an exit code"),
+    "slurm_exit": (is_int, "an exit code"),
+    "reason": (lambda v: isinstance(v, str), "words"),
+}
+
+
+class TaskRecords(dict):
+    """The batch script's end records by (job id, restart), with the files skipped as no such
+    record and why the first of them was."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped: list[str] = []
+
+    def warning(self) -> str | None:
+        if not self.skipped:
+            return None
+        more = f" (and {len(self.skipped) - 1} more such file(s))" if len(self.skipped) > 1 else ""
+        return f"{self.skipped[0]}: skipped as no record of a task's end{more}"
+
+
+def _record_problem(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if as_int(record.get("job_id")) is None or as_int(record.get("restart") or 0) is None:
+        return "no job id and restart count"
+    for key, (ok, what) in _RECORD_FIELDS.items():
+        if record.get(key) is not None and not ok(record[key]):
+            return f"{key!r} is not {what}"
+    return None
+
+
+def read_task_records(run: RunDir) -> TaskRecords:
+    """The batch script's end records, by (job id, restart). A node that died mid-write
+    leaves only the temporary file, which is not matched; a file that is no such record (cut,
+    edited, a link) is skipped and named in ``warning()``."""
+    out = TaskRecords()
     for path in run.task_records():
         try:
-            record = json.loads(path.read_text())
-            out[(int(record["job_id"]), int(record.get("restart") or 0))] = record
-        except (OSError, ValueError, KeyError, TypeError):
+            record = read_json(path)
+        except DamagedFile as exc:
+            out.skipped.append(str(exc))
             continue
+        except FileNotFoundError:  # replaced by the next attempt's write meanwhile
+            continue
+        problem = _record_problem(record)
+        if problem is not None:
+            out.skipped.append(f"{visible(path)}: {problem}")
+            continue
+        out[(as_int(record["job_id"]), as_int(record.get("restart") or 0))] = record
     return out
 
 
 def _int(value: Any, default: int) -> int:
-    text = "" if value is None else str(value)
-    return int(text) if text.isdigit() else default
+    """A job id or an array task from a record or Slurm (jobgen.run_files.as_int), else ``default``."""
+    number = as_int(value)
+    return default if number is None else number
 
 
 def unexplained_submissions(
@@ -103,8 +153,8 @@ def unexplained_submissions(
     the only ones worth asking Slurm about (ended jobs)."""
     seen: dict[int, set[int]] = {}
     for entry in queue:
-        if entry.array_task.isdigit():
-            seen.setdefault(entry.array_job_id, set()).add(int(entry.array_task))
+        if as_int(entry.array_task) is not None:
+            seen.setdefault(entry.array_job_id, set()).add(_int(entry.array_task, 0))
         else:
             seen.setdefault(entry.array_job_id, set()).add(0)
     for (job_id, _restart), record in records.items():
@@ -142,7 +192,7 @@ def build_tasks(
         if task is None:
             task = rows[(job_id, restart)] = TaskStatus(job_id, job_id, "N/A", "ENDED", restart=restart)
             task.time_limit_seconds = time_limit
-        if array_job_id is not None and array_task and array_task.isdigit():
+        if array_job_id is not None and array_task and as_int(array_task) is not None:
             task.array_job_id, task.array_task = array_job_id, array_task
         return task
 
@@ -155,7 +205,7 @@ def build_tasks(
     _apply_queue(rows, row, [e for e in ours if e not in waiting], time_limit)
     _mark_requeued(rows)
     # A run by hand outside Slurm has no job id ("None" in its records): it has no row either.
-    program_ended = {(int(r.job_id), r.restart) for r in reports if r.exit_code is not None and r.job_id.isdigit()}
+    program_ended = {(_int(r.job_id, -1), r.restart) for r in reports if r.exit_code is not None}
     _name_time_limit_kills(rows, program_ended)
     tasks = list(rows.values())
     if slurm_answered:
@@ -183,10 +233,10 @@ def _apply_records(row, records: dict[tuple[int, int], dict[str, Any]]) -> None:
 def _apply_reports(row, reports: list[TaskReport]) -> None:
     """The trainer's reports: steps, and its own words on how the attempt ended."""
     for report in reports:
-        if not report.job_id.isdigit():
+        job_id = as_int(report.job_id)
+        if job_id is None:
             continue  # a run by hand outside Slurm
-        array_job = _int(report.array_job_id, int(report.job_id))
-        task = row(int(report.job_id), report.restart, array_job, report.array_task)
+        task = row(job_id, report.restart, _int(report.array_job_id, job_id), report.array_task)
         task.start_step, task.end_step = report.start_step, report.end_step
         task.recomputed_steps = report.recomputed_steps
         task.seconds_to_first_step = report.seconds_to_first_step
@@ -274,7 +324,7 @@ def _tasks_never_seen(run: RunDir, tasks: list[TaskStatus], waiting: list[slurm.
 def _never_started(entry: slurm.QueueEntry, known) -> bool:
     """A pending array task that never ran (it carries the array's id until it starts),
     not a requeued one waiting to run again."""
-    if entry.state not in slurm.JOB_PENDING or entry.job_id != entry.array_job_id or not entry.array_task.isdigit():
+    if entry.state not in slurm.JOB_PENDING or entry.job_id != entry.array_job_id or as_int(entry.array_task) is None:
         return False
     return not any(t.job_id == entry.job_id and t.array_task == entry.array_task for t in known)
 

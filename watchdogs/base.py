@@ -7,7 +7,7 @@ all of them take the same options::
     python -m watchdogs.disk --run RUN [--path P]... [--min-free 20%] [--notify] [--json]
 
 Exit status: 0 all clear, 1 alert (including "could not check": a blind watchdog is
-worth a message), 2 bad usage.
+worth a message, and a run whose spec.json is damaged is one), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from jobgen.run_files import DamagedFile
 from jobgen.rundir import RunDir, RunDirError
 from watchdogs.notify import deliver
-from watchdogs.target import USAGE, CheckResult, Target, load_target
+from watchdogs.target import ALERT, USAGE, CheckResult, Target, load_target
 
 # Options every check accepts; each maps onto a key of its settings table.
 _OVERRIDES = {
@@ -69,6 +70,9 @@ def main(name: str, check: Callable[[Target], CheckResult], description: str, ar
     try:
         target = load_target(args.run_ref, args.path, args.home)
         apply_overrides(target, name, args)
+    except DamagedFile as exc:  # the run's spec.json: a watchdog that cannot look is an alert
+        print(f"watchdogs.{name}: ALERT: could not check: {exc}", file=sys.stderr)
+        return ALERT
     except (RunDirError, ValidationError, ValueError, OSError) as exc:
         print(f"watchdogs.{name}: {exc}", file=sys.stderr)
         return USAGE

@@ -175,6 +175,8 @@ def _home_listing(home) -> dict:
 
 
 def _echo_home(entry: dict) -> None:
+    from jobgen.visible import visible
+
     click.echo(f"home {entry['home']}")
     chains = entry["chains"]
     if not chains:
@@ -189,12 +191,13 @@ def _echo_home(entry: dict) -> None:
         for f in chain["job_files"]:
             last = f["last"]
             if last is None:
-                click.echo(f"  {Path(f['job_file']).name:<32} not run yet")
+                click.echo(f"  {visible(Path(f['job_file']).name):<32} not run yet")
                 continue
-            first = (last.get("output") or "").strip().splitlines()[:1]
+            first = str(last.get("output") or "").strip().splitlines()[:1]
+            name = visible(Path(f["job_file"]).name)  # a check's output quotes a run's files
             click.echo(
-                f"  {Path(f['job_file']).name:<32} {_when(last.get('started'))}  exit {last.get('exit_code')}  "
-                f"{first[0][:120] if first else ''}"
+                f"  {name:<32} {_when(last.get('started'))}  exit {last.get('exit_code')}  "
+                f"{visible(first[0][:120]) if first else ''}"
             )
 
 

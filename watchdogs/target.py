@@ -16,6 +16,7 @@ from typing import Any
 from jobgen.resolved import ResolvedSpec
 from jobgen.rundir import RunDir, default_runs_root
 from jobgen.sweep_runs import find_run_or_point
+from jobgen.visible import visible
 from jobgen.watchdog_settings import WatchdogSettings
 
 OK, ALERT, USAGE = 0, 1, 2
@@ -40,8 +41,11 @@ class CheckResult:
         return asdict(self)
 
     def text(self) -> str:
+        """The result for a person: its summary and details are built from a run's files and
+        Slurm's words, so their control characters are shown as escapes (jobgen.visible)."""
         word = "ALERT" if self.alert else "ok"
-        return "\n".join([f"{self.check} {self.target}: {word}: {self.summary}", *(f"  {d}" for d in self.details)])
+        head = f"{self.check} {visible(self.target)}: {word}: {visible(self.summary)}"
+        return "\n".join([head, *(f"  {visible(d)}" for d in self.details)])
 
 
 @dataclass

@@ -29,7 +29,7 @@ BAD_LINES = {
     "a list": ("[1, 2, 3]", "a JSON list, not an object"),
     "a string": ('"str"', "a JSON str, not an object"),
     "step a string": ('{"time": 5.0, "step": "abc"}', "'step' is 'abc', not an integer"),
-    "time 1e400": ('{"time": 1e400, "step": 3}', "'time' is inf, not a finite number"),
+    "time 1e400": ('{"time": 1e400, "step": 3}', "'time' is inf, not a time (seconds since 1970)"),
     "no time": ('{"step": 3}', "no 'time'"),
 }
 
@@ -128,3 +128,147 @@ def test_reader_keeps_every_record_and_only_counts_bad_lines(tmp_path):
     records = read_metrics(path)
     assert list(records) == GOOD_METRICS and records.skipped == 0 and records.warning() is None
     assert read_tasks(tmp_path / "missing.jsonl") == []
+
+
+# ---------------------------------------------------------------- issue 30, item 11
+# Each of these was a traceback: now one line naming the file, the rest still shown, nothing
+# acted on wrongly, and the exit status the command documents.
+
+
+def _named_once(out: str, path: Path) -> list[str]:
+    return [line for line in out.splitlines() if str(path) in line]
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """A run at step 25 with an evaluation logged and a switches/ directory."""
+    from run_dirs import training_run_at_step_25
+
+    run = training_run_at_step_25(tmp_path)
+    (run.path / "switches").mkdir()
+    with (run.path / "metrics.jsonl").open("a") as fh:
+        fh.write(json.dumps({"time": 1030.0, "step": 25, "event": "eval", "eval_loss": 1.25}) + "\n")
+    return run
+
+
+def test_best_json_with_a_non_numeric_eval_loss_is_a_warning(trained):
+    trained.checkpoints.mkdir()
+    trained.best_checkpoint.write_text(json.dumps({"step": 20, "checkpoint": "step-00000020", "eval_loss": "x"}))
+    for args in (["status", str(trained.path)], ["compare", str(trained.path)]):
+        proc = jobgen(*args)
+        _assert_clean(proc)
+        named = _named_once(proc.stdout + proc.stderr, trained.best_checkpoint)
+        assert len(named) == 1 and "eval_loss" in named[0], proc.stdout + proc.stderr
+        assert "1.2500" in proc.stdout, proc.stdout  # the lowest logged stands in for the best
+    proc = jobgen("status", env={"JOBGEN_RUNS_ROOT": str(trained.path.parent)})
+    _assert_clean(proc)
+    assert "best.json" in proc.stdout and "25/60" in proc.stdout, proc.stdout
+    proc = jobgen("status", str(trained.path), "--json")
+    _assert_clean(proc)
+    assert json.loads(proc.stdout)["eval_best"] == {"step": 25, "eval_loss": 1.25, "checkpoint": None}
+
+
+def test_best_json_of_a_sweeps_point_is_a_warning_in_the_sweeps_status(tmp_path, sbatch_calls):
+    from helpers import small_sweep
+    from jobgen.sweep_points import load_sweep
+    from jobgen.sweep_submit import submit_sweep
+
+    path = small_sweep(tmp_path)
+    submit_sweep(load_sweep(path), source_text=path.read_text(), skip_preflight=True)
+    point = tmp_path / "runs" / "lrs" / "lr-0.001"
+    lines = [{"time": 1000.0, "step": 20, "loss": 2.5}, {"time": 1001.0, "step": 20, "event": "eval", "eval_loss": 1.5}]
+    (point / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (point / "checkpoints" / "best.json").write_text('{"step": 20, "checkpoint": "step-00000020", "eval_loss": "x"}')
+    for view in ([], ["--json"]):
+        proc = jobgen("status", str(tmp_path / "runs" / "lrs"), *view)
+        _assert_clean(proc)
+        assert "lr-0.001" in proc.stdout and "lr-0.002" in proc.stdout, proc.stdout
+        assert "1.5" in proc.stdout, proc.stdout  # the lowest eval loss logged stands in
+
+
+def test_a_samples_line_that_is_no_object_is_skipped_and_named(trained):
+    lines = ["[1, 2]", json.dumps({"step": 5, "prompt": "hi", "completion": "hello"}), '"text"']
+    trained.samples.write_text("\n".join(lines) + "\n")
+    proc = jobgen("samples", str(trained.path))
+    _assert_clean(proc)
+    assert "step 5 | hello" in proc.stdout, proc.stdout
+    named = _named_once(proc.stderr, trained.samples)
+    assert len(named) == 1 and "skipped 2 line(s)" in named[0] and "line 1: a JSON list" in named[0], proc.stderr
+
+
+BAD_SPECS = {"an empty object": "{}", "a list": "[]", "garbage": "garbage{"}
+
+
+@pytest.mark.parametrize("text", list(BAD_SPECS.values()), ids=list(BAD_SPECS))
+def test_a_damaged_spec_json_is_one_line_and_nothing_is_done_wrongly(trained, text, tmp_path):
+    trained.spec_file.write_text(text)
+    log = trained.batch_log("stat", 17)
+    log.write_text("2026-11-27T10:00:00 jobgen: a line of the job\n")
+
+    proc = jobgen("compare", str(trained.path))  # the row, without the total steps
+    _assert_clean(proc)
+    assert "25" in proc.stdout and len(_named_once(proc.stderr, trained.spec_file)) == 1, proc.stdout + proc.stderr
+
+    proc = jobgen("logs", str(trained.path))  # the logs are still there, by the directory's name
+    _assert_clean(proc)
+    assert "a line of the job" in proc.stdout and len(_named_once(proc.stderr, trained.spec_file)) == 1
+
+    target = tmp_path / "exported"
+    proc = jobgen("export", str(trained.path), "--to", str(target))  # refused before anything is read or written
+    _assert_clean(proc, 2)
+    assert len(_named_once(proc.stderr, trained.spec_file)) == 1 and not target.exists(), proc.stderr
+
+    proc = jobgen("stop", str(trained.path))  # needs only the directory: it works, and says so
+    _assert_clean(proc)
+    assert "created" in proc.stdout and trained.switch("kill").is_file(), proc.stdout
+
+    for check in ("running", "hang"):  # a watchdog that cannot look alerts, naming the file
+        proc = jobgen("watchdog", "run", check, str(trained.path))
+        _assert_clean(proc, 1)
+        assert len(_named_once(proc.stdout + proc.stderr, trained.spec_file)) == 1, proc.stdout + proc.stderr
+
+    proc = jobgen("status", str(trained.path))
+    _assert_clean(proc, 1)
+    assert len(_named_once(proc.stderr, trained.spec_file)) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("pattern", ["a{99999999999}", "(unclosed", "(" * 2000 + ")" * 2000])
+def test_a_grep_pattern_python_cannot_use_is_one_line(trained, pattern):
+    proc = jobgen("logs", str(trained.path), "--grep", pattern)
+    _assert_clean(proc, 2)
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--grep" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '{"jobs": []}', "garbage"])
+def test_a_damaged_jobs_json_refuses_a_submission_before_sbatch(run, sbatch_calls, text):
+    from jobgen.loader import load_run
+    from jobgen.submit import SubmitError, submit
+
+    run.jobs_file.write_text(text)
+    spec = load_run(str(run.path.parent.parent / "run.toml"))
+    with pytest.raises(SubmitError) as refused:
+        submit(spec, after=5, skip_preflight=True)  # chained: no busy check reads jobs.json first
+    assert sbatch_calls == [], "a job was queued that jobs.json could not record"
+    assert [f for f in refused.value.findings if str(run.jobs_file) in f.message and f.level == "error"]
+    assert run.jobs_file.read_text() == text
+
+
+def test_a_link_above_the_file_is_followed_a_link_at_the_file_is_refused(trained, tmp_path):
+    # checkpoints/ on a scratch file system, linked in: its best.json is read as any other.
+    scratch = tmp_path / "scratch" / "checkpoints"
+    scratch.mkdir(parents=True)
+    best = {"step": 25, "checkpoint": "step-00000025", "eval_loss": 1.25}
+    (scratch / "best.json").write_text(json.dumps(best))
+    trained.checkpoints.symlink_to(scratch, target_is_directory=True)
+    proc = jobgen("status", str(trained.path), "--json")
+    _assert_clean(proc)
+    assert json.loads(proc.stdout)["eval_best"]["checkpoint"] == "step-00000025", proc.stdout
+    # best.json itself a link (to a teammate's file): refused, named, and the rest still shown.
+    (scratch / "best.json").unlink()
+    (scratch / "best.json").symlink_to(tmp_path / "teammates-best.json")
+    (tmp_path / "teammates-best.json").write_text(json.dumps(best))
+    proc = jobgen("status", str(trained.path), "--json")
+    _assert_clean(proc)
+    view = json.loads(proc.stdout)
+    assert view["eval_best"]["checkpoint"] is None and view["step"] == 25, view
+    assert [w for w in view["warnings"] if "best.json: is a symbolic link" in w], view["warnings"]
