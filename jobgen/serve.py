@@ -33,12 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from jobgen import quarantine, slurm
 from jobgen.atomic import write_json_atomic, write_text_atomic
-from jobgen.loader import key_path, resolve
+from jobgen.loader import resolve
 from jobgen.resolved import ResolvedSpec
+from jobgen.run_files import DamagedFile
 from jobgen.rundir import RunDir, RunDirError
 from jobgen.serve_address import key_problem
 from jobgen.serve_records import identity
@@ -90,11 +89,9 @@ def find_target(ref: str, runs_root: Path | None) -> Target:
     checked_path(run.path)
     try:
         spec = run.load_spec()
-    except ValidationError as exc:
-        first, more = exc.errors()[0], exc.error_count() - 1
-        message = str(first["msg"]).removeprefix("Value error, ") + (f" (and {more} more)" if more else "")
-        raise ServeError(f"cannot read {run.spec_file}: {key_path(first['loc'])}: {message}") from None
-    except (OSError, ValueError, TypeError, KeyError) as exc:
+    except DamagedFile as exc:  # names the file and the first key that does not validate
+        raise ServeError(f"cannot read {exc}") from None
+    except OSError as exc:
         reason = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {str(exc)[:200]}"
         raise ServeError(f"cannot read {run.spec_file}: {reason}") from None
     if spec.run.model is None:

@@ -22,16 +22,15 @@ the process checked is the process signalled.
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import signal
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jobgen.run_files import DamagedFile, parse_json, read_bytes
 from jobgen.rundir import RunDir
+from jobgen.visible import visible
 
 # A serve record is a few hundred bytes; a bigger file is no record of jobgen's.
 MAX_RECORD_BYTES = 1 << 20
@@ -43,25 +42,12 @@ class RecordError(ValueError):
 
 def read_record(path: Path) -> dict[str, Any] | None:
     """The JSON object in ``path``; None when there is no such file."""
-    try:
-        # No link is followed (jobgen writes none) and a FIFO does not block the open.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # a regular file only, bounded, never a link, a FIFO or a device (jobgen.run_files)
+        value = parse_json(path, read_bytes(path, MAX_RECORD_BYTES))
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        why = "a symbolic link (jobgen writes none there)" if exc.errno == errno.ELOOP else exc.strerror
-        raise RecordError(f"{path} is unreadable: {why}") from None
-    with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fh.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise RecordError(f"{path} is unreadable: not a regular file")
-        data = fh.read(MAX_RECORD_BYTES + 1)
-    if len(data) > MAX_RECORD_BYTES:
-        raise RecordError(f"{path} is unreadable: over {MAX_RECORD_BYTES} bytes, no serve record")
-    try:
-        value = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise RecordError(f"{path} is unreadable: {str(exc).splitlines()[0][:200]}") from None
+    except DamagedFile as exc:
+        raise RecordError(f"{visible(path)} is unreadable: {visible(exc.problem)}") from None
     if not isinstance(value, dict):
         raise RecordError(f"{path} is unreadable: a JSON {type(value).__name__}, not an object")
     return value

@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobgen.run_files import LINES_FILE, DamagedFile, parse_json, read_bytes
 from jobgen.rundir import RunDir, RunDirError
+from jobgen.visible import visible
 
 SWEEP_INDEX = "sweep.json"
 SWEEP_SCRIPT = "sweep.sbatch"
@@ -64,7 +66,7 @@ class SweepFileError(RunDirError):
 
     def __init__(self, path: Path, problem: str):
         self.path, self.problem = path, problem
-        super().__init__(f"{path}: {problem}")
+        super().__init__(f"{visible(path)}: {visible(problem)}")
 
 
 @dataclass(frozen=True)
@@ -155,12 +157,12 @@ def point_dir(directory: Path, name: str, fmt: int = FORMAT) -> Path:
 def read_index(directory: Path) -> SweepIndex:
     """``directory/sweep.json``, validated (raises SweepFileError naming the file and key)."""
     path = directory / SWEEP_INDEX
-    try:
-        data = json.loads(path.read_bytes())
-    except OSError as exc:
-        raise SweepFileError(path, f"cannot read: {exc.strerror or exc}") from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise SweepFileError(path, f"not JSON: {exc}") from None
+    try:  # a regular file only, bounded, never a link, a FIFO or a device (jobgen.run_files)
+        data = parse_json(path, read_bytes(path))
+    except FileNotFoundError:
+        raise SweepFileError(path, "is gone") from None
+    except DamagedFile as exc:
+        raise SweepFileError(path, exc.problem) from None
     return parse_index(directory, data)
 
 
@@ -180,6 +182,9 @@ def parse_index(directory: Path, data: Any) -> SweepIndex:
     fmt = _int(data.get("format", FLAT), FLAT)
     if fmt not in (FLAT, FORMAT):
         raise _fail(directory, "format", "not a format this jobgen reads (1 or 2)")
+    if "format" not in data and (directory / POINTS_DIR).is_dir():
+        # Format 1 had no points/: the key is missing from a file that this jobgen wrote.
+        raise _fail(directory, "format", f"missing, while the sweep's points are under {POINTS_DIR}/")
     name = data.get("name", directory.name)
     if not is_point_name(name):
         raise _fail(directory, "name", "not a job name")
@@ -294,10 +299,10 @@ class Claims:
         damaged file never frees a point a live task may still be running."""
         path = self.directory / CLAIMS_DIR / f"{point}.json"
         try:
-            raw = json.loads(path.read_bytes())
+            raw = parse_json(path, read_bytes(path))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):
+        except DamagedFile:  # a link, a FIFO, cut short: counted below, never followed or waited on
             raw = None
         found = parse_claim(raw)
         if found is None or found.point != point:
@@ -314,11 +319,11 @@ def read_claims(directory: Path) -> Claims:
     object, no point) is skipped and counted, never the end of the reading."""
     path = directory / CLAIMS_LOG
     try:
-        lines = path.read_bytes().splitlines()
+        lines = read_bytes(path, LINES_FILE).splitlines()
     except FileNotFoundError:
         lines = []
-    except OSError as exc:  # not a file jobgen could append to either: say so, claim nothing
-        raise SweepFileError(path, f"cannot read: {exc.strerror or exc}") from None
+    except DamagedFile as exc:  # not a file jobgen could append to either: say so, claim nothing
+        raise SweepFileError(path, exc.problem) from None
     out, bad = [], 0
     for line in lines:
         try:

@@ -15,6 +15,7 @@ tasks for ``jobgen status``) falls back to what the point's own directory and th
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from jobgen.rundir import RunDir, RunDirError, find_run
@@ -30,13 +31,16 @@ from jobgen.sweep_files import (
     read_claims,
     read_index,
 )
+from jobgen.visible import visible
 
 # The name jobgen's commands catch: a sweep.json that cannot be read (a RunDirError too).
 SweepError = SweepFileError
 
 
 def is_sweep_dir(path: Path) -> bool:
-    return (path / SWEEP_INDEX).is_file()
+    """A directory with an entry named sweep.json, whatever it is: one that is no file (a link,
+    a FIFO, a directory) is then named by the sweep's reader, not taken for "no such run"."""
+    return os.path.lexists(path / SWEEP_INDEX)
 
 
 def find_sweep(ref: str, runs_root: Path | None) -> Path | None:
@@ -63,7 +67,8 @@ def find_point(ref: str, runs_root: Path | None) -> RunDir | None:
     if parts[1] not in {p.name for p in index.points}:
         return None
     run = RunDir(index.point_dir(parts[1]))
-    return run if run.exists() else None
+    # Anything at spec.json (a link, a FIFO) is the point's, named when it is read.
+    return run if os.path.lexists(run.spec_file) else None
 
 
 def find_run_or_point(ref: str, runs_root: Path | None) -> RunDir:
@@ -74,9 +79,16 @@ def find_run_or_point(ref: str, runs_root: Path | None) -> RunDir:
         return find_run(ref, runs_root)
     except RunDirError:
         point = find_point(ref, runs_root)
-        if point is None:
+        if point is not None:
+            return point
+        sweep_name_, _, name = ref.partition("/")
+        sweep = find_sweep(sweep_name_, runs_root) if name and "/" not in name else None
+        if sweep is None:
             raise
-        return point
+        index = read_sweep(sweep)  # a SweepFileError naming it when it cannot be read
+        listed = name in {p.name for p in index.points}
+        why = "has no directory yet" if listed else "is not one of its points"
+        raise RunDirError(f"{visible(name)} {why} in sweep {sweep.name} ({sweep / SWEEP_INDEX})") from None
 
 
 def read_sweep(directory: Path) -> SweepIndex:

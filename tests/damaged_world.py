@@ -28,6 +28,7 @@ from helpers import run_spec, small_sweep
 from jobgen import slurm
 from jobgen.loader import load_run
 from jobgen.rundir import RunDir
+from jobgen.sweep_files import POINTS_DIR
 
 NOW = time.time()
 JOB = 17
@@ -225,7 +226,7 @@ def build(root: Path) -> World:
         solo,
         own,
         sweep,
-        RunDir(sorted(p for p in sweep.iterdir() if (p / "spec.json").is_file())[0]),
+        RunDir(sorted(p for p in (sweep / POINTS_DIR).iterdir() if (p / "spec.json").is_file())[0]),
         elsewhere,
     )
     world.snapshot()

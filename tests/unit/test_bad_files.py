@@ -170,12 +170,13 @@ def test_best_json_with_a_non_numeric_eval_loss_is_a_warning(trained):
 
 def test_best_json_of_a_sweeps_point_is_a_warning_in_the_sweeps_status(tmp_path, sbatch_calls):
     from helpers import small_sweep
+    from jobgen.sweep_files import POINTS_DIR
     from jobgen.sweep_points import load_sweep
     from jobgen.sweep_submit import submit_sweep
 
     path = small_sweep(tmp_path)
     submit_sweep(load_sweep(path), source_text=path.read_text(), skip_preflight=True)
-    point = tmp_path / "runs" / "lrs" / "lr-0.001"
+    point = tmp_path / "runs" / "lrs" / POINTS_DIR / "lr-0.001"
     lines = [{"time": 1000.0, "step": 20, "loss": 2.5}, {"time": 1001.0, "step": 20, "event": "eval", "eval_loss": 1.5}]
     (point / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (point / "checkpoints" / "best.json").write_text('{"step": 20, "checkpoint": "step-00000020", "eval_loss": "x"}')

@@ -376,7 +376,7 @@ def test_serve_local_refuses_a_planted_wildcard_host_before_anything_starts(tmp_
     run.spec_file.write_text(json.dumps(spec))
     proc = jobgen("serve", str(run.path), "--local", timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stdout + proc.stderr
-    assert f"cannot read {run.spec_file}: serve.host: '0x0 (0.0.0.0)' is every interface" in proc.stderr
+    assert f"cannot read {run.spec_file}: run.serve.host: '0x0 (0.0.0.0)' is every interface" in proc.stderr
     assert not [n for n in SERVE_FILES if (run.path / n).exists()]
 
 
@@ -519,7 +519,7 @@ def test_damaged_records_through_the_commands(tmp_path: Path):
     state.serve_job.unlink()
     state.serve_address.symlink_to("/dev/zero")  # read to its end, it would never end
     proc = jobgen("serve", str(state.path), "--status", timeout=60)
-    assert proc.returncode == 1 and f"{state.serve_address} is unreadable: a symbolic link" in proc.stdout
+    assert proc.returncode == 1 and f"{state.serve_address} is unreadable: is a symbolic link" in proc.stdout
     assert "Traceback" not in proc.stderr
 
 

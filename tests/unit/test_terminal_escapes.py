@@ -105,17 +105,26 @@ def test_the_listing_shows_a_hostile_name_escaped(hostile_run):
     assert r"\x1b]0;pwned\x07" in out and "unreadable" in out, out
 
 
-def test_compare_shows_point_names_and_values_escaped(tmp_path):
+def test_compare_shows_override_values_escaped_and_refuses_a_hostile_point_name(tmp_path):
+    # Point names and override keys are plain words (jobgen.sweep_files refuses anything else);
+    # an override's value is the user's own text, shown escaped.
     sweep = tmp_path / "runs" / "hostile"
     sweep.mkdir(parents=True)
-    name = HOSTILE.replace("\n", "").replace("/", "")
-    points = [{"name": name, "dir": str(sweep / name), "overrides": {f"train.{name}": f"v{HOSTILE}"}}]
+    points = [{"name": "p1", "overrides": {"train.lr": f"v{HOSTILE}"}, "attempts": 1}]
     (sweep / "sweep.json").write_text(json.dumps({"name": "hostile", "points": points, "jobs": []}))
     proc = jobgen("compare", str(sweep))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert not RAW.search(out), out
-    assert out.count(r"\x1b]0;pwned\x07") == 3 and "pending" in out, out  # name, key, value
+    assert out.count(r"\x1b]0;pwned\x07") == 1 and "pending" in out, out
+
+    name = HOSTILE.replace("\n", "").replace("/", "")
+    points = [{"name": name, "overrides": {"train.lr": 1}, "attempts": 1}]
+    (sweep / "sweep.json").write_text(json.dumps({"name": "hostile", "points": points, "jobs": []}))
+    proc = jobgen("compare", str(sweep))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and len(out.splitlines()) == 1, out
+    assert not RAW.search(out) and "points[0].name: not a point's name" in out, out
 
 
 def test_logs_prefixes_are_escaped_and_the_lines_are_the_programs_own(hostile_run):
