@@ -49,6 +49,7 @@ from jobgen.atomic import write_json_atomic
 from jobgen.fields import SlurmName, StrictModel
 from jobgen.run_files import DamagedFile, as_int, is_finite, is_int, read_bytes, read_object
 from jobgen.rundir import RunDir
+from jobgen.sweep_files import SweepFileError
 from jobgen.sweep_runs import point_runs, slurm_view, sweep_of
 
 
@@ -151,7 +152,12 @@ def exclude_from_pending(run: RunDir, spec) -> list[str]:
     # node any of its points quarantined.
     name, _ = slurm_view(run, spec.run.job.name)
     sweep = sweep_of(run)
-    runs = [point for _, point in point_runs(sweep) if point.exists()] if sweep is not None else [run]
+    runs = [run]
+    if sweep is not None:
+        try:
+            runs = [point for _, point in point_runs(sweep) if point.exists()]
+        except SweepFileError as exc:  # this point's own nodes are still kept off its next tasks
+            print(f"jobgen: warning: {exc}: the pending tasks exclude this point's nodes only", file=sys.stderr)
     nodes = {n for r in runs for n in read(r)}
     exclude = ",".join([*spec.run.job.exclude, *sorted(n for n in nodes if n not in spec.run.job.exclude)])
     pending = [e for e in slurm.queue_named(name) if e.state in slurm.JOB_PENDING]

@@ -364,6 +364,8 @@ class RunDir:
         (a symbolic link, dangling or not) is not a switch: it is removed, or the call fails
         saying so, never reported as "already set" while the run would not see it."""
         target = self.switch(name)
+        if self.switches.is_symlink():  # it would lead into another directory, another run's maybe
+            raise RunDirError(f"cannot set the {name} switch: {self.switches} is a symbolic link (jobgen makes none)")
         if switch_is_set(target):
             return target, False
         try:

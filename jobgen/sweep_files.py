@@ -35,7 +35,6 @@ from typing import Any
 
 from jobgen.run_files import LINES_FILE, DamagedFile, parse_json, read_bytes
 from jobgen.rundir import RunDir, RunDirError
-from jobgen.visible import visible
 
 SWEEP_INDEX = "sweep.json"
 SWEEP_SCRIPT = "sweep.sbatch"
@@ -60,13 +59,11 @@ _DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII only: '²'.isdigit() is True, int(
 DOTTED_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-class SweepFileError(RunDirError):
+class SweepFileError(DamagedFile, RunDirError):
     """A sweep's file that is not what jobgen writes (or a point directory that is not the
-    sweep's own): one sentence naming the file, for every command that reads it."""
-
-    def __init__(self, path: Path, problem: str):
-        self.path, self.problem = path, problem
-        super().__init__(f"{visible(path)}: {visible(problem)}")
+    sweep's own): one sentence naming the file, for every command that reads it. A
+    DamagedFile (the jobgen group's one line when a command leaves it unhandled) and a
+    RunDirError (what the commands that find runs already handle)."""
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, doctor_spec, jobgen, status
+from helpers import REPO, doctor_spec, jobgen, run_spec, status
 
 HEAVY = ("torch", "transformers", "datasets", "numpy")
 
@@ -58,6 +59,25 @@ def test_switch_commands_create_the_files(tmp_path: Path):
     assert jobgen("stop", "no-such-run", env=env).returncode == 1
     view = status(run.path)
     assert view["state"] == "stopped" and view["switches"] == ["abort", "kill", "save"]
+
+
+def test_stop_never_sets_a_switch_through_a_linked_switches_directory(tmp_path: Path):
+    """A switches/ that is a symbolic link (to another run's) is refused in one line: `jobgen
+    stop` acts on the run it was given, never on the directory a link leads to."""
+    from jobgen.loader import load_run
+    from jobgen.render import render
+    from jobgen.rundir import materialize
+
+    spec = load_run(doctor_spec(tmp_path, "linked"))
+    run, _ = materialize(spec, render(spec), None)
+    other = tmp_path / "other-switches"
+    other.mkdir()
+    shutil.rmtree(run.switches)
+    run.switches.symlink_to(other)
+    proc = jobgen("stop", str(run.path))
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stdout + proc.stderr
+    assert "symbolic link" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert list(other.iterdir()) == []
 
 
 @pytest.mark.torch
@@ -144,3 +164,33 @@ def test_status_reports_a_run_with_a_corrupt_spec_and_lists_the_others(tmp_path:
     proc = jobgen("status", "broken", env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith(f"jobgen: {bad}: run.job.nodes: ") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_fifo_as_the_failed_marker_never_holds_the_batch_script(tmp_path: Path):
+    """The batch script shows the failed marker before it refuses to start: a FIFO (or a
+    device) there is not read, so the task ends instead of waiting for a writer forever."""
+    import os
+    import subprocess
+
+    from jobgen.loader import load_run
+    from jobgen.render import render
+    from jobgen.rundir import materialize
+    from jobgen.submit import local_environment
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data.jsonl").write_text('{"instruction": "hi", "output": "hello"}\n')
+    runs = tmp_path / "runs"
+    job = {"nodes": 1, "time": "5m", "exit_grace": "1m", "runs_root": str(runs)}
+    spec = load_run(run_spec(tmp_path, "fifo-marker", job=job, model={"path": "model"}, data={"path": "data.jsonl"}))
+    run, _ = materialize(spec, render(spec), None)
+    os.mkfifo(run.failed_marker)
+    proc = subprocess.run(
+        ["bash", str(run.script(spec.run.job.program))],
+        env=local_environment(spec, 7),
+        cwd=run.path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "would repeat: not starting" in proc.stdout + proc.stderr, proc.stdout + proc.stderr

@@ -268,3 +268,24 @@ def test_a_point_that_is_a_link_out_of_the_sweep_is_refused(sweep):
         out = jobgen(*command, env=runs_root(sweep))
         assert out.returncode == 1 and "Traceback" not in out.stderr and "symbolic link" in out.stderr, out
     assert kill_switches(sweep.parent) == []
+
+
+def test_watchdogs_and_quarantine_meet_a_damaged_sweep_index_with_one_line(sweep, monkeypatch, capsys):
+    """`jobgen watchdog install SWEEP` refuses in one line naming sweep.json, and a point's
+    quarantine still keeps its own nodes off the sweep's pending tasks (it used to raise)."""
+    from jobgen import quarantine
+
+    spec = RunDir(point(sweep, "lr-0.001")).load_spec()
+    (sweep / "sweep.json").write_text('{"points": 5}')
+    out = jobgen("watchdog", "install", "lrs", env=runs_root(sweep))
+    assert out.returncode == 1 and one_line(out) and "sweep.json" in out.stderr, out
+    assert "Traceback" not in out.stdout + out.stderr, out
+
+    quarantine.add(RunDir(point(sweep, "lr-0.001")), {"node7": "went silent"}, "41_1")
+    pending = types.SimpleNamespace(slurm_id="41_2", state="PENDING")
+    updates: list[tuple[str, dict]] = []
+    monkeypatch.setattr(slurm, "queue_named", lambda name: [pending])
+    monkeypatch.setattr(slurm, "update_job", lambda job, **fields: updates.append((job, fields)))
+    assert quarantine.exclude_from_pending(RunDir(point(sweep, "lr-0.001")), spec) == ["41_2"]
+    assert updates == [("41_2", {"ExcNodeList": "node7"})], updates
+    assert "sweep.json" in capsys.readouterr().err
