@@ -21,10 +21,10 @@ import ipaddress
 import socket
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, StringConstraints, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from jobgen.env_names import secret_name
-from jobgen.fields import Duration, EnvName, EnvValue, SlurmMemory, SlurmName, StrictModel
+from jobgen.fields import Duration, EnvName, EnvValue, SlurmMemory, SlurmName, SpecModel, matching
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -101,19 +101,27 @@ def _secret_name(name: str) -> str:
 
 # An IPv4 or IPv6 address or a host name, as the server's --host takes it. Wildcard and public
 # addresses need serve.expose (ServeSpec._host_exposure); a name is resolved on the node.
-ServeHost = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:\[\]-]{1,253}$")]
+ServeHost = matching(
+    r"^[A-Za-z0-9_.:\[\]-]{1,253}$",
+    "an address or a host name",
+    "an IPv4 or IPv6 address or a host name: letters, digits and '_.:[]-', at most 253 characters",
+    chars=r"[A-Za-z0-9_.:\[\]-]",
+)
 # One argument of the engine's serve command.
 EngineArg = Annotated[EnvValue, AfterValidator(_owned_option)]
 # The name of the variable that holds the API key.
 ApiKeyName = Annotated[EnvName, AfterValidator(_secret_name)]
 # The name clients send as "model": one or two path-like words ('tiny-sft', 'team/llama-sft').
 # transformers serve reads a name with ':...gguf' or '@revision' as something else, so neither is allowed.
-ModelName = Annotated[
-    str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9][A-Za-z0-9._-]{0,127})?$")
-]
+ModelName = matching(
+    r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9][A-Za-z0-9._-]{0,127})?$",
+    "a model name",
+    "one or two words joined by '/', each of letters, digits and '._-' starting with a letter or digit, at most 128",
+    chars=r"[A-Za-z0-9._/-]",
+)
 
 
-class ServeSpec(StrictModel):
+class ServeSpec(SpecModel):
     """``jobgen serve RUN``: an OpenAI-compatible server for an export of the run's checkpoint, as a
     one-node Slurm job with the run's site profile and [env]."""
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, model_validator
 
-from jobgen.fields import StrictModel
+from jobgen.fields import SpecModel
 
 # Dotted paths of identifiers: TOML bare keys as the spec's tables spell them
 # (field names, [env] variable names). No indices: a list is replaced whole. The same as
@@ -79,7 +79,7 @@ def overlapping_keys(keys: list[str]) -> tuple[str, str] | None:
     return None
 
 
-class SweepSpec(StrictModel):
+class SweepSpec(SpecModel):
     """Many runs from this one file, submitted as one Slurm array. The points are the cross product
     of grid, then the tables of points, each repeated once per seed: at most 1000 (Slurm's default
     MaxArraySize), each validated as a run, no two the same run."""

@@ -22,7 +22,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from jobgen.fields import Duration, EnvName, SafePath, SlurmName, StrictModel, matching
+from jobgen.fields import Duration, EnvName, SafePath, SlurmName, SpecModel, matching
 
 WebhookUrl = matching(r"^https?://\S+$", "a webhook URL", "an http:// or https:// URL without spaces")
 
@@ -63,7 +63,7 @@ def _at_least_a_minute(seconds: int) -> int:
 Interval = Annotated[Duration, AfterValidator(_at_least_a_minute)]
 
 
-class DiskCheck(StrictModel):
+class DiskCheck(SpecModel):
     """Free space and free inodes where the run writes, plus a forecast of when it fills."""
 
     enabled: bool = Field(True, description="Run this check.")
@@ -91,14 +91,14 @@ class DiskCheck(StrictModel):
     )
 
 
-class RunningCheck(StrictModel):
+class RunningCheck(SpecModel):
     """The run has a job running or pending, or has finished."""
 
     enabled: bool = Field(True, description="Run this check.")
     every: Interval = Field("10m", description="How often the scheduler runs it (at least 1m).")
 
 
-class HangCheck(StrictModel):
+class HangCheck(SpecModel):
     """A RUNNING job whose log and metrics stopped moving."""
 
     enabled: bool = Field(True, description="Run this check.")
@@ -115,7 +115,7 @@ class HangCheck(StrictModel):
     )
 
 
-class MemoryCheck(StrictModel):
+class MemoryCheck(SpecModel):
     """Host memory of the nodes the run is on."""
 
     enabled: bool = Field(True, description="Run this check.")
@@ -125,7 +125,7 @@ class MemoryCheck(StrictModel):
     )
 
 
-class EmailSettings(StrictModel):
+class EmailSettings(SpecModel):
     """Alerts by email through an SMTP relay."""
 
     to: list[str] = Field(min_length=1, description="Recipients.")
@@ -150,7 +150,7 @@ class EmailSettings(StrictModel):
         return self
 
 
-class WebhookSettings(StrictModel):
+class WebhookSettings(SpecModel):
     """Alerts as a Slack-compatible JSON POST (``{"text": ...}``)."""
 
     url: WebhookUrl | None = Field(
@@ -168,7 +168,7 @@ class WebhookSettings(StrictModel):
         return self
 
 
-class WatchdogSettings(StrictModel):
+class WatchdogSettings(SpecModel):
     """Scheduled checks that run as small Slurm jobs and tell a person before the run dies."""
 
     home: SafePath | None = Field(
