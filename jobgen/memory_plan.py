@@ -17,7 +17,6 @@ or when cpu_offload's pinned host memory exceeds a node's (site slurm.mem).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from jobgen.plan_suggestions import (
     suggestions,
     verdict_for,
 )
+from jobgen.run_files import DamagedFile, read_json
 from jobgen.sizes import MIB, format_bytes, parse_size
 
 COMPONENTS = ("parameters", "gradients", "optimizer_state", "activations", "logits", "buffers", "overhead")
@@ -291,12 +291,15 @@ def _peak_phase(phases: dict[str, int]) -> str:
 def _measured_figure(measured: dict[str, Any] | None, phase: str, device: str) -> int | None:
     if not measured:
         return None
-    figures = (measured.get("max_over_ranks") or measured).get(phase)
+    highest = measured.get("max_over_ranks")
+    figures = (highest if isinstance(highest, dict) and highest else measured).get(phase)
     if not isinstance(figures, dict):
         return None
     key = "gpu_max_allocated_mib" if device == "cuda" else "host_rss_peak_mib"
     value = figures.get(key)
-    return int(value * MIB) if isinstance(value, (int, float)) else None
+    # A figure jobgen wrote is a number of MiB a machine can have: anything else is no figure.
+    plausible = isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 2**40
+    return int(value * MIB) if plausible else None
 
 
 def inputs_for(spec: Any, model_info: ModelInfo | None = None) -> PlanInputs:
@@ -402,10 +405,14 @@ def host_budget_for(spec: Any) -> tuple[int | None, str]:
 
 
 def read_measured(run_dir: Path) -> dict[str, Any] | None:
+    """The peaks a run measured (metrics.json's ``memory_peaks``), or None when there are none
+    that can be read: they are shown beside the plan, never needed by it. Read as any file of
+    a run is (jobgen.run_files: no FIFO, device or link, bounded)."""
     try:
-        peaks = json.loads((Path(run_dir) / "metrics.json").read_text()).get("memory_peaks")
-    except (OSError, ValueError, AttributeError):
+        data = read_json(Path(run_dir) / "metrics.json")
+    except (FileNotFoundError, DamagedFile):
         return None
+    peaks = data.get("memory_peaks") if isinstance(data, dict) else None
     return peaks if isinstance(peaks, dict) else None
 
 

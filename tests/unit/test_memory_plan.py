@@ -244,3 +244,36 @@ def test_memory_peaks_record_phases():
     both = combine_ranks([out, {**out, "steady": {"host_rss_peak_mib": 1e6}}])
     assert both["max_over_ranks"]["steady"]["host_rss_peak_mib"] == 1e6 and both["ranks"] == 2
     del block
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["fifo", "link", "list", "peaks list", "max list", "infinite", "huge", "bool", "text"],
+)
+def test_measured_peaks_in_a_damaged_metrics_json_are_left_out(tmp_path: Path, damage: str):
+    """`jobgen plan` shows a run's measured peaks beside the plan: a metrics.json that is not
+    what the trainer writes is no measurement (it used to hang on a FIFO and crash on a list
+    or on a figure too large for an int)."""
+    import os
+
+    from jobgen.memory_plan import _measured_figure, read_measured
+
+    path = tmp_path / "metrics.json"
+    good = {"memory_peaks": {"steady": {"host_rss_peak_mib": 100.0}, "max_over_ranks": {"steady": {}}}}
+    figure = {"infinite": "Infinity", "huge": "1e300", "bool": "true", "text": '"9"'}
+    if damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "link":
+        (tmp_path / "real.json").write_text(json.dumps(good))
+        path.symlink_to(tmp_path / "real.json")
+    elif damage == "list":
+        path.write_text("[1, 2]")
+    elif damage == "peaks list":
+        path.write_text('{"memory_peaks": [1]}')
+    elif damage == "max list":
+        path.write_text('{"memory_peaks": {"max_over_ranks": [1], "steady": {"host_rss_peak_mib": 7}}}')
+    else:
+        path.write_text('{"memory_peaks": {"steady": {"host_rss_peak_mib": %s}}}' % figure[damage])
+    measured = read_measured(tmp_path)
+    seen = _measured_figure(measured, "steady", "cpu")
+    assert seen is None or (damage == "max list" and seen == 7 * 2**20), (measured, seen)
