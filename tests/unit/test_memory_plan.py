@@ -273,7 +273,7 @@ def test_measured_peaks_in_a_damaged_metrics_json_are_left_out(tmp_path: Path, d
     elif damage == "max list":
         path.write_text('{"memory_peaks": {"max_over_ranks": [1], "steady": {"host_rss_peak_mib": 7}}}')
     else:
-        path.write_text('{"memory_peaks": {"steady": {"host_rss_peak_mib": %s}}}' % figure[damage])
+        path.write_text('{"memory_peaks": {"steady": {"host_rss_peak_mib": ' + figure[damage] + "}}}")
     measured = read_measured(tmp_path)
     seen = _measured_figure(measured, "steady", "cpu")
     assert seen is None or (damage == "max list" and seen == 7 * 2**20), (measured, seen)
