@@ -89,7 +89,7 @@ def _cancel_leftover_jobs():
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`jobgen make-tiny-model` once per session: random tiny Llama + local tokenizer."""
     pytest.importorskip("transformers")
-    from jobgen.tinymodel import make_tiny_model
+    from jobgen.cli.tinymodel import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
@@ -98,7 +98,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with 4 decoder blocks: a pipeline of 2 ranks can hold 2 stages each."""
     pytest.importorskip("transformers")
-    from jobgen.tinymodel import make_tiny_model
+    from jobgen.cli.tinymodel import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("deep") / "model", layers=4)
 

@@ -22,15 +22,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jobgen.atomic import write_json_atomic
-from jobgen.eval_spec import EvalSpec
-from jobgen.rundir import RunDir, checkpoint_name, complete_checkpoints_in
+from jobgen.base.atomic import write_json_atomic
+from jobgen.runs.rundir import RunDir, checkpoint_name, complete_checkpoints_in
 from jobgen.runtime.records import MetricsWriter
 from jobgen.runtime.stopping import Action
+from jobgen.spec.tables.eval import EvalSpec
+from trainer.data.eval_set import EvalSet
+from trainer.data.formats import DataError
 from trainer.distributed import DistEnv, broadcast_object
-from trainer.eval_data import EvalSet
 from trainer.evaluation import EvalHistory, EvalResult, Evaluator, eval_prompts
-from trainer.formats import DataError
 from trainer.samples import SampleGenerator
 from trainer.tracking import Trackers
 
@@ -182,7 +182,7 @@ def build_run_evaluation(trainer: Any, spec: EvalSpec | None, eval_set: EvalSet 
         trainer.env,
         trainer.monitor,
         trainer.runner.forward_loss_sum,  # [eval] is refused under a pipeline
-        trainer.data.model_inputs,
+        trainer.data.build.model_inputs,
         every_steps=spec.every_steps,
         every_seconds=spec.every,
     )

@@ -31,15 +31,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from jobgen.atomic import write_json_atomic
-from jobgen.exit_codes import ExitCode
-from jobgen.global_batch import BatchShape, check_resume, shape_for
-from jobgen.resolved import ResolvedSpec
-from jobgen.rundir import RunDir
+from jobgen.base.atomic import write_json_atomic
+from jobgen.base.exit_codes import ExitCode
+from jobgen.runs.rundir import RunDir
 from jobgen.runtime.records import MetricsWriter
 from jobgen.runtime.stopping import Action, StopMonitor
-from trainer.batches import DataPipeline
+from jobgen.spec.global_batch import BatchShape, check_resume, shape_for
+from jobgen.spec.resolved import ResolvedSpec
 from trainer.checkpoint import Checkpointer
+from trainer.data.batches import DataPipeline
+from trainer.data.packing import count_targets
 from trainer.distributed import DistEnv, mark_progress, reduce_max, reduce_sum
 from trainer.eval_loop import build_run_evaluation
 from trainer.loss import loss_head_for
@@ -48,8 +49,7 @@ from trainer.metrics import StartupClock, ThroughputWindow, memory_snapshot
 from trainer.model import build_model, load_tokenizer, trainable_parameters
 from trainer.offload import make_offloader
 from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler
-from trainer.packing import count_targets
-from trainer.parallel import Strategy, context_parallel_for, strategy
+from trainer.parallel.strategies import Strategy, context_parallel_for, strategy
 from trainer.tracking import Trackers, trackers_for_run
 
 log = logging.getLogger("trainer")

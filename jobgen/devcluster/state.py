@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobgen.atomic import write_text_atomic
+from jobgen.base.atomic import write_text_atomic
 
 DEFAULT_STATE_DIR = "/var/tmp/jobgen-cluster"
 STATE_DIR_ENV = "JOBGEN_CLUSTER_DIR"

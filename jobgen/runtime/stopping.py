@@ -17,7 +17,7 @@ directory can create them (``jobgen stop RUN`` or plain ``touch``):
   stop a later attempt, and the batch script deletes such leftovers before it starts.
 
 This module owns when to stop; the switch files' names are the run directory's layout
-(jobgen.rundir: ``*_SWITCH``, ``RunDir.stop_request``). It imports no torch: the bundled
+(jobgen.runs.rundir: ``*_SWITCH``, ``RunDir.stop_request``). It imports no torch: the bundled
 trainer (``Trainer.step_boundary``) and a user's own program (:mod:`jobgen.runtime`) use
 this one implementation, each combining the ranks' actions with its own all-reduce, and
 the trainer supplies the GPU's free memory (``StopSettings.gpu_free_bytes``).
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import psutil
 
-from jobgen.exit_codes import ExitCode, signal_stop_words
-from jobgen.rundir import ABORT_SWITCH, KILL_SWITCH, SAVE_SWITCH, switch_is_set
+from jobgen.base.exit_codes import ExitCode, signal_stop_words
+from jobgen.runs.rundir import ABORT_SWITCH, KILL_SWITCH, SAVE_SWITCH, switch_is_set
 
 
 class Action(enum.IntEnum):
@@ -74,7 +74,7 @@ class Action(enum.IntEnum):
 @dataclass
 class StopSettings:
     switches: Path
-    stop_request: Path | None  # this attempt's stop request (jobgen.rundir.RunDir.stop_request)
+    stop_request: Path | None  # this attempt's stop request (jobgen.runs.rundir.RunDir.stop_request)
     deadline: float | None  # epoch seconds after which we must save and leave
     max_host_memory_percent: float
     min_gpu_free_mib: int
@@ -117,7 +117,7 @@ def job_end_time(job_id: str | None, environ: Mapping[str, str] | None = None) -
 
 
 # The first signal a StopMonitor of this process caught. A rank's end report carries it
-# (jobgen.quarantine): a rank whose error came only after the job's teardown signalled it
+# (jobgen.runs.quarantine): a rank whose error came only after the job's teardown signalled it
 # had not been waiting in the collective that timed out elsewhere.
 _first_signal: list[str] = []
 

@@ -5,7 +5,7 @@ FAILED with the node named, the run's next task starts without it, status shows 
 The node "breaks" as a hung GPU or a stuck file system would break it: its trainer
 processes stop (SIGSTOP) mid-training. The ranks on the other node wait for them in the
 next all-reduce until train.collective_timeout (20 s here) and fail; the stopped ranks
-never report (jobgen.quarantine).
+never report (jobgen.runs.quarantine).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers import jobgen, last_step, running_task, submit, wait_for, wait_until_gone, worker_pids
-from jobgen import slurm
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 

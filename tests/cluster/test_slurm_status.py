@@ -27,7 +27,7 @@ from helpers import (
     wait_for,
     wait_until_gone,
 )
-from jobgen import slurm
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import DATA, REPO, doctor_spec, jobgen, run_spec, status, wait_for, wait_until_gone, write_spec
 from helpers import submitted_job_id as job_id_of
-from jobgen import slurm
+from jobgen.slurm import client as slurm
 
 pytestmark = pytest.mark.slurm
 
@@ -153,8 +153,8 @@ def test_sbatch_test_only_accepts_rendered_variants(cluster, tmp_path: Path, var
 
 
 def test_failed_sbatch_leaves_no_run_directory(cluster, tmp_path: Path):
-    from jobgen.loader import load_run
-    from jobgen.submit import submit
+    from jobgen.launch.submit import submit
+    from jobgen.spec.loader import load_run
 
     spec = load_run(doctor_spec(tmp_path, "ghost", partition="nope"))
     with pytest.raises(slurm.SlurmError, match="partition"):

@@ -16,10 +16,11 @@ import pytest
 
 from helpers import exit_record, jobgen, last_step, losses, running_task, submit, wait_for, wait_until_gone
 from helpers import status as run_status
-from jobgen import quarantine, slurm
-from jobgen.exit_codes import ExitCode
-from jobgen.goodput import read_jsonl
-from jobgen.rundir import RunDir
+from jobgen.base.exit_codes import ExitCode
+from jobgen.runs import quarantine
+from jobgen.runs.goodput import read_jsonl
+from jobgen.runs.rundir import RunDir
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 

@@ -28,7 +28,7 @@ from helpers import (
     torchrun,
     wait_for,
 )
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
 
 pytestmark = pytest.mark.torch
 

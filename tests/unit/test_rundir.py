@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import jobgen.rundir as rundir_mod
+import jobgen.runs.rundir as rundir_mod
 from helpers import run_spec
-from jobgen.loader import load_run
-from jobgen.render import render
-from jobgen.rundir import (
+from jobgen.launch.render import render
+from jobgen.runs.rundir import (
     STARTUP_SWITCHES,
     SWITCHES,
     RunDir,
@@ -23,6 +22,7 @@ from jobgen.rundir import (
     find_run,
     materialize,
 )
+from jobgen.spec.loader import load_run
 
 
 @pytest.fixture()

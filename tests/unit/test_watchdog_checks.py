@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from helpers import DATA, REPO, doctor_spec, jobgen, local_receivers, run_spec
-from jobgen.loader import SpecError, load_run
-from jobgen.watchdog_settings import WatchdogSettings, parse_threshold
+from jobgen.spec.loader import SpecError, load_run
+from jobgen.spec.tables.watchdogs import WatchdogSettings, parse_threshold
 from watchdogs.notify import ALERT, REMINDER, RESOLVED, AlertState, decide, deliver
 from watchdogs.target import CheckResult, Target
 
@@ -141,8 +141,8 @@ def test_usage_errors_exit_2_and_options_may_come_before_run(tmp_path: Path):
 
 def _run_with_checkpoints(tmp_path: Path, sizes_and_ages: list[tuple[int, float]], keep: int) -> Target:
     """A run directory (via the real submit path's materialize) with fake complete checkpoints."""
-    from jobgen.render import render
-    from jobgen.rundir import RunDir, materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.rundir import RunDir, materialize
 
     spec = load_run(
         run_spec(

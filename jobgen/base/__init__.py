@@ -1,0 +1,1 @@
+"""jobgen/base: TODO docstring."""

@@ -1,0 +1,1 @@
+"""jobgen/cli: TODO docstring."""

@@ -1,0 +1,1 @@
+"""jobgen/launch: TODO docstring."""

@@ -1,0 +1,1 @@
+"""jobgen/model: TODO docstring."""

@@ -1,0 +1,1 @@
+"""jobgen/plan: TODO docstring."""

@@ -1,0 +1,1 @@
+"""jobgen/program: TODO docstring."""

@@ -1,0 +1,1 @@
+"""jobgen/report: TODO docstring."""

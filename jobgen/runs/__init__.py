@@ -1,0 +1,1 @@
+"""jobgen/runs: TODO docstring."""

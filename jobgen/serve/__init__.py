@@ -1,0 +1,1 @@
+"""jobgen/serve: TODO docstring."""

@@ -1,0 +1,1 @@
+"""jobgen/slurm: TODO docstring."""

@@ -1,0 +1,1 @@
+"""jobgen/spec/tables: TODO docstring."""

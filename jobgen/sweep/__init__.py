@@ -1,0 +1,1 @@
+"""jobgen/sweep: TODO docstring."""

@@ -1,0 +1,1 @@
+"""trainer/data: TODO docstring."""

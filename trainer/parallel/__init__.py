@@ -1,0 +1,1 @@
+"""trainer/parallel: TODO docstring."""
