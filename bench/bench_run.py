@@ -42,7 +42,7 @@ def prepared_run(
     directory an earlier invocation left is removed (it would only say "already finished");
     the data cache beside it (runs/.cache) stays, as it would for a user's second run."""
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
     job = {"time": "2h", "runs_root": "runs", "procs_per_node": procs}

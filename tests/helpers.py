@@ -259,7 +259,7 @@ def make_run(
     overridden by ``train``; ``model``/``data`` add keys to those tables, ``eval`` writes [eval],
     ``site`` is the site profile or its overrides."""
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
     spec_file = run_spec(
@@ -443,7 +443,7 @@ def local_run(directory: Path, model: Path, procs: int, name: str, *, data: dict
     trainer's settings of TRAINER_SETTINGS overridden by ``train``, float32 weights, ``data``
     added to the data table."""
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
     spec_file = run_spec(

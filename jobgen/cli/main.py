@@ -202,8 +202,8 @@ def _switch_command(name: str, doc: str):
     def command(run_ref: str) -> None:
         from jobgen.base.visible import visible
         from jobgen.cli.sweep import switch_targets
+        from jobgen.report.stop_requests import clear_stale
         from jobgen.runs.rundir import KILL_SWITCH, RunDirError
-        from jobgen.runs.stop_requests import clear_stale
 
         runs = switch_targets(run_ref)  # a sweep: every point; SWEEP/POINT: that point
         for run in [_find_run(run_ref)] if runs is None else runs:

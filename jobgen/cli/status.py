@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from jobgen.cli.common import default_runs_root, fail, find_run
+from jobgen.report import stop_requests
 from jobgen.report.status import (
     RunStatus,
     WatchdogAlerts,
@@ -24,7 +25,6 @@ from jobgen.report.status import (
     watch_run,
 )
 from jobgen.report.status_format import format_listing, format_status
-from jobgen.runs import stop_requests
 from jobgen.runs.rundir import RunDir
 from jobgen.slurm import client as slurm
 
@@ -48,7 +48,7 @@ def status_command(run_ref: str | None, as_json: bool, watch: bool, alerts: Watc
     runs = [run] if run is not None else _all_runs()
     problems = {r: unreadable(r) for r in runs}
     statuses = _statuses(runs, problems, alerts, details=run is not None)
-    for status in statuses:  # stop requests of ended attempts (jobgen.runs.stop_requests)
+    for status in statuses:  # stop requests of ended attempts (jobgen.report.stop_requests)
         stop_requests.remove(Path(p) for p in status.stale_stop_requests)
     _show(statuses, as_json=as_json, one_run=run is not None)
     sys.exit(1 if any(problems.values()) else 0)

@@ -34,7 +34,8 @@ from jobgen.launch.render import render, script_name
 from jobgen.launch.resume_check import resume_problem
 from jobgen.runs import quarantine
 from jobgen.runs.goodput import kill_window_warning, lead_time_warning, run_reports
-from jobgen.runs.rundir import RunDir, RunDirTaken, materialize, remove_new
+from jobgen.runs.materialize import materialize, remove_new
+from jobgen.runs.rundir import RunDir, RunDirTaken
 from jobgen.slurm import client as slurm
 from jobgen.spec.resolved import ResolvedSpec
 
@@ -252,7 +253,7 @@ def _queue(
 
 
 def _materialize(spec: ResolvedSpec, script: str, source_text: str | None, *, new_only: bool) -> tuple[RunDir, bool]:
-    """:func:`jobgen.runs.rundir.materialize`; losing the race to create the run directory is
+    """:func:`jobgen.runs.materialize.materialize`; losing the race to create the run directory is
     refused as a busy run is, with a sentence (exit status 2), not an OSError."""
     try:
         return materialize(spec, script, source_text, new_only=new_only)

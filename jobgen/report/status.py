@@ -33,11 +33,11 @@ from jobgen.report.status_facts import RunRecords, SlurmFacts, ask_kill_window, 
 # Gathered in jobgen.report.status_facts; the watchdogs and jobgen.report.first_step import these from here.
 from jobgen.report.status_facts import queue_for as queue_for
 from jobgen.report.status_facts import slurm_may_know as slurm_may_know
+from jobgen.report.stop_requests import ended_attempts, stale_requests
 from jobgen.report.task_table import TaskStatus, build_tasks
 from jobgen.runs import quarantine
 from jobgen.runs.goodput import KillWindow, goodput, kill_window_warning, lead_time_warning
 from jobgen.runs.rundir import RunDir
-from jobgen.runs.stop_requests import ended_attempts, stale_requests
 from jobgen.runs.sweep_runs import point_open, point_problem, slurm_view
 from jobgen.runtime.records import is_eval_line, training_lines
 from jobgen.slurm import client as slurm
@@ -77,7 +77,7 @@ class RunStatus:
     eval_best: dict[str, Any] | None = None
     # Nodes the run keeps its tasks off (jobgen.runs.quarantine): node, since, job, reason.
     quarantined: list[dict[str, Any]] = field(default_factory=list)
-    # Stop requests whose attempt has ended (jobgen.runs.stop_requests): not shown as switches; the
+    # Stop requests whose attempt has ended (jobgen.report.stop_requests): not shown as switches; the
     # status command removes them. Not in the JSON: paths to act on, not the run's state.
     stale_stop_requests: list[str] = field(default_factory=list)
     # Slurm could not be asked (SlurmUnavailable): the note that says so, for callers that act

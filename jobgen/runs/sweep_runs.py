@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from jobgen.base.visible import visible
-from jobgen.runs.rundir import RunDir, RunDirError, find_run
+from jobgen.runs.rundir import RunDir, RunDirError, find_run, startup_switch_set
 from jobgen.runs.sweep_files import (
     POINTS_DIR,
     SWEEP_INDEX,
@@ -31,7 +31,6 @@ from jobgen.runs.sweep_files import (
     read_claims,
     read_index,
 )
-from jobgen.sweep.claim import stopped_by
 
 # The name jobgen's commands catch: a sweep.json that cannot be read (a RunDirError too).
 SweepError = SweepFileError
@@ -176,7 +175,7 @@ def sweep_jobs(run: RunDir) -> list[int]:
 def point_open(run: RunDir) -> bool:
     """Whether a point may still be given a task: not finished, failed or stopped (kill or
     abort switch)."""
-    return not (run.done_marker.exists() or run.failed_marker.exists() or stopped_by(run))
+    return not (run.done_marker.exists() or run.failed_marker.exists() or startup_switch_set(run))
 
 
 def slurm_view(run: RunDir, job_name: str) -> tuple[str, set[int] | None]:

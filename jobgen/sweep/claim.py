@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobgen.base.atomic import write_json_atomic
-from jobgen.runs.rundir import STARTUP_SWITCHES, RunDir, switch_is_set
+from jobgen.runs.rundir import RunDir, startup_switch_set
 from jobgen.runs.sweep_files import (
     CLAIMS_DIR,
     CLAIMS_LOG,
@@ -71,18 +71,13 @@ def locked(sweep: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def stopped_by(run: RunDir) -> str | None:
-    """The startup switch set on a point (kill or abort: a regular file, not a link), or None."""
-    return next((name for name in STARTUP_SWITCHES if switch_is_set(run.switch(name))), None)
-
-
 def closed_reason(run: RunDir, attempts: int, used: int) -> str | None:
     """Why a point takes no more tasks, or None while it is open."""
     if run.done_marker.exists():
         return "finished"
     if run.failed_marker.exists():
         return "failed"
-    switch = stopped_by(run)
+    switch = startup_switch_set(run)
     if switch is not None:
         return f"stopped ({switch} switch)"
     if used >= attempts:

@@ -24,7 +24,8 @@ from jobgen.launch.preflight import Finding, command_findings, memory_findings, 
 from jobgen.launch.render import render
 from jobgen.launch.submit import SubmitError, clear_failure
 from jobgen.launch.submit import quarantined_nodes as _quarantined_run
-from jobgen.runs.rundir import RunDir, materialize, remove_new
+from jobgen.runs.materialize import materialize, remove_new
+from jobgen.runs.rundir import RunDir
 from jobgen.runs.sweep_files import FLAT, FORMAT, LOGS_DIR, SWEEP_INDEX, SWEEP_SCRIPT, PointEntry, SweepIndex, SweepJob
 from jobgen.runs.sweep_runs import SweepError, read_sweep
 from jobgen.slurm import client as slurm

@@ -38,7 +38,7 @@ def served_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Pa
     """Two steps of training with a learning rate too small to change the random model (whose
     greedy replies are never empty), a checkpoint per step, and best.json naming step 1."""
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
     directory = tmp_path_factory.mktemp("serve")

@@ -23,7 +23,8 @@ import pytest
 from helpers import DATA, REPO, VENV_BIN, read_jsonl, run_spec, wait_for
 from jobgen.base.exit_codes import ExitCode
 from jobgen.launch.render import render
-from jobgen.runs.rundir import RunDir, materialize
+from jobgen.runs.materialize import materialize
+from jobgen.runs.rundir import RunDir
 from jobgen.spec.loader import load_run
 
 pytestmark = pytest.mark.torch

@@ -47,7 +47,7 @@ def make_run(directory: Path, tiny_model: Path, parallelism: str, **train: objec
     """A run directory of 4 processes on one node (the trainer's settings of tests/helpers,
     float32 weights so that exports compare at full precision)."""
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
     spec_file = run_spec(

@@ -366,7 +366,7 @@ def _make_run(
 ) -> Path:
     """helpers.make_run with ``job.procs_per_node`` set (optimizer_in_backward with DDP needs 1)."""
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
 
     spec_file = run_spec(
         directory,

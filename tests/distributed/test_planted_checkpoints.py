@@ -48,7 +48,7 @@ def _name(step: int) -> str:
 
 def _run(directory: Path, kind: str, model_path: Path) -> Path:
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
     _, model, train = KINDS[kind]

@@ -177,7 +177,7 @@ def reference_losses(spec_dir: Path, tiny_model: Path, until: int, omp_threads: 
     proc = jobgen("validate", str(ref_spec))
     assert proc.returncode == 0, proc.stderr
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
     spec = load_run(ref_spec)

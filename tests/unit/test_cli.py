@@ -47,7 +47,7 @@ def test_help_does_not_import_pydantic_or_jinja():
 
 def test_switch_commands_create_the_files(tmp_path: Path):
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
     spec = load_run(doctor_spec(tmp_path, "switchy"))
@@ -65,7 +65,7 @@ def test_stop_never_sets_a_switch_through_a_linked_switches_directory(tmp_path: 
     """A switches/ that is a symbolic link (to another run's) is refused in one line: `jobgen
     stop` acts on the run it was given, never on the directory a link leads to."""
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
     spec = load_run(doctor_spec(tmp_path, "linked"))
@@ -121,7 +121,7 @@ def test_local_refuses_multi_node(tmp_path: Path):
 def test_status_reports_a_run_with_a_corrupt_spec_and_lists_the_others(tmp_path: Path):
     """One broken spec.json must not hide every other run from `jobgen status`."""
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
     runs = {}
@@ -174,7 +174,7 @@ def test_a_fifo_as_the_failed_marker_never_holds_the_batch_script(tmp_path: Path
 
     from jobgen.launch.render import render
     from jobgen.launch.submit import local_environment
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
     (tmp_path / "model").mkdir()

@@ -23,7 +23,8 @@ import pytest
 
 from helpers import doctor_spec, jobgen_as
 from jobgen.launch.render import render
-from jobgen.runs.rundir import RunDir, materialize
+from jobgen.runs.materialize import materialize
+from jobgen.runs.rundir import RunDir
 from jobgen.spec.loader import load_run
 
 GROUP, MATE, STRANGER = "jgperm", "jgpmate", "jgpstranger"

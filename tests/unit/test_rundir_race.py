@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from helpers import run_spec
 from jobgen.launch.render import render
-from jobgen.runs.rundir import RunDirError, RunDirTaken, materialize
+from jobgen.runs.materialize import materialize
+from jobgen.runs.rundir import RunDirError, RunDirTaken
 from jobgen.spec.loader import load_run
 
 

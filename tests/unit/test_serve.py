@@ -84,7 +84,7 @@ def test_a_serve_table_validates_and_defaults_apply(tmp_path: Path):
 def fake_run(tmp_path: Path, steps: tuple[int, ...] = (1, 2), serve: dict[str, object] | None = None) -> RunDir:
     """A run directory with empty checkpoint directories (enough for choosing one)."""
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
 
     spec = load_run(serve_spec(tmp_path, serve or {}))
     run, _ = materialize(spec, render(spec), None)

@@ -275,7 +275,7 @@ def planted_run(directory: Path, serve: dict[str, object], model: Path | None = 
     """A run directory with checkpoint 1, and ``model`` as its export under served/ (what
     `jobgen serve` made earlier): serving it needs no training and no export."""
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import materialize
+    from jobgen.runs.materialize import materialize
 
     spec = load_run(serve_spec(directory, serve))
     run, _ = materialize(spec, render(spec), None)

@@ -16,9 +16,9 @@ from helpers import jobgen
 from jobgen.cli.status import _statuses
 from jobgen.report.status import run_status
 from jobgen.report.status_format import format_listing, format_status
+from jobgen.report.stop_requests import remove
 from jobgen.report.task_table import TIME_LIMIT_KILLED
 from jobgen.runs.rundir import RunDir
-from jobgen.runs.stop_requests import remove
 from jobgen.slurm import client as slurm
 from jobgen.spec.loader import resolve
 from run_dirs import batch_end_record

@@ -142,7 +142,8 @@ def test_usage_errors_exit_2_and_options_may_come_before_run(tmp_path: Path):
 def _run_with_checkpoints(tmp_path: Path, sizes_and_ages: list[tuple[int, float]], keep: int) -> Target:
     """A run directory (via the real submit path's materialize) with fake complete checkpoints."""
     from jobgen.launch.render import render
-    from jobgen.runs.rundir import RunDir, materialize
+    from jobgen.runs.materialize import materialize
+    from jobgen.runs.rundir import RunDir
 
     spec = load_run(
         run_spec(
