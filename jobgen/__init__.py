@@ -25,7 +25,7 @@ ROOMS: dict[str, tuple[str, ...]] = {
     "plan": ("base", "model", "spec"),
     "runs": ("base", "slurm", "model", "program", "spec"),
     "launch": ("base", "slurm", "model", "program", "spec", "plan", "runs"),
-    "runtime": ("base", "program", "spec", "runs", "launch"),
+    "runtime": ("base", "slurm", "program", "spec", "runs", "launch"),
     "report": ("base", "slurm", "model", "program", "spec", "plan", "runs", "launch", "runtime"),
     "sweep": ("base", "slurm", "program", "spec", "runs", "launch", "report"),
     "serve": ("base", "slurm", "model", "program", "spec", "runs", "launch", "report"),

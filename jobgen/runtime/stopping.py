@@ -25,11 +25,9 @@ the trainer supplies the GPU's free memory (``StopSettings.gpu_free_bytes``).
 
 from __future__ import annotations
 
-import datetime as dt
 import enum
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +37,7 @@ import psutil
 
 from jobgen.base.exit_codes import ExitCode, signal_stop_words
 from jobgen.runs.rundir import ABORT_SWITCH, KILL_SWITCH, SAVE_SWITCH, switch_is_set
+from jobgen.slurm import client as slurm
 
 
 class Action(enum.IntEnum):
@@ -103,17 +102,7 @@ def job_end_time(job_id: str | None, environ: Mapping[str, str] | None = None) -
             return float(value)
     if not job_id or not job_id.isdigit():
         return None
-    try:
-        out = subprocess.run(
-            ["squeue", "--noheader", "--jobs", job_id, "--format=%e"], capture_output=True, text=True, timeout=30
-        ).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    try:
-        # squeue prints the controller's local time without a zone; the node shares it.
-        return dt.datetime.strptime(out.splitlines()[0], "%Y-%m-%dT%H:%M:%S").timestamp()
-    except (ValueError, IndexError):
-        return None
+    return slurm.end_time(job_id)
 
 
 # The first signal a StopMonitor of this process caught. A rank's end report carries it

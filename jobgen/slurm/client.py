@@ -13,6 +13,7 @@ controller answers), so that no code elsewhere reads Slurm's or an error's text.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import shutil
 import subprocess
@@ -347,6 +348,20 @@ def show_job(job_id: int) -> list[dict[str, str]]:
     if proc.returncode != 0:
         return []
     return parse_records(proc.stdout)
+
+
+def end_time(job_id: str) -> float | None:
+    """A job's scheduled end (epoch seconds) from squeue, or None when Slurm does not say (no
+    client on the node, no answer, a job without a limit). Asked on a job's own node."""
+    try:
+        out = run(["squeue", "--noheader", "--jobs", job_id, "--format=%e"], timeout=30, check=False).stdout.strip()
+    except (OSError, SlurmError):
+        return None
+    try:
+        # squeue prints the controller's local time without a zone; the node shares it.
+        return dt.datetime.strptime(out.splitlines()[0], "%Y-%m-%dT%H:%M:%S").timestamp()
+    except (ValueError, IndexError):
+        return None
 
 
 def update_job(job_id: int | str, **fields: str) -> None:
