@@ -701,3 +701,19 @@ def spec_issues(path: Path) -> dict[str, str]:
     with pytest.raises(SpecError) as info:
         load_run(path)
     return {i.key: i.message for i in info.value.issues}
+
+
+def node(k: int) -> str:
+    """The name of the k-th node (1-based) of this worker's dev cluster: node1 on the machine's
+    first cluster, node101 on the second (jobgen.devcluster.instances)."""
+    from jobgen import devcluster
+
+    info = devcluster.status()
+    assert info is not None, "no dev cluster is up for this worker"
+    return info.nodes[k - 1]
+
+
+def node_range(first: int, last: int) -> str:
+    """Slurm's hostlist of nodes ``first..last`` of this worker's dev cluster: node[1-2]."""
+    low, high = node(first).removeprefix("node"), node(last).removeprefix("node")
+    return f"node[{low}-{high}]"
