@@ -54,7 +54,8 @@ def apply_overrides(target: Target, name: str, args: argparse.Namespace) -> None
     given = {key: getattr(args, key) for key in _OVERRIDES[name] if getattr(args, key) is not None}
     if given:
         table = target.settings.check(name).model_dump(mode="json") | given
-        updated = type(target.settings.check(name)).model_validate(table)
+        # Lax, unlike a TOML file's table: a command line's values are all text ("99.9").
+        updated = type(target.settings.check(name)).model_validate(table, strict=False)
         target.settings = target.settings.model_copy(update={name: updated})
 
 

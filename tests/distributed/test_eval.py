@@ -29,6 +29,7 @@ from helpers import (
     wait_for,
 )
 from jobgen.base.exit_codes import ExitCode
+from jobgen.base.visible import visible
 
 pytestmark = pytest.mark.torch
 
@@ -188,8 +189,8 @@ def test_samples_answer_the_prompts_as_generate_would_and_reach_jobgen_samples(t
 
     shown = jobgen("samples", str(run))
     assert shown.returncode == 0, shown.stderr
-    for number, prompt in enumerate(prompts, start=1):
-        assert f"prompt {number}: {prompt}" in shown.stdout
+    for number, prompt in enumerate(prompts, start=1):  # shown as one line: its newline escaped
+        assert f"prompt {number}: {visible(prompt)}" in shown.stdout
     assert shown.stdout.count("step 2 |") == 3 and shown.stdout.count("step 4 |") == 3
     missing = jobgen("samples", str(run), "--step", "3")
     assert missing.returncode == 1 and "no samples at step 3 (steps with samples: [2, 4])" in missing.stderr

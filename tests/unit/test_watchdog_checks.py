@@ -278,3 +278,17 @@ def test_a_broken_secret_is_never_quoted_in_an_error(tmp_path: Path, hook: str):
     assert "could not deliver ALERT disk /scratch: webhook: " in log
     assert "tok3n" not in log and "SECRET" not in log, log
     assert f"url in file {url_file}" in log or f"url from file {url_file}" in log, log  # where to look
+
+
+def test_a_threshold_from_the_command_line_is_text_and_still_a_number():
+    """`jobgen watchdog run memory RUN --max-percent 99.9`: the [watchdogs] tables are strict (a
+    TOML value of the wrong type is an error), and a command line's values are all text."""
+    import argparse
+    import types
+
+    from jobgen.spec.tables.watchdogs import WatchdogSettings
+    from watchdogs.base import apply_overrides
+
+    target = types.SimpleNamespace(settings=WatchdogSettings())
+    apply_overrides(target, "memory", argparse.Namespace(max_percent="99.9"))
+    assert target.settings.memory.max_percent == 99.9
