@@ -279,6 +279,7 @@ class TestNetns:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env={**os.environ, **_CONF},
         )
         try:
             client = _run(
@@ -290,14 +291,19 @@ class TestNetns:
                 "1",
                 sys.executable,
                 "-c",
+                # Until the listener's step runs (its srun may wait for the node a moment).
                 "import socket, time\n"
-                "for _ in range(100):\n"
+                "deadline = time.monotonic() + 90\n"
+                "while True:\n"
                 "    try:\n"
                 f"        s = socket.create_connection(({node1!r}, 29517), timeout=2); break\n"
-                "    except OSError: time.sleep(0.2)\n"
+                "    except OSError:\n"
+                "        if time.monotonic() > deadline: raise\n"
+                "        time.sleep(0.2)\n"
                 "s.sendall(b'hello'); print('SRC', s.getsockname()[0])\n",
+                timeout=150,
             )
-            out, err = listener.communicate(timeout=60)
+            out, err = listener.communicate(timeout=150)
         finally:
             if listener.poll() is None:
                 listener.kill()
