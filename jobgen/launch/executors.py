@@ -48,13 +48,18 @@ class SlurmExecutor(Executor):
             return []
         with tempfile.TemporaryDirectory(prefix="jobgen-preflight-") as tmp:
             candidate = Path(tmp) / submission.script_name
-            candidate.write_text(submission.script())
+            candidate.write_text(submission.script)
             try:
-                return preflight(submission.preflight_spec, candidate, submission.options(), submission.quarantined())
+                return preflight(submission.preflight_spec, candidate, submission.options(), submission.quarantined)
             except slurm.SlurmUnavailable:
                 if errors(found):
                     raise SubmitError(found) from None
                 raise
+
+    @staticmethod
+    def command(submission: Submission, script: Path) -> list[str]:
+        """What queues the submission's script (what a dry run shows)."""
+        return ["sbatch", "--parsable", *submission.options(), str(script)]
 
     def still_queued(self, job_ids: list[int]) -> list[slurm.QueueEntry]:
         return slurm.queue(job_ids) if job_ids else []

@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from subprocess import Popen
 
@@ -74,6 +75,10 @@ class Submitted:
     job: Job | None = None
     exit_status: int | None = None
 
+    @property
+    def job_id(self) -> int | None:
+        return self.job.job_id if self.job is not None else None
+
 
 class Submission(ABC):
     """What differs between submitting a run, a sweep and a served model."""
@@ -85,12 +90,22 @@ class Submission(ABC):
     preflight_spec: ResolvedSpec | None = None
 
     @abstractmethod
-    def script(self) -> str:
-        """The batch script's text."""
+    def render(self) -> str:
+        """The batch script's text (jobgen.launch.render, jobgen.sweep.render...)."""
 
-    def quarantined(self) -> list[str]:
-        """The nodes its runs quarantined (:func:`quarantined_nodes`); they join --exclude."""
+    def read_quarantine(self) -> list[str]:
+        """The nodes its runs quarantined (:func:`quarantined_nodes`)."""
         return []
+
+    @cached_property
+    def script(self) -> str:
+        """The batch script, rendered once: the preflight checks what is written."""
+        return self.render()
+
+    @cached_property
+    def quarantined(self) -> list[str]:
+        """The nodes that join --exclude, read once: the preflight checks what is queued."""
+        return self.read_quarantine()
 
     @abstractmethod
     def options(self) -> list[str]:

@@ -23,7 +23,8 @@ from jobgen.launch import submission as core
 from jobgen.launch.executors import Executor, LocalExecutor, LocalJob, SlurmExecutor
 from jobgen.launch.executors import local_environment as job_environment
 from jobgen.launch.preflight import Finding, command_findings, memory_findings, pass_env_findings
-from jobgen.launch.render import render, script_name
+from jobgen.launch.render import render as render_run
+from jobgen.launch.render import script_name
 from jobgen.launch.resume_check import resume_problem
 from jobgen.launch.submission import Job, Rollback, SubmitError, quarantined_nodes
 from jobgen.runs.goodput import kill_window_warning, lead_time_warning, run_reports
@@ -73,21 +74,15 @@ class RunSubmission(core.Submission):
         self.run = RunDir(spec.run_dir)
         self.existed = self.run.exists()
         self.created = False
-        self._script: str | None = None
-        self._quarantined: list[str] | None = None
 
-    def script(self) -> str:
-        if self._script is None:
-            self._script = render(self.spec)
-        return self._script
+    def render(self) -> str:
+        return render_run(self.spec)
 
-    def quarantined(self) -> list[str]:
-        if self._quarantined is None:
-            self._quarantined = quarantined_nodes(self.spec.run_dir)
-        return self._quarantined
+    def read_quarantine(self) -> list[str]:
+        return quarantined_nodes(self.spec.run_dir)
 
     def options(self) -> list[str]:
-        return sbatch_options(self.spec, array=self.array, after=self.after, quarantined=self.quarantined())
+        return sbatch_options(self.spec, array=self.array, after=self.after, quarantined=self.quarantined)
 
     def checks(self) -> list[Finding]:
         """The memory plan, the environment to pass, the program's words, the checkpoint: none
@@ -100,13 +95,13 @@ class RunSubmission(core.Submission):
     def cluster_checks(self, executor: Executor, *, skip_preflight: bool) -> list[Finding]:
         """The nodes excluded, then what continuing the run adds."""
         found = []
-        if self.quarantined():
+        if self.quarantined:
             name = self.spec.run.job.name
             found.append(
                 Finding(
                     "info",
                     "",
-                    f"excluding the node(s) this run quarantined: {', '.join(self.quarantined())} "
+                    f"excluding the node(s) this run quarantined: {', '.join(self.quarantined)} "
                     f"(jobgen status {name}; jobgen doctor --clear {name} releases them)",
                 )
             )
@@ -137,8 +132,7 @@ class RunSubmission(core.Submission):
                 if warning:
                     findings.append(Finding("warning", "train.async_save", warning))
         if self.after is None:
-            findings.extend(_writer_busy(spec))
-            findings.extend(_still_busy(spec, run, executor))
+            findings.extend(_busy(spec, run, executor))
         return findings
 
     def materialise(self, undo: Rollback) -> Path:
@@ -149,7 +143,7 @@ class RunSubmission(core.Submission):
             undo.replacing(run.spec_file, run.path / "run.toml", run.script(self.spec.run.job.program))
             undo.adding_to(run.path / "history")
         try:
-            run, self.created = materialize(self.spec, self.script(), self.source_text, new_only=not self.existed)
+            run, self.created = materialize(self.spec, self.script, self.source_text, new_only=not self.existed)
         except RunDirTaken as exc:  # refused as a busy run is, with a sentence (exit status 2)
             raise SubmitError([Finding("error", "", str(exc))]) from None
         if self.created:
@@ -184,8 +178,8 @@ def submit(
     return SubmitResult(
         run_dir=spec.run_dir,
         script=script,
-        command=["sbatch", "--parsable", *run.options(), str(script)],
-        job_id=done.job.job_id if done.job is not None else None,
+        command=SlurmExecutor.command(run, script),
+        job_id=done.job_id,
         created=run.created,
         findings=done.findings,
     )
@@ -238,33 +232,18 @@ def _queued_ids(run: RunDir) -> list[int]:
     return [j["job_id"] for j in run.jobs() if not j.get("local")]
 
 
-def _still_busy(spec: ResolvedSpec, run: RunDir, executor: Executor) -> list[Finding]:
-    """An error while a job of the run is still queued or running."""
+def _busy(spec: ResolvedSpec, run: RunDir, executor: Executor) -> list[Finding]:
+    """Errors while the run is busy: a process holds its writer lease (jobgen.base.lease: a
+    second writer would delete the first one's checkpoints), or a job of it is still queued or
+    running."""
+    found, name = [], spec.run.job.name
+    writer = lease.holder(run.writer_lease)
+    if writer:
+        message = f"run {spec.run_dir} is being written by {writer}: wait for it to end, or stop it first"
+        found.append(Finding("error", "", f"{message} (jobgen stop {name})"))
     busy = executor.still_queued(_queued_ids(run))
-    if not busy:
-        return []
-    listing = ", ".join(f"{e.job_id} ({e.state})" for e in busy)
-    return [
-        Finding(
-            "error",
-            "",
-            f"run {run.path} still has job(s) {listing}: chain with "
-            f"--after {busy[0].array_job_id}, or stop it first (jobgen stop {spec.run.job.name})",
-        )
-    ]
-
-
-def _writer_busy(spec: ResolvedSpec) -> list[Finding]:
-    """An error when a process holds the run's writer lease (jobgen.base.lease): a second writer
-    would delete the first one's checkpoints."""
-    writer = lease.holder(RunDir(spec.run_dir).writer_lease)
-    if not writer:
-        return []
-    return [
-        Finding(
-            "error",
-            "",
-            f"run {spec.run_dir} is being written by {writer}: wait for it to end, "
-            f"or stop it first (jobgen stop {spec.run.job.name})",
-        )
-    ]
+    if busy:
+        listing = ", ".join(f"{e.job_id} ({e.state})" for e in busy)
+        message = f"run {run.path} still has job(s) {listing}: chain with --after {busy[0].array_job_id}"
+        found.append(Finding("error", "", f"{message}, or stop it first (jobgen stop {name})"))
+    return found

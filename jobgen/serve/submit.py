@@ -255,15 +255,15 @@ class ServeSubmission(core.Submission):
         self.job = job
         self.state = RunDir(job.state_dir)
 
-    def script(self) -> str:
+    def render(self) -> str:
         return render_serve(self.job)
 
-    def quarantined(self) -> list[str]:
+    def read_quarantine(self) -> list[str]:
         """The run's quarantined nodes (none for a model directory served as it is)."""
         return core.quarantined_nodes(self.state.path) if self.state.exists() else []
 
     def options(self) -> list[str]:
-        return core.exclude_option(self.job.exclude, self.quarantined())
+        return core.exclude_option(self.job.exclude, self.quarantined)
 
     def materialise(self, undo: Rollback) -> Path:
         undo.replacing(self.state.script(SCRIPT_PROGRAM))
@@ -297,9 +297,9 @@ def _record(job: ServeJob, job_id: int, **extra: object) -> None:
 
 def submit_serve(job: ServeJob) -> int:
     """sbatch the serve job; the run's quarantined nodes join its --exclude on the command line."""
-    done = _submitted(ServeSubmission(job), SlurmExecutor())
-    assert done.job is not None  # not a dry run
-    return done.job.job_id
+    job_id = _submitted(ServeSubmission(job), SlurmExecutor()).job_id
+    assert job_id is not None  # not a dry run
+    return job_id
 
 
 def local_job(job: ServeJob) -> LocalJob:

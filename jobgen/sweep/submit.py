@@ -161,20 +161,14 @@ class SweepSubmission(core.Submission):
             list(self.index.jobs) if self.index is not None else [],
         )
         self.tasks, self.open_points, self.closed = _open_tasks(self.planned)
-        self._script: str | None = None
-        self._quarantined: list[str] | None = None
 
-    def script(self) -> str:
-        if self._script is None:
-            self._script = render_sweep(self.sweep)
-        return self._script
+    def render(self) -> str:
+        return render_sweep(self.sweep)
 
-    def quarantined(self) -> list[str]:
+    def read_quarantine(self) -> list[str]:
         """The nodes the sweep's points quarantined (as a run's resubmission does)."""
-        if self._quarantined is None:
-            points = (core.quarantined_nodes(self.planned.point_dir(e.name)) for e in self.known)
-            self._quarantined = sorted({node for nodes in points for node in nodes})
-        return self._quarantined
+        points = (core.quarantined_nodes(self.planned.point_dir(e.name)) for e in self.known)
+        return sorted({node for nodes in points for node in nodes})
 
     def options(self) -> list[str]:
         """The array (at most K at once, and no more than the points open: a task beyond them
@@ -183,7 +177,7 @@ class SweepSubmission(core.Submission):
             max(min(self.tasks, MAX_TASKS), 1),
             max(1, min(self.sweep.settings.max_parallel, self.open_points)),
         )
-        exclude = core.exclude_option(self.sweep.base.run.job.exclude, self.quarantined())
+        exclude = core.exclude_option(self.sweep.base.run.job.exclude, self.quarantined)
         return [f"--array=1-{tasks}%{parallel}", *exclude, *core.dependency_option(self.after)]
 
     def checks(self) -> list[Finding]:
@@ -233,7 +227,7 @@ class SweepSubmission(core.Submission):
         for entry in self.index.points if self.index is not None else []:  # the points the sweep had
             core.clear_failure(self.planned.run(entry), undo)
         write_json_atomic(directory / SWEEP_INDEX, self.planned.to_json())
-        write_text_atomic(directory / SWEEP_SCRIPT, self.script(), mode=0o777)
+        write_text_atomic(directory / SWEEP_SCRIPT, self.script, mode=0o777)
         return directory / SWEEP_SCRIPT
 
     def record(self, job: Job) -> None:
@@ -257,9 +251,8 @@ def submit_sweep(
     done = core.submit(sub, SlurmExecutor(), dry_run=dry_run, skip_preflight=skip_preflight)
     result = SweepSubmitResult(sweep.directory, sweep.directory / SWEEP_SCRIPT, new_points=[p.name for p in sub.new])
     result.kept_points, result.tasks = [e.name for e in sub.known], min(sub.tasks, MAX_TASKS)
-    result.command = ["sbatch", "--parsable", *sub.options(), str(result.script)]
-    result.findings = done.findings
-    result.job_id = done.job.job_id if done.job is not None else None
+    result.command = SlurmExecutor.command(sub, result.script)
+    result.findings, result.job_id = done.findings, done.job_id
     return result
 
 
