@@ -120,8 +120,11 @@ def echo_bytes(chunk: bytes) -> None:
 
 class LocalExecutor(Executor):
     """The batch script on this machine, in the foreground, as a one-node job: until it ends,
-    its time limit, Ctrl-C or SIGTERM; each of these ends it as Slurm's time limit would (SIGTERM
-    to the script, which stops its program as planned), and this waits for it to exit."""
+    its time limit, Ctrl-C or a SIGTERM to this process. The time limit and a SIGTERM reach the
+    script as Slurm's SIGTERM would (it stops its program as planned); Ctrl-C reaches the whole
+    job from the terminal, and the script gets a SIGTERM too. Either way this waits for the
+    script to exit, logging it to the end: no job is left running behind a jobgen that has
+    gone."""
 
     # Its time limit (if any) is a SIGTERM, after which the script gets all the time it takes:
     # no save races a kill here.

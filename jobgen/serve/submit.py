@@ -271,11 +271,12 @@ class ServeSubmission(core.Submission):
 
     def record(self, job: Job) -> None:
         script = str(self.state.script(SCRIPT_PROGRAM))
-        if job.process is None:
+        if not job.local:
             _record(self.job, job.job_id, script=script)
             return
         # The pid with its start time and boot: --stop signals it only while it is this process.
-        _record(self.job, job.job_id, local=True, host=socket.gethostname(), script=script, **identity(job.process.pid))
+        pid = identity(job.process.pid)
+        _record(self.job, job.job_id, local=True, host=socket.gethostname(), script=script, **pid)
 
 
 def _record(job: ServeJob, job_id: int, **extra: object) -> None:
