@@ -62,7 +62,7 @@ def submission_errors(no_cluster_hint: str) -> Iterator[None]:
     """A refused submission as its findings (exit status 2), Slurm out of reach with
     ``no_cluster_hint``, any other Slurm or run-directory error as one line (exit status 1)."""
     from jobgen.base.safe_read import DamagedFile
-    from jobgen.launch.submit import SubmitError
+    from jobgen.launch.submission import SubmitError
     from jobgen.runs.rundir import RunDirError
     from jobgen.slurm.client import SlurmError, SlurmUnavailable
 

@@ -107,7 +107,11 @@ def submit(spec_file: str, **options: object) -> None:
     --wait then follows the job until its first optimizer step (on a terminal, one line:
     pending and why, Slurm's expected start, then the start-up with the time earlier tasks
     took as its ETA) and exits 0, or 1 if it ended without one. Ctrl-C stops the waiting,
-    not the job."""
+    not the job.
+
+    --local runs the same script here, in the foreground, after the same checks. A SIGTERM
+    to jobgen reaches the script as Slurm's would (the program saves and exits); on that or
+    Ctrl-C, jobgen waits for the script to end, logging it, and exits with its status."""
     from jobgen.cli.submit import submit_command
 
     submit_command(spec_file, **options)  # the options above, by name

@@ -146,8 +146,9 @@ def _start(
     site: str | None,
 ) -> NoReturn:
     from jobgen.base.durations import format_human
+    from jobgen.launch.executors import echo_bytes
     from jobgen.serve.status import ServeStateError, ensure_not_serving, wait_until_up
-    from jobgen.serve.submit import ServeError, echo_bytes, run_local, serve_job, submit_serve
+    from jobgen.serve.submit import ServeError, run_local, serve_job, submit_serve
     from jobgen.slurm import client as slurm
 
     state = target.state

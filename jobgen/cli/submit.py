@@ -1,6 +1,6 @@
 """``jobgen submit``'s body, behind the options jobgen.cli.main declares: jobgen.launch.submit does the
-work (preflight, the run directory, sbatch, or the --local run); this module turns its
-outcome into what the command prints and its exit status.
+work (on the submission core: the checks, the run directory, sbatch, or the --local run); this
+module turns its outcome into what the command prints and its exit status.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import NoReturn
 import click
 
 from jobgen.cli.common import NO_CLUSTER, fail, load, print_findings, submission_errors
-from jobgen.launch.preflight import command_findings, memory_findings
 from jobgen.launch.submit import SubmitResult, run_local
 from jobgen.launch.submit import submit as do_submit
 from jobgen.runs.rundir import RunDir
@@ -62,10 +61,9 @@ def submit_command(
 
 
 def _run_local(spec: ResolvedSpec, source: str, ignore_memory_plan: bool) -> NoReturn:
-    """--local: run the job on this machine and exit with its status."""
-    print_findings([f for f in memory_findings(spec, ignore=ignore_memory_plan) if f.level != "error"])
-    print_findings(command_findings(spec))
-    run, rc = run_local(spec, source_text=source, ignore_memory_plan=ignore_memory_plan)
+    """--local: run the job on this machine and exit with its status; what the checks found
+    is shown before it starts."""
+    run, rc = run_local(spec, source_text=source, ignore_memory_plan=ignore_memory_plan, announce=print_findings)
     click.echo(f"local run in {run.path} exited with status {rc}")
     sys.exit(rc)
 

@@ -1,51 +1,36 @@
-"""Submission: render, preflight, run directory, sbatch, in that order.
+"""Submitting a run: what the submission core (jobgen.launch.submission) is told of a run.
 
-Nothing is created before the preflight passes, and a run directory created by a
-submission that then fails is removed again. Resubmitting a run continues it in
-the same directory (same checkpoints), but never while another job of that run is
-still queued or running, unless it is chained behind it with ``--after``.
+Nothing is created before the preflight passes, and a run directory created by a submission
+that then fails is removed again; a continued run's spec, run.toml and script are put back.
+Resubmitting a run continues it in the same directory (same checkpoints), but never while
+another job of that run is still queued or running, unless it is chained behind it with
+``--after``. ``--local`` is the same submission run by the local executor
+(jobgen.launch.executors): the same script on this machine, without Slurm.
 
-This module owns that order and ``--local``; the script comes from jobgen.launch.render, and
-every name in the run directory (the script's, the batch log's) from jobgen.runs.rundir.
+The script comes from jobgen.launch.render, and every name in the run directory (the script's,
+the batch log's) from jobgen.runs.rundir.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobgen.base import lease
 from jobgen.base.safe_read import DamagedFile
-from jobgen.launch.preflight import (
-    Finding,
-    command_findings,
-    kill_window,
-    memory_findings,
-    pass_env_findings,
-    preflight,
-)
-from jobgen.launch.render import render, script_name
+from jobgen.launch import submission as core
+from jobgen.launch.executors import Executor, LocalExecutor, LocalJob, SlurmExecutor
+from jobgen.launch.executors import local_environment as job_environment
+from jobgen.launch.preflight import Finding, command_findings, memory_findings, pass_env_findings
+from jobgen.launch.render import render as render_run
+from jobgen.launch.render import script_name
 from jobgen.launch.resume_check import resume_problem
-from jobgen.runs import quarantine
+from jobgen.launch.submission import Job, Rollback, SubmitError, quarantined_nodes
 from jobgen.runs.goodput import kill_window_warning, lead_time_warning, run_reports
-from jobgen.runs.materialize import materialize, remove_new
+from jobgen.runs.materialize import materialize
 from jobgen.runs.rundir import RunDir, RunDirTaken
-from jobgen.slurm import client as slurm
 from jobgen.spec.resolved import ResolvedSpec
-
-
-class SubmitError(RuntimeError):
-    """Submission refused; ``findings`` lists every reason."""
-
-    def __init__(self, findings: list[Finding]):
-        self.findings = findings
-        super().__init__("\n".join(str(f) for f in findings))
 
 
 @dataclass
@@ -62,40 +47,116 @@ def sbatch_options(
     spec: ResolvedSpec, *, array: int | None = None, after: int | None = None, quarantined: list[str] = ()
 ) -> list[str]:
     """Options given on the sbatch command line (the script's #SBATCH lines carry the rest).
-    Nodes the run has quarantined (jobgen.runs.quarantine) join the spec's ``--exclude`` here, on
-    the command line, so the rendered script stays a function of the spec alone."""
-    options = []
-    if quarantined:
-        exclude = [*spec.run.job.exclude, *(n for n in quarantined if n not in spec.run.job.exclude)]
-        options.append("--exclude=" + ",".join(exclude))
+    Nodes the run has quarantined (jobgen.runs.quarantine) join the spec's ``--exclude``."""
+    options = core.exclude_option(spec.run.job.exclude, list(quarantined))
     if spec.run.job.resumable:
         # %1: one task at a time; each continues from the previous task's checkpoint.
         options.append(f"--array=1-{array or spec.run.job.array}%1")
-    if after is not None:
-        options.append(f"--dependency=afterany:{after}")
-    return options
+    return options + core.dependency_option(after)
 
 
-def active_jobs(run: RunDir) -> list[slurm.QueueEntry]:
-    """Jobs of this run that Slurm still has queued or running."""
-    ids = [j["job_id"] for j in run.jobs() if not j.get("local")]
-    return slurm.queue(ids) if ids else []
+class RunSubmission(core.Submission):
+    """A run: its checks, its run directory created or continued, jobs.json."""
 
+    def __init__(
+        self,
+        spec: ResolvedSpec,
+        *,
+        source_text: str | None,
+        array: int | None = None,
+        after: int | None = None,
+        ignore_memory_plan: bool = False,
+    ):
+        self.spec, self.source_text, self.array, self.after = spec, source_text, array, after
+        self.ignore_memory_plan = ignore_memory_plan
+        self.script_name = script_name(spec)
+        self.preflight_spec = spec
+        self.run = RunDir(spec.run_dir)
+        self.existed = self.run.exists()
+        self.created = False
 
-def _quarantined(spec: ResolvedSpec) -> list[str]:
-    return quarantined_nodes(spec.run_dir) if spec.run_dir.is_dir() else []
+    def render(self) -> str:
+        return render_run(self.spec)
 
+    def read_quarantine(self) -> list[str]:
+        return quarantined_nodes(self.spec.run_dir)
 
-def quarantined_nodes(run_dir: Path) -> list[str]:
-    """The nodes the run quarantined, for --exclude. A file that cannot be read refuses the
-    submission (one error line naming it): submitting without it could land on a node the
-    run found broken."""
-    try:
-        return sorted(quarantine.read(RunDir(run_dir)))
-    except quarantine.QuarantineError as exc:
-        raise SubmitError([Finding("error", "", str(exc))]) from None
-    except OSError as exc:
-        raise SubmitError([Finding("error", "", f"cannot read {exc.filename}: {exc.strerror}")]) from None
+    def options(self) -> list[str]:
+        return sbatch_options(self.spec, array=self.array, after=self.after, quarantined=self.quarantined)
+
+    def checks(self) -> list[Finding]:
+        """The memory plan, the environment to pass, the program's words, the checkpoint: none
+        needs the cluster, so a run predicted not to fit is refused even where Slurm cannot be
+        reached, before anything is written or queued."""
+        spec = self.spec
+        found = memory_findings(spec, ignore=self.ignore_memory_plan) + pass_env_findings(spec)
+        return found + command_findings(spec) + _resume_findings(spec)
+
+    def cluster_checks(self, executor: Executor, *, skip_preflight: bool) -> list[Finding]:
+        """The nodes excluded, then what continuing the run adds."""
+        found = []
+        if self.quarantined:
+            name = self.spec.run.job.name
+            found.append(
+                Finding(
+                    "info",
+                    "",
+                    f"excluding the node(s) this run quarantined: {', '.join(self.quarantined)} "
+                    f"(jobgen status {name}; jobgen doctor --clear {name} releases them)",
+                )
+            )
+        return found + self._continue_findings(executor, skip_preflight=skip_preflight)
+
+    def local_checks(self, executor: Executor) -> list[Finding]:
+        return self._continue_findings(executor, skip_preflight=True)
+
+    def _continue_findings(self, executor: Executor, *, skip_preflight: bool) -> list[Finding]:
+        """What continuing an existing run adds: warnings from its earlier tasks' reports where
+        a time limit stops its job, and, unless chained ``after`` a job, an error while it is
+        still busy (a process writes it, or a job of it is still queued or running)."""
+        spec, run = self.spec, self.run
+        if not self.existed:
+            return []
+        try:
+            run.jobs()  # read before sbatch: a job queued that jobs.json cannot record would be lost
+        except DamagedFile as exc:
+            return [Finding("error", "", f"{exc}: the run's submissions cannot be recorded; repair or move it away")]
+        findings: list[Finding] = []
+        if spec.run.job.graceful_stop and executor.time_limited:  # else no save races a time limit or a SIGKILL
+            reports = run_reports(run.path, spec.run.job.time)
+            warning = lead_time_warning(spec.run.job.exit_grace, reports)
+            if warning:
+                findings.append(Finding("warning", "job.exit_grace", warning))
+            if not skip_preflight:
+                warning = kill_window_warning(executor.kill_window(spec), reports)
+                if warning:
+                    findings.append(Finding("warning", "train.async_save", warning))
+        if self.after is None:
+            findings.extend(_busy(spec, run, executor))
+        return findings
+
+    def materialise(self, undo: Rollback) -> Path:
+        """Create or update the run directory (a run found absent skipped the busy checks: one
+        that appears meanwhile is refused, never continued as if it were idle)."""
+        run = self.run
+        if self.existed:
+            undo.replacing(run.spec_file, run.path / "run.toml", run.script(self.spec.run.job.program))
+            undo.adding_to(run.path / "history")
+        try:
+            run, self.created = materialize(self.spec, self.script, self.source_text, new_only=not self.existed)
+        except RunDirTaken as exc:  # refused as a busy run is, with a sentence (exit status 2)
+            raise SubmitError([Finding("error", "", str(exc))]) from None
+        if self.created:
+            undo.created(run)
+        core.clear_failure(run, undo)
+        return run.script(self.spec.run.job.program)
+
+    def record(self, job: Job) -> None:
+        if job.local:
+            self.run.record_job({"job_id": job.job_id, "local": True, "options": []})
+            return
+        tasks = (self.array or self.spec.run.job.array) if self.spec.run.job.resumable else None
+        self.run.record_job({"job_id": job.job_id, "options": job.options, "array": tasks, "after": self.after})
 
 
 def submit(
@@ -111,75 +172,51 @@ def submit(
     """Render the script, check it and the run, then create or update the run directory and
     queue the script; ``dry_run`` stops after the checks. Raises SubmitError with every
     finding when one of them is an error."""
-    script = render(spec)
-    name = script_name(spec)
-    quarantined = _quarantined(spec)
-    options = sbatch_options(spec, array=array, after=after, quarantined=quarantined)
-    script_path = spec.run_dir / name
-    result = SubmitResult(
-        run_dir=spec.run_dir, script=script_path, command=["sbatch", "--parsable", *options, str(script_path)]
+    run = RunSubmission(spec, source_text=source_text, array=array, after=after, ignore_memory_plan=ignore_memory_plan)
+    done = core.submit(run, SlurmExecutor(), dry_run=dry_run, skip_preflight=skip_preflight)
+    script = spec.run_dir / run.script_name
+    return SubmitResult(
+        run_dir=spec.run_dir,
+        script=script,
+        command=SlurmExecutor.command(run, script),
+        job_id=done.job_id,
+        created=run.created,
+        findings=done.findings,
     )
 
-    findings = _preflight_findings(
-        spec, script, name, options, quarantined, skip_preflight=skip_preflight, ignore_memory_plan=ignore_memory_plan
-    )
+
+def local_job(spec: ResolvedSpec) -> LocalJob:
+    """The run as a one-node job on this machine: the first of its array's tasks."""
     run = RunDir(spec.run_dir)
-    existed = run.exists()
-    if existed:
-        findings += _continue_findings(spec, run, after=after, skip_preflight=skip_preflight)
-    result.findings = findings
-    if any(f.level == "error" for f in findings):
-        raise SubmitError(findings)
-    if dry_run:
-        return result
-
-    # A run found absent skipped the busy checks above: one that appears meanwhile (another
-    # submission of it) is refused, never continued as if it were idle.
-    result.created, result.job_id = _queue(
-        spec, script, source_text, options, new_only=not existed, array=array, after=after
+    return LocalJob(
+        name=spec.run.job.name,
+        nodes=spec.run.job.nodes,
+        cpus=spec.site.slurm.cpus_per_node,
+        container=spec.site.python.kind == "container",
+        without_container="use a venv or modules site",
+        log=lambda job_id: run.batch_log(spec.run.job.name, job_id),
+        environment={"SLURM_ARRAY_TASK_ID": "1"},
     )
-    return result
 
 
-def _preflight_findings(
+def local_environment(spec: ResolvedSpec, job_id: int) -> dict[str, str]:
+    """The SLURM_* variables a one-node allocation would give the run's batch script."""
+    return job_environment(local_job(spec), job_id)
+
+
+def run_local(
     spec: ResolvedSpec,
-    script: str,
-    name: str,
-    options: list[str],
-    quarantined: list[str],
     *,
-    skip_preflight: bool,
-    ignore_memory_plan: bool,
-) -> list[Finding]:
-    """The memory plan's findings, then the preflight's of ``script`` (written as ``name``
-    to a temporary directory; nothing is written into the run directory yet), then a note of
-    the quarantined nodes the submission excludes."""
-    # The memory plan needs no cluster: a run predicted not to fit is refused even where
-    # Slurm cannot be reached, before anything is written or queued.
-    memory = memory_findings(spec, ignore=ignore_memory_plan) + pass_env_findings(spec) + command_findings(spec)
-    memory += _resume_findings(spec)
-    findings: list[Finding] = []
-    if not skip_preflight:
-        with tempfile.TemporaryDirectory(prefix="jobgen-preflight-") as tmp:
-            candidate = Path(tmp) / name
-            candidate.write_text(script)
-            try:
-                findings = preflight(spec, candidate, options, quarantined)
-            except slurm.SlurmUnavailable:
-                if any(f.level == "error" for f in memory):
-                    raise SubmitError(memory) from None
-                raise
-    findings = memory + findings
-    if quarantined:
-        findings.append(
-            Finding(
-                "info",
-                "",
-                f"excluding the node(s) this run quarantined: {', '.join(quarantined)} "
-                f"(jobgen status {spec.run.job.name}; jobgen doctor --clear {spec.run.job.name} releases them)",
-            )
-        )
-    return findings
+    source_text: str | None = None,
+    ignore_memory_plan: bool = False,
+    announce: Callable[[list[Finding]], None] | None = None,
+) -> tuple[RunDir, int]:
+    """Run the rendered script on this machine as a one-node job, without Slurm, after the
+    same checks as a submission (``announce`` is shown those that are no errors first)."""
+    run = RunSubmission(spec, source_text=source_text, ignore_memory_plan=ignore_memory_plan)
+    done = core.submit(run, LocalExecutor(local_job(spec)), announce=announce or (lambda _findings: None))
+    assert done.exit_status is not None  # a local job runs in the foreground
+    return run.run, done.exit_status
 
 
 def _resume_findings(spec: ResolvedSpec) -> list[Finding]:
@@ -191,166 +228,22 @@ def _resume_findings(spec: ResolvedSpec) -> list[Finding]:
     return [Finding("error", "train.global_batch_size", problem)] if problem else []
 
 
-def _continue_findings(spec: ResolvedSpec, run: RunDir, *, after: int | None, skip_preflight: bool) -> list[Finding]:
-    """What a submission that continues the existing ``run`` adds: warnings from its earlier
-    tasks' reports, and, unless chained ``after`` a job, an error while it is still busy."""
-    try:
-        run.jobs()  # read before sbatch: a job queued that jobs.json cannot record would be lost
-    except DamagedFile as exc:
-        return [Finding("error", "", f"{exc}: the run's submissions cannot be recorded; repair or move it away")]
-    findings: list[Finding] = []
-    if spec.run.job.graceful_stop:  # else no save races a time limit or a SIGKILL
-        reports = run_reports(run.path, spec.run.job.time)
-        warning = lead_time_warning(spec.run.job.exit_grace, reports)
-        if warning:
-            findings.append(Finding("warning", "job.exit_grace", warning))
-        if not skip_preflight:
-            warning = kill_window_warning(kill_window(spec), reports)
-            if warning:
-                findings.append(Finding("warning", "train.async_save", warning))
-    if after is None:
-        findings.extend(_writer_busy(spec))
-        busy = active_jobs(run)
-        if busy:
-            listing = ", ".join(f"{e.job_id} ({e.state})" for e in busy)
-            findings.append(
-                Finding(
-                    "error",
-                    "",
-                    f"run {run.path} still has job(s) {listing}: chain with "
-                    f"--after {busy[0].array_job_id}, or stop it first (jobgen stop {spec.run.job.name})",
-                )
-            )
-    return findings
+def _queued_ids(run: RunDir) -> list[int]:
+    return [j["job_id"] for j in run.jobs() if not j.get("local")]
 
 
-def _queue(
-    spec: ResolvedSpec,
-    script: str,
-    source_text: str | None,
-    options: list[str],
-    *,
-    new_only: bool,
-    array: int | None,
-    after: int | None,
-) -> tuple[bool, int]:
-    """Create or update the run directory, queue its script with sbatch and record the job.
-    Returns whether the run directory was created, and the job id; a run directory created
-    here is removed again when sbatch fails."""
-    run, created = _materialize(spec, script, source_text, new_only=new_only)
-    cleared = clear_failure(run)
-    try:
-        job_id = slurm.sbatch(run.script(spec.run.job.program), options)
-    except BaseException:
-        if created:
-            remove_new(run)
-        elif cleared is not None:  # not queued: the failure still stands
-            os.replace(cleared, run.failed_marker)
-        raise
-    tasks = (array or spec.run.job.array) if spec.run.job.resumable else None
-    run.record_job({"job_id": job_id, "options": options, "array": tasks, "after": after})
-    return created, job_id
-
-
-def _materialize(spec: ResolvedSpec, script: str, source_text: str | None, *, new_only: bool) -> tuple[RunDir, bool]:
-    """:func:`jobgen.runs.materialize.materialize`; losing the race to create the run directory is
-    refused as a busy run is, with a sentence (exit status 2), not an OSError."""
-    try:
-        return materialize(spec, script, source_text, new_only=new_only)
-    except RunDirTaken as exc:
-        raise SubmitError([Finding("error", "", str(exc))]) from None
-
-
-def _writer_busy(spec: ResolvedSpec) -> list[Finding]:
-    """An error when a process holds the run's writer lease (jobgen.base.lease): a second writer
-    would delete the first one's checkpoints."""
-    writer = lease.holder(RunDir(spec.run_dir).writer_lease)
-    if not writer:
-        return []
-    return [
-        Finding(
-            "error",
-            "",
-            f"run {spec.run_dir} is being written by {writer}: wait for it to end, "
-            f"or stop it first (jobgen stop {spec.run.job.name})",
-        )
-    ]
-
-
-def clear_failure(run: RunDir) -> Path | None:
-    """A resubmission is the user's word that the failure which stopped the run is fixed:
-    the ``failed`` marker moves into history/, where it stays on record. Returns where it
-    went (None: there was none), so that a submission that fails can put it back."""
-    if not run.failed_marker.exists():
-        return None
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    moved = run.path / "history" / f"failed-{stamp}.json"
-    os.replace(run.failed_marker, moved)
-    return moved
-
-
-def local_environment(spec: ResolvedSpec, job_id: int) -> dict[str, str]:
-    """The SLURM_* variables a one-node allocation would give the batch script."""
-    host = socket.gethostname().split(".")[0]
-    cpus = str(spec.site.slurm.cpus_per_node)
-    return {
-        **os.environ,
-        "JOBGEN_LOCAL": "1",
-        "SLURM_JOB_ID": str(job_id),
-        "SLURM_JOB_NAME": spec.run.job.name,
-        "SLURM_JOB_NODELIST": host,
-        "SLURM_NODELIST": host,
-        "SLURM_JOB_NUM_NODES": "1",
-        "SLURM_NNODES": "1",
-        "SLURM_NTASKS": "1",
-        "SLURM_NODEID": "0",
-        "SLURM_PROCID": "0",
-        "SLURM_CPUS_PER_TASK": cpus,
-        "SLURM_JOB_CPUS_PER_NODE": cpus,
-        "SLURM_ARRAY_TASK_ID": "1",
-        "SLURM_SUBMIT_DIR": os.getcwd(),
-        "SLURMD_NODENAME": host,
-    }
-
-
-def run_local(
-    spec: ResolvedSpec, *, source_text: str | None = None, ignore_memory_plan: bool = False
-) -> tuple[RunDir, int]:
-    """Run the rendered script on this machine as a one-node job, without Slurm."""
-    problems = [f for f in memory_findings(spec, ignore=ignore_memory_plan) if f.level == "error"]
-    problems += pass_env_findings(spec)
-    if spec.run.job.nodes != 1:
-        problems.append(
-            Finding(
-                "error", "job.nodes", f"--local runs on this one machine; the spec asks for {spec.run.job.nodes} nodes"
-            )
-        )
-    if spec.site.python.kind == "container":
-        problems.append(
-            Finding("error", "site.python.kind", "--local cannot start pyxis containers; use a venv or modules site")
-        )
-    existed = RunDir(spec.run_dir).exists()
-    problems.extend(_writer_busy(spec))
-    if problems:
-        raise SubmitError(problems)
-    run, _ = _materialize(spec, render(spec), source_text, new_only=not existed)
-    clear_failure(run)
-    job_id = int(time.time())
-    run.record_job({"job_id": job_id, "local": True, "options": []})
-    log_path = run.batch_log(spec.run.job.name, job_id)
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            ["bash", str(run.script(spec.run.job.program))],
-            env=local_environment(spec, job_id),
-            cwd=run.path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        assert proc.stdout is not None
-        for chunk in iter(lambda: proc.stdout.readline(), b""):
-            log.write(chunk)
-            log.flush()
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.flush()
-        rc = proc.wait()
-    return run, rc
+def _busy(spec: ResolvedSpec, run: RunDir, executor: Executor) -> list[Finding]:
+    """Errors while the run is busy: a process holds its writer lease (jobgen.base.lease: a
+    second writer would delete the first one's checkpoints), or a job of it is still queued or
+    running."""
+    found, name = [], spec.run.job.name
+    writer = lease.holder(run.writer_lease)
+    if writer:
+        message = f"run {spec.run_dir} is being written by {writer}: wait for it to end, or stop it first"
+        found.append(Finding("error", "", f"{message} (jobgen stop {name})"))
+    busy = executor.still_queued(_queued_ids(run))
+    if busy:
+        listing = ", ".join(f"{e.job_id} ({e.state})" for e in busy)
+        message = f"run {run.path} still has job(s) {listing}: chain with --after {busy[0].array_job_id}"
+        found.append(Finding("error", "", f"{message}, or stop it first (jobgen stop {name})"))
+    return found

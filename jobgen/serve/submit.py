@@ -23,19 +23,16 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from jobgen.base.atomic import write_json_atomic, write_text_atomic
 from jobgen.base.safe_read import DamagedFile
-from jobgen.runs import quarantine
+from jobgen.launch import submission as core
+from jobgen.launch.executors import Executor, LocalExecutor, LocalJob, SlurmExecutor
+from jobgen.launch.submission import Job, Rollback, SubmitError
 from jobgen.runs.rundir import RunDir, RunDirError
 from jobgen.runs.sweep_runs import find_run_or_point
 from jobgen.serve.address import key_problem
@@ -48,7 +45,6 @@ from jobgen.serve.render import (
     serve_job_for_run,
     site_environment,
 )
-from jobgen.slurm import client as slurm
 from jobgen.spec.loader import resolve
 from jobgen.spec.resolved import ResolvedSpec
 from jobgen.spec.tables.serve import ServeSpec
@@ -250,6 +246,39 @@ def write_script(job: ServeJob) -> Path:
     return script
 
 
+class ServeSubmission(core.Submission):
+    """A served model's job: serve.sbatch, queued or run here, recorded in serve-job.json."""
+
+    script_name = f"{SCRIPT_PROGRAM}.sbatch"
+
+    def __init__(self, job: ServeJob):
+        self.job = job
+        self.state = RunDir(job.state_dir)
+
+    def render(self) -> str:
+        return render_serve(self.job)
+
+    def read_quarantine(self) -> list[str]:
+        """The run's quarantined nodes (none for a model directory served as it is)."""
+        return core.quarantined_nodes(self.state.path) if self.state.exists() else []
+
+    def options(self) -> list[str]:
+        return core.exclude_option(self.job.exclude, self.quarantined)
+
+    def materialise(self, undo: Rollback) -> Path:
+        undo.replacing(self.state.script(SCRIPT_PROGRAM))
+        return write_script(self.job)
+
+    def record(self, job: Job) -> None:
+        script = str(self.state.script(SCRIPT_PROGRAM))
+        if not job.local:
+            _record(self.job, job.job_id, script=script)
+            return
+        # The pid with its start time and boot: --stop signals it only while it is this process.
+        pid = identity(job.process.pid)
+        _record(self.job, job.job_id, local=True, host=socket.gethostname(), script=script, **pid)
+
+
 def _record(job: ServeJob, job_id: int, **extra: object) -> None:
     write_json_atomic(
         RunDir(job.state_dir).serve_job,
@@ -269,82 +298,36 @@ def _record(job: ServeJob, job_id: int, **extra: object) -> None:
 
 def submit_serve(job: ServeJob) -> int:
     """sbatch the serve job; the run's quarantined nodes join its --exclude on the command line."""
-    script = write_script(job)
-    state = RunDir(job.state_dir)
-    options = []
-    if state.exists():
-        bad = [node for node in sorted(quarantine.read(state)) if node not in job.exclude]
-        if bad:
-            options.append("--exclude=" + ",".join([*job.exclude, *bad]))
-    job_id = slurm.sbatch(script, options)
-    _record(job, job_id, script=str(script))
+    job_id = _submitted(ServeSubmission(job), SlurmExecutor()).job_id
+    assert job_id is not None  # not a dry run
     return job_id
 
 
-def local_environment(job: ServeJob, job_id: int) -> dict[str, str]:
-    """The SLURM_* variables a one-node allocation would give the script."""
-    host = socket.gethostname().split(".")[0]
-    return {
-        **os.environ,
-        "JOBGEN_LOCAL": "1",
-        "SLURM_JOB_ID": str(job_id),
-        "SLURM_JOB_NAME": job.name,
-        "SLURM_JOB_NODELIST": host,
-        "SLURM_JOB_NUM_NODES": "1",
-        "SLURM_CPUS_PER_TASK": str(job.cpus),
-        "SLURMD_NODENAME": host,
-    }
+def local_job(job: ServeJob) -> LocalJob:
+    """The serve job as a one-node job on this machine, until serve.time."""
+    state = RunDir(job.state_dir)
+    return LocalJob(
+        name=job.name,
+        nodes=1,
+        cpus=job.cpus,
+        container=job.site.python.kind == "container",
+        without_container="serve on the cluster, or use a venv site",
+        log=state.serve_log,
+        time_limit=job.serve.time,
+    )
 
 
 def run_local(job: ServeJob, echo: Callable[[bytes], None]) -> int:
     """The serve script on this machine, in the foreground, until serve.time, Ctrl-C, SIGTERM or
     `jobgen serve --stop`: each ends it as Slurm's time limit would (SIGTERM to the script)."""
-    if job.site.python.kind == "container":
-        raise ServeError("--local cannot start pyxis containers; serve on the cluster, or use a venv site")
-    script = write_script(job)
-    state = RunDir(job.state_dir)
-    job_id = int(time.time())
-    log_path = state.serve_log(job_id)
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            ["bash", str(script)],
-            env=local_environment(job, job_id),
-            cwd=state.path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        # The pid with its start time and boot: --stop signals it only while it is this process.
-        _record(job, job_id, local=True, host=socket.gethostname(), script=str(script), **identity(proc.pid))
-
-        def terminate(*_args: object) -> None:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-
-        limit = threading.Timer(job.serve.time, terminate)
-        limit.daemon = True
-        previous = signal.signal(signal.SIGTERM, terminate)
-        limit.start()
-        try:
-            assert proc.stdout is not None
-            while True:
-                try:
-                    chunk = proc.stdout.readline()
-                except KeyboardInterrupt:  # Ctrl-C reached the script too; wait for it to stop
-                    terminate()
-                    continue
-                if not chunk:
-                    break
-                log.write(chunk)
-                log.flush()
-                echo(chunk)
-            return proc.wait()
-        finally:
-            limit.cancel()
-            signal.signal(signal.SIGTERM, previous)
-            terminate()
-            proc.wait()
+    done = _submitted(ServeSubmission(job), LocalExecutor(local_job(job), echo))
+    assert done.exit_status is not None  # a local job runs in the foreground
+    return done.exit_status
 
 
-def echo_bytes(chunk: bytes) -> None:
-    sys.stdout.buffer.write(chunk)
-    sys.stdout.flush()
+def _submitted(submission: ServeSubmission, executor: Executor) -> core.Submitted:
+    """The submission core's refusal in serve's words: one ServeError."""
+    try:
+        return core.submit(submission, executor)
+    except SubmitError as exc:
+        raise ServeError("\n  ".join(f.message for f in exc.findings)) from None

@@ -14,21 +14,20 @@ point that exists: points newly written into the file are added, unfinished ones
 
 from __future__ import annotations
 
-import os
-import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from jobgen.base.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
-from jobgen.launch.preflight import Finding, command_findings, memory_findings, pass_env_findings, preflight
+from jobgen.base.atomic import write_json_atomic, write_text_atomic
+from jobgen.launch import submission as core
+from jobgen.launch.executors import Executor, SlurmExecutor
+from jobgen.launch.preflight import Finding, command_findings, memory_findings, pass_env_findings
 from jobgen.launch.render import render
-from jobgen.launch.submit import SubmitError, clear_failure
-from jobgen.launch.submit import quarantined_nodes as _quarantined_run
-from jobgen.runs.materialize import materialize, remove_new
-from jobgen.runs.rundir import RunDir
+from jobgen.launch.submission import Job, Rollback, SubmitError
+from jobgen.runs.materialize import materialize
 from jobgen.runs.sweep_files import FLAT, FORMAT, LOGS_DIR, SWEEP_INDEX, SWEEP_SCRIPT, PointEntry, SweepIndex, SweepJob
 from jobgen.runs.sweep_runs import SweepError, read_sweep
-from jobgen.slurm import client as slurm
 from jobgen.spec.tables.run import MAX_ARRAY as MAX_TASKS  # Slurm's default MaxArraySize is 1001: indices 1-1000
 from jobgen.sweep.claim import closed_reason, locked
 from jobgen.sweep.points import Sweep, SweepPoint, allocation, overrides_key
@@ -62,21 +61,6 @@ def point_entry(point: SweepPoint) -> PointEntry:
     """A point as sweep.json records it: what it is; where its files are is derived from the
     sweep's directory and its name (jobgen.runs.sweep_files), never recorded."""
     return PointEntry(point.name, point.overrides, point.spec.run.job.program, point.spec.run.job.array)
-
-
-def _findings(sweep: Sweep, new: list[SweepPoint], *, ignore_memory_plan: bool) -> list[Finding]:
-    """The memory plan and the program's checks of every new point, named by the point."""
-    out = []
-    for point in new:
-        spec = point.spec
-        for f in memory_findings(spec, ignore=ignore_memory_plan) + pass_env_findings(spec) + command_findings(spec):
-            out.append(Finding(f.level, f.key, f"point {point.name}: {f.message}"))
-    return out
-
-
-def _busy(index: SweepIndex | None) -> list[slurm.QueueEntry]:
-    ids = [job.job_id for job in index.jobs] if index is not None else []
-    return slurm.queue(ids) if ids else []
 
 
 def _open_tasks(index: SweepIndex) -> tuple[int, int, list[str]]:
@@ -158,9 +142,97 @@ def _kept_problems(sweep: Sweep, index: SweepIndex | None) -> list[Finding]:
     return out
 
 
-def _quarantined(point: Path) -> list[str]:
-    """The nodes a point quarantined (jobgen.launch.submit._quarantined for a point's directory)."""
-    return _quarantined_run(point) if point.is_dir() else []
+class SweepSubmission(core.Submission):
+    """A sweep: its new points' run directories, sweep.json and its one array."""
+
+    def __init__(self, sweep: Sweep, *, source_text: str | None, after: int | None, ignore_memory_plan: bool):
+        self.sweep, self.source_text, self.after = sweep, source_text, after
+        self.ignore_memory_plan = ignore_memory_plan
+        self.script_name = SWEEP_SCRIPT
+        self.preflight_spec = sweep.base
+        self.index = read_index(sweep.directory)
+        self.known, self.new, self.match_findings = _match(sweep, self.index)
+        self.planned = SweepIndex(
+            sweep.directory,
+            self.index.format if self.index is not None else FORMAT,
+            sweep.name,
+            sweep.settings.max_parallel,
+            [*self.known, *(point_entry(p) for p in self.new)],
+            list(self.index.jobs) if self.index is not None else [],
+        )
+        self.tasks, self.open_points, self.closed = _open_tasks(self.planned)
+
+    def render(self) -> str:
+        return render_sweep(self.sweep)
+
+    def read_quarantine(self) -> list[str]:
+        """The nodes the sweep's points quarantined (as a run's resubmission does)."""
+        points = (core.quarantined_nodes(self.planned.point_dir(e.name)) for e in self.known)
+        return sorted({node for nodes in points for node in nodes})
+
+    def options(self) -> list[str]:
+        """The array (at most K at once, and no more than the points open: a task beyond them
+        would only wait for one), the quarantined nodes, the dependency."""
+        tasks, parallel = (
+            max(min(self.tasks, MAX_TASKS), 1),
+            max(1, min(self.sweep.settings.max_parallel, self.open_points)),
+        )
+        exclude = core.exclude_option(self.sweep.base.run.job.exclude, self.quarantined)
+        return [f"--array=1-{tasks}%{parallel}", *exclude, *core.dependency_option(self.after)]
+
+    def checks(self) -> list[Finding]:
+        """The points against sweep.json and the file, every new point's checks, the sweep's."""
+        findings = self.match_findings + _kept_problems(self.sweep, self.index)
+        findings += _point_findings(self.new, ignore_memory_plan=self.ignore_memory_plan)
+        return findings + _sweep_findings(self.sweep, self.tasks, self.closed)
+
+    def cluster_checks(self, executor: Executor, *, skip_preflight: bool) -> list[Finding]:
+        """An error while the sweep's array is still queued, unless chained after a job."""
+        if self.after is not None or self.index is None:
+            return []
+        busy = executor.still_queued([job.job_id for job in self.index.jobs])
+        if not busy:
+            return []
+        job = busy[0]
+        return [
+            Finding(
+                "error",
+                "",
+                f"sweep {self.sweep.directory} still has job {job.array_job_id} ({job.state}): chain with "
+                f"--after {job.array_job_id}, or stop it first (jobgen stop {self.sweep.name})",
+            )
+        ]
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """The sweep's lock: a submission that finds the index changed since it looked
+        (another one of the same sweep) is refused."""
+        (self.sweep.directory / LOGS_DIR).mkdir(parents=True, exist_ok=True)
+        with locked(self.sweep.directory):
+            if read_index(self.sweep.directory) != self.index:
+                raise SubmitError(
+                    [Finding("error", "", f"another submission changed {self.sweep.directory}: submit again")]
+                )
+            yield
+
+    def materialise(self, undo: Rollback) -> Path:
+        """The new points, the failures of the points it had cleared (the resubmission is the
+        user's word that they are fixed, as for a run; before sbatch: a task may claim at once),
+        the index and the script."""
+        directory = self.sweep.directory
+        undo.replacing(directory / SWEEP_INDEX, directory / SWEEP_SCRIPT)
+        for point in self.new:
+            run, _ = materialize(point.spec, render(point.spec), self.source_text, new_only=True)
+            undo.created(run)
+        for entry in self.index.points if self.index is not None else []:  # the points the sweep had
+            core.clear_failure(self.planned.run(entry), undo)
+        write_json_atomic(directory / SWEEP_INDEX, self.planned.to_json())
+        write_text_atomic(directory / SWEEP_SCRIPT, self.script, mode=0o777)
+        return directory / SWEEP_SCRIPT
+
+    def record(self, job: Job) -> None:
+        jobs = [*self.planned.jobs, SweepJob(job.job_id, job.options)]
+        write_json_atomic(self.sweep.directory / SWEEP_INDEX, replace(self.planned, jobs=jobs).to_json())
 
 
 def submit_sweep(
@@ -173,57 +245,30 @@ def submit_sweep(
     ignore_memory_plan: bool = False,
 ) -> SweepSubmitResult:
     """Check, then write the new points and the index, then queue the array. Raises
-    SubmitError with every finding when one is an error; nothing is written then."""
-    index = read_index(sweep.directory)
-    known, new, findings = _match(sweep, index)
-    planned = SweepIndex(
-        sweep.directory,
-        index.format if index is not None else FORMAT,
-        sweep.name,
-        sweep.settings.max_parallel,
-        [*known, *(point_entry(p) for p in new)],
-        list(index.jobs) if index is not None else [],
-    )
-    tasks, open_points, closed = _open_tasks(planned)
-    quarantined = sorted({n for e in known for n in _quarantined(planned.point_dir(e.name))})
-    options = _options(sweep, min(tasks, MAX_TASKS), open_points, quarantined, after)
-    result = SweepSubmitResult(sweep.directory, sweep.directory / SWEEP_SCRIPT, new_points=[p.name for p in new])
-    result.kept_points, result.tasks = [e.name for e in known], min(tasks, MAX_TASKS)
-    result.command = ["sbatch", "--parsable", *options, str(result.script)]
-    findings += _kept_problems(sweep, index) + _findings(sweep, new, ignore_memory_plan=ignore_memory_plan)
-    findings += _sweep_findings(sweep, index, tasks, closed, after)
-    script = render_sweep(sweep)
-    if not skip_preflight and not any(f.level == "error" for f in findings):
-        with tempfile.TemporaryDirectory(prefix="jobgen-preflight-") as tmp:
-            candidate = Path(tmp) / SWEEP_SCRIPT
-            candidate.write_text(script)
-            findings += preflight(sweep.base, candidate, options, quarantined)
-    result.findings = findings
-    if any(f.level == "error" for f in findings):
-        raise SubmitError(findings)
-    if dry_run:
-        return result
-    result.job_id = _queue(sweep, new, planned, index, script, source_text, options)
+    SubmitError with every finding when one is an error; nothing is written then. When sbatch
+    fails, the points this submission created are removed and the index is as it was."""
+    sub = SweepSubmission(sweep, source_text=source_text, after=after, ignore_memory_plan=ignore_memory_plan)
+    done = core.submit(sub, SlurmExecutor(), dry_run=dry_run, skip_preflight=skip_preflight)
+    result = SweepSubmitResult(sweep.directory, sweep.directory / SWEEP_SCRIPT, new_points=[p.name for p in sub.new])
+    result.kept_points, result.tasks = [e.name for e in sub.known], min(sub.tasks, MAX_TASKS)
+    result.command = SlurmExecutor.command(sub, result.script)
+    result.findings, result.job_id = done.findings, done.job_id
     return result
 
 
-def _options(sweep: Sweep, tasks: int, open_points: int, quarantined: list[str], after: int | None) -> list[str]:
-    """sbatch's options: the array (at most K at once, and no more than the points open: a
-    task beyond them would only wait for one), the quarantined nodes, the dependency."""
-    options = [f"--array=1-{max(tasks, 1)}%{max(1, min(sweep.settings.max_parallel, open_points))}"]
-    if quarantined:  # as a run's resubmission does: the nodes its points found at fault
-        exclude = sweep.base.run.job.exclude
-        options.append("--exclude=" + ",".join([*exclude, *(n for n in quarantined if n not in exclude)]))
-    if after is not None:
-        options.append(f"--dependency=afterany:{after}")
-    return options
+def _point_findings(new: list[SweepPoint], *, ignore_memory_plan: bool) -> list[Finding]:
+    """The memory plan and the program's checks of every new point, named by the point."""
+    out = []
+    for point in new:
+        spec = point.spec
+        for f in memory_findings(spec, ignore=ignore_memory_plan) + pass_env_findings(spec) + command_findings(spec):
+            out.append(Finding(f.level, f.key, f"point {point.name}: {f.message}"))
+    return out
 
 
-def _sweep_findings(
-    sweep: Sweep, index: SweepIndex | None, tasks: int, closed: list[str], after: int | None
-) -> list[Finding]:
+def _sweep_findings(sweep: Sweep, tasks: int, closed: list[str]) -> list[Finding]:
     """What the sweep as a whole says: points left alone, nothing to run, too many tasks, a
-    single run's directory in the way, an array still queued."""
+    single run's directory in the way."""
     out = [Finding("info", "", f"left as they are: {', '.join(closed)}")] if closed else []
     if tasks == 0:
         out.append(Finding("error", "", "nothing to run: every point of the sweep is finished or stopped"))
@@ -238,63 +283,4 @@ def _sweep_findings(
         )
     if (sweep.directory / "spec.json").exists():
         out.append(Finding("error", "job.name", f"{sweep.directory} is a single run's directory: use another job.name"))
-    busy = _busy(index) if after is None and index is not None else []
-    if busy:
-        out.append(
-            Finding(
-                "error",
-                "",
-                f"sweep {sweep.directory} still has job {busy[0].array_job_id} ({busy[0].state}): chain with "
-                f"--after {busy[0].array_job_id}, or stop it first (jobgen stop {sweep.name})",
-            )
-        )
     return out
-
-
-def _queue(
-    sweep: Sweep,
-    new: list[SweepPoint],
-    planned: SweepIndex,
-    index: SweepIndex | None,
-    script: str,
-    source_text: str | None,
-    options: list[str],
-) -> int:
-    """Write the new points, the index and the script, then sbatch, under the sweep's lock:
-    a submission that finds the index changed since it looked (another one of the same sweep)
-    is refused. When sbatch fails, the points this submission created are removed and the
-    index is as it was."""
-    (sweep.directory / LOGS_DIR).mkdir(parents=True, exist_ok=True)
-    index_path = sweep.directory / SWEEP_INDEX
-    with locked(sweep.directory):
-        if read_index(sweep.directory) != index:
-            raise SubmitError([Finding("error", "", f"another submission changed {sweep.directory}: submit again")])
-        before = index_path.read_bytes() if index is not None else None
-        created: list[RunDir] = []
-        cleared: list[tuple[RunDir, Path]] = []
-        try:
-            for point in new:
-                run, _ = materialize(point.spec, render(point.spec), source_text, new_only=True)
-                created.append(run)
-            # The resubmission is the user's word that the failures are fixed (as for a run);
-            # before sbatch: a task may claim at once.
-            for entry in index.points if index is not None else []:  # the points the sweep had
-                moved = clear_failure(planned.run(entry))
-                if moved is not None:
-                    cleared.append((planned.run(entry), moved))
-            write_json_atomic(index_path, planned.to_json())
-            script_path = sweep.directory / SWEEP_SCRIPT
-            write_text_atomic(script_path, script, mode=0o777)
-            job_id = slurm.sbatch(script_path, options)
-        except BaseException:
-            for run in created:
-                remove_new(run)
-            for run, moved in cleared:
-                os.replace(moved, run.failed_marker)
-            if before is not None:
-                write_bytes_atomic(index_path, before)
-            else:
-                index_path.unlink(missing_ok=True)
-            raise
-        write_json_atomic(index_path, replace(planned, jobs=[*planned.jobs, SweepJob(job_id, options)]).to_json())
-    return job_id
