@@ -43,10 +43,11 @@ def cluster_part(path: str) -> int:
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """The test command runs two xdist workers (pyproject.toml's addopts): every test that needs
-    the dev cluster is one unit of work, run in order on one worker against the one cluster
-    (mostly waiting on Slurm's time limits), while the other runs unit/ and distributed/ module
-    by module. Units start in collection order, so tests/cluster/'s unit starts at once.
+    """The test command runs three xdist workers (pyproject.toml's addopts): the tests that need
+    the dev cluster are two units of work (:func:`cluster_part`), each run in order on one worker
+    against that worker's own dev cluster (mostly waiting on Slurm's time limits), while the third
+    runs unit/ and distributed/ module by module. Units start in collection order, so the two
+    cluster units start at once.
     (xdist's own ``--dist loadgroup`` marks groups by rewriting node ids, which pytest 9.2 no
     longer lets it do: pytest-xdist issue #1386.)"""
     from xdist.scheduler import LoadScopeScheduling
