@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from jobgen.report.compare import read_row, sweep_points
-from jobgen.runs.rundir import RunDir
+from jobgen.runs.rundir import RunDir, startup_switch_set
 from jobgen.runs.sweep_files import Claim, read_claims
 from jobgen.runs.sweep_runs import read_sweep
 from jobgen.slurm import client as slurm
-from jobgen.sweep.claim import stopped_by
 
 
 def _live(jobs: list[int]) -> tuple[list[slurm.QueueEntry], str | None]:
@@ -35,11 +34,11 @@ def point_state(run: RunDir, claim: Claim | None, running: set[int], queued: boo
         return "finished"
     if run.failed_marker.exists():
         return "failed"
-    if stopped_by(run) is None and queued is None:
+    if startup_switch_set(run) is None and queued is None:
         return "unknown"
     if claim is not None and int(claim.job_id) in running:
         return "running"
-    if stopped_by(run) or not queued:
+    if startup_switch_set(run) or not queued:
         return "stopped"
     return "pending"
 
