@@ -14,6 +14,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from jobgen.base.durations import format_human
 from jobgen.model.lora_targets import is_all_linear
+from jobgen.program.kinds import PROGRAMS, Program, ProgramName, owned_tables
 from jobgen.spec.fields import (
     Constraint,
     Duration,
@@ -43,7 +44,7 @@ class JobSpec(SpecModel):
     """What to ask Slurm for. Keys here override the site profile's."""
 
     name: JobName = Field(description="Job name; also the run directory's name under runs_root.")
-    program: Literal["train", "doctor", "command"] = Field(
+    program: ProgramName = Field(
         "train",
         description=(
             "'train' runs the bundled trainer; 'doctor' runs the node health check (no model or data needed); "
@@ -120,11 +121,16 @@ class JobSpec(SpecModel):
     )
 
     @property
+    def kind(self) -> Program:
+        """The program's entry (jobgen.program.kinds): what every room needs of it."""
+        return PROGRAMS[self.program]
+
+    @property
     def resumable(self) -> bool:
         """A program that saves, resumes and stops on request (the trainer, your own program
         through jobgen.runtime): it runs as a chained array, with the switches, the failed
         and done markers, stop requests and node quarantine."""
-        return self.program in ("train", "command")
+        return self.kind.resumable
 
     @field_validator("exit_grace")
     @classmethod
@@ -422,22 +428,20 @@ class RunSpec(SpecModel):
 
     @model_validator(mode="after")
     def _check_program(self) -> RunSpec:
-        if self.job.program == "train":
-            missing = [t for t in ("model", "data") if getattr(self, t) is None]
-            if missing:
-                raise ValueError(f"program = 'train' needs the table(s) {', '.join('[' + m + ']' for m in missing)}")
-        if self.job.program == "command" and self.command is None:
-            raise ValueError("program = 'command' needs a [command] table with module or script")
-        if self.job.program != "command" and self.command is not None:
-            raise ValueError(f"[command] is only used with job.program = 'command' (program is '{self.job.program}')")
-        if self.job.program != "train" and self.eval is not None:
-            raise ValueError(f"[eval] is only used with job.program = 'train' (program is '{self.job.program}')")
+        """The tables the program needs, and none that only another program reads."""
+        kind = self.job.kind
+        missing = kind.missing({table: getattr(self, table) is not None for table in kind.needs})
+        if missing:
+            raise ValueError(f"program = '{kind.name}' needs {missing}")
+        for table, owner in owned_tables():
+            if owner is not kind and getattr(self, table) is not None:
+                raise ValueError(f"[{table}] is only used with job.program = '{owner.name}' (program is '{kind.name}')")
         return self
 
     @model_validator(mode="after")
     def _fewer_nodes_keep_the_batch(self) -> RunSpec:
         train, job = self.train, self.job
-        if job.program != "train" or len(job.node_counts) == 1:
+        if not job.kind.trains or len(job.node_counts) == 1:
             return self
         if train.global_batch_size is None and not train.allow_batch_change:
             raise ValueError(
@@ -450,7 +454,7 @@ class RunSpec(SpecModel):
 
     @model_validator(mode="after")
     def _context_parallel_without_eval(self) -> RunSpec:
-        if self.job.program == "train" and self.train.context_parallel > 1 and self.eval is not None:
+        if self.job.kind.trains and self.train.context_parallel > 1 and self.eval is not None:
             raise ValueError(
                 "[eval] cannot be combined with train.context_parallel yet: evaluation runs whole rows on each rank"
             )
@@ -458,7 +462,7 @@ class RunSpec(SpecModel):
 
     @model_validator(mode="after")
     def _pipeline_combinations(self) -> RunSpec:
-        if self.job.program != "train" or self.train.parallelism != "pipeline":
+        if not self.job.kind.trains or self.train.parallelism != "pipeline":
             return self
         assert self.model is not None
         refused = {
@@ -478,7 +482,7 @@ class RunSpec(SpecModel):
     @model_validator(mode="after")
     def _optimizer_in_backward_world(self) -> RunSpec:
         train, job = self.train, self.job
-        if job.program != "train" or not train.optimizer_in_backward or train.parallelism != "ddp":
+        if not job.kind.trains or not train.optimizer_in_backward or train.parallelism != "ddp":
             return self
         if job.nodes != 1 or job.procs_per_node not in (1, [1]):
             ppn = "unset (the site's GPUs per node)" if job.procs_per_node is None else str(job.procs_per_node)
