@@ -14,6 +14,8 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from jobgen.base.durations import format_human
 from jobgen.model.lora_targets import is_all_linear
+from jobgen.model.mesh import context_parallel_problem
+from jobgen.model.parallelism import ACTIVATION_OFFLOADING, EVAL, LORA, SEVERAL_PROCESSES
 from jobgen.program.kinds import PROGRAMS, Program, ProgramName, owned_tables
 from jobgen.spec.fields import (
     Constraint,
@@ -452,44 +454,35 @@ class RunSpec(SpecModel):
             )
         return self
 
-    @model_validator(mode="after")
-    def _context_parallel_without_eval(self) -> RunSpec:
-        if self.job.kind.trains and self.train.context_parallel > 1 and self.eval is not None:
-            raise ValueError(
-                "[eval] cannot be combined with train.context_parallel yet: evaluation runs whole rows on each rank"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _pipeline_combinations(self) -> RunSpec:
-        if not self.job.kind.trains or self.train.parallelism != "pipeline":
-            return self
-        assert self.model is not None
-        refused = {
-            "[eval]": self.eval is not None,
-            "model.lora": self.model.lora is not None,
-            "model.activation_offloading": self.model.activation_offloading,
+    def turned_on(self) -> frozenset[str]:
+        """The settings of the whole run that a parallelism or the context-parallel degree may
+        refuse, of those that are on (jobgen.model.parallelism names them)."""
+        model = self.model
+        settings = {
+            EVAL: self.eval is not None,
+            LORA: model is not None and model.lora is not None,
+            ACTIVATION_OFFLOADING: model is not None and model.activation_offloading,
+            # An unset procs_per_node is the site's GPUs per node: more than one, for all the spec knows.
+            SEVERAL_PROCESSES: self.job.nodes != 1 or self.job.procs_per_node not in (1, [1]),
         }
-        for key, on in refused.items():
-            if on:
-                raise ValueError(
-                    f"{key} cannot be combined with train.parallelism = 'pipeline' yet: the pipeline's stages run "
-                    "the full fine-tuning forward and backward inside torch's schedule only; use 'fsdp' or 'hsdp' "
-                    f"for a run with {key}"
-                )
+        return self.train.turned_on() | {key for key, on in settings.items() if on}
+
+    @model_validator(mode="after")
+    def _context_parallel_combinations(self) -> RunSpec:
+        if not self.job.kind.trains:
+            return self
+        problem = context_parallel_problem(self.train.strategy, self.train.context_parallel, self.turned_on())
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
-    def _optimizer_in_backward_world(self) -> RunSpec:
-        train, job = self.train, self.job
-        if not job.kind.trains or not train.optimizer_in_backward or train.parallelism != "ddp":
+    def _parallelism_combinations(self) -> RunSpec:
+        """What train.parallelism refuses of the whole run ([train] alone: TrainSpec)."""
+        if not self.job.kind.trains:
             return self
-        if job.nodes != 1 or job.procs_per_node not in (1, [1]):
-            ppn = "unset (the site's GPUs per node)" if job.procs_per_node is None else str(job.procs_per_node)
-            raise ValueError(
-                "train.optimizer_in_backward = true with train.parallelism = 'ddp' runs on one process only: "
-                f"set job.nodes = 1 (it is {job.nodes}) and job.procs_per_node = 1 (it is {ppn}), or use "
-                "train.parallelism = 'fsdp'. DDP's gradient hooks fire before its all-reduce, so each rank "
-                "would step on its own gradient and the replicas would drift apart"
-            )
-        return self
+        refusal = self.train.strategy.refusal(self.turned_on())
+        if refusal is None:
+            return self
+        ppn = "unset (the site's GPUs per node)" if self.job.procs_per_node is None else str(self.job.procs_per_node)
+        raise ValueError(refusal.text(nodes=self.job.nodes, procs_per_node=ppn))
