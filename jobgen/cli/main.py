@@ -150,7 +150,7 @@ def plan(spec_file: str, as_json: bool) -> None:
     from jobgen.plan.memory_plan import plan_run
 
     spec = _load(spec_file)
-    if spec.run.job.program != "train":
+    if not spec.run.job.kind.trains:
         _fail(f"{spec_file}: program = '{spec.run.job.program}' trains nothing; no memory plan", 2)
     try:
         result = plan_run(spec)

@@ -113,7 +113,7 @@ def placeholder_values(run: RunDir, job_id: str, task: str, checkpoint: str | No
 def build_plan(spec: ResolvedSpec, run: RunDir, job_id: str, restart: int, task: str) -> CommandPlan:
     """The plan of one attempt: the checkpoint found now, the words and variables it implies."""
     command = spec.run.command
-    if spec.run.job.program != "command" or command is None:
+    if command is None:  # [command] is there exactly when the program is your own (RunSpec)
         raise PlanError(f"{run.path} runs program '{spec.run.job.program}', not a command: it has no plan")
     checkpoint = latest_checkpoint(run.checkpoints, command.checkpoints)
     values = placeholder_values(run, job_id, task, checkpoint)

@@ -309,7 +309,7 @@ def memory_findings(spec: ResolvedSpec, *, ignore: bool = False) -> list[Finding
     from jobgen.model.files import ModelFileError, UnsizedModel
     from jobgen.plan.memory_plan import plan_run
 
-    if spec.run.job.program != "train":
+    if not spec.run.job.kind.trains:
         return []
     try:
         plan = plan_run(spec)
@@ -335,8 +335,8 @@ def memory_findings(spec: ResolvedSpec, *, ignore: bool = False) -> list[Finding
 def command_findings(spec: ResolvedSpec) -> list[Finding]:
     """What a ``program = "command"`` run gets at a time limit or a preemption, in plain words
     for ``validate`` and ``submit``: a warning where each stop loses work, with what saves it."""
-    command, job = spec.run.command, spec.run.job
-    if job.program != "command" or command is None:
+    command = spec.run.command
+    if command is None:  # [command] is there exactly when the program is your own (RunSpec)
         return []
     if command.hf_trainer:
         return [

@@ -32,10 +32,6 @@ from jobgen.program import placeholders
 from jobgen.runs.rundir import STARTUP_SWITCHES, RunDir
 from jobgen.spec.resolved import ResolvedSpec
 
-# Programs the launch template can start under torchrun, by spec value.
-PROGRAMS = {"train": "trainer", "doctor": "trainer.doctor"}
-# What torchrun starts for program = "command": the launcher that runs your module or script.
-LAUNCHER = "jobgen.runtime.launch"
 # How long the start probe waits for every node's answer (site.health_check's budget).
 PROBE_TIMEOUT_SECONDS = 60
 # What sbatch's #SBATCH parser (src/sbatch/opt.c, get_argument) reads as one argument
@@ -222,7 +218,7 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         "lifecycle": job.resumable,
         "entry_words": entry_words(spec),
         "command_workdir": spec.run.command.workdir if spec.run.command else None,
-        "command_plan": job.program == "command",
+        "command_plan": job.kind.planned,
         # What the batch shell forwards to a program that does not read jobgen's stop request.
         "forward_signal": forward_signal(spec),
         "command_line": command_line(spec),
@@ -362,7 +358,7 @@ def _run_env(spec: ResolvedSpec) -> tuple[dict[str, str], list[str]]:
     program's values are placeholder templates (jobgen.program.placeholders): one naming a placeholder
     is set for each task by jobgen's launcher from the task's plan, never by the shell; the
     others lose only the doubling of their literal braces."""
-    if spec.run.job.program != "command":
+    if not spec.run.job.kind.planned:
         return dict(spec.run.env), []
     per_task = sorted(name for name, value in spec.run.env.items() if placeholders.uses_placeholders(value))
     fixed = {name: placeholders.expand(value, {}) for name, value in spec.run.env.items() if name not in per_task}
@@ -374,7 +370,7 @@ def forward_signal(spec: ResolvedSpec) -> str | None:
     lead-time signal arrives ([command] stop_signal), or None: the bundled programs, and a
     program that reads jobgen's stop request (hf_trainer, jobgen.runtime), need none."""
     command = spec.run.command
-    if spec.run.job.program != "command" or command is None or command.stop_signal in (None, "none"):
+    if command is None or command.stop_signal in (None, "none"):
         return None
     return command.stop_signal
 
@@ -383,23 +379,22 @@ def entry_words(spec: ResolvedSpec) -> Trusted:
     """What torchrun starts on every node, after its own options: jobgen's program with the
     run directory, or, for your own program, jobgen's launcher with this attempt's plan (the
     module or script and its arguments are in the plan: jobgen.launch.command_plan)."""
-    program = spec.run.job.program
-    if program == "command":
+    kind = spec.run.job.kind  # its module: jobgen's program, or jobgen's launcher of yours
+    if kind.planned:
         run = RunDir(spec.run_dir)
         plan = _shell_path("$JOBGEN_RUN_DIR", run.path, run.command_plan(SHELL_JOB_ID, SHELL_RESTART))
-        return Trusted(f"-m {LAUNCHER} --plan {plan}")
-    module = PROGRAMS[program]
+        return Trusted(f"-m {kind.module} --plan {plan}")
     # On each node (the node script): the nodes Slurm gave this task, which job.min_nodes lets vary.
     world = task_world_size(spec, "SLURM_NNODES")
     world = world if spec.run.job.unequal_nodes else Trusted(f'"{world}"')
-    return Trusted(f'-m {module} --run-dir "$JOBGEN_RUN_DIR" --expected-world-size {world}')
+    return Trusted(f'-m {kind.module} --run-dir "$JOBGEN_RUN_DIR" --expected-world-size {world}')
 
 
 def command_line(spec: ResolvedSpec) -> str | None:
     """What a command program runs, for a comment of the script: the module or script and its
     arguments as written (placeholders unexpanded), quoted as a shell would need them."""
     command = spec.run.command
-    if spec.run.job.program != "command" or command is None:
+    if command is None:  # [command] is there exactly when the program is your own (RunSpec)
         return None
     words = ["-m", command.module] if command.module else [command.script]
     line = shlex.join([*words, *command.args])

@@ -222,7 +222,7 @@ def run_local(
 def _resume_findings(spec: ResolvedSpec) -> list[Finding]:
     """A run whose checkpoint the next task would refuse (another global batch): found now,
     without the cluster, rather than after the queue wait."""
-    if spec.run.job.program != "train":
+    if not spec.run.job.kind.trains:
         return []
     problem = resume_problem(spec.run.train, spec.world_sizes, spec.run_dir)
     return [Finding("error", "train.global_batch_size", problem)] if problem else []

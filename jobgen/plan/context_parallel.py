@@ -19,7 +19,8 @@ import dataclasses
 import math
 
 from jobgen.model.files import ModelInfo
-from jobgen.plan.estimate import Estimate, PlanInputs
+from jobgen.plan.estimate import Estimate
+from jobgen.plan.inputs import PlanInputs
 
 
 def share_of_row(max_length: int, ranks: int) -> int:
@@ -40,15 +41,16 @@ def gathered_bytes(model: ModelInfo, inputs: PlanInputs, max_length: int, flex: 
 def with_context_parallel(est: Estimate, model: ModelInfo, inputs: PlanInputs) -> Estimate:
     """``est`` (computed for one rank's share of each row) plus the whole row's K/V and mask,
     alive from the first forward to the end of backward: in every phase but the load."""
-    if inputs.context_parallel == 1:
+    ranks = inputs.mesh.cp  # the context-parallel degree of the run's layout
+    if ranks == 1:
         return est
-    max_length = inputs.seq_len * inputs.context_parallel  # the row as padded for its 2N chunks
+    max_length = inputs.seq_len * ranks  # the row as padded for its 2N chunks
     flex = inputs.device == "cuda" and inputs.attn_implementation == "flex_attention"
     extra = gathered_bytes(model, inputs, max_length, flex)
     components = {**est.components, "context_parallel_kv": extra}
     phases = {name: value + (extra if name != "load" else 0) for name, value in est.phases.items()}
     note = (
-        f"context_parallel = {inputs.context_parallel}: {inputs.seq_len} of each row's {max_length} tokens per "
+        f"context_parallel = {ranks}: {inputs.seq_len} of each row's {max_length} tokens per "
         "rank, plus the row's gathered keys and values" + ("" if flex else " and its attention mask")
     )
     return dataclasses.replace(est, components=components, phases=phases, notes=[*est.notes, note])

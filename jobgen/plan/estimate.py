@@ -56,8 +56,8 @@ from dataclasses import dataclass, field
 
 from jobgen.base.sizes import GIB, MIB
 from jobgen.model.files import ModelInfo
-from jobgen.model.parallelism import STRATEGIES
-from jobgen.plan.nccl import NcclSettings, buffer_bytes
+from jobgen.plan.inputs import PlanInputs
+from jobgen.plan.nccl import buffer_bytes
 
 # Measured: the Python + torch + transformers runtime of one trainer rank on CPU.
 CPU_RUNTIME_BYTES = 460 * MIB
@@ -93,82 +93,6 @@ LOGIT_FP32_COPIES = 3
 # B*T*intermediate elements.
 BACKWARD_WORK_H = 4
 BACKWARD_WORK_I = 3
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass(frozen=True)
-class PipelineInputs:
-    """[train.pipeline] as the estimate reads it (jobgen.spec.tables.pipeline.PipelineSpec's keys)."""
-
-    size: int | None = None  # ranks per pipeline (None: the world)
-    stages: int | None = None  # None: one per pipeline rank (two for the multi-stage schedules)
-    schedule: str = "1f1b"
-    microbatches: int | None = None  # pieces each micro-batch is split into (None: micro_batch_size)
-    layers_per_stage: tuple[int, ...] | None = None
-    data_parallel: str = "fsdp"  # how the world / size replicas combine: "fsdp" or "ddp"
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    """Everything of the spec that changes memory, in one place (suggestions vary these)."""
-
-    device: str = "cpu"  # "cpu" or "cuda"
-    dtype: str = "bfloat16"  # model.dtype (CPU ranks use float32 regardless)
-    parallelism: str = "ddp"
-    world_size: int = 1
-    nodes: int = 1
-    # job.procs_per_node as a list: each node's ranks; empty: world_size / nodes on each.
-    node_procs: tuple[int, ...] = ()
-    micro_batch_size: int = 1
-    seq_len: int = 1024
-    grad_accum: int = 1
-    optimizer: str = "adamw"
-    gradient_checkpointing: bool = False
-    activation_offloading: bool = False
-    optimizer_in_backward: bool = False
-    loss_chunk_tokens: int = 0
-    # train.grad_clip_mode = "per_parameter" with grad_clip > 0 (a pipeline refuses it)
-    per_parameter_clip: bool = False
-    lora_r: int | None = None
-    lora_targets: tuple[str, ...] = ()
-    attn_implementation: str = "sdpa"
-    shard_size: int | None = None  # train.shard_size (hsdp)
-    cpu_offload: bool = False
-    global_batch_size: int | None = None  # train.global_batch_size: grad_accum follows the world
-    nccl: NcclSettings = field(default_factory=NcclSettings)  # the site's network and NCCL variables
-    pipeline: PipelineInputs | None = None  # [train.pipeline] when parallelism is "pipeline"
-    context_parallel: int = 1  # train.context_parallel; seq_len is then one rank's share of a row
-
-    @property
-    def param_bytes(self) -> int:
-        return 4 if self.device == "cpu" else DTYPE_BYTES[self.dtype]
-
-    @property
-    def act_bytes(self) -> int:
-        """Activation dtype: float32 on CPU, bf16 under the GPU's autocast."""
-        return 4 if self.device == "cpu" else 2
-
-    @property
-    def ranks_per_node(self) -> int:
-        """The most ranks on one node: the node whose host memory fills first."""
-        return max(self.node_procs) if self.node_procs else max(1, self.world_size // max(1, self.nodes))
-
-    @property
-    def shard(self) -> int:
-        """Ranks one copy of the model's states is split over (1 for DDP)."""
-        per_node = self.node_procs or self.ranks_per_node
-        return STRATEGIES[self.parallelism].shard_size(self.world_size, per_node, self.shard_size)
-
-    @property
-    def sharded(self) -> bool:
-        """FSDP2 shards the states (over more than one rank)."""
-        return self.shard > 1
-
-    @property
-    def offloaded(self) -> bool:
-        """FSDP2 keeps the states in host memory (cpu_offload on a GPU site)."""
-        return self.cpu_offload and self.device == "cuda" and STRATEGIES[self.parallelism].shards_parameters
 
 
 @dataclass
@@ -420,7 +344,7 @@ def nccl_buffer_bytes(inputs: PlanInputs) -> int:
     """NCCL's communicator buffers on one GPU (none on CPU, where gloo runs)."""
     if inputs.device != "cuda":
         return 0
-    hierarchical = STRATEGIES[inputs.parallelism].groups_by_node
+    hierarchical = inputs.strategy.groups_by_node
     return buffer_bytes(inputs.nccl, inputs.world_size, inputs.shard, hierarchical)
 
 
@@ -440,7 +364,7 @@ def state_bytes(model: ModelInfo, inputs: PlanInputs) -> tuple[dict[str, float],
 
 def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
     """One rank's memory for ``inputs`` (see the module docstring for the model)."""
-    if inputs.parallelism == "pipeline":
+    if inputs.strategy.pipelined:
         raise ValueError("a pipeline is estimated per position: jobgen.plan.pipeline.estimate_run")
     notes: list[str] = []
     states, tr = state_bytes(model, inputs)

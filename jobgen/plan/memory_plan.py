@@ -25,14 +25,10 @@ from jobgen.base.safe_read import DamagedFile, read_json
 from jobgen.base.sizes import MIB, format_bytes, parse_size
 from jobgen.model.files import ModelFileError, ModelInfo, PlanError, UnsizedModel, read_model
 from jobgen.model.lora_targets import adapted, weight_modules
+from jobgen.model.parallelism import STRATEGIES
 from jobgen.plan.context_parallel import share_of_row
-from jobgen.plan.estimate import (
-    FRAGMENTATION_MARGIN,
-    PipelineInputs,
-    PlanInputs,
-    headroom,
-    host_bytes_per_node,
-)
+from jobgen.plan.estimate import FRAGMENTATION_MARGIN, headroom, host_bytes_per_node
+from jobgen.plan.inputs import PipelineInputs, PlanInputs
 from jobgen.plan.nccl import settings_from
 from jobgen.plan.pipeline import Layout, PipelineEstimate, PipelineLayoutError, PositionEstimate, estimate_run
 from jobgen.plan.suggestions import (
@@ -264,7 +260,7 @@ class MemoryPlan:
             + (f" ({' + '.join(map(str, i.node_procs))} per node)" if i.node_procs else "")
             + f", {kind}; micro-batch {i.micro_batch_size} x "
             f"{i.seq_len} tokens, {i.optimizer}"
-            + (f", sharded over {i.shard}" if i.parallelism == "hsdp" else "")
+            + (f", sharded over {i.shard}" if i.strategy.groups_by_node else "")
             + (", CPU offload" if i.offloaded else "")
             + (", checkpointing" if i.gradient_checkpointing else "")
             + (", activation offloading" if i.activation_offloading else "")
@@ -359,7 +355,7 @@ def _attention(attention: str, gpu: bool, packing: bool) -> str:
 def _pipeline_inputs(train: Any) -> PipelineInputs | None:
     """[train.pipeline] of a pipeline run (None for any other parallelism)."""
     pipe = getattr(train, "pipeline", None)
-    if train.parallelism != "pipeline" or pipe is None:
+    if not STRATEGIES[train.parallelism].pipelined or pipe is None:
         return None
     layers = tuple(pipe.layers_per_stage) if pipe.layers_per_stage is not None else None
     return PipelineInputs(pipe.size, pipe.stages, pipe.schedule, pipe.microbatches, layers, pipe.data_parallel)
@@ -456,9 +452,10 @@ def plan_run(spec: Any) -> MemoryPlan:
     plan.budget, plan.budget_source = budget_for(spec)
     plan.measured = read_measured(spec.run_dir)
     budgets = Budgets(plan.budget, plan.host_budget) if plan.budget is not None else None
-    # A pipeline refuses [eval] for now; the other keys it refuses are in the inputs.
-    pipeline = getattr(run, "eval", None) is None
+    # What the run has on that a parallelism may refuse, [eval] among them, which the inputs
+    # do not hold: no change is suggested that the spec would refuse.
+    held = run.turned_on()
     if budgets is not None and (plan.fits is False or plan.tight):
-        plan.suggestions = suggestions(model, inputs, budgets, spec.procs_per_node, tight=plan.tight, pipeline=pipeline)
-    plan.network_suggestions = network_suggestions(model, inputs, budgets, pipeline=pipeline)
+        plan.suggestions = suggestions(model, inputs, budgets, spec.procs_per_node, tight=plan.tight, held=held)
+    plan.network_suggestions = network_suggestions(model, inputs, budgets, held=held)
     return plan

@@ -60,13 +60,13 @@ from dataclasses import asdict, dataclass, field, replace
 from jobgen.base.sizes import format_bytes
 from jobgen.model.files import _LAYER as BLOCK_NAME
 from jobgen.model.files import ModelInfo
+from jobgen.model.parallelism import STRATEGIES
 from jobgen.model.pipeline_split import PipelineSplitError, stage_indices, stage_layers
 from jobgen.plan.context_parallel import with_context_parallel
 from jobgen.plan.estimate import (
     LOAD_TRANSIENT,
     ActivationParts,
     Estimate,
-    PlanInputs,
     activation_parts,
     estimate,
     logit_bytes,
@@ -75,6 +75,7 @@ from jobgen.plan.estimate import (
     state_bytes,
     step_phases,
 )
+from jobgen.plan.inputs import PlanInputs
 from jobgen.plan.nccl import buffer_bytes
 from jobgen.spec.tables.pipeline import PipelineSpec
 
@@ -104,8 +105,8 @@ class Layout:
 
     @property
     def sharded(self) -> bool:
-        """FSDP2 shards each position over its replicas."""
-        return self.data_parallel == "fsdp" and self.dp > 1
+        """FSDP2 shards each position over its replicas (train.pipeline.data_parallel's entry)."""
+        return STRATEGIES[self.data_parallel].shards_parameters and self.dp > 1
 
     def describe(self) -> str:
         replicas = f", {self.data_parallel} over the replicas" if self.dp > 1 else ""
@@ -176,7 +177,7 @@ class PipelineEstimate(Estimate):
 def estimate_run(model: ModelInfo, inputs: PlanInputs) -> Estimate:
     """One rank's estimate of any run: :func:`estimate_pipeline` for a pipeline, else
     :func:`jobgen.plan.estimate.estimate` (with train.context_parallel's share of each row)."""
-    if inputs.parallelism == "pipeline":
+    if inputs.strategy.pipelined:
         return estimate_pipeline(model, inputs)
     return with_context_parallel(estimate(model, inputs), model, inputs)
 
@@ -206,7 +207,7 @@ def layout_of(model: ModelInfo, inputs: PlanInputs) -> Layout:
     problem = spec.world_problem(inputs.world_size, inputs.micro_batch_size)
     if problem:
         raise PipelineLayoutError(problem[1])
-    pp = spec.pipeline_size(inputs.world_size)
+    mesh = inputs.mesh  # the positions and their replicas, as the trainer lays them out
     stages = spec.stage_count(inputs.world_size)
     embed, head = embed_and_head_weights(model)
     try:
@@ -216,8 +217,8 @@ def layout_of(model: ModelInfo, inputs: PlanInputs) -> Layout:
         raise PipelineLayoutError(str(exc)) from None
     micro = spec.microbatch_count(inputs.micro_batch_size)
     return Layout(
-        pp=pp,
-        dp=inputs.world_size // pp,
+        pp=mesh.pp,
+        dp=mesh.dp,
         schedule=spec.schedule,
         data_parallel=spec.data_parallel,
         microbatches=micro,
@@ -227,20 +228,13 @@ def layout_of(model: ModelInfo, inputs: PlanInputs) -> Layout:
     )
 
 
-def pipeline_problem(model: ModelInfo, inputs: PlanInputs) -> str | None:
+def pipeline_problem(model: ModelInfo, inputs: PlanInputs, held: frozenset[str] = frozenset()) -> str | None:
     """Why ``inputs``' pipeline cannot run on ``model`` (None when it can), as far as the
-    estimate's inputs tell: the layout, tied embeddings and the keys a pipeline refuses."""
-    refused = {
-        "model.lora": inputs.lora_r is not None,
-        "model.activation_offloading": inputs.activation_offloading,
-        "train.cpu_offload": inputs.cpu_offload,
-        "train.optimizer_in_backward": inputs.optimizer_in_backward,
-        "train.loss_chunk_tokens": inputs.loss_chunk_tokens > 0,
-        "train.grad_clip_mode = 'per_parameter'": inputs.per_parameter_clip,
-    }
-    for key, on in refused.items():
-        if on:
-            return f"{key} cannot be combined with a pipeline"
+    estimate's inputs and ``held`` (what else the run has on: its [eval]) tell: the settings
+    the pipeline's entry refuses (jobgen.model.parallelism), tied embeddings and the layout."""
+    refusal = inputs.strategy.refusal(inputs.turned_on() | held)
+    if refusal is not None:
+        return f"{' with '.join(refusal.keys)} cannot be combined with train.parallelism = '{inputs.parallelism}'"
     if model.tie_word_embeddings:
         return "the model ties its input and output embeddings, which a pipeline cannot split"
     try:

@@ -16,7 +16,10 @@ from typing import Any
 
 from jobgen.base.sizes import format_bytes
 from jobgen.model.files import ModelInfo
-from jobgen.plan.estimate import PipelineInputs, PlanInputs, host_bytes_per_node, required_bytes
+from jobgen.model.mesh import context_parallel_problem
+from jobgen.model.parallelism import STRATEGIES, Parallelism
+from jobgen.plan.estimate import host_bytes_per_node, required_bytes
+from jobgen.plan.inputs import PipelineInputs, PlanInputs
 from jobgen.plan.pipeline import estimate_run, pipeline_problem
 
 # Over this fraction of the budget a run is "tight": the estimate's error (3-12 % on the runs
@@ -31,9 +34,9 @@ HSDP_COST = (
     "more memory per rank than FSDP over all nodes (each node holds a whole copy of the states), "
     "but the all-gathers stay within the node"
 )
-# The parallelisms that move parameters or gradients between all ranks every step.
-DATA_PARALLEL = ("ddp", "fsdp", "hsdp")
 PIPELINE_LABEL = 'train.parallelism = "pipeline"'
+# What more nodes, and CPU offload from whole copies, shard over: every rank.
+SPREAD = "fsdp"
 
 
 def verdict_for(required: int, budget: int, host: int = 0, host_budget: int | None = None) -> str:
@@ -85,18 +88,18 @@ class _Change:
 def _global_batch(inputs: PlanInputs) -> int:
     """Sequences per optimizer step: a micro-batch x grad_accum on each data-parallel replica
     (every rank, or every pipeline)."""
-    pipe = inputs.pipeline if inputs.parallelism == "pipeline" else None
-    replicas = inputs.world_size // (pipe.size or inputs.world_size) if pipe else inputs.world_size
-    return inputs.micro_batch_size * inputs.grad_accum * replicas
+    return inputs.micro_batch_size * inputs.grad_accum * inputs.mesh.data_replicas
 
 
 def _kept_batch(inputs: PlanInputs, world: int) -> tuple[int, int] | None:
-    """(micro_batch_size, grad_accum) that keep the global batch on ``world`` ranks, the
-    largest micro-batch first; None when no whole split does."""
+    """(micro_batch_size, grad_accum) that keep the global batch on ``world`` ranks without a
+    pipeline (the context-parallel groups kept), the largest micro-batch first; None when no
+    whole split does."""
     batch = _global_batch(inputs)
+    replicas = max(1, world // inputs.mesh.cp)
     for mb in range(inputs.micro_batch_size, 0, -1):
-        if batch % (mb * world) == 0:
-            return mb, batch // (mb * world)
+        if batch % (mb * replicas) == 0:
+            return mb, batch // (mb * replicas)
     return None
 
 
@@ -104,8 +107,8 @@ def _nodes_change(inputs: PlanInputs, factor: int, per_node: int) -> _Change:
     """More nodes with FSDP over all of them, keeping the global batch where a micro-batch and
     grad_accum do, and saying so where none does."""
     nodes, world = inputs.nodes * factor, inputs.nodes * factor * per_node
-    fsdp = 'train.parallelism = "fsdp"' + (" (without [train.pipeline])" if inputs.parallelism == "pipeline" else "")
-    keys = [f"job.nodes = {nodes}"] + ([] if inputs.parallelism == "fsdp" else [fsdp])
+    fsdp = f'train.parallelism = "{SPREAD}"' + (" (without [train.pipeline])" if inputs.strategy.pipelined else "")
+    keys = [f"job.nodes = {nodes}"] + ([] if inputs.parallelism == SPREAD else [fsdp])
     batch = _global_batch(inputs)
     kept = _kept_batch(inputs, world)
     if kept is None:
@@ -122,24 +125,35 @@ def _nodes_change(inputs: PlanInputs, factor: int, per_node: int) -> _Change:
         if accum != inputs.grad_accum and inputs.global_batch_size is None:
             keys.append(f"train.grad_accum = {accum}")  # with global_batch_size it follows by itself
     updates = dict(
-        nodes=nodes, world_size=world, parallelism="fsdp", micro_batch_size=mb, grad_accum=accum, pipeline=None
+        nodes=nodes, world_size=world, parallelism=SPREAD, micro_batch_size=mb, grad_accum=accum, pipeline=None
     )
     return _Change(", ".join(keys), cost, **updates)
 
 
 def _parallelism_changes(inputs: PlanInputs) -> list[_Change]:
-    out = []
-    if inputs.parallelism == "ddp" and inputs.world_size > 1:
-        # Unequal nodes have no default shard group (a node): hsdp would need a train.shard_size too.
-        if inputs.nodes > 1 and not inputs.node_procs:
-            out.append(_Change('train.parallelism = "hsdp"', HSDP_COST, parallelism="hsdp"))
-        across = ", each block all-gathered across the network twice a step" if inputs.nodes > 1 else ""
-        out.append(_Change('train.parallelism = "fsdp"', f"more communication{across}", parallelism="fsdp"))
-    if inputs.parallelism == "hsdp" and inputs.shard < inputs.world_size:
-        cost = "shards over every rank: each block all-gathered across the network twice a step"
-        label = 'train.parallelism = "fsdp"' + (" (without train.shard_size)" if inputs.shard_size else "")
-        out.append(_Change(label, cost, parallelism="fsdp", shard_size=None))
+    """The strategies the run's entry names ``instead`` (jobgen.model.parallelism), on several
+    ranks: one that shards within a node only on several nodes of the same size (unequal nodes
+    have no default shard group: it would need a train.shard_size too), one that shards over
+    every rank from one that shards within a node only while that is not every rank already."""
+    current, out = inputs.strategy, []
+    for name in current.instead if inputs.world_size > 1 else ():
+        target = STRATEGIES[name]
+        if target.groups_by_node and (inputs.nodes < 2 or inputs.node_procs):
+            continue
+        if current.groups_by_node and inputs.shard >= inputs.world_size:
+            continue
+        label = f'train.parallelism = "{name}"' + (" (without train.shard_size)" if inputs.shard_size else "")
+        out.append(_Change(label, _instead_cost(current, target, inputs), parallelism=name, shard_size=None))
     return out
+
+
+def _instead_cost(current: Parallelism, target: Parallelism, inputs: PlanInputs) -> str:
+    if target.groups_by_node:
+        return HSDP_COST
+    if current.groups_by_node:
+        return "shards over every rank: each block all-gathered across the network twice a step"
+    across = ", each block all-gathered across the network twice a step" if inputs.nodes > 1 else ""
+    return f"more communication{across}"
 
 
 def _pipeline_change(inputs: PlanInputs) -> _Change | None:
@@ -148,7 +162,7 @@ def _pipeline_change(inputs: PlanInputs) -> _Change | None:
     rank on one node or unequal nodes; the global batch kept (grad_accum x positions, all of
     a step's micro-batches in one schedule step); 1f1b when a micro-batch splits into at
     least a piece per position (one row each, the default), else gpipe."""
-    if inputs.parallelism not in DATA_PARALLEL or inputs.world_size < 2:
+    if inputs.strategy.pipelined or inputs.world_size < 2:
         return None
     per_node = inputs.nodes > 1 and not inputs.node_procs and inputs.world_size % inputs.nodes == 0
     pp = inputs.nodes if per_node else inputs.world_size
@@ -170,10 +184,11 @@ def _pipeline_change(inputs: PlanInputs) -> _Change | None:
 def _pipeline_run_changes(inputs: PlanInputs) -> list[_Change]:
     """For a pipeline: its replicas sharded instead of whole, and 1f1b instead of gpipe."""
     pipe = inputs.pipeline
-    if inputs.parallelism != "pipeline" or pipe is None:
+    if not inputs.strategy.pipelined or pipe is None:
         return []
     out = []
-    if pipe.data_parallel == "ddp" and inputs.world_size > (pipe.size or inputs.world_size):
+    whole_replicas = not STRATEGIES[pipe.data_parallel].shards_parameters
+    if whole_replicas and inputs.world_size > (pipe.size or inputs.world_size):
         cost = "the replicas gather each stage's parameters (within their group) every step"
         out.append(_Change('train.pipeline.data_parallel = "fsdp"', cost, pipeline=replace(pipe, data_parallel="fsdp")))
     if pipe.schedule == "gpipe":
@@ -185,14 +200,16 @@ def _pipeline_run_changes(inputs: PlanInputs) -> list[_Change]:
 def _offload_change(inputs: PlanInputs) -> list[_Change]:
     if inputs.device != "cuda" or inputs.cpu_offload:
         return []
-    fsdp = ', train.parallelism = "fsdp"' if inputs.parallelism == "ddp" else ""
-    parallelism = "fsdp" if inputs.parallelism == "ddp" else inputs.parallelism
+    # FSDP2 offloads its shards: a strategy that keeps whole copies moves to sharding over every rank.
+    whole = not inputs.strategy.shards_parameters
+    fsdp = f', train.parallelism = "{SPREAD}"' if whole else ""
+    parallelism = SPREAD if whole else inputs.parallelism
     return [_Change(f"train.cpu_offload = true{fsdp}", OFFLOAD_COST, cpu_offload=True, parallelism=parallelism)]
 
 
-def _candidates(inputs: PlanInputs, procs_per_node: int, pipeline: bool = True) -> list[_Change]:
-    """Candidate changes, cheapest first; a pipeline among them on an Ethernet site when
-    ``pipeline`` (the run has nothing else a pipeline refuses, such as [eval])."""
+def _candidates(inputs: PlanInputs, procs_per_node: int) -> list[_Change]:
+    """Candidate changes, cheapest first; a pipeline among them on an Ethernet site. Some may
+    be what the spec refuses (:func:`_runs` leaves them out)."""
     out = _pipeline_run_changes(inputs)
     if not inputs.optimizer_in_backward and inputs.grad_accum == 1:
         out.append(
@@ -202,7 +219,7 @@ def _candidates(inputs: PlanInputs, procs_per_node: int, pipeline: bool = True) 
     if not inputs.loss_chunk_tokens:
         out.append(_Change("train.loss_chunk_tokens = 1024", "a little compute", loss_chunk_tokens=1024))
     out += _parallelism_changes(inputs)
-    change = _pipeline_change(inputs) if pipeline and inputs.nccl.transport == "socket" else None
+    change = _pipeline_change(inputs) if inputs.nccl.transport == "socket" else None
     out += [change] if change else []
     if inputs.device == "cuda" and not inputs.activation_offloading:
         both = "" if inputs.gradient_checkpointing else ", model.gradient_checkpointing = true"
@@ -244,9 +261,18 @@ def evaluate(model: ModelInfo, inputs: PlanInputs, budgets: Budgets | None) -> t
     return est.peak, required, host, verdict_for(required, budgets.device, host, budgets.host)
 
 
-def _runs(model: ModelInfo, inputs: PlanInputs) -> bool:
-    """Whether the trainer would run ``inputs`` at all (a pipeline refuses some settings)."""
-    return inputs.parallelism != "pipeline" or pipeline_problem(model, inputs) is None
+def _runs(model: ModelInfo, inputs: PlanInputs, held: frozenset[str], *, may_move: bool = False) -> bool:
+    """Whether the spec and the trainer would run ``inputs`` at all: nothing its parallelism's
+    entry or its context-parallel degree refuses of the settings it has on and ``held`` (what
+    the run has on besides: [eval]; a change only turns settings on), and a pipeline that can
+    be laid out on the model. ``may_move``: a step of a combination, which a later step may
+    take to one of the strategies its entry names ``instead`` (ddp's refusals are lifted by fsdp)."""
+    on = inputs.turned_on() | held
+    if context_parallel_problem(inputs.strategy, inputs.mesh.cp, on):
+        return False
+    if inputs.strategy.refusal(on) and not (may_move and inputs.strategy.instead):
+        return False
+    return not inputs.strategy.pipelined or pipeline_problem(model, inputs, held) is None
 
 
 def _suggestion(model: ModelInfo, change: _Change, inputs: PlanInputs, budgets: Budgets | None) -> Suggestion:
@@ -272,16 +298,17 @@ def suggestions(
     procs_per_node: int,
     *,
     tight: bool = False,
-    pipeline: bool = True,
+    held: frozenset[str] = frozenset(),
 ):
     """Each candidate change evaluated with the same estimator; those that make the run fit
     (for a ``tight`` run: fit with room), cheapest first (of the node counts and max_lengths
     only the first). When no single change does, the candidates applied together in order until
-    the run fits, as one suggestion. ``pipeline``: whether a pipeline may be suggested."""
+    the run fits, as one suggestion. ``held``: what the run has on that the inputs do not hold
+    (RunSpec.turned_on), so that nothing is suggested that the spec would refuse."""
     wanted = ("fits",) if tight else ("fits", "tight")
     found = []
-    for change in _candidates(inputs, procs_per_node, pipeline):
-        if not _runs(model, change(inputs)):
+    for change in _candidates(inputs, procs_per_node):
+        if not _runs(model, change(inputs), held):
             continue
         suggestion = _suggestion(model, change, inputs, budgets)
         if suggestion.verdict in wanted:
@@ -289,24 +316,26 @@ def suggestions(
     if found:
         return _first_of_groups(found)
     for goal in wanted:
-        combined = _combined(model, inputs, budgets, procs_per_node, goal, pipeline)
+        combined = _combined(model, inputs, budgets, procs_per_node, goal, held)
         if combined:
             return combined
     return []
 
 
-def _combined(model: ModelInfo, inputs: PlanInputs, budgets: Budgets, procs_per_node: int, goal: str, pipeline: bool):
+def _combined(
+    model: ModelInfo, inputs: PlanInputs, budgets: Budgets, procs_per_node: int, goal: str, held: frozenset[str]
+):
     """The candidates (but node counts, lengths, micro-batches and a pipeline) applied together
     in order until the verdict is ``goal`` or better, then each one that is not needed after all
-    dropped."""
+    dropped; nothing when what is left is what the spec refuses."""
     good = ("fits",) if goal == "fits" else ("fits", "tight")
     steps: list[_Change] = []
     current = inputs
-    for change in _candidates(inputs, procs_per_node, pipeline):
+    for change in _candidates(inputs, procs_per_node):
         if change.label.startswith(("job.nodes", "data.max_length", "train.micro_batch_size", PIPELINE_LABEL)):
             continue
         changed = change(current)
-        if changed == current or not _runs(model, changed):
+        if changed == current or not _runs(model, changed, held, may_move=True):
             continue
         steps.append(change)
         current = changed
@@ -316,9 +345,11 @@ def _combined(model: ModelInfo, inputs: PlanInputs, budgets: Budgets, procs_per_
         return []
     for item in list(reversed(steps)):
         trial = [s for s in steps if s is not item]
-        if _runs(model, _apply(inputs, trial)) and evaluate(model, _apply(inputs, trial), budgets)[3] in good:
+        if _runs(model, _apply(inputs, trial), held) and evaluate(model, _apply(inputs, trial), budgets)[3] in good:
             steps = trial
     final = _apply(inputs, steps)
+    if not _runs(model, final, held):
+        return []
     peak, required, host, verdict = evaluate(model, final, budgets)
     costs = "; ".join(s.cost.replace("{host}", format_bytes(host)) for s in steps if "{host}" in s.cost)
     cost = "all of these together" + (f" ({costs})" if costs else "")
@@ -332,15 +363,15 @@ def _apply(inputs: PlanInputs, steps: list[_Change]) -> PlanInputs:
 
 
 def network_suggestions(
-    model: ModelInfo, inputs: PlanInputs, budgets: Budgets | None, *, pipeline: bool = True
+    model: ModelInfo, inputs: PlanInputs, budgets: Budgets | None, *, held: frozenset[str] = frozenset()
 ) -> list[Suggestion]:
     """On an Ethernet site, for a run of several nodes whose parallelism moves parameters or
     gradients over the network every step (ddp, fsdp, hsdp): the pipeline (:func:`_pipeline_change`)
-    with its memory (the busiest position's peak), whatever the run's verdict; nothing when
-    ``pipeline`` is false or the trainer would refuse it."""
-    if inputs.nccl.transport != "socket" or inputs.nodes < 2 or not pipeline:
+    with its memory (the busiest position's peak), whatever the run's verdict; nothing when the
+    spec or the trainer would refuse it (``held``: as :func:`suggestions` takes it)."""
+    if inputs.nccl.transport != "socket" or inputs.nodes < 2:
         return []
     change = _pipeline_change(inputs)
-    if change is None or not _runs(model, change(inputs)):
+    if change is None or not _runs(model, change(inputs), held):
         return []
     return [_suggestion(model, change, inputs, budgets)]

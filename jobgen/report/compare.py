@@ -203,7 +203,7 @@ def _max_steps(run: RunDir, warn: Callable[[str], None]) -> int | None:
         warn(f"{exc}: max_steps unknown")
         return None
     # As jobgen status: only the bundled trainer has a known total.
-    return spec.run.train.max_steps if spec.run.job.program == "train" else None
+    return spec.run.train.max_steps if spec.run.job.kind.trains else None
 
 
 def _curve(lines: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:

@@ -207,7 +207,7 @@ def decide_status(
         state="unknown",
         step=last.get("step"),
         logged_step=last.get("step"),
-        max_steps=found.spec.run.train.max_steps if job.program == "train" else None,
+        max_steps=found.spec.run.train.max_steps if job.kind.trains else None,
         node_procs=list(found.spec.node_procs),
         tasks=tasks,
         goodput=goodput(found.reports),

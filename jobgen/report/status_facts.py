@@ -93,7 +93,7 @@ def read_run_records(run: RunDir) -> RunRecords:
     spec = run.load_spec()
     job = spec.run.job
     saved = run.complete_checkpoints()
-    if job.program == "command":  # a Hugging Face Trainer's checkpoint-N/ count as saved too
+    if job.kind.own_checkpoints:  # a Hugging Face Trainer's checkpoint-N/ count as saved too
         saved = sorted(saved + trainer_checkpoints(run.checkpoints))
     held, held_problem = _read_quarantine(run)
     best, best_problem = _read_best(run)
@@ -114,7 +114,7 @@ def read_run_records(run: RunDir) -> RunRecords:
         held_problem=held_problem,
         failed=run.failure(),
         done=run.done_marker.exists(),
-        doctor_ok=_doctor_verdict(run) if job.program == "doctor" else None,
+        doctor_ok=_doctor_verdict(run) if job.kind.checks_nodes else None,
     )
 
 

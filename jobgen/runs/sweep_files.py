@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from jobgen.base.safe_read import LINES_FILE, DamagedFile, parse_json, read_bytes
+from jobgen.program.kinds import PROGRAMS as KINDS
 from jobgen.runs.rundir import RunDir, RunDirError
 
 SWEEP_INDEX = "sweep.json"
@@ -50,9 +51,9 @@ FORMAT = 2  # points under points/
 
 # A point's name is its job.name (jobgen.spec.fields.JobName): no '/', never '.' or '..'.
 POINT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-# job.program (jobgen.spec.tables.run: tests/unit/test_sweep_files.py keeps the two equal): the point's
-# script is <program>.sbatch in its directory (jobgen.runs.rundir.RunDir.script).
-PROGRAMS = ("train", "doctor", "command")
+# job.program, the names of jobgen.program.kinds' table: the point's script is <program>.sbatch
+# in its directory (jobgen.runs.rundir.RunDir.script).
+PROGRAMS = tuple(KINDS)
 _DIGITS = re.compile(r"[0-9]{1,19}")  # ASCII only: '²'.isdigit() is True, int('²') fails
 # An override's key: a dotted key into run.toml, as [sweep] spells them (jobgen.spec.tables.sweep's
 # pattern: tests/unit/test_sweep_files.py keeps the two equal).

@@ -410,7 +410,7 @@ def _check_script_paths(
 def _check_env_placeholders(run: RunSpec, run_label: str) -> list[SpecIssue]:
     """[env] values of a command program are expanded per task (jobgen.program.placeholders); those
     of the bundled programs reach the job as written, braces and all."""
-    if run.job.program != "command":
+    if not run.job.kind.planned:
         return []
     issues = []
     for name, value in run.env.items():
@@ -434,7 +434,7 @@ def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIs
         if ppn is not None and ppn > cpus:
             message = f"{ppn} processes per node but only {cpus} CPUs per node (site slurm.cpus_per_node)"
             issues.append(SpecIssue(run_label, "job.procs_per_node" + index, message))
-    if run.job.program == "train":
+    if run.job.kind.trains:
         issues.extend(_check_world_sizes(run, site, run_label))
     return issues
 

@@ -71,9 +71,9 @@ def model_problems(run: RunSpec, world_sizes: list[int]) -> list[Problem]:
     blocks in a world of one of ``world_sizes`` ranks. Every rank of every task would fail on
     them as it builds the model."""
     model = run.model
-    if model is None or run.job.program != "train" or not Path(model.path).is_absolute():
+    if model is None or not run.job.kind.trains or not Path(model.path).is_absolute():
         return []
-    pipeline = run.train.pipeline if run.train.parallelism == "pipeline" else None
+    pipeline = run.train.pipeline if run.train.strategy.pipelined else None
     if model.lora is None and pipeline is None:
         return []  # nothing to check: no need to read the model
     info = _model(model.path)

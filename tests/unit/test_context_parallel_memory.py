@@ -8,7 +8,7 @@ import pytest
 from fake_models import fake_model
 from jobgen.model.files import ModelInfo, read_model
 from jobgen.plan.context_parallel import share_of_row
-from jobgen.plan.estimate import PlanInputs
+from jobgen.plan.inputs import PlanInputs
 from jobgen.plan.pipeline import estimate_run
 
 LENGTH = 32768

@@ -14,7 +14,8 @@ from fake_models import expected_count, fake_model, plan_spec
 from helpers import DATA, jobgen, run_spec
 from jobgen.base.sizes import GIB, MIB, parse_size
 from jobgen.model.files import read_model, read_safetensors_header
-from jobgen.plan.estimate import PlanInputs, estimate
+from jobgen.plan.estimate import estimate
+from jobgen.plan.inputs import PlanInputs
 
 # --------------------------------------------------------------------------- the estimator
 

@@ -13,7 +13,8 @@ from fake_models import fake_model
 from helpers import DATA, run_spec
 from jobgen.model.files import ModelInfo, read_model
 from jobgen.model.pipeline_split import SCHEDULES, stage_layers
-from jobgen.plan.estimate import PipelineInputs, PlanInputs, estimate
+from jobgen.plan.estimate import estimate
+from jobgen.plan.inputs import PipelineInputs, PlanInputs
 from jobgen.plan.memory_plan import plan_run
 from jobgen.plan.pipeline import (
     Layout,

@@ -17,7 +17,8 @@ from helpers import DATA, jobgen, run_spec
 from jobgen.base.sizes import GIB, MIB
 from jobgen.launch.preflight import memory_findings
 from jobgen.model.files import read_model
-from jobgen.plan.estimate import CUDA_CONTEXT_RESERVE, FRAGMENTATION_MARGIN, PlanInputs, estimate
+from jobgen.plan.estimate import CUDA_CONTEXT_RESERVE, FRAGMENTATION_MARGIN, estimate
+from jobgen.plan.inputs import PlanInputs
 from jobgen.plan.memory_plan import MemoryPlan, plan_run
 from jobgen.plan.nccl import NcclSettings
 from jobgen.spec.loader import load_run

@@ -20,7 +20,7 @@ from jobgen.launch.doctor import doctor_spec
 from jobgen.launch.preflight import _ClusterFacts, _decide
 from jobgen.launch.render import render, sbatch_directives
 from jobgen.model.parallelism import STRATEGIES, shard_size_problem
-from jobgen.plan.estimate import PlanInputs
+from jobgen.plan.inputs import PlanInputs
 from jobgen.report.status import RunStatus
 from jobgen.report.status_format import format_status
 from jobgen.spec.loader import load_run

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from jobgen.model.parallelism import STRATEGIES
 from jobgen.model.pipeline_split import SCHEDULES, schedule_problem
 from trainer.data.packing import token_loss_sum
 from trainer.distributed import DistEnv
@@ -54,7 +55,8 @@ log = logging.getLogger("trainer.parallel.pipeline")
 # which is what a stage re-implements; others (embedding scales, sliding windows, per-layer
 # masks) would train silently wrong.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-DATA_PARALLEL = ("fsdp", "hsdp", "ddp")
+# How a pipeline's replicas may combine: every strategy of jobgen.model.parallelism but a pipeline.
+DATA_PARALLEL = tuple(name for name, entry in STRATEGIES.items() if not entry.pipelined)
 
 # The flags torch 2.13's schedules keep to run shape inference once (schedules.py:
 # PipelineScheduleSingle and PipelineScheduleMulti); cleared, the next step infers again.
@@ -234,7 +236,7 @@ def _wrap_data_parallel(module: StageModule, views: list[nn.Module], kind: str, 
     kwargs: dict[str, object] = {"mesh": mesh}
     if device.type == "cuda":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if kind == "ddp":
+    if not STRATEGIES[kind].shards_parameters:  # whole copies: FSDP2's replicate
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         for unit in [*module.model.layers.values(), *views]:

@@ -60,9 +60,9 @@ class PipelineLayout:
         problem = train.pipeline.world_problem(env.world_size, train.micro_batch_size)
         if problem:  # the loader checked the spec's worlds; a resume may have formed another
             raise PipelineError(f"this task's world of {env.world_size}: {problem[1]}")
-        pp = train.pipeline.pipeline_size(env.world_size)
-        dp = env.world_size // pp
-        return cls(pp_size=pp, dp_size=dp, pp_rank=env.rank // dp, dp_rank=env.rank % dp)
+        mesh = train.mesh(env.world_size, env.local_world_size)
+        pp_rank, dp_rank = mesh.position(env.rank)
+        return cls(pp_size=mesh.pp, dp_size=mesh.dp, pp_rank=pp_rank, dp_rank=dp_rank)
 
 
 @functools.cache

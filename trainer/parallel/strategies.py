@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from jobgen.model.mesh import mesh_of
 from jobgen.model.parallelism import STRATEGIES as PLANS
 from jobgen.model.parallelism import Parallelism, shard_size_problem
 from jobgen.spec.tables.run import TrainSpec
@@ -167,8 +168,8 @@ def hsdp_shape(env: DistEnv, shard_size: int | None) -> tuple[int, int]:
     problem = shard_size_problem("hsdp", env.world_size, env.local_world_size, shard_size)
     if problem:
         raise ParallelismError(f"this task's world: {problem}")
-    size = PLANS["hsdp"].shard_size(env.world_size, env.local_world_size, shard_size)
-    return env.world_size // size, size
+    mesh = mesh_of("hsdp", env.world_size, env.local_world_size, shard_size=shard_size)
+    return mesh.replicate, mesh.shard
 
 
 def hsdp_mesh(env: DistEnv, shard_size: int | None) -> DeviceMesh:
@@ -248,15 +249,15 @@ def _data_parallel_steps(trainer: Any) -> StepRunner:
 
 
 def _every_rank_its_rows(train: TrainSpec, env: DistEnv) -> tuple[int, int]:
-    # A context-parallel group's N consecutive ranks read the same rows, each a share of them.
-    n = train.context_parallel
-    return env.rank // n, env.world_size // n
+    # A context-parallel group's cp consecutive ranks read the same rows, each a share of them.
+    return train.mesh(env.world_size, env.local_world_size).data_shard(env.rank)
 
 
 def context_parallel_for(train: TrainSpec, env: DistEnv) -> ContextParallel | None:
-    """This rank's context-parallel group (ranks r - r % N .. + N - 1, one node's when N
-    divides its processes), or None without ``train.context_parallel``."""
-    if train.context_parallel == 1:
+    """This rank's context-parallel group (ranks r - r % cp .. + cp - 1, one node's when cp
+    divides its processes: the mesh's ``cp`` degree), or None when the degree is 1."""
+    degree = train.mesh(env.world_size, env.local_world_size).cp
+    if degree == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -265,7 +266,7 @@ def context_parallel_for(train: TrainSpec, env: DistEnv) -> ContextParallel | No
     problem = train.world_problem(env.world_size)
     if problem:  # the loader checked the spec's worlds; a resume may have formed another
         raise ParallelismError(f"this task's world: {problem[1]}")
-    shape = (env.world_size // train.context_parallel, train.context_parallel)
+    shape = (env.world_size // degree, degree)
     mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=("dp", "cp"))
     return ContextParallel(mesh.get_group("cp"))
 

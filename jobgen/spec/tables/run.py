@@ -14,6 +14,9 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from jobgen.base.durations import format_human
 from jobgen.model.lora_targets import is_all_linear
+from jobgen.model.mesh import context_parallel_problem
+from jobgen.model.parallelism import ACTIVATION_OFFLOADING, EVAL, LORA, SEVERAL_PROCESSES
+from jobgen.program.kinds import PROGRAMS, Program, ProgramName, owned_tables
 from jobgen.spec.fields import (
     Constraint,
     Duration,
@@ -43,7 +46,7 @@ class JobSpec(SpecModel):
     """What to ask Slurm for. Keys here override the site profile's."""
 
     name: JobName = Field(description="Job name; also the run directory's name under runs_root.")
-    program: Literal["train", "doctor", "command"] = Field(
+    program: ProgramName = Field(
         "train",
         description=(
             "'train' runs the bundled trainer; 'doctor' runs the node health check (no model or data needed); "
@@ -120,11 +123,16 @@ class JobSpec(SpecModel):
     )
 
     @property
+    def kind(self) -> Program:
+        """The program's entry (jobgen.program.kinds): what every room needs of it."""
+        return PROGRAMS[self.program]
+
+    @property
     def resumable(self) -> bool:
         """A program that saves, resumes and stops on request (the trainer, your own program
         through jobgen.runtime): it runs as a chained array, with the switches, the failed
         and done markers, stop requests and node quarantine."""
-        return self.program in ("train", "command")
+        return self.kind.resumable
 
     @field_validator("exit_grace")
     @classmethod
@@ -422,22 +430,20 @@ class RunSpec(SpecModel):
 
     @model_validator(mode="after")
     def _check_program(self) -> RunSpec:
-        if self.job.program == "train":
-            missing = [t for t in ("model", "data") if getattr(self, t) is None]
-            if missing:
-                raise ValueError(f"program = 'train' needs the table(s) {', '.join('[' + m + ']' for m in missing)}")
-        if self.job.program == "command" and self.command is None:
-            raise ValueError("program = 'command' needs a [command] table with module or script")
-        if self.job.program != "command" and self.command is not None:
-            raise ValueError(f"[command] is only used with job.program = 'command' (program is '{self.job.program}')")
-        if self.job.program != "train" and self.eval is not None:
-            raise ValueError(f"[eval] is only used with job.program = 'train' (program is '{self.job.program}')")
+        """The tables the program needs, and none that only another program reads."""
+        kind = self.job.kind
+        missing = kind.missing({table: getattr(self, table) is not None for table in kind.needs})
+        if missing:
+            raise ValueError(f"program = '{kind.name}' needs {missing}")
+        for table, owner in owned_tables():
+            if owner is not kind and getattr(self, table) is not None:
+                raise ValueError(f"[{table}] is only used with job.program = '{owner.name}' (program is '{kind.name}')")
         return self
 
     @model_validator(mode="after")
     def _fewer_nodes_keep_the_batch(self) -> RunSpec:
         train, job = self.train, self.job
-        if job.program != "train" or len(job.node_counts) == 1:
+        if not job.kind.trains or len(job.node_counts) == 1:
             return self
         if train.global_batch_size is None and not train.allow_batch_change:
             raise ValueError(
@@ -448,44 +454,35 @@ class RunSpec(SpecModel):
             )
         return self
 
-    @model_validator(mode="after")
-    def _context_parallel_without_eval(self) -> RunSpec:
-        if self.job.program == "train" and self.train.context_parallel > 1 and self.eval is not None:
-            raise ValueError(
-                "[eval] cannot be combined with train.context_parallel yet: evaluation runs whole rows on each rank"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _pipeline_combinations(self) -> RunSpec:
-        if self.job.program != "train" or self.train.parallelism != "pipeline":
-            return self
-        assert self.model is not None
-        refused = {
-            "[eval]": self.eval is not None,
-            "model.lora": self.model.lora is not None,
-            "model.activation_offloading": self.model.activation_offloading,
+    def turned_on(self) -> frozenset[str]:
+        """The settings of the whole run that a parallelism or the context-parallel degree may
+        refuse, of those that are on (jobgen.model.parallelism names them)."""
+        model = self.model
+        settings = {
+            EVAL: self.eval is not None,
+            LORA: model is not None and model.lora is not None,
+            ACTIVATION_OFFLOADING: model is not None and model.activation_offloading,
+            # An unset procs_per_node is the site's GPUs per node: more than one, for all the spec knows.
+            SEVERAL_PROCESSES: self.job.nodes != 1 or self.job.procs_per_node not in (1, [1]),
         }
-        for key, on in refused.items():
-            if on:
-                raise ValueError(
-                    f"{key} cannot be combined with train.parallelism = 'pipeline' yet: the pipeline's stages run "
-                    "the full fine-tuning forward and backward inside torch's schedule only; use 'fsdp' or 'hsdp' "
-                    f"for a run with {key}"
-                )
+        return self.train.turned_on() | {key for key, on in settings.items() if on}
+
+    @model_validator(mode="after")
+    def _context_parallel_combinations(self) -> RunSpec:
+        if not self.job.kind.trains:
+            return self
+        problem = context_parallel_problem(self.train.strategy, self.train.context_parallel, self.turned_on())
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
-    def _optimizer_in_backward_world(self) -> RunSpec:
-        train, job = self.train, self.job
-        if job.program != "train" or not train.optimizer_in_backward or train.parallelism != "ddp":
+    def _parallelism_combinations(self) -> RunSpec:
+        """What train.parallelism refuses of the whole run ([train] alone: TrainSpec)."""
+        if not self.job.kind.trains:
             return self
-        if job.nodes != 1 or job.procs_per_node not in (1, [1]):
-            ppn = "unset (the site's GPUs per node)" if job.procs_per_node is None else str(job.procs_per_node)
-            raise ValueError(
-                "train.optimizer_in_backward = true with train.parallelism = 'ddp' runs on one process only: "
-                f"set job.nodes = 1 (it is {job.nodes}) and job.procs_per_node = 1 (it is {ppn}), or use "
-                "train.parallelism = 'fsdp'. DDP's gradient hooks fire before its all-reduce, so each rank "
-                "would step on its own gradient and the replicas would drift apart"
-            )
-        return self
+        refusal = self.train.strategy.refusal(self.turned_on())
+        if refusal is None:
+            return self
+        ppn = "unset (the site's GPUs per node)" if self.job.procs_per_node is None else str(self.job.procs_per_node)
+        raise ValueError(refusal.text(nodes=self.job.nodes, procs_per_node=ppn))

@@ -4,12 +4,22 @@ reference (jobgen schema)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from jobgen.base.durations import format_human
-from jobgen.model.parallelism import ParallelismName
+from jobgen.model.mesh import Mesh, context_parallel_problem, mesh_of
+from jobgen.model.parallelism import (
+    CPU_OFFLOAD,
+    IN_BACKWARD,
+    LOSS_CHUNKS,
+    PER_PARAMETER_CLIP,
+    STRATEGIES,
+    Parallelism,
+    ParallelismName,
+)
 from jobgen.spec.fields import Duration, SpecModel
 from jobgen.spec.tables.pipeline import PipelineSpec
 
@@ -226,6 +236,21 @@ class TrainSpec(SpecModel):
             )
         return seconds
 
+    @property
+    def strategy(self) -> Parallelism:
+        """train.parallelism's entry (jobgen.model.parallelism): what it shards and refuses."""
+        return STRATEGIES[self.parallelism]
+
+    def turned_on(self) -> frozenset[str]:
+        """The settings of this table that a parallelism may refuse, of those that are on."""
+        settings = {
+            CPU_OFFLOAD: self.cpu_offload,
+            IN_BACKWARD: self.optimizer_in_backward,
+            LOSS_CHUNKS: self.loss_chunk_tokens > 0,
+            PER_PARAMETER_CLIP: self.grad_clip > 0 and self.grad_clip_mode == "per_parameter",
+        }
+        return frozenset(key for key, on in settings.items() if on)
+
     @model_validator(mode="after")
     def _batch_and_parallelism_keys(self) -> TrainSpec:
         # grad_accum = 1 is its default, and what spec.json holds beside a global_batch_size.
@@ -234,20 +259,18 @@ class TrainSpec(SpecModel):
                 f"train.global_batch_size and train.grad_accum ({self.grad_accum}) are both set: grad_accum is "
                 "derived from global_batch_size for each task's world size; remove one"
             )
-        if self.shard_size is not None and self.parallelism != "hsdp":
+        if self.shard_size is not None and not self.strategy.groups_by_node:
             raise ValueError(
                 f"train.shard_size is only used with train.parallelism = 'hsdp' (it is '{self.parallelism}')"
             )
-        if self.cpu_offload and self.parallelism == "ddp":
-            raise ValueError(
-                "train.cpu_offload = true needs train.parallelism = 'fsdp' or 'hsdp': DDP keeps the whole model "
-                "on every GPU"
-            )
+        refusal = self.strategy.refusal(self.turned_on())  # the run's own settings: RunSpec
+        if refusal is not None:
+            raise ValueError(refusal.text())
         return self
 
     @model_validator(mode="after")
     def _pipeline_keys(self) -> TrainSpec:
-        if self.parallelism != "pipeline":
+        if not self.strategy.pipelined:
             if self.pipeline is not None:
                 raise ValueError(
                     f"[train.pipeline] is only used with train.parallelism = 'pipeline' (it is '{self.parallelism}')"
@@ -255,49 +278,39 @@ class TrainSpec(SpecModel):
             return self
         if self.pipeline is None:
             self.pipeline = PipelineSpec()
-        refused = {
-            "train.cpu_offload": self.cpu_offload,
-            "train.optimizer_in_backward": self.optimizer_in_backward,
-            "train.loss_chunk_tokens": self.loss_chunk_tokens > 0,
-        }
-        for key, on in refused.items():
-            if on:
-                raise ValueError(
-                    f"{key} cannot be combined with train.parallelism = 'pipeline': the last stage computes the "
-                    "loss inside the schedule, and each stage steps its own optimizer after the schedule"
-                )
-        if self.grad_clip > 0 and self.grad_clip_mode == "per_parameter":
-            # The pipeline's step clips by the whole model's norm, summed over its stages.
-            raise ValueError(
-                "train.grad_clip_mode = 'per_parameter' cannot be combined with train.parallelism = 'pipeline' "
-                "yet: a pipeline clips by the global gradient norm; set grad_clip_mode = 'global' or grad_clip = 0"
-            )
         return self
 
     @model_validator(mode="after")
     def _context_parallel_keys(self) -> TrainSpec:
-        if self.context_parallel == 1:
-            return self
-        refused = {
-            "train.parallelism = 'pipeline'": self.parallelism == "pipeline",
-            "train.loss_chunk_tokens": self.loss_chunk_tokens > 0,
-        }
-        for key, on in refused.items():
-            if on:
-                raise ValueError(
-                    f"train.context_parallel = {self.context_parallel} cannot be combined with {key} yet: each rank "
-                    "holds a share of every row, which the pipeline's schedule and the chunked loss do not split"
-                )
+        problem = context_parallel_problem(self.strategy, self.context_parallel, self.turned_on())
+        if problem:
+            raise ValueError(problem)
         return self
+
+    def mesh(self, world_size: int, procs_per_node: int | Sequence[int]) -> Mesh:
+        """The layout of a world of ``world_size`` ranks (jobgen.model.mesh), which
+        :meth:`world_problem` found it fits; ``procs_per_node`` one count for every node, or
+        each node's."""
+        pipeline = self.pipeline if self.strategy.pipelined else None
+        return mesh_of(
+            self.parallelism,
+            world_size,
+            procs_per_node,
+            shard_size=self.shard_size,
+            context_parallel=self.context_parallel,
+            pipeline_size=pipeline.pipeline_size(world_size) if pipeline else None,
+            data_parallel=pipeline.data_parallel if pipeline else None,
+        )
 
     def pipeline_size(self, world_size: int) -> int:
         """Ranks one pipeline spans (1 without a pipeline)."""
-        if self.parallelism == "pipeline" and self.pipeline is not None:
+        if self.strategy.pipelined and self.pipeline is not None:
             return self.pipeline.pipeline_size(world_size)
         return 1
 
     def ranks_per_replica(self, world_size: int) -> int:
-        """Ranks that read the same rows: a whole pipeline, or a context-parallel group."""
+        """Ranks that read the same rows: a whole pipeline, or a context-parallel group
+        (the mesh's pp x cp, which the nodes' shape does not change)."""
         return self.pipeline_size(world_size) * self.context_parallel
 
     def data_parallel_size(self, world_size: int) -> int:
