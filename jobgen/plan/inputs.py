@@ -59,6 +59,8 @@ class PlanInputs:
     loss_chunk_tokens: int = 0
     # train.grad_clip_mode = "per_parameter" with grad_clip > 0 (a pipeline refuses it)
     per_parameter_clip: bool = False
+    # train.grad_clip > 0 with grad_clip_mode = "global" (optimizer_in_backward refuses it)
+    global_clip: bool = False
     lora_r: int | None = None
     lora_targets: tuple[str, ...] = ()
     attn_implementation: str = "sdpa"

@@ -327,6 +327,7 @@ def inputs_for(spec: Any, model_info: ModelInfo | None = None) -> PlanInputs:
         optimizer_in_backward=bool(getattr(train, "optimizer_in_backward", False)),
         loss_chunk_tokens=int(getattr(train, "loss_chunk_tokens", 0) or 0),
         per_parameter_clip=train.grad_clip > 0 and train.grad_clip_mode == "per_parameter",
+        global_clip=train.grad_clip > 0 and train.grad_clip_mode == "global",
         lora_r=lora.r if lora is not None else None,
         lora_targets=_lora_leaves(lora.target_modules, model_info) if lora is not None else (),
         shard_size=train.shard_size,

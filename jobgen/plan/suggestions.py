@@ -113,10 +113,15 @@ def _nodes_change(inputs: PlanInputs, factor: int, per_node: int) -> _Change:
     kept = _kept_batch(inputs, world)
     if kept is None:
         mb, accum = 1, 1
+        grown = max(1, world // inputs.mesh.cp)  # one sequence per data-parallel replica
         cost = (
-            f"{factor}x the nodes; the global batch grows from {batch} to {world} sequences (no micro-batch "
+            f"{factor}x the nodes; the global batch grows from {batch} to {grown} sequences (no micro-batch "
             f"and grad_accum keep {batch} on {world} ranks): the learning rate was tuned for the other"
         )
+        if inputs.global_batch_size is not None:  # pinned by the spec: the change must say it grows
+            keys.append(f"train.global_batch_size = {grown}")
+        if inputs.micro_batch_size != 1:
+            keys.append("train.micro_batch_size = 1")
     else:
         mb, accum = kept
         cost = f"{factor}x the nodes, the same global batch ({batch})"
@@ -211,7 +216,10 @@ def _candidates(inputs: PlanInputs, procs_per_node: int) -> list[_Change]:
     """Candidate changes, cheapest first; a pipeline among them on an Ethernet site. Some may
     be what the spec refuses (:func:`_runs` leaves them out)."""
     out = _pipeline_run_changes(inputs)
-    if not inputs.optimizer_in_backward and inputs.grad_accum == 1:
+    # The spec refuses optimizer_in_backward with accumulation, a global batch (its grad_accum
+    # follows the world) and clipping by the global norm (no moment holds every gradient).
+    in_backward_refused = inputs.grad_accum > 1 or inputs.global_batch_size is not None or inputs.global_clip
+    if not inputs.optimizer_in_backward and not in_backward_refused:
         out.append(
             _Change("train.optimizer_in_backward = true", "no extra compute; no gradient accumulation",
                     optimizer_in_backward=True)

@@ -182,6 +182,14 @@ def _plan_and_tables(tmp_path: Path, name: str, job: dict, train: dict, memory: 
         ({"procs_per_node": 2}, {"parallelism": "fsdp", "context_parallel": 2}, "4GiB"),
         # DDP on two processes was offered optimizer_in_backward, which it runs on one only.
         ({"procs_per_node": 2}, {"parallelism": "ddp", "micro_batch_size": 1, "grad_clip": 0}, "7900MiB"),
+        # One process clipping by the global norm (the default), or with a global batch, was offered
+        # optimizer_in_backward, which the spec refuses with either.
+        ({"procs_per_node": 1}, {"parallelism": "ddp", "micro_batch_size": 1}, "7900MiB"),
+        (
+            {"procs_per_node": 1},
+            {"parallelism": "ddp", "micro_batch_size": 1, "grad_clip": 0, "global_batch_size": 1},
+            "7900MiB",
+        ),
         ({"procs_per_node": 2, "nodes": 2}, {"parallelism": "hsdp"}, "4GiB on GPUs"),
         (
             {"procs_per_node": 4},
