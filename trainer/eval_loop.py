@@ -182,7 +182,7 @@ def build_run_evaluation(trainer: Any, spec: EvalSpec | None, eval_set: EvalSet 
         trainer.env,
         trainer.monitor,
         trainer.runner.forward_loss_sum,  # [eval] is refused under a pipeline
-        trainer.data.build.model_inputs,
+        trainer.data.model_inputs,
         every_steps=spec.every_steps,
         every_seconds=spec.every,
     )
