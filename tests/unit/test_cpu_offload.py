@@ -72,6 +72,7 @@ def test_hsdp_refuses_a_shard_size_that_does_not_divide_this_world():
 
 def test_the_trainer_refuses_offload_before_it_reads_the_tokenizer_or_the_data(tmp_path, tiny_model, monkeypatch):
     # A GPU site's spec (validate accepts the offload there) in a process that trains on the CPU.
+    import trainer.data.batches as batches
     import trainer.loop as loop
     from helpers import DATA, run_spec
     from jobgen.spec.loader import load_run
@@ -90,7 +91,7 @@ def test_the_trainer_refuses_offload_before_it_reads_the_tokenizer_or_the_data(t
     def read_too_early(*args: object, **kwargs: object) -> None:
         raise AssertionError("the tokenizer or the data was read before the parallelism was checked")
 
-    monkeypatch.setattr(loop, "load_tokenizer", read_too_early)
-    monkeypatch.setattr(loop, "DataPipeline", read_too_early)
+    monkeypatch.setattr(batches, "load_tokenizer", read_too_early)
+    monkeypatch.setattr(batches, "DataPipeline", read_too_early)
     with pytest.raises(CpuOffloadUnavailable):
         loop.Trainer(load_run(spec_file), tmp_path, CPU, monitor=None)

@@ -1,8 +1,12 @@
-"""From the run spec to micro-batches: preprocess (cached), pack into rows, sample, collate.
+"""The trainer's data in one call, :func:`training_data`: the tokenizer, the run's examples
+tokenized (through the shared cache), the evaluation set, the rows packed, and this rank's
+sampler, as one :class:`DataPipeline`.
 
-This is the trainer's one handle on data. Its ``state_dict`` is the sampler's
-position, the same on every rank, so a resumed run continues with exactly the
-rows it had not yet seen.
+That pipeline is the Trainer's one handle on data: the next micro-batch, and a
+``state_dict`` that is the sampler's position, the same on every rank, so a resumed run
+continues with exactly the rows it had not yet seen. :func:`model_inputs_on` turns a
+micro-batch into the model's keyword arguments on a device (the step runners' and the
+evaluator's way in).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import datetime as dt
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,12 +23,19 @@ import torch.distributed as dist
 from jobgen.spec.global_batch import grad_accum_for
 from jobgen.spec.resolved import ResolvedSpec
 from trainer.data.cache import cache_root, prepare_dataset
-from trainer.data.eval_set import EvalSet, load_eval_path, split_off_eval
-from trainer.data.packing import build_rows, collate, fetch_rows, fill_ratio, model_inputs, token_loss_sum
+from trainer.data.eval_set import eval_set_for, load_eval_path, split_off_eval
+from trainer.data.packing import build_rows, collate, fetch_rows, fill_ratio, model_inputs
 from trainer.data.sampler import ResumableSampler, ResumeMismatch
 from trainer.distributed import DistEnv
+from trainer.model_prep import load_tokenizer
 
-log = logging.getLogger("trainer.data.build")
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerBase
+
+    from trainer.data.stats import DataStats
+
+log = logging.getLogger("trainer.data.batches")
 
 # Tokenizing a large dataset on rank 0 can take far longer than a collective timeout.
 PREPROCESS_TIMEOUT = dt.timedelta(hours=6)
@@ -39,47 +50,70 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def model_inputs_on(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """The forward's keyword arguments of a micro-batch (:func:`trainer.data.packing.model_inputs`,
+    without the ``num_tokens`` count), its tensors on ``device``."""
+    inputs = model_inputs({k: v for k, v in batch.items() if k != "num_tokens"})
+    return {k: to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def training_data(spec: ResolvedSpec, env: DistEnv, shard: tuple[int, int]) -> DataPipeline:
+    """The data phase of the trainer's start, collective (every rank calls it once): the
+    model's tokenizer, then everything :class:`DataPipeline` builds from it. ``shard``: (rank,
+    size) of the training sampler, as the parallelism's ``Strategy.data_shard`` says."""
+    assert spec.run.model is not None
+    return DataPipeline(spec, load_tokenizer(spec.run.model.path), env, shard=shard)
+
+
+def _tokenized(
+    spec: ResolvedSpec, tokenizer: PreTrainedTokenizerBase, env: DistEnv
+) -> tuple[datasets.Dataset, DataStats, Path, datasets.Dataset | None]:
+    """(the training examples, what preprocessing did, their cache entry, the tokenized
+    ``[eval] path`` or None): rank 0 prepares both in the data cache, every rank loads them."""
+    data_spec, model_spec = spec.run.data, spec.run.model
+    assert data_spec is not None and model_spec is not None
+    # Its own gloo group: rank 0 may tokenize for hours while the others wait in the broadcast.
+    group = dist.new_group(backend="gloo", timeout=PREPROCESS_TIMEOUT)
+
+    def share(value: object) -> object:
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    try:
+        dataset, stats, entry = prepare_dataset(
+            data_spec, tokenizer, model_spec.path, cache_root(spec), rank=env.rank, share=share
+        )
+        # [eval] path: read like the training data (format, template, masks, max_length), cached alike.
+        eval_source = load_eval_path(spec, tokenizer, env.rank, share)
+    finally:
+        dist.destroy_process_group(group)
+    return dataset, stats, entry, eval_source
+
+
 class DataPipeline:
+    """The run's data on this rank: its micro-batches in a resumable order, and its evaluation set."""
+
     def __init__(
-        self, spec: ResolvedSpec, tokenizer, env: DistEnv, run_dir: Path, shard: tuple[int, int] | None = None
+        self,
+        spec: ResolvedSpec,
+        tokenizer: PreTrainedTokenizerBase,
+        env: DistEnv,
+        run_dir: Path | None = None,
+        shard: tuple[int, int] | None = None,
     ):
         """``shard``: (rank, size) of the training sampler, the replica's when several ranks
-        share rows (a pipeline's stages); default this rank of the world."""
-        data_spec, model_spec, train = spec.run.data, spec.run.model, spec.run.train
-        assert data_spec is not None and model_spec is not None
-        self.packing = data_spec.packing
-        self.pad_token_id = tokenizer.pad_token_id
-        # Its own gloo group: rank 0 may tokenize for hours while the others wait in the broadcast.
-        group = dist.new_group(backend="gloo", timeout=PREPROCESS_TIMEOUT)
-
-        def share(value: object) -> object:
-            box = [value]
-            dist.broadcast_object_list(box, src=0, group=group)
-            return box[0]
-
-        try:
-            self.dataset, self.stats, self.entry = prepare_dataset(
-                data_spec, tokenizer, model_spec.path, cache_root(spec), rank=env.rank, share=share
-            )
-            # [eval] path: read like the training data (format, template, masks, max_length), cached alike.
-            eval_source = load_eval_path(spec, tokenizer, env.rank, share)
-        finally:
-            dist.destroy_process_group(group)
-        self.dataset, eval_dataset, self.split = split_off_eval(spec, self.dataset, eval_source)
-        self.eval_set = (
-            EvalSet(
-                eval_dataset,
-                max_length=data_spec.max_length,
-                packing=self.packing,
-                pad_token_id=tokenizer.pad_token_id,
-                micro_batch_size=spec.run.eval.micro_batch_size or train.micro_batch_size,
-                max_batches=spec.run.eval.max_batches,
-                world_size=env.world_size,
-                rank=env.rank,
-            )
-            if spec.run.eval is not None and eval_dataset is not None
-            else None
-        )
+        share rows (a pipeline's stages); default this rank of the world. ``run_dir`` is not
+        read (the data lives in the cache, trainer.data.cache); it is accepted from the callers
+        that pass it."""
+        data_spec, train = spec.run.data, spec.run.train
+        assert data_spec is not None
+        self.tokenizer = tokenizer
+        self.packing: bool = data_spec.packing
+        self.pad_token_id: int = tokenizer.pad_token_id
+        dataset, self.stats, self.entry, eval_source = _tokenized(spec, tokenizer, env)
+        self.dataset, eval_dataset, self.split = split_off_eval(spec, dataset, eval_source)
+        self.eval_set = eval_set_for(spec, eval_dataset, self.pad_token_id, world_size=env.world_size, rank=env.rank)
         lengths = self.dataset["length"]
         self.rows = build_rows(lengths, data_spec.max_length, self.packing)
         shard_rank, shard_size = shard if shard is not None else (env.rank, env.world_size)
@@ -120,13 +154,6 @@ class DataPipeline:
         batch = collate(rows, pad_token_id=self.pad_token_id, packing=self.packing)
         batch["num_tokens"] = torch.tensor(sum(len(ex["input_ids"]) for row in rows for ex in row))
         return batch
-
-    @staticmethod
-    def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
-        inputs = model_inputs({k: v for k, v in batch.items() if k != "num_tokens"})
-        return {k: to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-
-    loss_sum = staticmethod(token_loss_sum)
 
     def state_dict(self) -> dict[str, Any]:
         state = self.sampler.state_dict()

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,6 +32,10 @@ import torch
 from jobgen.spec.resolved import ResolvedSpec
 from trainer.data.formats import DataError
 from trainer.data.packing import IGNORE_INDEX, build_rows, collate, fetch_rows
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerBase
 
 
 def held_out(num_examples: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -49,7 +53,9 @@ def split_digest(indices: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(indices, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
-def load_eval_path(spec: ResolvedSpec, tokenizer, rank: int, share) -> Any:
+def load_eval_path(
+    spec: ResolvedSpec, tokenizer: PreTrainedTokenizerBase, rank: int, share: Callable[[object], object]
+) -> datasets.Dataset | None:
     """The tokenized ``[eval] path`` (collective, like the training data: rank 0 prepares it in
     the data cache, every rank loads it), or None without one. Its errors name ``eval.path``."""
     from trainer.data.cache import cache_root, prepare_dataset
@@ -73,7 +79,9 @@ def load_eval_path(spec: ResolvedSpec, tokenizer, rank: int, share) -> Any:
     return dataset
 
 
-def split_off_eval(spec: ResolvedSpec, dataset, eval_dataset) -> tuple[Any, Any, dict[str, Any] | None]:
+def split_off_eval(
+    spec: ResolvedSpec, dataset: datasets.Dataset, eval_dataset: datasets.Dataset | None
+) -> tuple[datasets.Dataset, datasets.Dataset | None, dict[str, Any] | None]:
     """(training examples, evaluation examples or None, the split's record for checkpoints):
     with ``[eval] split`` the held-out examples leave the training set."""
     eval_spec = spec.run.eval
@@ -152,3 +160,24 @@ class EvalSet:
             f"{self.examples} examples in {len(self.rows)} rows, {self.num_batches} batches of "
             f"{self.micro_batch_size} rows over {self.world_size} rank(s)"
         )
+
+
+def eval_set_for(
+    spec: ResolvedSpec, eval_dataset: datasets.Dataset | None, pad_token_id: int, *, world_size: int, rank: int
+) -> EvalSet | None:
+    """The run's evaluation set on this rank (None without ``[eval]`` or its examples): cut like
+    training's rows (data.max_length, data.packing), in ``[eval] micro_batch_size`` rows (default
+    train.micro_batch_size) up to ``[eval] max_batches``."""
+    eval_spec, data_spec = spec.run.eval, spec.run.data
+    if eval_spec is None or eval_dataset is None or data_spec is None:
+        return None
+    return EvalSet(
+        eval_dataset,
+        max_length=data_spec.max_length,
+        packing=data_spec.packing,
+        pad_token_id=pad_token_id,
+        micro_batch_size=eval_spec.micro_batch_size or spec.run.train.micro_batch_size,
+        max_batches=eval_spec.max_batches,
+        world_size=world_size,
+        rank=rank,
+    )

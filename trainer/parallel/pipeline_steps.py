@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,12 +29,13 @@ from jobgen.model.pipeline_split import stage_indices, stage_layers
 from jobgen.spec.global_batch import grad_accum_for
 from jobgen.spec.tables.run import ModelSpec
 from jobgen.spec.tables.train import TrainSpec
-from trainer.data.batches import to_device
+from trainer.data.batches import model_inputs_on, to_device
 from trainer.data.packing import IGNORE_INDEX
 from trainer.distributed import DistEnv
 from trainer.model_prep import attention_implementation, compile_decoder_blocks, compiles_blocks, param_dtype, prepare
 from trainer.parallel.pipeline import PipelineError, PipelineStep, StageModule, build_stages, grad_norm_and_clip
 from trainer.parallel.step_runner import autocast_for
+from trainer.step_parts import StepParts
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -148,7 +149,7 @@ def data_shard(train: TrainSpec, env: DistEnv) -> tuple[int, int]:
     return layout.dp_rank, layout.dp_size
 
 
-def join_micro_batches(micro_batches: list[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:
+def join_micro_batches(micro_batches: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """The step's micro-batches as one batch for one schedule step, right-padded to the
     longest: input_ids with the pad token, labels ignored, attention_mask 0, position_ids
     counting from 0 (a padding segment of its own, as trainer.data.packing.collate pads)."""
@@ -178,23 +179,23 @@ class PipelineSteps:
     """A step of the pipeline: each micro-batch through the schedule, then the gradient norm
     over the whole model (the squares summed over the pipeline positions)."""
 
-    def __init__(self, trainer: Any):
-        self.trainer = trainer
-        module = trainer.model
-        assert isinstance(module, StageModule)
+    def __init__(self, parts: StepParts):
+        module = parts.model
+        assert isinstance(module, StageModule) and module.steps_state is not None, "built by build_pipeline_model"
         self.module = module
+        self.device = parts.env.device
+        self.pad_token_id = parts.pad_token_id
         self.layout, self.step, mesh = module.steps_state
         self.pp_group = mesh.get_group("pp")
 
-    def forward_backward(self, micro_batches: list[dict[str, Any]], scale: float) -> torch.Tensor:
-        device = self.trainer.env.device
-        batch = join_micro_batches(micro_batches, self.trainer.data.pad_token_id)
-        inputs = self.trainer.data.model_inputs(batch, device)
-        with autocast_for(device):
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], scale: float) -> torch.Tensor:
+        batch = join_micro_batches(micro_batches, self.pad_token_id)
+        inputs = model_inputs_on(batch, self.device)
+        with autocast_for(self.device):
             return self.step(
                 inputs["input_ids"],
                 inputs.get("position_ids"),
-                to_device(batch["labels"], device),
+                to_device(batch["labels"], self.device),
                 scale,
                 attention_mask=inputs.get("attention_mask"),
             )

@@ -30,7 +30,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from jobgen.spec.tables.run import ModelSpec
     from trainer.parallel.context_parallel import ContextParallel
     from trainer.parallel.step_runner import StepRunner
+    from trainer.step_parts import StepParts
 
 log = logging.getLogger("trainer.parallel.strategies")
 
@@ -73,7 +74,7 @@ class Strategy:
     wrap: Callable[[torch.nn.Module, TrainSpec, DistEnv], torch.nn.Module]
     sync_context: Callable[[torch.nn.Module, bool], contextlib.AbstractContextManager]
     norm_group: Callable[[list[torch.nn.Parameter]], dist.ProcessGroup | None]
-    runner: Callable[[Any], StepRunner]  # given the Trainer (trainer.loop)
+    runner: Callable[[StepParts], StepRunner]  # given the Trainer's step parts (trainer.step_parts)
     data_shard: Callable[[TrainSpec, DistEnv], tuple[int, int]]
     build: Callable[[ModelSpec, TrainSpec, DistEnv, bool], torch.nn.Module] | None = None
 
@@ -242,10 +243,10 @@ def _refuse_in_backward(params: list[torch.nn.Parameter]) -> dist.ProcessGroup |
 # ---------------------------------------------------------------- steps, data, building
 
 
-def _data_parallel_steps(trainer: Any) -> StepRunner:
+def _data_parallel_steps(parts: StepParts) -> StepRunner:
     from trainer.parallel.step_runner import DataParallelSteps
 
-    return DataParallelSteps(trainer, STRATEGIES[trainer.cfg.parallelism].sync_context)
+    return DataParallelSteps(parts, STRATEGIES[parts.train.parallelism].sync_context)
 
 
 def _every_rank_its_rows(train: TrainSpec, env: DistEnv) -> tuple[int, int]:
@@ -271,10 +272,10 @@ def context_parallel_for(train: TrainSpec, env: DistEnv) -> ContextParallel | No
     return ContextParallel(mesh.get_group("cp"))
 
 
-def _pipeline_steps(trainer: Any) -> StepRunner:
+def _pipeline_steps(parts: StepParts) -> StepRunner:
     from trainer.parallel.pipeline_steps import PipelineSteps
 
-    return PipelineSteps(trainer)
+    return PipelineSteps(parts)
 
 
 def _replica_rows(train: TrainSpec, env: DistEnv) -> tuple[int, int]:
