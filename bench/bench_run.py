@@ -21,7 +21,7 @@ def random_bf16_model(target: Path, shape: dict[str, int], *, max_positions: int
         return
     import torch
 
-    from jobgen.tinymodel import make_tiny_model
+    from jobgen.cli.tinymodel import make_tiny_model
 
     make_tiny_model(
         target,
@@ -41,9 +41,9 @@ def prepared_run(
     ([model], [data], [train], [eval]...) with ``procs`` ranks and a 2-hour [job]. A run
     directory an earlier invocation left is removed (it would only say "already finished");
     the data cache beside it (runs/.cache) stays, as it would for a user's second run."""
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
+    from jobgen.spec.loader import load_run
 
     job = {"time": "2h", "runs_root": "runs", "procs_per_node": procs}
     spec_file = run_spec(work, name, site=site, filename=f"{name}.toml", job=job, **tables)

@@ -1,5 +1,5 @@
 """Peak memory per rank of one forward and backward of a long packed row: context parallelism
-(trainer/context_parallel.py) on N = 2 and 4 ranks against N = 1, the model's own attention
+(trainer/parallel/context_parallel.py) on N = 2 and 4 ranks against N = 1, the model's own attention
 (what the trainer runs without ``train.context_parallel``). ``--attention`` picks the kernel of
 both sides: ``sdpa`` (the module's SDPA path, a dense (L/N) x L mask) or ``flex_attention`` (the
 model's flex at N = 1, the module's flex path with its block mask at N > 1; the trainer's GPU
@@ -82,7 +82,7 @@ def long_row(max_length: int):
     filling it; the first third of each document is prompt (no targets)."""
     import torch
 
-    from trainer.packing import collate
+    from trainer.data.packing import collate
 
     g = torch.Generator().manual_seed(1)
     sizes = [max_length // 2, max_length // 4, max_length // 8]
@@ -104,8 +104,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from trainer.context_parallel import ContextParallel
-    from trainer.packing import model_inputs, token_loss_sum
+    from trainer.data.packing import model_inputs, token_loss_sum
+    from trainer.parallel.context_parallel import ContextParallel
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -217,7 +217,7 @@ def main() -> None:
     sizes = args.cp.split(",")
     if args.attention == "flex_attention" and args.device == "cpu":  # torch 2.13: no backward
         sys.path.insert(0, str(REPO))
-        from trainer.context_parallel import flex_backward_error
+        from trainer.parallel.context_parallel import flex_backward_error
 
         error = flex_backward_error(args.device)
         if error:

@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=5, help="the step the count starts at")
     parser.add_argument("--last", type=int, default=25, help="the step it ends at")
     args = parser.parse_args()
-    from jobgen.tinymodel import make_tiny_model
+    from jobgen.cli.tinymodel import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="jobgen-bytes-") as tmp:
         work = Path(tmp)

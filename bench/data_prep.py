@@ -3,7 +3,7 @@ against one process, and the cost of reusing the cache.
 
 Generates ``--rows`` alpaca-shaped rows (the generator of bench/throughput_cpu.py: lognormal
 lengths with a long tail) as JSONL and the same locally trained tokenizer, then builds the
-tokenized cache entry through the trainer's own code path (``trainer.data_cache``: hash
+tokenized cache entry through the trainer's own code path (``trainer.data.cache``: hash
 the file, load it, tokenize into a staging directory, save, fsync, rename), into a fresh
 cache root each time, with ``data.num_proc`` = 1, then 2, 4, ... up to the CPUs this process
 may use. Then the call a requeued job makes against the warm cache: hash, find the entry,
@@ -35,7 +35,7 @@ from throughput_cpu import SHAPE, make_data, single_token_words
 
 def build(spec, tokenizer, model: Path, cache_root: Path) -> tuple[float, Path]:
     """Seconds to find-or-build the entry (the rank-0 half of prepare_dataset), and the entry."""
-    from trainer.data_cache import _rank0_prepare
+    from trainer.data.cache import _rank0_prepare
 
     started = time.perf_counter()
     fingerprint = _rank0_prepare(spec, tokenizer, model, cache_root)
@@ -52,9 +52,9 @@ def main() -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     from transformers import AutoTokenizer
 
-    from jobgen.spec import DataSpec
-    from jobgen.tinymodel import make_tiny_model
-    from trainer.data_cache import load_entry
+    from jobgen.cli.tinymodel import make_tiny_model
+    from jobgen.spec.tables.run import DataSpec
+    from trainer.data.cache import load_entry
 
     args.work.mkdir(parents=True, exist_ok=True)
     model = args.work / "model"

@@ -47,7 +47,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model = work / "model"
     if not (model / "config.json").exists():
-        from jobgen.tinymodel import make_tiny_model
+        from jobgen.cli.tinymodel import make_tiny_model
 
         make_tiny_model(model, **SHAPE)
     data, valid = work / "alpaca-shaped.jsonl", work / "alpaca-shaped-valid.jsonl"

@@ -44,7 +44,7 @@ from helpers import cancel_submitted, first_step_record, read_jsonl, status, sub
 VARIANTS = {"graceful": True, "periodic only": False}
 TIME_LIMIT, GRACE, TASKS = "3m", "40s", 3
 PREEMPT_AFTER_S = 90  # after task 2's first step: 30 s past its first periodic save
-# jobgen.tinymodel.make_tiny_model's keywords: steps of a fraction of a second on 2 processes.
+# jobgen.cli.tinymodel.make_tiny_model's keywords: steps of a fraction of a second on 2 processes.
 SHAPE = {"hidden_size": 512, "layers": 4, "intermediate_size": 1376, "heads": 8, "kv_heads": 8}
 
 
@@ -57,7 +57,7 @@ class Allocations:
 
     def poll(self, array_ids: list[int]) -> bool:
         """One look at the queue; False once none of the arrays has a job left."""
-        from jobgen import slurm
+        from jobgen.slurm import client as slurm
 
         entries = slurm.queue(array_ids)
         now = time.time()
@@ -74,7 +74,7 @@ class Allocations:
 
 
 def kept_step(run: Path) -> int:
-    from jobgen.rundir import complete_checkpoints_in
+    from jobgen.runs.rundir import complete_checkpoints_in
 
     found = complete_checkpoints_in(run / "checkpoints")
     return found[-1][0] if found else 0
@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from jobgen import devcluster
-    from jobgen.tinymodel import make_tiny_model
+    from jobgen.cli.tinymodel import make_tiny_model
 
     if devcluster.status() is None:
         sys.exit("no dev cluster is up: jobgen cluster up --netns --nodes 3 --cpus-per-node 4")
@@ -155,7 +155,7 @@ def measure(runs: dict[str, Path], arrays: dict[str, int]) -> dict[str, dict]:
 
 def running_task_now(array: int, index: int) -> int | None:
     """The job id of array task ``index`` if it is running now."""
-    from jobgen import slurm
+    from jobgen.slurm import client as slurm
 
     found = [e.job_id for e in slurm.queue([array]) if e.array_task == str(index) and e.state == "RUNNING"]
     return found[0] if found else None

@@ -38,7 +38,7 @@ from bench_run import prepared_run, random_bf16_model
 from helpers import DATA, VENV_BIN, torchrun
 
 GIB = 2**30
-# jobgen.tinymodel.make_tiny_model's keywords.
+# jobgen.cli.tinymodel.make_tiny_model's keywords.
 LLAMA2_7B = {"hidden_size": 4096, "layers": 32, "intermediate_size": 11008, "heads": 32, "kv_heads": 32}
 SMALL = {"hidden_size": 256, "layers": 4, "intermediate_size": 704, "heads": 4, "kv_heads": 4}
 PEAK_LIMIT_GIB = 22.0

@@ -44,7 +44,7 @@ TOLERANCE = 1e-4  # float32 on CUDA: the kernels' sums run in other orders than 
 def rows(max_length: int):
     import torch
 
-    from trainer.packing import collate
+    from trainer.data.packing import collate
 
     g = torch.Generator().manual_seed(1)
     out = []
@@ -66,7 +66,7 @@ def compare(reference, sharded, cp, batch, device, precision: str) -> dict[str, 
     import torch
     import torch.distributed as dist
 
-    from trainer.packing import model_inputs, token_loss_sum
+    from trainer.data.packing import model_inputs, token_loss_sum
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision.startswith("bf16"))
     reference.zero_grad(set_to_none=True)
@@ -100,7 +100,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer.context_parallel import FLEX_ATTENTION, ContextParallel
+    from trainer.parallel.context_parallel import FLEX_ATTENTION, ContextParallel
 
     dist.init_process_group("gloo")
     device = torch.device("cpu")
@@ -149,7 +149,7 @@ def main() -> None:
         return
     if "flex_attention" in (args.attention, args.reference) and args.device == "cpu":  # torch 2.13: no backward
         sys.path.insert(0, str(REPO))
-        from trainer.context_parallel import flex_backward_error
+        from trainer.parallel.context_parallel import flex_backward_error
 
         error = flex_backward_error(args.device)
         if error:

@@ -12,7 +12,7 @@ with the same seed and data: without and with ``train.cpu_offload``. On one GPU,
 
 (``--procs 2`` needs two GPUs; ``--parallelism hsdp`` with 2 processes shards over 1 rank and
 replicates twice: ``--shard-size 1``.) Prints, for each run: steps done, seconds per step,
-``jobgen plan``'s (``jobgen.memory_plan.plan_run``) predicted peak per GPU next to the measured
+``jobgen plan``'s (``jobgen.plan.memory_plan.plan_run``) predicted peak per GPU next to the measured
 peak of ``torch.cuda.max_memory_allocated`` (the trainer's ``metrics.json`` ``memory_peaks``),
 the host RSS peak, and the losses.
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from bench_run import random_bf16_model
 
 GIB = 2**30
-# jobgen.tinymodel.make_tiny_model's keywords: TinyLlama-1.1B's shape.
+# jobgen.cli.tinymodel.make_tiny_model's keywords: TinyLlama-1.1B's shape.
 LLAMA_1B = {"hidden_size": 2048, "layers": 22, "intermediate_size": 5632, "heads": 32, "kv_heads": 4}
 OFFLOAD_PEAK_RATIO = 0.5
 LOSS_TOLERANCE = 0.02
@@ -77,8 +77,8 @@ def train_keys(args: argparse.Namespace, offload: bool) -> dict[str, object]:
 
 def planned_peak(spec_file: Path) -> float | None:
     """``jobgen plan``'s predicted peak per GPU (GiB) for the run, or None when it gives none."""
-    from jobgen.loader import load_run
-    from jobgen.memory_plan import plan_run
+    from jobgen.plan.memory_plan import plan_run
+    from jobgen.spec.loader import load_run
 
     plan = plan_run(load_run(spec_file))
     return plan.peak / GIB if not plan.unavailable else None

@@ -47,7 +47,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-    from trainer.formats import alpaca_segments
+    from trainer.data.formats import alpaca_segments
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]

@@ -86,7 +86,8 @@ def run_seconds(record: dict[str, str]) -> int:
 
 
 def cluster(work: Path, model: Path) -> None:
-    from jobgen import devcluster, slurm
+    from jobgen import devcluster
+    from jobgen.slurm import client as slurm
 
     info = devcluster.status()
     assert info is not None, "no dev cluster is up: jobgen cluster up --netns --nodes 3 --cpus-per-node 4"
@@ -144,7 +145,7 @@ def main() -> None:
     parser.add_argument("where", choices=["local", "cluster"])
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from jobgen.tinymodel import make_tiny_model
+    from jobgen.cli.tinymodel import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="jobgen-bench-") as tmp:
         work = Path(tmp)

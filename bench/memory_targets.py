@@ -39,7 +39,7 @@ from bench_run import prepared_run, train
 from helpers import DATA, REPO, VENV_BIN
 
 MIB = 2**20
-# jobgen.tinymodel.make_tiny_model's keywords.
+# jobgen.cli.tinymodel.make_tiny_model's keywords.
 FULL = {
     "hidden_size": 1024,
     "layers": 24,
@@ -60,8 +60,8 @@ SMALL = {
 
 def build_model(target: Path, shape: dict[str, int]) -> int:
     """A random Llama of ``shape`` with a locally trained tokenizer; returns its weight bytes."""
-    from jobgen.model_files import read_model
-    from jobgen.tinymodel import make_tiny_model
+    from jobgen.cli.tinymodel import make_tiny_model
+    from jobgen.model.files import read_model
 
     if not (target / "config.json").exists():
         make_tiny_model(target, **shape, max_shard_size="500MB")

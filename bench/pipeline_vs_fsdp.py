@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=3, help="the step the count starts at")
     parser.add_argument("--last", type=int, default=10, help="the step it ends at")
     args = parser.parse_args()
-    from jobgen.tinymodel import make_tiny_model
+    from jobgen.cli.tinymodel import make_tiny_model
 
     steps = (args.first, args.last)
     throttle(None if args.rate == "none" else args.rate)

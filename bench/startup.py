@@ -39,7 +39,7 @@ from helpers import REPO, VENV_BIN, make_run, read_jsonl, torchrun
 HEAVY = ("torch", "transformers", "datasets")
 # Runs the CLI in-process, then reports whether any heavy module was imported.
 CLI_PROBE = (
-    "import sys; from click.testing import CliRunner; from jobgen.cli import main; "
+    "import sys; from click.testing import CliRunner; from jobgen.cli.main import main; "
     "r = CliRunner().invoke(main, sys.argv[1:]); assert r.exit_code == 0, r.output; "
     f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
 )

@@ -40,7 +40,7 @@ from bench_run import prepared_run, train
 
 from helpers import REPO
 
-# jobgen.tinymodel.make_tiny_model's keywords.
+# jobgen.cli.tinymodel.make_tiny_model's keywords.
 SHAPE = {
     "hidden_size": 512,
     "layers": 4,
@@ -151,7 +151,7 @@ def length_distribution(model: Path, data: Path, max_length: int) -> dict:
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(REPO))
-    from trainer.formats import alpaca_segments
+    from trainer.data.formats import alpaca_segments
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     lengths = []
@@ -190,7 +190,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model = work / "model"
     if not (model / "config.json").exists():
-        from jobgen.tinymodel import make_tiny_model
+        from jobgen.cli.tinymodel import make_tiny_model
 
         make_tiny_model(model, **SHAPE)
     data = work / "alpaca-shaped.jsonl"

@@ -49,7 +49,7 @@ from throughput_cpu import make_data, single_token_words
 
 from helpers import REPO
 
-# jobgen.tinymodel.make_tiny_model's keywords: Llama-3.2-1B's shape, untied.
+# jobgen.cli.tinymodel.make_tiny_model's keywords: Llama-3.2-1B's shape, untied.
 SHAPE = {
     "hidden_size": 2048,
     "layers": 16,
@@ -143,7 +143,7 @@ def mean_square_length(model: Path, data: Path, max_length: int) -> float:
     sys.path.insert(0, str(REPO))
     from transformers import AutoTokenizer
 
-    from trainer.formats import alpaca_segments
+    from trainer.data.formats import alpaca_segments
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     lengths = []
@@ -173,7 +173,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model = work / "model"
     if not (model / "config.json").exists():
-        from jobgen.tinymodel import make_tiny_model
+        from jobgen.cli.tinymodel import make_tiny_model
 
         make_tiny_model(model, **(SMOKE_SHAPE if args.smoke else SHAPE))
     data = work / "alpaca-shaped.jsonl"

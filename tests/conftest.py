@@ -21,14 +21,33 @@ from helpers import ClusterRun, cancel_submitted, train_spec
 # marker follows the folder, so `pytest -m "not slurm"` and `pytest tests/unit` agree.
 KINDS = ("unit", "distributed", "cluster", "soak")
 NEEDS_SLURM = ("cluster", "soak")
+# The dev cluster's tests run in two parts, each on a worker with a dev cluster of its own: they
+# wait mostly on Slurm's clocks (time limits are checked once a minute), so the parts overlap.
+# Files named here go to part 2 (about half of the time, measured in CI); the rest to part 1.
+CLUSTER_PART_2 = frozenset(
+    {
+        "test_slurm_lifecycle.py",
+        "test_slurm_own_script.py",
+        "test_slurm_pipeline.py",
+        "test_slurm_sweep.py",
+        "test_slurm_world_size.py",
+        "test_serve_slurm.py",
+        "test_devcluster.py",
+    }
+)
+
+
+def cluster_part(path: str) -> int:
+    return 2 if Path(path).name in CLUSTER_PART_2 else 1
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """The test command runs two xdist workers (pyproject.toml's addopts): every test that needs
-    the dev cluster is one unit of work, run in order on one worker against the one cluster
-    (mostly waiting on Slurm's time limits), while the other runs unit/ and distributed/ module
-    by module. Units start in collection order, so tests/cluster/'s unit starts at once.
+    """The test command runs three xdist workers (pyproject.toml's addopts): the tests that need
+    the dev cluster are two units of work (:func:`cluster_part`), each run in order on one worker
+    against that worker's own dev cluster (mostly waiting on Slurm's time limits), while the third
+    runs unit/ and distributed/ module by module. Units start in collection order, so the two
+    cluster units start at once.
     (xdist's own ``--dist loadgroup`` marks groups by rewriting node ids, which pytest 9.2 no
     longer lets it do: pytest-xdist issue #1386.)"""
     from xdist.scheduler import LoadScopeScheduling
@@ -37,7 +56,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             if any(f"tests/{kind}/" in path for kind in NEEDS_SLURM):
-                return "the dev cluster's tests"
+                return f"the dev cluster's tests, part {cluster_part(path)}"
             return path
 
     config.option.loadscopereorder = False  # collection order, not the largest unit first
@@ -89,7 +108,7 @@ def _cancel_leftover_jobs():
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`jobgen make-tiny-model` once per session: random tiny Llama + local tokenizer."""
     pytest.importorskip("transformers")
-    from jobgen.tinymodel import make_tiny_model
+    from jobgen.cli.tinymodel import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
@@ -98,31 +117,39 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with 4 decoder blocks: a pipeline of 2 ranks can hold 2 stages each."""
     pytest.importorskip("transformers")
-    from jobgen.tinymodel import make_tiny_model
+    from jobgen.cli.tinymodel import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("deep") / "model", layers=4)
 
 
 @pytest.fixture(scope="session")
 def cluster():
-    """The dev cluster in --netns mode with 3 nodes; reused if one is already up."""
+    """The dev cluster in --netns mode with 3 nodes, one per pytest worker: the first worker's
+    in the default state dir (reused if one is already up), another worker's in a state dir of
+    its own, reached through SLURM_CONF (jobgen.devcluster.instances). Its node names are
+    ``cluster.nodes`` (node1..3 for the first; node101..103 for the second)."""
     if shutil.which("slurmctld") is None and os.geteuid() != 0:
         pytest.skip("the dev cluster needs root to install and start Slurm")
     from jobgen import devcluster
 
-    info = devcluster.status()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    state_dir = None if worker == "gw0" else f"{devcluster.DEFAULT_STATE_DIR}-{worker}"
+    info = devcluster.status(state_dir)
     started = False
     if info is not None and (not info.netns or len(info.nodes) != 3 or info.cpus_per_node < 4):
-        # e.g. the 2-node cluster examples/quickstart.sh leaves running: one cluster per
-        # machine, so replace it with the shape these tests are written for.
-        devcluster.down()
+        # e.g. the 2-node cluster examples/quickstart.sh leaves running: replace it with the
+        # shape these tests are written for.
+        devcluster.down(state_dir)
         info = None
     if info is None:
-        info = devcluster.up(nodes=3, cpus_per_node=4, netns=True)
+        info = devcluster.up(nodes=3, cpus_per_node=4, netns=True, state_dir=state_dir)
         started = True
+    # This process and everything it starts (jobgen, sbatch, the jobs) talk to this cluster.
+    os.environ["SLURM_CONF"] = info.slurm_conf
+    os.environ[devcluster.STATE_DIR_ENV] = info.state_dir
     yield info
     if started and not os.environ.get("JOBGEN_KEEP_CLUSTER"):
-        devcluster.down()
+        devcluster.down(info.state_dir)
 
 
 @pytest.fixture()

@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 
 from helpers import run_spec, small_sweep
-from jobgen import slurm
-from jobgen.loader import load_run
-from jobgen.rundir import RunDir
-from jobgen.sweep_files import POINTS_DIR
+from jobgen.runs.rundir import RunDir
+from jobgen.runs.sweep_files import POINTS_DIR
+from jobgen.slurm import client as slurm
+from jobgen.spec.loader import load_run
 
 NOW = time.time()
 JOB = 17
@@ -115,7 +115,7 @@ def _lines(path: Path, records: list[dict]) -> None:
 
 
 def _submit(spec_file: Path) -> RunDir:
-    from jobgen.submit import submit
+    from jobgen.launch.submit import submit
 
     spec = load_run(str(spec_file))
     submit(spec, source_text=spec_file.read_text(), skip_preflight=True, ignore_memory_plan=True)
@@ -177,7 +177,7 @@ def _server_records(run: RunDir) -> None:
 
 def _own_program_records(run: RunDir) -> None:
     """A Hugging Face Trainer's checkpoint and the task's command plan."""
-    from jobgen.command_plan import build_plan, write_plan
+    from jobgen.launch.command_plan import build_plan, write_plan
 
     saved = run.checkpoints / "checkpoint-10"
     saved.mkdir(parents=True)
@@ -235,9 +235,9 @@ def build(root: Path) -> World:
 
 def _submit_sweep(root: Path, runs: Path) -> Path:
     """A sweep of two points (jobgen's own submission), and a task's claim of its first point."""
-    from jobgen.sweep_claim import main as claim
-    from jobgen.sweep_points import load_sweep
-    from jobgen.sweep_submit import submit_sweep
+    from jobgen.sweep.claim import main as claim
+    from jobgen.sweep.points import load_sweep
+    from jobgen.sweep.submit import submit_sweep
 
     directory = root / "sweep-spec"
     directory.mkdir()

@@ -37,7 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
-from jobgen.goodput import read_jsonl
+from jobgen.runs.goodput import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -81,7 +81,8 @@ def jobgen_as(user: str, args: list[str], out: Path) -> tuple[int, str]:
     ``out``). Forked, not exec'd: this machine's Python lives under /root, closed to other
     users; the code that runs is the same."""
     entry = pwd.getpwnam(user)
-    for module in ("jobgen.cli", "jobgen.loader", "jobgen.rundir"):  # everything imported before the uid changes
+    # everything imported before the uid changes
+    for module in ("jobgen.cli.main", "jobgen.spec.loader", "jobgen.runs.rundir"):
         importlib.import_module(module)
     with out.open("w") as sink:
         pid = os.fork()
@@ -95,7 +96,7 @@ def jobgen_as(user: str, args: list[str], out: Path) -> tuple[int, str]:
                 os.setgid(entry.pw_gid)
                 os.setuid(entry.pw_uid)
                 os.umask(0o022)
-                from jobgen.cli import main
+                from jobgen.cli.main import main
 
                 try:
                     main(args, standalone_mode=False)
@@ -257,9 +258,9 @@ def make_run(
     ``directory/runs``), for ``torchrun``: the tiny model, the example data, TRAINER_SETTINGS
     overridden by ``train``; ``model``/``data`` add keys to those tables, ``eval`` writes [eval],
     ``site`` is the site profile or its overrides."""
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
+    from jobgen.spec.loader import load_run
 
     spec_file = run_spec(
         directory,
@@ -441,9 +442,9 @@ def local_run(directory: Path, model: Path, procs: int, name: str, *, data: dict
     """A materialized run directory for ``torchrun`` on this machine (tests/distributed): the
     trainer's settings of TRAINER_SETTINGS overridden by ``train``, float32 weights, ``data``
     added to the data table."""
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
+    from jobgen.spec.loader import load_run
 
     spec_file = run_spec(
         directory,
@@ -555,7 +556,7 @@ def wait_for_step(run: Path, process: subprocess.Popen, step: int, timeout: floa
 
 def wait_until_gone(job_ids: list[int], timeout: float = 180) -> None:
     """Until Slurm has none of these jobs (or their array tasks) queued or running."""
-    from jobgen import slurm
+    from jobgen.slurm import client as slurm
 
     wait_for(
         lambda: not slurm.queue(job_ids),
@@ -582,7 +583,7 @@ def submit(spec: Path, *args: str) -> int:
 
 def running_task(array_job_id: int, index: int, timeout: float = 120) -> int:
     """The job id of array task ``index`` once it runs."""
-    from jobgen import slurm
+    from jobgen.slurm import client as slurm
 
     def find() -> int | None:
         for entry in slurm.queue([array_job_id]):
@@ -597,8 +598,8 @@ def stopped_at_lead_time_then_finished(run: Path, job: int, stop_after: int, max
     """Task 1 of the array ``job`` trains to step ``stop_after`` and gets what Slurm's
     ``--signal=B:USR1@...`` sends the batch shell before a time limit: it saves and stops
     (SIGNALLED, before ``max_steps``), and task 2 resumes and finishes. Task 1's exit record."""
-    from jobgen import slurm
-    from jobgen.exit_codes import ExitCode
+    from jobgen.base.exit_codes import ExitCode
+    from jobgen.slurm import client as slurm
 
     task = running_task(job, 1, timeout=240)
     wait_for(lambda: last_step(run, task) >= stop_after, 240, f"step {stop_after}", interval=0.1)
@@ -695,8 +696,24 @@ def spec_issues(path: Path) -> dict[str, str]:
     """Key -> message of every problem ``load_run`` finds in the spec at ``path`` (it must find one)."""
     import pytest
 
-    from jobgen.loader import SpecError, load_run
+    from jobgen.spec.loader import SpecError, load_run
 
     with pytest.raises(SpecError) as info:
         load_run(path)
     return {i.key: i.message for i in info.value.issues}
+
+
+def node(k: int) -> str:
+    """The name of the k-th node (1-based) of this worker's dev cluster: node1 on the machine's
+    first cluster, node101 on the second (jobgen.devcluster.instances)."""
+    from jobgen import devcluster
+
+    info = devcluster.status()
+    assert info is not None, "no dev cluster is up for this worker"
+    return info.nodes[k - 1]
+
+
+def node_range(first: int, last: int) -> str:
+    """Slurm's hostlist of nodes ``first..last`` of this worker's dev cluster: node[1-2]."""
+    low, high = node(first).removeprefix("node"), node(last).removeprefix("node")
+    return f"node[{low}-{high}]"

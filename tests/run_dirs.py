@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from helpers import write_spec
-from jobgen.loader import load_run, resolve
-from jobgen.rundir import RunDir
+from jobgen.runs.rundir import RunDir
+from jobgen.spec.loader import load_run, resolve
 
 JOB_HEAD = """
         site = "local"

@@ -10,7 +10,7 @@ or by hand on one machine, for a run directory that ``jobgen submit`` wrote::
     torchrun --standalone --nproc-per-node=2 -m trainer --run-dir RUN_DIR --expected-world-size 2
 
 Reads the resolved spec from ``RUN_DIR/spec.json``; exits with one of the codes in
-``jobgen.exit_codes`` and logs a one-line reason.
+``jobgen.base.exit_codes`` and logs a one-line reason.
 
 Owns one trainer process from start to exit: whether it may start at all
 (:func:`refuse_to_start`), building and running the Trainer (:func:`train`), and
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
 
     # Heavy imports after argument parsing, so --help stays instant.
-    from jobgen.rundir import RunDir
+    from jobgen.runs.rundir import RunDir
     from trainer import host_allocator
 
     run = RunDir(args.run_dir.absolute())
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RANK", "0") == "0":
         log.info("%s", allocator)
 
-    from jobgen.lease import WriterLease
+    from jobgen.base.lease import WriterLease
     from trainer import distributed
     from trainer.metrics import StartupClock
 
@@ -174,7 +174,7 @@ def record_ranks(run, attempt: Attempt, env) -> None:
     per-rank log directories name only the node and the local rank."""
     import torch.distributed as dist
 
-    from jobgen.atomic import write_json_atomic
+    from jobgen.base.atomic import write_json_atomic
 
     mine = {"node": os.environ.get("SLURMD_NODENAME") or "local", "local_rank": int(os.environ.get("LOCAL_RANK", 0))}
     # One line from every rank (the others log only warnings): where each one runs, in its own log.
@@ -197,9 +197,9 @@ def record_ranks(run, attempt: Attempt, env) -> None:
 
 def record_rank_end(run, attempt: Attempt, env, exc: BaseException) -> None:
     """Every rank an error reaches says so, with how long it had gone without progress: the
-    batch script's node check (jobgen.quarantine) blames the nodes whose ranks said nothing
+    batch script's node check (jobgen.runs.quarantine) blames the nodes whose ranks said nothing
     while others waited out a collective timeout."""
-    from jobgen.quarantine import record_rank_failure
+    from jobgen.runs.quarantine import record_rank_failure
     from jobgen.runtime.stopping import first_signal_caught
     from trainer.distributed import seconds_since_progress
 
@@ -212,7 +212,7 @@ def record_rank_end(run, attempt: Attempt, env, exc: BaseException) -> None:
 def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None) -> tuple[ExitCode, str] | None:
     """Rank 0: why this process must not train, or None. Takes the writer lease first, so a
     second writer leaves before it reads or writes anything of the run."""
-    from jobgen.lease import RunBusy
+    from jobgen.base.lease import RunBusy
     from jobgen.runtime.stopping import Action, startup_switch
 
     try:
@@ -240,13 +240,13 @@ def refuse_to_start(run, lease, world_size: int, expected_world_size: int | None
 def train(spec, run, env, attempt: Attempt, startup, progress: Progress) -> tuple[ExitCode, str]:
     """Build the trainer and fit; failures that every later task would repeat come back as
     their exit codes (typed exceptions, never matched on message text)."""
-    from jobgen.global_batch import GlobalBatchChanged
-    from jobgen.pipeline_split import PipelineSplitError
+    from jobgen.model.pipeline_split import PipelineSplitError
+    from jobgen.spec.global_batch import GlobalBatchChanged
     from trainer.checkpoint import ResumeFailed
-    from trainer.data_cache import DataCacheError
-    from trainer.formats import DataError
+    from trainer.data.cache import DataCacheError
+    from trainer.data.formats import DataError
+    from trainer.data.sampler import ResumeMismatch
     from trainer.model_errors import ModelError
-    from trainer.sampler import ResumeMismatch
 
     monitor = stop_monitor(spec, run, env, attempt)
     from trainer.loop import Trainer
@@ -300,7 +300,7 @@ def stop_monitor(spec, run, env, attempt: Attempt):
     elif env.is_main:
         logging.getLogger("trainer").info("job.graceful_stop = false: signals and the deadline end this job unsaved")
     if spec.site.slurm.device_memory:
-        from jobgen.sizes import parse_size
+        from jobgen.base.sizes import parse_size
 
         fraction = distributed.cap_device_memory(env, parse_size(spec.site.slurm.device_memory))
         if fraction is not None and env.is_main:

@@ -28,7 +28,7 @@ being due, a step being saved already, the list of checkpoints) is taken once an
 agreed by all ranks, or ranks would enter different collectives and hang.
 
 This module owns the save and load protocol and what a checkpoint holds; the
-directory names above are the run directory's layout, spelled in jobgen.rundir
+directory names above are the run directory's layout, spelled in jobgen.runs.rundir
 (``checkpoint_name``, ``checkpoint_step``, the ``CHECKPOINT_*`` prefixes).
 """
 
@@ -53,8 +53,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from jobgen.atomic import fsync_dir, write_json_atomic, write_text_atomic
-from jobgen.rundir import (
+from jobgen.base.atomic import fsync_dir, write_json_atomic, write_text_atomic
+from jobgen.runs.rundir import (
     CHECKPOINT_BROKEN_PREFIX,
     CHECKPOINT_TMP_PREFIX,
     broken_checkpoints_in,
@@ -105,7 +105,7 @@ def state_dict_options(model: torch.nn.Module) -> StateDictOptions:
     """LoRA: only the adapters are trained, so only they are checkpointed and loaded; the
     frozen base weights come from the model path. Full fine-tuning loads strictly."""
     frozen = any(not p.requires_grad for p in model.parameters())
-    # A pipeline's ranks hold different parameters (trainer.pipeline.StageModule): unflattened,
+    # A pipeline's ranks hold different parameters (trainer.parallel.pipeline.StageModule): unflattened,
     # the optimizer's param_groups would name each rank's own under one key, which the stages
     # would overwrite in each other's checkpoint. Flattened, every entry is keyed by name.
     flatten = bool(getattr(model, "flat_optimizer_state", False))

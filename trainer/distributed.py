@@ -60,7 +60,7 @@ def init_distributed(timeout_seconds: int, expected_world_size: int | None) -> D
 
 # When this rank last got something done (its start, the process group, a step, a save).
 # An error that reaches a rank after it went a whole collective timeout without progress
-# is one that waited for a silent peer: jobgen.quarantine blames that peer's node.
+# is one that waited for a silent peer: jobgen.runs.quarantine blames that peer's node.
 _last_progress = time.monotonic()
 
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from jobgen.atomic import write_json_atomic
-from jobgen.exit_codes import ExitCode
+from jobgen.base.atomic import write_json_atomic
+from jobgen.base.exit_codes import ExitCode
 
 BANDWIDTH_MIB = 16
 

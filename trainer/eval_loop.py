@@ -17,21 +17,24 @@ broken, or a crash between a save and the write of ``best.json``, leaves it righ
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
-from jobgen.atomic import write_json_atomic
-from jobgen.eval_spec import EvalSpec
-from jobgen.rundir import RunDir, checkpoint_name, complete_checkpoints_in
+from jobgen.base.atomic import write_json_atomic
+from jobgen.runs.rundir import RunDir, checkpoint_name, complete_checkpoints_in
 from jobgen.runtime.records import MetricsWriter
-from jobgen.runtime.stopping import Action
+from jobgen.runtime.stopping import Action, StopMonitor
+from jobgen.spec.tables.eval import EvalSpec
+from trainer.checkpoint import Checkpointer
+from trainer.data.batches import DataPipeline, model_inputs_on
+from trainer.data.formats import DataError
 from trainer.distributed import DistEnv, broadcast_object
-from trainer.eval_data import EvalSet
 from trainer.evaluation import EvalHistory, EvalResult, Evaluator, eval_prompts
-from trainer.formats import DataError
+from trainer.parallel.step_runner import forward_loss_sum
 from trainer.samples import SampleGenerator
+from trainer.step_parts import StepParts
 from trainer.tracking import Trackers
 
 log = logging.getLogger("trainer.eval")
@@ -171,39 +174,47 @@ class RunEvaluation:
             self._write_best(*choice)
 
 
-def build_run_evaluation(trainer: Any, spec: EvalSpec | None, eval_set: EvalSet | None) -> RunEvaluation | None:
-    """The trainer's evaluations (None without ``[eval]``): its model, the same loss path as
-    training, its stop monitor; the prompts' sampler; the checkpointer told what to keep."""
-    if spec is None or eval_set is None:
+def build_run_evaluation(
+    spec: EvalSpec | None,
+    data: DataPipeline,
+    parts: StepParts,
+    *,
+    monitor: StopMonitor,
+    run: RunDir,
+    metrics: MetricsWriter,
+    checkpointer: Checkpointer,
+) -> RunEvaluation | None:
+    """The trainer's evaluations (None without ``[eval]``): over ``data``'s evaluation set, through
+    ``parts``' model by the same loss path as training, stopped by ``monitor``; the prompts
+    answered with ``data``'s tokenizer; the checkpointer told which checkpoint to keep."""
+    if spec is None or data.eval_set is None:
         return None
+    env = parts.env
     evaluator = Evaluator(
-        trainer.model,
-        eval_set,
-        trainer.env,
-        trainer.monitor,
-        trainer.runner.forward_loss_sum,  # [eval] is refused under a pipeline
-        trainer.data.model_inputs,
+        parts.model,
+        data.eval_set,
+        env,
+        monitor,
+        functools.partial(forward_loss_sum, parts),  # [eval] is refused under a pipeline
+        model_inputs_on,
         every_steps=spec.every_steps,
         every_seconds=spec.every,
     )
 
     def protect(name: str | None) -> None:
-        trainer.checkpointer.protected = name
+        checkpointer.protected = name
 
-    run = RunDir(trainer.run_dir)
     # Rank 0 reads prompts_file and every rank follows: under FSDP each prompt is a series of
     # collectives, so two ranks reading different files (NFS caches, an edit) would hang.
-    outcome = broadcast_object(trainer.env, _read_prompts(spec) if trainer.env.is_main else None)
+    outcome = broadcast_object(env, _read_prompts(spec) if env.is_main else None)
     assert isinstance(outcome, tuple)
     prompts, problem = outcome
     if problem:
         raise DataError(problem)
     samples = None
     if prompts:
-        samples = SampleGenerator(
-            trainer.model, trainer.tokenizer, prompts, spec.max_new_tokens, trainer.env, trainer.monitor, run.samples
-        )
-    return RunEvaluation(spec, evaluator, trainer.env, run, trainer.metrics, protect, samples)
+        samples = SampleGenerator(parts.model, data.tokenizer, prompts, spec.max_new_tokens, env, monitor, run.samples)
+    return RunEvaluation(spec, evaluator, env, run, metrics, protect, samples)
 
 
 def _read_prompts(spec: EvalSpec) -> tuple[list[str], str | None]:

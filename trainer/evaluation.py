@@ -30,9 +30,9 @@ import torch
 
 from jobgen.runtime.records import EVAL_EVENT
 from jobgen.runtime.stopping import Action, StopMonitor
+from trainer.data.eval_set import EvalSet
+from trainer.data.packing import count_targets
 from trainer.distributed import DistEnv, mark_progress, reduce_max, reduce_sum
-from trainer.eval_data import EvalSet
-from trainer.packing import count_targets
 
 log = logging.getLogger("trainer.eval")
 
@@ -221,8 +221,8 @@ def release_gathered(model: torch.nn.Module) -> None:
 def eval_prompts(spec) -> list[str]:
     """``[eval] prompts`` followed by those of ``prompts_file`` (checked by ``jobgen validate``;
     read again here, on the node, where a changed file is a DataError naming the key)."""
-    from jobgen.datafiles import PromptsFileError, read_prompts
-    from trainer.formats import DataError
+    from jobgen.spec.data_files import PromptsFileError, read_prompts
+    from trainer.data.formats import DataError
 
     prompts = list(spec.prompts)
     if spec.prompts_file:

@@ -24,7 +24,7 @@ Which tensors, under which names, comes from a model skeleton on the meta device
 it gives are those the trainer checkpointed.
 
 This module owns the consolidation; where checkpoints are and which are complete
-comes from the run directory's layout (jobgen.rundir via trainer.checkpoint).
+comes from the run directory's layout (jobgen.runs.rundir via trainer.checkpoint).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from jobgen.atomic import staged_directory
-from jobgen.resolved import ResolvedSpec
-from jobgen.rundir import RunDir
-from jobgen.spec import ModelSpec
+from jobgen.base.atomic import staged_directory
+from jobgen.runs.rundir import RunDir
+from jobgen.spec.resolved import ResolvedSpec
+from jobgen.spec.tables.run import ModelSpec
 from trainer.checkpoint import complete_checkpoints, describe_load_error
 from trainer.hf_export import (
     MAX_SHARD_BYTES,

@@ -140,7 +140,7 @@ def configure(spec) -> str:
     on_gpu = spec.site.slurm.gpus_per_node > 0
     peak = per_process = None
     if setting == "auto" and not on_gpu:
-        from jobgen.memory_plan import plan_run
+        from jobgen.plan.memory_plan import plan_run
 
         try:
             plan = plan_run(spec)

@@ -30,26 +30,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
-from jobgen.atomic import write_json_atomic
-from jobgen.exit_codes import ExitCode
-from jobgen.global_batch import BatchShape, check_resume, shape_for
-from jobgen.resolved import ResolvedSpec
-from jobgen.rundir import RunDir
+from jobgen.base.atomic import write_json_atomic
+from jobgen.base.exit_codes import ExitCode
+from jobgen.runs.rundir import RunDir
 from jobgen.runtime.records import MetricsWriter
 from jobgen.runtime.stopping import Action, StopMonitor
-from trainer.batches import DataPipeline
+from jobgen.spec.global_batch import BatchShape, check_resume, shape_for
+from jobgen.spec.resolved import ResolvedSpec
 from trainer.checkpoint import Checkpointer
+from trainer.data.batches import training_data
+from trainer.data.packing import count_targets
 from trainer.distributed import DistEnv, mark_progress, reduce_max, reduce_sum
-from trainer.eval_loop import build_run_evaluation
+from trainer.eval_loop import RunEvaluation, build_run_evaluation
 from trainer.loss import loss_head_for
 from trainer.memory_peaks import MemoryPeaks, combine_ranks
 from trainer.metrics import StartupClock, ThroughputWindow, memory_snapshot
-from trainer.model import build_model, load_tokenizer, trainable_parameters
+from trainer.model import build_model, trainable_parameters
 from trainer.offload import make_offloader
 from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler
-from trainer.packing import count_targets
-from trainer.parallel import Strategy, context_parallel_for, strategy
+from trainer.parallel.strategies import Strategy, context_parallel_for, strategy
+from trainer.step_parts import StepParts
 from trainer.tracking import Trackers, trackers_for_run
 
 log = logging.getLogger("trainer")
@@ -66,7 +68,10 @@ class Trainer:
         monitor: StopMonitor,
         startup: StartupClock | None = None,
     ):
-        """``startup``: the clock main() started when the process began (a new one if not given)."""
+        """``startup``: the clock main() started when the process began (a new one if not given).
+        The phases: the parallelism's checks, the data, the model, the optimizer, the checkpoint,
+        the evaluation. The data comes before the model so that data that cannot be read is
+        refused before a model is loaded."""
         assert spec.run.model is not None and spec.run.data is not None
         self.spec = spec
         self.cfg = spec.run.train
@@ -86,14 +91,15 @@ class Trainer:
         chosen.check(self.cfg, env)  # before the data is read: it may refuse
         self.ranks_per_replica = self.cfg.ranks_per_replica(env.world_size)  # a pipeline's ranks share rows
         torch.manual_seed(self.cfg.seed)  # identical initialisation on every rank (FSDP2 does not broadcast)
-        self.tokenizer = load_tokenizer(spec.run.model.path)
-        self.data = DataPipeline(spec, self.tokenizer, env, run_dir, shard=chosen.data_shard(self.cfg, env))
-        self.startup.mark("data")  # tokenizer, and the tokenized data (from the cache, or built)
-        self._build_model(chosen)
+        # The tokenizer and the tokenized data (from the cache, or built).
+        self.data = training_data(spec, env, shard=chosen.data_shard(self.cfg, env))
+        self.startup.mark("data")
+        self.parts = self._build_model()
+        self.runner = chosen.runner(self.parts)  # forward, backward and clipping of a step
+        self.optimizer, self.scheduler = self._build_optimizer(chosen)
         self.checkpointer = self._checkpointer()
         self.metrics = MetricsWriter(run_dir, enabled=env.is_main)
-        # [eval]: evaluations over the pipeline's evaluation set, samples, the best checkpoint.
-        self.evaluation = build_run_evaluation(self, self.spec.run.eval, self.data.eval_set)
+        self.evaluation = self._build_evaluation()
         self.trackers = Trackers([])  # train.report_to, opened by fit()
         self.startup.mark("model")  # weights, wrapping, optimizer
         # Per-rank streams for dropout and friends; restored from checkpoints on resume.
@@ -108,22 +114,48 @@ class Trainer:
         self.seconds_to_first_step: float | None = None  # job start to the end of this job's first step
         self.summary: dict[str, Any] = {}  # filled when fit() ends, however it ends
 
-    def _build_model(self, chosen: Strategy) -> None:
-        """The model as the parallelism builds it, how a step runs it, its loss head, the
-        activation offloader, the optimizer and the schedule."""
-        model_spec, env = self.spec.run.model, self.env
-        assert model_spec is not None and self.spec.run.data is not None
-        self.context = context_parallel_for(self.cfg, env)  # train.context_parallel's group, or None
-        packing = self.spec.run.data.packing
-        self.model = build_model(model_spec, self.cfg, env, packing=packing, context=self.context)
-        self.runner = chosen.runner(self)  # forward, backward and clipping of a step
-        target_only = self.cfg.target_logits_only and self.context is None  # shares keep every position
-        self.chunked_loss = loss_head_for(self.model, self.cfg.loss_chunk_tokens, target_only)
-        self.offloader = make_offloader(env.device, model_spec.activation_offloading)
+    def _build_model(self) -> StepParts:
+        """The model as the parallelism builds it, with what a step runs it through: the
+        context-parallel group, the loss head and the activation offloader."""
+        model_spec, data_spec, env = self.spec.run.model, self.spec.run.data, self.env
+        assert model_spec is not None and data_spec is not None
+        context = context_parallel_for(self.cfg, env)  # train.context_parallel's group, or None
+        model = build_model(model_spec, self.cfg, env, packing=data_spec.packing, context=context)
+        target_only = self.cfg.target_logits_only and context is None  # shares keep every position
+        return StepParts(
+            model=model,
+            env=env,
+            train=self.cfg,
+            pad_token_id=self.data.pad_token_id,
+            context=context,
+            loss_head=loss_head_for(model, self.cfg.loss_chunk_tokens, target_only),
+            offloader=make_offloader(env.device, model_spec.activation_offloading),
+        )
+
+    def _build_optimizer(self, chosen: Strategy) -> tuple[torch.optim.Optimizer, LambdaLR]:
+        """The optimizer of the trainable parameters (stepped in backward with
+        train.optimizer_in_backward, its norm summed over the parallelism's group) and its schedule."""
         params = trainable_parameters(self.model)
         in_backward_group = chosen.norm_group(params) if self.cfg.optimizer_in_backward else None
-        self.optimizer = build_optimizer(params, self.cfg, in_backward_group)
-        self.scheduler = build_scheduler(self.optimizer, self.cfg)
+        optimizer = build_optimizer(params, self.cfg, in_backward_group)
+        return optimizer, build_scheduler(optimizer, self.cfg)
+
+    def _build_evaluation(self) -> RunEvaluation | None:
+        """[eval]: evaluations over the data's evaluation set, samples, the best checkpoint."""
+        return build_run_evaluation(
+            self.spec.run.eval,
+            self.data,
+            self.parts,
+            monitor=self.monitor,
+            run=RunDir(self.run_dir),
+            metrics=self.metrics,
+            checkpointer=self.checkpointer,
+        )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model as the parallelism built it (the step parts' own)."""
+        return self.parts.model
 
     def _checkpointer(self) -> Checkpointer:
         """Saves under <run>/checkpoints as train.save_every_steps, save_every and keep_checkpoints say."""

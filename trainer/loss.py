@@ -5,7 +5,7 @@ layer N tokens at a time. Each chunk's logits are cast to float32, scored with
 cross-entropy (summed over target tokens), and dropped; backward recomputes them one
 chunk at a time (``torch.utils.checkpoint``, non-reentrant), so the peak is one
 chunk's logits, not ``tokens x vocabulary``. The result equals
-:func:`trainer.packing.token_loss_sum` up to the order of the sum.
+:func:`trainer.data.packing.token_loss_sum` up to the order of the sum.
 
 Why inside the model's forward
     FSDP2 un-shards the output layer's weight (an FSDP unit of its own, or part of the
@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainer.data.packing import IGNORE_INDEX
 from trainer.model_errors import ModelError
-from trainer.packing import IGNORE_INDEX
 
 # Config keys of transformers models that post-process the output layer's logits.
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -73,7 +73,7 @@ def chunked_linear_cross_entropy(
     tokens (a 0-d float32 tensor).
 
     ``hidden`` is ``[batch, seq, dim]``, ``labels`` ``[batch, seq]`` unshifted as
-    :func:`trainer.packing.token_loss_sum` takes them: position ``t`` predicts
+    :func:`trainer.data.packing.token_loss_sum` takes them: position ``t`` predicts
     ``labels[:, t + 1]``. ``targets_only`` first keeps the positions that have a target
     (the others contribute nothing to the loss, so their logits are never computed).
     ``chunk_tokens`` > 0 computes the logits that many positions at a time and recomputes

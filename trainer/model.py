@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from jobgen.spec import ModelSpec, TrainSpec
+from jobgen.spec.tables.run import ModelSpec, TrainSpec
 from trainer.distributed import DistEnv
 from trainer.model_prep import (  # noqa: F401 - re-exported: trainer.model is where callers look
     DTYPES,
@@ -27,7 +27,7 @@ from trainer.model_prep import (  # noqa: F401 - re-exported: trainer.model is w
     prepare,
     trainable_parameters,
 )
-from trainer.parallel import strategy
+from trainer.parallel.strategies import strategy
 
 log = logging.getLogger("trainer.model")
 
@@ -48,14 +48,14 @@ def load_model(spec: ModelSpec, device: torch.device, attention: str = "sdpa") -
 def build_model(
     spec: ModelSpec, train: TrainSpec, env: DistEnv, *, packing: bool = False, context: Any = None
 ) -> torch.nn.Module:
-    """The model ready to train, as ``train.parallelism``'s entry in trainer.parallel says.
+    """The model ready to train, as ``train.parallelism``'s entry in trainer.parallel.strategies says.
     DDP: loaded whole and replicated. FSDP and HSDP: built on the meta device, sharded, and
     each rank reads only its shards from the safetensors (trainer.sharded_load), so no rank
     ever holds the whole model; with ``train.cpu_offload`` the shards live in host memory.
     Decoder blocks are compiled before wrapping (train.compile). What the strategy cannot do
     in this process (CPU offload without a GPU, an HSDP shard size that does not divide this
     world) is refused before anything is loaded (the Trainer has asked before reading the data).
-    ``context``: a trainer.context_parallel.ContextParallel whose attention the model runs
+    ``context``: a trainer.parallel.context_parallel.ContextParallel whose attention the model runs
     (installed after the spec's preparation, before wrapping)."""
     chosen = strategy(train.parallelism)
     chosen.check(train, env)
@@ -84,7 +84,7 @@ def build_model(
 
 
 def wrap(model: torch.nn.Module, train: TrainSpec, env: DistEnv) -> torch.nn.Module:
-    """``model`` wrapped as ``train.parallelism``'s entry in trainer.parallel says: DDP keeps a
+    """``model`` wrapped as ``train.parallelism``'s entry in trainer.parallel.strategies says: DDP keeps a
     full replica per rank; FSDP2 makes each decoder block, the untied input and output
     embeddings and the root units sharded over every rank (fsdp) or over the ``shard``
     dimension of a 2-D mesh (hsdp)."""

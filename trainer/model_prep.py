@@ -1,8 +1,8 @@
 """A bare Hugging Face model made ready to train, before any parallelism touches it: its
 dtype, tokenizer, attention kernel, KV cache off, activation checkpointing, LoRA adapters,
 compiled blocks; and the lookups every strategy shares (its decoder blocks, its trainable
-parameters). Below trainer.model (whole-model and sharded builds), trainer.parallel and
-trainer.pipeline_steps, which all use it.
+parameters). Below trainer.model (whole-model and sharded builds), trainer.parallel.strategies and
+trainer.parallel.pipeline_steps, which all use it.
 
 Order matters: LoRA adapters and gradient checkpointing are set up on the plain
 module before it is wrapped, and checkpointing is always non-reentrant: the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from jobgen.spec import ModelSpec, TrainSpec
+from jobgen.spec.tables.run import ModelSpec, TrainSpec
 from trainer.model_errors import ModelError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,7 +89,7 @@ def add_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
         r=spec.lora.r,
         lora_alpha=spec.lora.alpha,
         lora_dropout=spec.lora.dropout,
-        # A list of names, or one string: 'all-linear' or a regular expression (jobgen.lora_targets).
+        # A list of names, or one string: 'all-linear' or a regular expression (jobgen.model.lora_targets).
         target_modules=targets if isinstance(targets := spec.lora.target_modules, str) else list(targets),
         task_type="CAUSAL_LM",
     )

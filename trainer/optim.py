@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
-from jobgen.spec import TrainSpec
+from jobgen.spec.tables.run import TrainSpec
 
 # The cosine decays to this fraction of the peak rather than to zero.
 MIN_LR_RATIO = 0.1
@@ -47,7 +47,7 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """The optimizer over ``params``: a plain one, or with ``optimizer_in_backward`` an
     :class:`OptimizerInBackward` whose hooks are registered on ``params`` already, summing
-    the gradient norm over ``norm_group`` (trainer.parallel's ``Strategy.norm_group``)."""
+    the gradient norm over ``norm_group`` (trainer.parallel.strategies's ``Strategy.norm_group``)."""
     if not params:
         raise RuntimeError("no trainable parameters")
     if spec.optimizer_in_backward:
@@ -98,7 +98,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
     norms are summed in the hooks; :meth:`grad_norm` returns their global square root, summed
     over ``norm_group`` (None: the world), the ranks whose shards together make the model once:
     under HSDP the ``shard`` dimension, as the replicas hold the same shards
-    (trainer.parallel's ``norm_group``).
+    (trainer.parallel.strategies's ``norm_group``).
     """
 
     def __init__(

@@ -38,7 +38,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from jobgen.spec import ModelSpec
+from jobgen.spec.tables.run import ModelSpec
 from trainer.distributed import DistEnv
 from trainer.model_errors import ModelError
 

@@ -24,9 +24,9 @@ import secrets
 import socket
 from typing import Any
 
-from jobgen.atomic import write_text_atomic
-from jobgen.rundir import RunDir
-from jobgen.sweep_runs import sweep_name
+from jobgen.base.atomic import write_text_atomic
+from jobgen.runs.rundir import RunDir
+from jobgen.runs.sweep_runs import sweep_name
 
 log = logging.getLogger("trainer.tracking")
 

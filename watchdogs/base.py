@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from jobgen.run_files import DamagedFile
-from jobgen.rundir import RunDir, RunDirError
+from jobgen.base.safe_read import DamagedFile
+from jobgen.runs.rundir import RunDir, RunDirError
 from watchdogs.notify import deliver
 from watchdogs.target import ALERT, USAGE, CheckResult, Target, load_target
 
@@ -99,8 +99,8 @@ class RunningJob:
 
 def running_jobs(run: RunDir) -> list[RunningJob]:
     """The run's jobs (array tasks) Slurm has RUNNING now, with their nodes and start time."""
-    from jobgen import slurm
-    from jobgen.status import run_status
+    from jobgen.report.status import run_status
+    from jobgen.slurm import client as slurm
 
     out = []
     for task in run_status(run, details=False).tasks:

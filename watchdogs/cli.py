@@ -24,8 +24,8 @@ from watchdogs import CHECKS
 
 def _run(ref: str):
     """A run by name, by directory, or by the run.toml it was submitted from."""
-    from jobgen.loader import SpecError, load_run
-    from jobgen.rundir import RunDir, RunDirError, default_runs_root
+    from jobgen.runs.rundir import RunDir, RunDirError, default_runs_root
+    from jobgen.spec.loader import SpecError, load_run
 
     if ref.endswith(".toml") and Path(ref).is_file():
         try:
@@ -35,7 +35,7 @@ def _run(ref: str):
         if not run.exists():
             raise click.ClickException(f"{ref}: run {run.path} does not exist yet; `jobgen submit {ref}` first")
         return run
-    from jobgen.sweep_runs import find_run_or_point
+    from jobgen.runs.sweep_runs import find_run_or_point
 
     try:
         return find_run_or_point(ref, default_runs_root())
@@ -46,7 +46,7 @@ def _run(ref: str):
 def _homes_and_run(run_ref: str | None, home_path: str | None):
     """The watchdog homes to act on (``--home``, else RUN's, else every home the user has)
     and RUN's run dir."""
-    from jobgen.rundir import default_runs_root
+    from jobgen.runs.rundir import default_runs_root
     from watchdogs.runs_root import known_homes
     from watchdogs.scheduler import WatchdogHome
     from watchdogs.target import watchdog_home
@@ -80,8 +80,8 @@ def install(run_ref: str | None, partition: str | None) -> None:
 
     Without RUN: every active run under the runs root, the runs root's filesystem, and a
     sweep that installs the runs that become active later."""
-    from jobgen.rundir import default_runs_root
-    from jobgen.sweep_runs import find_sweep, point_runs
+    from jobgen.runs.rundir import default_runs_root
+    from jobgen.runs.sweep_runs import find_sweep, point_runs
     from watchdogs.runs_root import remember_home
     from watchdogs.scheduler import WatchdogHome, install_run
     from watchdogs.target import watchdog_home
@@ -106,7 +106,7 @@ def install(run_ref: str | None, partition: str | None) -> None:
 
 
 def _install_root(partition: str | None) -> None:
-    from jobgen.rundir import default_runs_root
+    from jobgen.runs.rundir import default_runs_root
     from watchdogs.runs_root import install_root
 
     root = default_runs_root()
@@ -145,7 +145,7 @@ def list_command(run_ref: str | None, home_path: str | None, as_json: bool) -> N
 
 
 def _home_listing(home) -> dict:
-    from jobgen import slurm
+    from jobgen.slurm import client as slurm
 
     chains = []
     for chain in home.chains():
@@ -175,7 +175,7 @@ def _home_listing(home) -> dict:
 
 
 def _echo_home(entry: dict) -> None:
-    from jobgen.visible import visible
+    from jobgen.base.visible import visible
 
     click.echo(f"home {entry['home']}")
     chains = entry["chains"]

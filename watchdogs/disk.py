@@ -11,7 +11,7 @@ one more before pruning, so it needs ``(keep + 1) x size`` at its peak; with the
 observed save interval that tells how many hours remain before a save cannot fit.
 
 This module owns the thresholds and the forecast; which directories are complete
-checkpoints is the run directory's layout (jobgen.rundir.RunDir.complete_checkpoints).
+checkpoints is the run directory's layout (jobgen.runs.rundir.RunDir.complete_checkpoints).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobgen.durations import format_human
-from jobgen.goodput import read_metrics
-from jobgen.watchdog_settings import parse_threshold
+from jobgen.base.durations import format_human
+from jobgen.runs.goodput import read_metrics
+from jobgen.spec.tables.watchdogs import parse_threshold
 from watchdogs.base import main as check_main
 from watchdogs.target import CheckResult, Target
 

@@ -12,7 +12,7 @@ short ``srun --overlap`` step into ``<run>/hangs/<time>-job<J>.txt``; the alert
 names that file, so the person who wakes up sees where it hung.
 
 This module owns the hang verdict and the stack dump; the batch log's name is the run
-directory's layout (jobgen.rundir.RunDir.batch_log).
+directory's layout (jobgen.runs.rundir.RunDir.batch_log).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from jobgen import slurm
-from jobgen.atomic import write_text_atomic
-from jobgen.durations import format_human
-from jobgen.rundir import RunDir
+from jobgen.base.atomic import write_text_atomic
+from jobgen.base.durations import format_human
+from jobgen.runs.rundir import RunDir
+from jobgen.slurm import client as slurm
 from watchdogs.base import RunningJob, running_jobs
 from watchdogs.base import main as check_main
 from watchdogs.target import CheckResult, Target

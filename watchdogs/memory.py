@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import sys
 
-from jobgen import slurm
-from jobgen.goodput import read_metrics
+from jobgen.runs.goodput import read_metrics
 from jobgen.runtime.records import training_lines
+from jobgen.slurm import client as slurm
 from watchdogs.base import main as check_main
 from watchdogs.base import running_jobs
 from watchdogs.target import CheckResult, Target

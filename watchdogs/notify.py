@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass
 from email.message import EmailMessage
 from pathlib import Path
 
-from jobgen.atomic import write_json_atomic
-from jobgen.durations import format_human
-from jobgen.resolved import ResolvedSpec
-from jobgen.watchdog_settings import EmailSettings, WebhookSettings
+from jobgen.base.atomic import write_json_atomic
+from jobgen.base.durations import format_human
+from jobgen.spec.resolved import ResolvedSpec
+from jobgen.spec.tables.watchdogs import EmailSettings, WebhookSettings
 from watchdogs.target import CheckResult, Target, watchdog_home
 
 ALERT, REMINDER, RESOLVED = "ALERT", "REMINDER", "RESOLVED"
@@ -287,7 +287,7 @@ def active_alerts(home: Path, target: str) -> list[str]:
 
 
 def run_alerts(spec: ResolvedSpec) -> list[str]:
-    """The run's active alerts from its watchdog home, if it has one yet: what ``jobgen/cli.py``
-    hands to ``jobgen.status.run_status`` (jobgen itself does not import watchdogs)."""
+    """The run's active alerts from its watchdog home, if it has one yet: what ``jobgen/cli/main.py``
+    hands to ``jobgen.report.status.run_status`` (jobgen itself does not import watchdogs)."""
     home = watchdog_home(spec)
     return active_alerts(home, spec.run.job.name) if home.is_dir() else []

@@ -6,10 +6,10 @@
 An array that ran out of tasks, a cancelled job, a dependency that can never be
 met or a job held by an admin all leave a run that is neither finished nor going
 anywhere; nobody notices until morning. A run stopped on purpose (kill or abort
-switch, jobgen.rundir.STARTUP_SWITCHES) is not an alert: the person who stopped it knows.
+switch, jobgen.runs.rundir.STARTUP_SWITCHES) is not an alert: the person who stopped it knows.
 
-It decides from ``jobgen.status.run_status`` and the job states and pending reasons
-of ``jobgen.slurm`` (``JOB_ACTIVE``, ``JOB_PENDING``, ``REASONS_NEVER_CLEAR``); when
+It decides from ``jobgen.report.status.run_status`` and the job states and pending reasons
+of ``jobgen.slurm.client`` (``JOB_ACTIVE``, ``JOB_PENDING``, ``REASONS_NEVER_CLEAR``); when
 Slurm cannot be asked, ``RunStatus.slurm_unreachable`` says so.
 """
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from jobgen import slurm
-from jobgen.rundir import STARTUP_SWITCHES
-from jobgen.status import RunStatus, run_status
-from jobgen.sweep_runs import sweep_of
+from jobgen.report.status import RunStatus, run_status
+from jobgen.runs.rundir import STARTUP_SWITCHES
+from jobgen.runs.sweep_runs import sweep_of
+from jobgen.slurm import client as slurm
 from watchdogs.base import main as check_main
 from watchdogs.target import CheckResult, Target
 

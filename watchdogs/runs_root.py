@@ -25,10 +25,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from jobgen import slurm
-from jobgen.atomic import write_json_atomic
-from jobgen.rundir import RunDir
-from jobgen.watchdog_settings import WatchdogSettings
+from jobgen.base.atomic import write_json_atomic
+from jobgen.runs.rundir import RunDir
+from jobgen.slurm import client as slurm
+from jobgen.spec.tables.watchdogs import WatchdogSettings
 from watchdogs import CHECKS
 from watchdogs.scheduler import ALWAYS, WatchdogHome, chain_job_name, ensure_chain, install_run, write_job_file
 from watchdogs.target import watchdog_home
@@ -78,7 +78,7 @@ def known_homes(runs_root: Path | None) -> list[WatchdogHome]:
 
 def active_runs(runs_root: Path) -> list[RunDir]:
     """The runs under ``runs_root`` with a task pending or running: one squeue call."""
-    from jobgen.status import queue_for, run_status, unreadable
+    from jobgen.report.status import queue_for, run_status, unreadable
 
     runs = [RunDir(p.parent) for p in sorted(runs_root.glob("*/spec.json"))]
     runs = [r for r in runs if unreadable(r) is None]

@@ -37,10 +37,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobgen import slurm
-from jobgen.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
-from jobgen.durations import format_human
-from jobgen.resolved import ResolvedSpec
+from jobgen.base.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
+from jobgen.base.durations import format_human
+from jobgen.slurm import client as slurm
+from jobgen.spec.resolved import ResolvedSpec
 from watchdogs import CHECKS
 from watchdogs.home_trust import check_command, private_directory, untrusted
 from watchdogs.notify import append_line, locked
@@ -135,7 +135,7 @@ class WatchdogHome:
 @contextlib.contextmanager
 def _outside_job_env() -> Iterator[None]:
     """submitit calls sbatch with our environment; from inside a link, drop the link's own
-    SLURM_* variables so the successor does not inherit them (see jobgen.slurm.client_env)."""
+    SLURM_* variables so the successor does not inherit them (see jobgen.slurm.client.client_env)."""
     saved, wanted = dict(os.environ), slurm.client_env()  # read before the clear, or nothing is left
     os.environ.clear()
     os.environ.update(wanted)

@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobgen.resolved import ResolvedSpec
-from jobgen.rundir import RunDir, default_runs_root
-from jobgen.sweep_runs import find_run_or_point
-from jobgen.visible import visible
-from jobgen.watchdog_settings import WatchdogSettings
+from jobgen.base.visible import visible
+from jobgen.runs.rundir import RunDir, default_runs_root
+from jobgen.runs.sweep_runs import find_run_or_point
+from jobgen.spec.resolved import ResolvedSpec
+from jobgen.spec.tables.watchdogs import WatchdogSettings
 
 OK, ALERT, USAGE = 0, 1, 2
 
@@ -42,7 +42,7 @@ class CheckResult:
 
     def text(self) -> str:
         """The result for a person: its summary and details are built from a run's files and
-        Slurm's words, so their control characters are shown as escapes (jobgen.visible)."""
+        Slurm's words, so their control characters are shown as escapes (jobgen.base.visible)."""
         word = "ALERT" if self.alert else "ok"
         head = f"{self.check} {visible(self.target)}: {word}: {visible(self.summary)}"
         return "\n".join([head, *(f"  {visible(d)}" for d in self.details)])

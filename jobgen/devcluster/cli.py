@@ -10,10 +10,13 @@ Also runnable on its own: ``python -m jobgen.devcluster.cli up --nodes 2``.
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import click
 
+from . import instances
 from .config import DEBUG_MAX_TIME, DEFAULT_PARTITION, SHORT_MAX_TIME
 from .lifecycle import DEFAULT_TIMEOUT, status, up
 from .state import STATE_DIR_ENV, ClusterError, ClusterInfo
@@ -78,10 +81,12 @@ def up_cmd(
 
 @cluster.command(name="down")
 @_state_dir_option
-def down_cmd(state_dir: str | None) -> None:
+@click.option("--all", "every", is_flag=True, help="Every dev cluster of this machine (CI's clean-up).")
+def down_cmd(state_dir: str | None, every: bool) -> None:
     """Stop the cluster and remove everything `up` created; fine when nothing is up."""
     try:
-        down(state_dir=state_dir)
+        for one in [None, *instances.registered()] if every else [state_dir]:
+            down(state_dir=one)
     except ClusterError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -112,6 +117,8 @@ def _print_status(info: ClusterInfo) -> None:
     click.echo(f"dev cluster: up, {len(info.nodes)} nodes, {mode}, nic {info.nic}")
     click.echo(f"state dir:   {info.state_dir}")
     click.echo(f"slurm.conf:  {info.slurm_conf}")
+    if not _is_system_conf(info.slurm_conf):  # another dev cluster owns /etc/slurm/slurm.conf
+        click.echo(f"reach it:    export SLURM_CONF={info.slurm_conf}  (dev cluster {info.instance} of this machine)")
     click.echo(
         f"partitions:  {DEFAULT_PARTITION} (default, MaxTime {DEBUG_MAX_TIME}), short (MaxTime {SHORT_MAX_TIME})"
     )
@@ -132,6 +139,11 @@ def _print_status(info: ClusterInfo) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         click.echo("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+def _is_system_conf(slurm_conf: str) -> bool:
+    link = Path("/etc/slurm/slurm.conf")
+    return link.is_symlink() and Path(os.readlink(link)) == Path(slurm_conf)
 
 
 def _print_daemons(info: ClusterInfo) -> None:

@@ -122,6 +122,7 @@ class Layout:
 
 
 def node_names(count: int) -> list[str]:
+    """Instance 0's node names (jobgen.devcluster.instances.Instance.node_names for any)."""
     return [f"node{k}" for k in range(1, count + 1)]
 
 
@@ -180,21 +181,24 @@ def render_slurm_conf(
     cpus_per_node: int,
     mem_per_node_mb: int,
     slurmdbd_port: int,
+    slurmctld_port: int = SLURMCTLD_PORT,
+    slurmd_ports: dict[str, int] | None = None,
 ) -> str:
-    """The slurm.conf text for ``len(node_addrs)`` nodes named node1..nodeN.
+    """The slurm.conf text for the nodes of ``node_addrs`` (node1..nodeN for instance 0).
 
     One NodeName line per node, because in netns mode every node has its own
-    address; the ports still follow node order (17001, 17002, ...).  slurmdbd
+    address; the ports follow node order (17001, 17002, ... for instance 0).  slurmdbd
     runs beside slurmctld and is reached at the controller's address, which the
     host's client commands (sacct, sacctmgr) and, in netns mode, the nodes reach.
     """
     nodes = list(node_addrs)
-    hostlist = f"node[1-{len(nodes)}]" if len(nodes) > 1 else nodes[0]
+    hostlist = ",".join(nodes)
+    ports = slurmd_ports or {name: SLURMD_BASE_PORT + i for i, name in enumerate(nodes)}
     node_lines = [
         f"NodeName={name} NodeHostname={hostname} NodeAddr={addr} "
-        f"Port={SLURMD_BASE_PORT + i} CPUs={cpus_per_node} "
+        f"Port={ports[name]} CPUs={cpus_per_node} "
         f"RealMemory={mem_per_node_mb} State=UNKNOWN"
-        for i, (name, addr) in enumerate(node_addrs.items())
+        for name, addr in node_addrs.items()
     ]
     return "\n".join(
         [
@@ -202,7 +206,7 @@ def render_slurm_conf(
             "# A dev cluster: several `slurmd -N nodeK` on one host.",
             f"ClusterName={CLUSTER_NAME}",
             f"SlurmctldHost={hostname}({controller_addr})",
-            f"SlurmctldPort={SLURMCTLD_PORT}",
+            f"SlurmctldPort={slurmctld_port}",
             *_SETTINGS,
             "AccountingStorageType=accounting_storage/slurmdbd",
             f"AccountingStorageHost={controller_addr}",

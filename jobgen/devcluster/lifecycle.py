@@ -25,7 +25,7 @@ import socket
 import time
 from pathlib import Path
 
-from . import accounting, daemons, procs
+from . import accounting, daemons, instances, procs
 from . import netns as netns_mod
 from .config import (
     DEFAULT_PARTITION,
@@ -35,7 +35,6 @@ from .config import (
     SLURMD_BASE_PORT,
     SLURMDBD_PORT,
     Layout,
-    node_names,
     render_slurm_conf,
 )
 from .daemons import log
@@ -132,12 +131,19 @@ def up(
                     raise ClusterError(f"the dev cluster in {root} did not come back; run `jobgen cluster down`")
                 return info
         _check_system_conf(root)
-        _check_port_free(SLURMCTLD_PORT)
-        _fresh_up(root, nodes, cpus_per_node, netns, mem_per_node_mb, timeout)
+        instance = instances.claim(root, alive=_alive)
+        _check_port_free(instance.port(SLURMCTLD_PORT))
+        _fresh_up(root, instance, nodes, cpus_per_node, netns, mem_per_node_mb, timeout)
     info = status(root)
     if info is None:
         raise ClusterError(f"the dev cluster in {root} went away right after starting")
     return info
+
+
+def _alive(state_dir: Path) -> bool:
+    """Whether a dev cluster is recorded in ``state_dir`` with a daemon still running."""
+    state = load_state(state_dir)
+    return state is not None and bool(daemons.live_daemons(state))
 
 
 def _describe(shape: dict[str, object]) -> str:
@@ -163,10 +169,7 @@ def _check_system_conf(root: Path) -> None:
         return
     other = load_state(target.parent) if target.parent.is_dir() else None
     if other is not None and daemons.live_daemons(other):
-        raise ClusterError(
-            f"another dev cluster is up in {target.parent} ({conf} points there); "
-            f"run `jobgen cluster down --state-dir {target.parent}` first"
-        )
+        return  # another dev cluster's, up: it keeps the link, this one is reached by SLURM_CONF
     if other is not None:
         log(f"cleaning up the stale dev cluster in {target.parent}")
         log_warnings(teardown(other))
@@ -184,20 +187,24 @@ def _check_port_free(port: int) -> None:
         )
 
 
-def _fresh_up(root: Path, nodes: int, cpus: int, use_netns: bool, mem_mb: int, timeout: float) -> None:
+def _fresh_up(
+    root: Path, instance: instances.Instance, nodes: int, cpus: int, use_netns: bool, mem_mb: int, timeout: float
+) -> None:
     """A new cluster from nothing: packages, state dir, record, network, slurm.conf, daemons
     (MariaDB and slurmdbd before slurmctld, which reports every job to slurmdbd).
     Each resource is recorded as it is created; a failure undoes them all."""
     started = time.monotonic()
-    names = node_names(nodes)
+    if nodes > instances.MAX_NODES:
+        raise ClusterError(f"a dev cluster has at most {instances.MAX_NODES} nodes")
+    names = instance.node_names(nodes)
     apt_installed = _install_missing_packages(use_netns)
-    net_plan = netns_mod.plan(names) if use_netns else None
+    net_plan = netns_mod.plan(names, instance.bridge) if use_netns else None
     _clear_state_dir(root)
     layout = Layout(root)
     layout.mkdirs(names)
-    state = State(info=_new_cluster_info(layout, names, net_plan, cpus, mem_mb))
-    state.info.slurmdbd_port = accounting.pick_port(SLURMDBD_PORT, "slurmdbd")
-    state.info.mariadb_port = accounting.pick_port(MARIADB_PORT, "the cluster's MariaDB")
+    state = State(info=_new_cluster_info(layout, instance, names, net_plan, cpus, mem_mb))
+    state.info.slurmdbd_port = accounting.pick_port(instance.port(SLURMDBD_PORT), "slurmdbd")
+    state.info.mariadb_port = accounting.pick_port(instance.port(MARIADB_PORT), "the cluster's MariaDB")
     state.resources.apt_installed = apt_installed
     save_state(state)
     log(f"starting a {_describe(state.info.shape)} dev cluster in {root}")
@@ -252,7 +259,12 @@ def _clear_state_dir(root: Path) -> None:
 
 
 def _new_cluster_info(
-    layout: Layout, names: list[str], net_plan: netns_mod.NetPlan | None, cpus: int, mem_mb: int
+    layout: Layout,
+    instance: instances.Instance,
+    names: list[str],
+    net_plan: netns_mod.NetPlan | None,
+    cpus: int,
+    mem_mb: int,
 ) -> ClusterInfo:
     """The record's description of the cluster about to start: nodes on their own addresses
     behind a bridge (netns mode), or all on 127.0.0.1."""
@@ -274,12 +286,13 @@ def _new_cluster_info(
         mem_per_node_mb=mem_mb,
         hostname=_hostname(),
         controller_addr=controller,
-        slurmctld_port=SLURMCTLD_PORT,
-        slurmd_ports={n: SLURMD_BASE_PORT + i for i, n in enumerate(names)},
-        bridge=netns_mod.BRIDGE if use_netns else None,
+        slurmctld_port=instance.port(SLURMCTLD_PORT),
+        slurmd_ports={n: instance.port(SLURMD_BASE_PORT) + i for i, n in enumerate(names)},
+        bridge=instance.bridge if use_netns else None,
         netns_names={n: netns_mod.ns_name(n) for n in names} if use_netns else {},
         log_dir=str(layout.log_dir),
         created_at=time.time(),
+        instance=instance.number,
     )
 
 
@@ -300,10 +313,10 @@ def _create_network(state: State, net_plan: netns_mod.NetPlan | None) -> None:
                 res.veths.append(name)
             save_state(state)
 
-        netns_mod.create(net_plan, record)
+        netns_mod.create(net_plan, record, instances.Instance(state.info.instance).bridge)
     res.hosts_block = True
     save_state(state)
-    netns_mod.add_hosts(state.info.node_addrs)
+    netns_mod.add_hosts(state.info.node_addrs, instances.Instance(state.info.instance).hosts_marker)
 
 
 def _write_slurm_conf(state: State, layout: Layout) -> None:
@@ -318,6 +331,8 @@ def _write_slurm_conf(state: State, layout: Layout) -> None:
             cpus_per_node=info.cpus_per_node,
             mem_per_node_mb=info.mem_per_node_mb,
             slurmdbd_port=info.slurmdbd_port,
+            slurmctld_port=info.slurmctld_port,
+            slurmd_ports=info.slurmd_ports,
         )
     )
     layout.slurm_conf.chmod(0o644)

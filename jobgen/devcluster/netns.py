@@ -27,11 +27,10 @@ from pathlib import Path
 
 from .state import ClusterError
 
-BRIDGE = "jgbr0"
+BRIDGE = "jgbr0"  # instance 0's (jobgen.devcluster.instances names every instance's)
 NETNS_DIR = Path("/run/netns")
 HOSTS_FILE = Path("/etc/hosts")
-HOSTS_BEGIN = "# BEGIN jobgen-cluster"
-HOSTS_END = "# END jobgen-cluster"
+HOSTS_MARKER = "jobgen-cluster"  # instance 0's block; "# BEGIN <marker>" ... "# END <marker>"
 # Private /24s tried in order; the first that no route on this machine touches wins.
 CANDIDATE_SUBNETS = ("10.213.47.0/24", "10.213.147.0/24", "172.31.213.0/24", "192.168.213.0/24")
 NODE_HOST_OFFSET = 10  # nodeK gets .(10+K)
@@ -75,13 +74,13 @@ def _link_exists(name: str, netns: str | None = None) -> bool:
     return _ip(*args, check=False).returncode == 0
 
 
-def _routes_in_use() -> list[ipaddress.IPv4Network]:
+def _routes_in_use(bridge: str) -> list[ipaddress.IPv4Network]:
     """Destinations of every IPv4 route (all tables) except default routes and
     those of our own bridge (left by a killed `up`, about to be reused)."""
     nets = []
     for line in _ip("-4", "route", "show", "table", "all").stdout.splitlines():
         parts = line.split()
-        if f"dev {BRIDGE}" in f" {line} ":
+        if f"dev {bridge}" in f" {line} ":
             continue
         # `table all` prefixes some routes with their type ("local 127.0.0.0/8 ...").
         if parts and parts[0] in ("broadcast", "local", "unreachable", "blackhole", "prohibit", "unicast"):
@@ -95,11 +94,12 @@ def _routes_in_use() -> list[ipaddress.IPv4Network]:
     return nets
 
 
-def plan(nodes: list[str]) -> NetPlan:
-    """Choose a private /24 that no route on this machine overlaps."""
+def plan(nodes: list[str], bridge: str = BRIDGE) -> NetPlan:
+    """Choose a private /24 that no route on this machine overlaps (another dev cluster's
+    bridge has one: each cluster gets its own)."""
     if len(nodes) > 200:
         raise ClusterError("netns mode supports at most 200 nodes")
-    in_use = _routes_in_use()
+    in_use = _routes_in_use(bridge)
     for candidate in CANDIDATE_SUBNETS:
         net = ipaddress.ip_network(candidate)
         if any(net.overlaps(used) for used in in_use):
@@ -113,9 +113,9 @@ def plan(nodes: list[str]) -> NetPlan:
     raise ClusterError(f"all candidate subnets {CANDIDATE_SUBNETS} are in use on this machine")
 
 
-def _bridge_subnet() -> str | None:
+def _bridge_subnet(bridge: str) -> str | None:
     """The subnet already on our bridge (a stale one from a killed `up`), if any."""
-    proc = _ip("-4", "-o", "addr", "show", "dev", BRIDGE, check=False)
+    proc = _ip("-4", "-o", "addr", "show", "dev", bridge, check=False)
     for line in proc.stdout.splitlines():
         parts = line.split()
         if "inet" in parts:
@@ -123,7 +123,7 @@ def _bridge_subnet() -> str | None:
     return None
 
 
-def create(net: NetPlan, record: Callable[[str, str], None]) -> None:
+def create(net: NetPlan, record: Callable[[str, str], None], bridge: str = BRIDGE) -> None:
     """Build the bridge, namespaces and veths; ``record(kind, name)`` after each one.
 
     kinds: "netns_dir", "bridge", "netns", "veth".
@@ -137,14 +137,14 @@ def create(net: NetPlan, record: Callable[[str, str], None]) -> None:
     elif all(entry.name.startswith("jgnode") for entry in NETNS_DIR.iterdir()):
         record("netns_dir", str(NETNS_DIR))
 
-    if not _link_exists(BRIDGE):
-        _ip("link", "add", BRIDGE, "type", "bridge")
-    record("bridge", BRIDGE)
+    if not _link_exists(bridge):
+        _ip("link", "add", bridge, "type", "bridge")
+    record("bridge", bridge)
     bridge_cidr = f"{net.bridge_addr}/{net.prefixlen}"
-    if _bridge_subnet() != net.subnet:
-        _ip("addr", "flush", "dev", BRIDGE)
-        _ip("addr", "add", bridge_cidr, "dev", BRIDGE)
-    _ip("link", "set", BRIDGE, "up")
+    if _bridge_subnet(bridge) != net.subnet:
+        _ip("addr", "flush", "dev", bridge)
+        _ip("addr", "add", bridge_cidr, "dev", bridge)
+    _ip("link", "set", bridge, "up")
 
     for node, addr in net.node_addrs.items():
         ns, veth, peer = ns_name(node), veth_name(node), f"{veth_name(node)}p"
@@ -166,7 +166,7 @@ def create(net: NetPlan, record: Callable[[str, str], None]) -> None:
         else:
             raise ClusterError(f"namespace {ns} has no eth0 although {veth} exists; run `jobgen cluster down`")
         _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("link", "set", veth, "master", BRIDGE, "up")
+        _ip("link", "set", veth, "master", bridge, "up")
 
 
 def destroy(*, namespaces: list[str], veths: list[str], bridge: str | None, netns_dir: bool) -> list[str]:
@@ -218,19 +218,19 @@ def _umount(path: Path) -> bool:
     return any(libc.umount2(str(path).encode(), flags) == 0 for flags in (0, MNT_DETACH))
 
 
-def hosts_block(node_addrs: dict[str, str]) -> str:
-    lines = [HOSTS_BEGIN] + [f"{addr}\t{node}" for node, addr in node_addrs.items()] + [HOSTS_END]
+def hosts_block(node_addrs: dict[str, str], marker: str = HOSTS_MARKER) -> str:
+    lines = [f"# BEGIN {marker}"] + [f"{addr}\t{node}" for node, addr in node_addrs.items()] + [f"# END {marker}"]
     return "\n".join(lines) + "\n"
 
 
-def _strip_block(text: str) -> str:
+def _strip_block(text: str, marker: str) -> str:
     out, inside = [], False
     for line in text.splitlines(keepends=True):
         stripped = line.strip()
-        if stripped == HOSTS_BEGIN:
+        if stripped == f"# BEGIN {marker}":
             inside = True
             continue
-        if stripped == HOSTS_END:
+        if stripped == f"# END {marker}":
             inside = False
             continue
         if not inside:
@@ -247,17 +247,17 @@ def _write_in_place(path: Path, text: str) -> None:
         fh.truncate()
 
 
-def add_hosts(node_addrs: dict[str, str], hosts_file: Path = HOSTS_FILE) -> None:
+def add_hosts(node_addrs: dict[str, str], marker: str = HOSTS_MARKER, hosts_file: Path = HOSTS_FILE) -> None:
     """Put the node names between our markers in /etc/hosts (replacing an old block)."""
-    text = _strip_block(hosts_file.read_text())
+    text = _strip_block(hosts_file.read_text(), marker)
     if text and not text.endswith("\n"):
         text += "\n"
-    _write_in_place(hosts_file, text + hosts_block(node_addrs))
+    _write_in_place(hosts_file, text + hosts_block(node_addrs, marker))
 
 
-def remove_hosts(hosts_file: Path = HOSTS_FILE) -> None:
+def remove_hosts(marker: str = HOSTS_MARKER, hosts_file: Path = HOSTS_FILE) -> None:
     if not hosts_file.exists():
         return
     text = hosts_file.read_text()
-    if HOSTS_BEGIN in text:
-        _write_in_place(hosts_file, _strip_block(text))
+    if f"# BEGIN {marker}" in text:
+        _write_in_place(hosts_file, _strip_block(text, marker))

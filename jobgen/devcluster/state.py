@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobgen.atomic import write_text_atomic
+from jobgen.base.atomic import write_text_atomic
 
 DEFAULT_STATE_DIR = "/var/tmp/jobgen-cluster"
 STATE_DIR_ENV = "JOBGEN_CLUSTER_DIR"
@@ -79,6 +79,10 @@ class ClusterInfo:
     mariadb_port: int = 0
     bridge: str | None = None
     netns_names: dict[str, str] = field(default_factory=dict)
+    # Which of the machine's dev clusters this is (jobgen.devcluster.instances): its node names,
+    # bridge, ports and /etc/hosts block follow from it. 0 for a record written before there could
+    # be several.
+    instance: int = 0
     log_dir: str = ""
     created_at: float = 0.0
     node_states: dict[str, str] = field(default_factory=dict)

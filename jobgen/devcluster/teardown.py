@@ -17,7 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
-from . import daemons, procs
+from . import daemons, instances, procs
 from . import netns as netns_mod
 from .config import Layout
 from .daemons import log
@@ -75,15 +75,10 @@ def teardown(state: State) -> list[str]:
         # SIGTERM is a clean shutdown; only one stuck for 30 s is killed.
         log(f"killed mariadbd (pid {mariadb}), which ignored SIGTERM")
 
-    if res.munged_pid and procs.matches(res.munged_pid, "munged"):
-        procs.terminate([res.munged_pid], grace=5.0)
-    if res.munge_key_created:
-        try:
-            daemons.MUNGE_KEY.unlink()
-        except FileNotFoundError:
-            pass
-    if res.munge_rundir_created:
-        shutil.rmtree(daemons.MUNGE_RUNDIR, ignore_errors=True)
+    # munged serves every dev cluster of the machine: the one that started it leaves it (and its
+    # key) to the others while any of them is up.
+    if not any(_up(other) for other in instances.others(Path(info.state_dir))):
+        _stop_munge(state)
 
     if res.slurm_conf_symlink:
         link = Path(res.slurm_conf_symlink)
@@ -92,7 +87,7 @@ def teardown(state: State) -> list[str]:
 
     if res.hosts_block:
         try:
-            netns_mod.remove_hosts()
+            netns_mod.remove_hosts(instances.Instance(info.instance).hosts_marker)
         except OSError as exc:
             errors.append(f"/etc/hosts: {exc}")
 
@@ -102,7 +97,27 @@ def teardown(state: State) -> list[str]:
 
     if not errors:
         shutil.rmtree(info.state_dir, ignore_errors=True)
+        instances.release(Path(info.state_dir), info.instance)
     return errors
+
+
+def _up(state_dir: Path) -> bool:
+    other = load_state(state_dir)
+    return other is not None and bool(daemons.live_daemons(other))
+
+
+def _stop_munge(state: State) -> None:
+    """munged, its key and its run dir, as far as ``up`` started or made them."""
+    res = state.resources
+    if res.munged_pid and procs.matches(res.munged_pid, "munged"):
+        procs.terminate([res.munged_pid], grace=5.0)
+    if res.munge_key_created:
+        try:
+            daemons.MUNGE_KEY.unlink()
+        except FileNotFoundError:
+            pass
+    if res.munge_rundir_created:
+        shutil.rmtree(daemons.MUNGE_RUNDIR, ignore_errors=True)
 
 
 def log_warnings(errors: list[str]) -> None:

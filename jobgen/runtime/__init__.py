@@ -40,9 +40,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from jobgen.exit_codes import ExitCode
-from jobgen.quarantine import record_rank_failure
-from jobgen.rundir import RunDir
+from jobgen.base.exit_codes import ExitCode
+from jobgen.runs.quarantine import record_rank_failure
+from jobgen.runs.rundir import RunDir
 from jobgen.runtime.records import MetricsWriter, crash_reason, reserve_exit_code, user_metrics, write_exit_code
 from jobgen.runtime.stopping import Action, StopMonitor, StopSettings, first_signal_caught, job_end_time
 
@@ -260,7 +260,7 @@ class Life:
     def rank_failed(self, exc: BaseException) -> None:
         """Every rank an error reaches says so, with how long it had gone without a step:
         the batch script blames the node of a rank that went silent while others waited out
-        a collective timeout (jobgen.quarantine; train.collective_timeout is the timeout it
+        a collective timeout (jobgen.runs.quarantine; train.collective_timeout is the timeout it
         compares with: set it to your program's)."""
         if self.job.job_id:
             waited = time.time() - self._last

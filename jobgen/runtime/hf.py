@@ -27,8 +27,8 @@ from pathlib import Path
 
 from transformers import Trainer, TrainerCallback
 
-from jobgen.command_checkpoints import newest_complete_checkpoint
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
+from jobgen.program.checkpoints import newest_complete_checkpoint
 from jobgen.runtime import Job, Life, NotUnderJobgen, current
 
 __all__ = [

@@ -4,7 +4,7 @@ starts on every rank, in place of the module or script itself::
     torchrun ... -m jobgen.runtime.launch --plan RUN/logs/command-plan.<job>.<restart>.json
 
 It reads the task's plan, which the batch script wrote once on the head node
-(:mod:`jobgen.command_plan`: the checkpoint to resume from, the arguments and variables
+(:mod:`jobgen.launch.command_plan`: the checkpoint to resume from, the arguments and variables
 with their placeholders expanded), refuses a plan of another job or attempt, sets
 ``os.environ``, ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` or ``python -m
 MODULE ARGS`` would, and runs the program unchanged in this process (runpy, as
@@ -25,10 +25,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from jobgen.atomic import write_json_atomic
-from jobgen.command_plan import CommandPlan, PlanError, read_plan
-from jobgen.exit_codes import ExitCode
-from jobgen.rundir import RunDir
+from jobgen.base.atomic import write_json_atomic
+from jobgen.base.exit_codes import ExitCode
+from jobgen.launch.command_plan import CommandPlan, PlanError, read_plan
+from jobgen.runs.rundir import RunDir
 from jobgen.runtime.records import record_failure
 
 
@@ -131,7 +131,7 @@ def _leave_process_group() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobgen.runtime.launch", description=__doc__.split("\n")[0])
-    parser.add_argument("--plan", required=True, type=Path, help="the task's plan (jobgen.command_plan)")
+    parser.add_argument("--plan", required=True, type=Path, help="the task's plan (jobgen.launch.command_plan)")
     args = parser.parse_args(argv)
     return launch(args.plan)
 

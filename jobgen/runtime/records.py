@@ -2,7 +2,7 @@
 user's own program (:mod:`jobgen.runtime`): one JSON line per logging step in
 ``metrics.jsonl``, a line per array task's first step and exit in ``tasks.jsonl``, a
 summary in ``metrics.json``. ``jobgen status``, goodput, the lead-time check, ``jobgen
-plot`` and the hang watchdog read them (jobgen.goodput).
+plot`` and the hang watchdog read them (jobgen.runs.goodput).
 
 Only rank 0 writes. ``metrics.jsonl`` and ``tasks.jsonl`` are append-only, each line
 flushed and fsynced (a reader tolerates a cut last line); ``metrics.json`` is replaced
@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from jobgen.atomic import write_json_atomic, write_text_atomic
-from jobgen.exit_codes import ExitCode
-from jobgen.rundir import RunDir
+from jobgen.base.atomic import write_json_atomic, write_text_atomic
+from jobgen.base.exit_codes import ExitCode
+from jobgen.runs.rundir import RunDir
 
 # ``metrics.jsonl`` holds training steps and, with ``[eval]``, evaluations: an evaluation's
 # line has ``event = "eval"`` (and eval_loss, eval_ppl, eval_tokens, eval_seconds), a step's none.

@@ -17,7 +17,7 @@ directory can create them (``jobgen stop RUN`` or plain ``touch``):
   stop a later attempt, and the batch script deletes such leftovers before it starts.
 
 This module owns when to stop; the switch files' names are the run directory's layout
-(jobgen.rundir: ``*_SWITCH``, ``RunDir.stop_request``). It imports no torch: the bundled
+(jobgen.runs.rundir: ``*_SWITCH``, ``RunDir.stop_request``). It imports no torch: the bundled
 trainer (``Trainer.step_boundary``) and a user's own program (:mod:`jobgen.runtime`) use
 this one implementation, each combining the ranks' actions with its own all-reduce, and
 the trainer supplies the GPU's free memory (``StopSettings.gpu_free_bytes``).
@@ -25,11 +25,9 @@ the trainer supplies the GPU's free memory (``StopSettings.gpu_free_bytes``).
 
 from __future__ import annotations
 
-import datetime as dt
 import enum
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,8 +35,9 @@ from pathlib import Path
 
 import psutil
 
-from jobgen.exit_codes import ExitCode, signal_stop_words
-from jobgen.rundir import ABORT_SWITCH, KILL_SWITCH, SAVE_SWITCH, switch_is_set
+from jobgen.base.exit_codes import ExitCode, signal_stop_words
+from jobgen.runs.rundir import ABORT_SWITCH, KILL_SWITCH, SAVE_SWITCH, switch_is_set
+from jobgen.slurm import client as slurm
 
 
 class Action(enum.IntEnum):
@@ -74,7 +73,7 @@ class Action(enum.IntEnum):
 @dataclass
 class StopSettings:
     switches: Path
-    stop_request: Path | None  # this attempt's stop request (jobgen.rundir.RunDir.stop_request)
+    stop_request: Path | None  # this attempt's stop request (jobgen.runs.rundir.RunDir.stop_request)
     deadline: float | None  # epoch seconds after which we must save and leave
     max_host_memory_percent: float
     min_gpu_free_mib: int
@@ -103,21 +102,11 @@ def job_end_time(job_id: str | None, environ: Mapping[str, str] | None = None) -
             return float(value)
     if not job_id or not job_id.isdigit():
         return None
-    try:
-        out = subprocess.run(
-            ["squeue", "--noheader", "--jobs", job_id, "--format=%e"], capture_output=True, text=True, timeout=30
-        ).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    try:
-        # squeue prints the controller's local time without a zone; the node shares it.
-        return dt.datetime.strptime(out.splitlines()[0], "%Y-%m-%dT%H:%M:%S").timestamp()
-    except (ValueError, IndexError):
-        return None
+    return slurm.end_time(job_id)
 
 
 # The first signal a StopMonitor of this process caught. A rank's end report carries it
-# (jobgen.quarantine): a rank whose error came only after the job's teardown signalled it
+# (jobgen.runs.quarantine): a rank whose error came only after the job's teardown signalled it
 # had not been waiting in the collective that timed out elsewhere.
 _first_signal: list[str] = []
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from helpers import wait_for
-from jobgen import slurm
 from jobgen.devcluster import procs
+from jobgen.slurm import client as slurm
 
 
 def _run(*args: str, timeout: float = 60) -> str:

@@ -5,9 +5,9 @@ Run alone with::
     sudo .venv/bin/python -m pytest tests/cluster/test_devcluster.py -v
 
 Each class brings up one cluster of its own (loopback, then netns) and takes it
-down at the end.  When a cluster is already up (the shared session cluster of
-the other tests, or a developer's), a class reuses it for its read-only tests
-if it has the right mode and skips the tests that need their own cluster.
+down at the end, beside any other dev cluster of the machine (the session clusters of
+the other tests, a developer's): another instance (jobgen.devcluster.instances), with
+node names, ports, bridge and /etc/hosts block of its own, reached through SLURM_CONF.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,66 +26,49 @@ import pytest
 import jobgen.devcluster as devcluster
 from helpers import wait_for
 from jobgen.devcluster import procs
+from jobgen.devcluster.instances import Instance
 
 pytestmark = pytest.mark.slurm
 
-HOSTS_BEGIN = "# BEGIN jobgen-cluster"
+# The slurm.conf of the class's own cluster, which every Slurm command here talks to.
+_CONF: dict[str, str] = {}
 
 
 def _run(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, **_CONF}
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
-def _blocker() -> str | None:
-    """Why this module may not start a cluster of its own, or None."""
-    if os.geteuid() != 0:
-        return "the dev cluster needs root"
-    if os.path.lexists("/etc/slurm/slurm.conf"):
-        return "/etc/slurm/slurm.conf exists (another Slurm or dev cluster)"
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("0.0.0.0", devcluster.SLURMCTLD_PORT))
-        except OSError:
-            return f"port {devcluster.SLURMCTLD_PORT} is in use"
-    return None
-
-
 class Cluster:
-    """A cluster for one test class: ``owned`` when this module started it."""
+    """The cluster of one test class, started by this module."""
 
-    def __init__(self, info: devcluster.ClusterInfo, owned: bool, up_seconds: float) -> None:
-        self.info, self.owned, self.up_seconds = info, owned, up_seconds
+    def __init__(self, info: devcluster.ClusterInfo, up_seconds: float) -> None:
+        self.info, self.up_seconds = info, up_seconds
 
     @property
     def state_dir(self) -> str:
         return self.info.state_dir
 
-    def require_owned(self) -> None:
-        if not self.owned:
-            pytest.skip("uses a cluster started elsewhere; this test needs its own")
+    def node(self, k: int) -> str:
+        """The name of its k-th node (1-based): node1 for the machine's first cluster."""
+        return self.info.nodes[k - 1]
 
 
 def _cluster(tmp_path_factory: pytest.TempPathFactory, netns: bool):
-    shared = devcluster.status()
-    if shared is not None:
-        if shared.netns != netns:
-            pytest.skip(f"a {'netns' if shared.netns else 'loopback'} dev cluster is already up in {shared.state_dir}")
-        yield Cluster(shared, owned=False, up_seconds=0.0)
-        return
-    reason = _blocker()
-    if reason:
-        pytest.skip(reason)
+    if os.geteuid() != 0:
+        pytest.skip("the dev cluster needs root")
     state_dir = tmp_path_factory.mktemp("netns-cluster" if netns else "lo-cluster")
     started = time.monotonic()
     info = devcluster.up(nodes=2, cpus_per_node=2, netns=netns, state_dir=state_dir)
-    cluster = Cluster(info, owned=True, up_seconds=time.monotonic() - started)
+    cluster = Cluster(info, up_seconds=time.monotonic() - started)
+    _CONF["SLURM_CONF"] = info.slurm_conf
     try:
         yield cluster
     finally:
+        _CONF.clear()
         devcluster.down(state_dir=state_dir)
 
 
@@ -117,7 +99,7 @@ def _sleepers() -> list[int]:
     return [int(p) for p in out.split() if procs.is_alive(int(p))]
 
 
-def _idle_states() -> dict[str, str]:
+def _idle_states() -> dict[str, str]:  # of the class's cluster
     out = _run("sinfo", "-h", "-N", "-o", "%N %t").stdout
     return dict(line.split() for line in out.splitlines())
 
@@ -160,16 +142,16 @@ class TestLoopback:
 
     def test_up_shows_idle_nodes(self, mode_cluster: Cluster) -> None:
         info = mode_cluster.info
-        assert info.nodes == ["node1", "node2"]
+        first = 100 * info.instance
+        assert info.nodes == [f"node{first + 1}", f"node{first + 2}"]
         assert info.nic == "lo" and not info.netns
         assert set(info.node_addrs.values()) == {"127.0.0.1"}
         assert {"debug", "short"} <= set(info.partitions)
         assert Path(info.slurm_conf).is_file()
-        assert os.path.realpath("/etc/slurm/slurm.conf") == os.path.realpath(info.slurm_conf)
-        states = _idle_states()
-        if mode_cluster.owned:
-            assert states == {"node1": "idle", "node2": "idle"}
-            print(f"\nup (loopback) took {mode_cluster.up_seconds:.1f}s")
+        if info.instance == 0:  # the machine's first cluster owns the system's slurm.conf
+            assert os.path.realpath("/etc/slurm/slurm.conf") == os.path.realpath(info.slurm_conf)
+        assert _idle_states() == dict.fromkeys(info.nodes, "idle")
+        print(f"\nup (loopback, instance {info.instance}) took {mode_cluster.up_seconds:.1f}s")
 
     def test_status_readable_from_another_process(self, mode_cluster: Cluster) -> None:
         code = (
@@ -178,11 +160,11 @@ class TestLoopback:
         )
         out = _run(sys.executable, "-c", code).stdout
         data = json.loads(out)
-        assert data["nodes"] == ["node1", "node2"]
+        assert data["nodes"] == mode_cluster.info.nodes
         assert data["state_dir"] == mode_cluster.state_dir
-        assert set(data["node_states"]) == {"node1", "node2"}
+        assert set(data["node_states"]) == set(mode_cluster.info.nodes)
         cli = _run(sys.executable, "-m", "jobgen.devcluster.cli", "status", "--state-dir", mode_cluster.state_dir)
-        assert "node1" in cli.stdout and "node2" in cli.stdout
+        assert all(node in cli.stdout for node in mode_cluster.info.nodes), cli.stdout
 
     def test_two_node_batch_job_runs_on_both_nodes(self, mode_cluster: Cluster, tmp_path: Path) -> None:
         ran_on = _sbatch_two_nodes(tmp_path)
@@ -197,7 +179,6 @@ class TestLoopback:
         assert "time limit" in (bad.stdout + bad.stderr).lower()
 
     def test_second_up_is_a_noop(self, mode_cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
-        mode_cluster.require_owned()
         before = devcluster.status(mode_cluster.state_dir)
         capsys.readouterr()
         again = devcluster.up(nodes=2, cpus_per_node=2, netns=False, state_dir=mode_cluster.state_dir)
@@ -207,20 +188,19 @@ class TestLoopback:
             devcluster.up(nodes=3, cpus_per_node=2, netns=False, state_dir=mode_cluster.state_dir)
 
     def test_up_restarts_a_dead_slurmd(self, mode_cluster: Cluster) -> None:
-        mode_cluster.require_owned()
         before = devcluster.status(mode_cluster.state_dir)
         assert before is not None
-        old = before.daemons["slurmd:node2"]
+        second, first = f"slurmd:{mode_cluster.node(2)}", f"slurmd:{mode_cluster.node(1)}"
+        old = before.daemons[second]
         _kill_and_wait([old])
         info = devcluster.up(nodes=2, cpus_per_node=2, netns=False, state_dir=mode_cluster.state_dir)
-        new = info.daemons["slurmd:node2"]
+        new = info.daemons[second]
         assert new != old and procs.is_alive(new)
-        assert info.daemons["slurmd:node1"] == before.daemons["slurmd:node1"]
+        assert info.daemons[first] == before.daemons[first]
 
     def test_up_restarts_dead_accounting_daemons(self, mode_cluster: Cluster) -> None:
         """MariaDB and slurmdbd killed: `up` starts both again (MariaDB first, on its data),
         and sacct answers again."""
-        mode_cluster.require_owned()
         before = devcluster.status(mode_cluster.state_dir)
         assert before is not None
         old = {name: before.daemons[name] for name in ("mariadb", "slurmdbd")}
@@ -233,7 +213,6 @@ class TestLoopback:
         assert listed.split() == ["jobgen"]
 
     def test_stale_record_is_cleaned_by_up(self, mode_cluster: Cluster) -> None:
-        mode_cluster.require_owned()
         # As after a reboot or `kill -9` of everything: the pid files stay behind
         # (MariaDB's in its own directory, which only its user may write).
         root = Path(mode_cluster.state_dir)
@@ -241,15 +220,15 @@ class TestLoopback:
         assert pidfiles == [
             "mariadb/mariadbd.pid",
             "run/slurmctld.pid",
-            "run/slurmd.node1.pid",
-            "run/slurmd.node2.pid",
+            f"run/slurmd.{mode_cluster.node(1)}.pid",
+            f"run/slurmd.{mode_cluster.node(2)}.pid",
             "run/slurmdbd.pid",
         ]
         pids = [procs.read_pidfile(root / p) for p in pidfiles]
         _kill_and_wait(pids)
         info = devcluster.up(nodes=2, cpus_per_node=2, netns=False, state_dir=mode_cluster.state_dir)
         assert not set(info.daemons.values()) & set(pids)
-        assert _idle_states() == {"node1": "idle", "node2": "idle"}
+        assert _idle_states() == dict.fromkeys(mode_cluster.info.nodes, "idle")
 
 
 # --- netns mode ----------------------------------------------------------------
@@ -278,17 +257,17 @@ class TestNetns:
         hosts = Path("/etc/hosts").read_text()
         for node, addr in info.node_addrs.items():
             assert f"{addr}\t{node}" in hosts
-        if mode_cluster.owned:
-            print(f"\nup (netns) took {mode_cluster.up_seconds:.1f}s")
+        print(f"\nup (netns, instance {info.instance}) took {mode_cluster.up_seconds:.1f}s")
 
     def test_tcp_from_node2_to_node1(self, mode_cluster: Cluster) -> None:
-        addr1 = mode_cluster.info.node_addrs["node1"]
+        node1, node2 = mode_cluster.node(1), mode_cluster.node(2)
+        addr1 = mode_cluster.info.node_addrs[node1]
         listener = subprocess.Popen(
             [
                 "srun",
                 "-N1",
                 "-w",
-                "node1",
+                node1,
                 "-t",
                 "1",
                 sys.executable,
@@ -300,29 +279,35 @@ class TestNetns:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env={**os.environ, **_CONF},
         )
         try:
             client = _run(
                 "srun",
                 "-N1",
                 "-w",
-                "node2",
+                node2,
                 "-t",
                 "1",
                 sys.executable,
                 "-c",
+                # Until the listener's step runs (its srun may wait for the node a moment).
                 "import socket, time\n"
-                "for _ in range(100):\n"
+                "deadline = time.monotonic() + 90\n"
+                "while True:\n"
                 "    try:\n"
-                "        s = socket.create_connection(('node1', 29517), timeout=2); break\n"
-                "    except OSError: time.sleep(0.2)\n"
+                f"        s = socket.create_connection(({node1!r}, 29517), timeout=2); break\n"
+                "    except OSError:\n"
+                "        if time.monotonic() > deadline: raise\n"
+                "        time.sleep(0.2)\n"
                 "s.sendall(b'hello'); print('SRC', s.getsockname()[0])\n",
+                timeout=150,
             )
-            out, err = listener.communicate(timeout=60)
+            out, err = listener.communicate(timeout=150)
         finally:
             if listener.poll() is None:
                 listener.kill()
-        addr2 = mode_cluster.info.node_addrs["node2"]
+        addr2 = mode_cluster.info.node_addrs[node2]
         assert f"SRC {addr2}" in client.stdout
         assert f"FROM {addr2} hello" in out, err
 
@@ -331,7 +316,6 @@ class TestNetns:
         assert len(set(ran_on)) == 2 and set(ran_on) <= set(mode_cluster.info.nodes)
 
     def test_down_removes_everything(self, mode_cluster: Cluster) -> None:
-        mode_cluster.require_owned()
         info = mode_cluster.info
         # A job left running (and ignoring SIGTERM) must not survive `down`.
         _run("sbatch", "-N2", "-o", "/dev/null", "--wrap", "srun bash -c 'trap \"\" TERM; sleep 613'")
@@ -345,13 +329,13 @@ class TestNetns:
         namespaces = _run("ip", "netns", "list").stdout
         assert not any(ns in namespaces for ns in info.netns_names.values())
         links = _run("ip", "-o", "link").stdout
-        assert "jgbr0" not in links and "jgv" not in links
-        assert HOSTS_BEGIN not in Path("/etc/hosts").read_text()
-        assert not os.path.lexists("/etc/slurm/slurm.conf")
+        instance = Instance(info.instance)
+        veths = [f": jgv{n.removeprefix('node')}@" for n in info.nodes]  # "7: jgv1@if6: <...>"
+        assert f": {instance.bridge}:" not in links and not any(v in links for v in veths), links
+        assert f"# BEGIN {instance.hosts_marker}\n" not in Path("/etc/hosts").read_text()
+        assert os.path.realpath("/etc/slurm/slurm.conf") != os.path.realpath(info.slurm_conf)
         assert not Path(info.state_dir).exists()
-        daemons = "^(slurmd|slurmctld|slurmstepd|slurmdbd|mariadbd)$"
-        live = [int(p) for p in _run("pgrep", daemons, check=False).stdout.split()]
-        assert not [p for p in live if procs.is_alive(p)]
+        # No daemon of this cluster is left (another cluster's, the session's, may run).
         assert not _run("pgrep", "-f", info.state_dir, check=False).stdout.strip()
         assert not _sleepers()
         # A second down (the fixture's) is harmless.

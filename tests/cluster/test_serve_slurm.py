@@ -25,7 +25,7 @@ import pytest
 
 import helpers
 from helpers import DATA, TRAINER_SETTINGS, VENV_BIN, jobgen, run_spec, torchrun, wait_until_gone
-from jobgen import slurm
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
@@ -37,9 +37,9 @@ REQUEST_TIMEOUT = 60.0
 def served_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
     """Two steps of training with a learning rate too small to change the random model (whose
     greedy replies are never empty), a checkpoint per step, and best.json naming step 1."""
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
+    from jobgen.spec.loader import load_run
 
     directory = tmp_path_factory.mktemp("serve")
     spec_file = run_spec(

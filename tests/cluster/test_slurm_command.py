@@ -28,9 +28,9 @@ from helpers import (
     wait_for,
     wait_until_gone,
 )
-from jobgen import slurm
-from jobgen.exit_codes import ExitCode
-from jobgen.goodput import read_jsonl
+from jobgen.base.exit_codes import ExitCode
+from jobgen.runs.goodput import read_jsonl
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 

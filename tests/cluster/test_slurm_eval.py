@@ -10,7 +10,7 @@ import json
 import pytest
 
 from helpers import checkpoint_tensors, jobgen, read_jsonl, submit, wait_for, wait_until_gone
-from jobgen import slurm
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 

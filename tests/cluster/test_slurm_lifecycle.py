@@ -39,8 +39,8 @@ from helpers import (
     wait_until_gone,
     worker_pids,
 )
-from jobgen import slurm
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.lifecycle]
 

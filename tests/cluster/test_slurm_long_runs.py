@@ -28,9 +28,9 @@ from helpers import (
     wait_for,
     wait_until_gone,
 )
-from jobgen import slurm
-from jobgen.exit_codes import ExitCode
-from jobgen.rundir import complete_checkpoints_in
+from jobgen.base.exit_codes import ExitCode
+from jobgen.runs.rundir import complete_checkpoints_in
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.lifecycle]
 

@@ -25,8 +25,8 @@ import pytest
 
 from helpers import DATA, REPO, command_spec, jobgen, read_jsonl, running_task, submitted_job_id, wait_for
 from helpers import status as run_status
-from jobgen import slurm
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 

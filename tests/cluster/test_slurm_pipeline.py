@@ -30,9 +30,9 @@ from helpers import (
     wait_for,
     wait_until_gone,
 )
-from jobgen import slurm
-from jobgen.exit_codes import ExitCode
-from jobgen.pipeline_split import SCHEDULES
+from jobgen.base.exit_codes import ExitCode
+from jobgen.model.pipeline_split import SCHEDULES
+from jobgen.slurm import client as slurm
 from trainer.checkpoint import complete_checkpoints
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]

@@ -5,7 +5,7 @@ FAILED with the node named, the run's next task starts without it, status shows 
 The node "breaks" as a hung GPU or a stuck file system would break it: its trainer
 processes stop (SIGSTOP) mid-training. The ranks on the other node wait for them in the
 next all-reduce until train.collective_timeout (20 s here) and fail; the stopped ranks
-never report (jobgen.quarantine).
+never report (jobgen.runs.quarantine).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import jobgen, last_step, running_task, submit, wait_for, wait_until_gone, worker_pids
-from jobgen import slurm
+from helpers import jobgen, last_step, node, running_task, submit, wait_for, wait_until_gone, worker_pids
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
@@ -99,7 +99,7 @@ def test_a_node_that_fails_the_start_probe_is_quarantined_until_the_doctor_passe
     # The allocation is the first two nodes (node1 and node2): the jobs of an earlier test may
     # still be completing on them.
     wait_for(lambda: all(n.get("State") == "IDLE" for n in slurm.nodes()), 120, "every node idle")
-    (markers / "node2").touch()
+    (markers / node(2)).touch()
     spec, run = cluster_run("qp", nodes=2, array=2, site=site)
     array = submit(spec)
     second = running_task(array, 2, timeout=180)
@@ -108,20 +108,22 @@ def test_a_node_that_fails_the_start_probe_is_quarantined_until_the_doctor_passe
     assert first["array_task"] == "1" and first["exit_code"] == 20, first
     assert (
         first["reason"]
-        == "node failure: node2 quarantined (failed the start probe: site.health_check failed: ECC errors)"
+        == f"node failure: {node(2)} quarantined (failed the start probe: site.health_check failed: ECC errors)"
     )
     assert not list((run / "logs" / "ranks").glob(f"{first['job_id']}/*")), "torchrun started on the broken node"
-    assert "node2" not in task_nodes(array, 2)
+    assert node(2) not in task_nodes(array, 2)
     wait_for(lambda: last_step(run, second) >= 1, 150, "task 2 to train")
-    assert list(json.loads((run / "quarantine.json").read_text())["nodes"]) == ["node2"]
+    assert list(json.loads((run / "quarantine.json").read_text())["nodes"]) == [node(2)]
     slurm.cancel(array)
     wait_until_gone([array], timeout=120)
 
     # The doctor runs the site's check too: node2 stays quarantined until it passes.
     still = jobgen("doctor", "--clear", str(run), "--time", "3m")
-    assert still.returncode != 0 and "start probe failed: node2=site.health_check failed: ECC errors" in still.stderr
-    assert "still quarantined: node2" in still.stdout, still.stdout + still.stderr
-    (markers / "node2").unlink()  # repaired
+    assert (
+        still.returncode != 0 and f"start probe failed: {node(2)}=site.health_check failed: ECC errors" in still.stderr
+    )
+    assert f"still quarantined: {node(2)}" in still.stdout, still.stdout + still.stderr
+    (markers / node(2)).unlink()  # repaired
     cleared = jobgen("doctor", "--clear", str(run), "--time", "3m")
-    assert cleared.returncode == 0 and "released node2" in cleared.stdout, cleared.stdout + cleared.stderr
+    assert cleared.returncode == 0 and f"released {node(2)}" in cleared.stdout, cleared.stdout + cleared.stderr
     assert json.loads((run / "quarantine.json").read_text())["nodes"] == {}

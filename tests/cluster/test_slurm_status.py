@@ -21,13 +21,15 @@ from helpers import (
     VENV_BIN,
     jobgen,
     last_step,
+    node,
+    node_range,
     running_task,
     submit,
     submitted_job_id,
     wait_for,
     wait_until_gone,
 )
-from jobgen import slurm
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
@@ -79,7 +81,7 @@ def test_status_and_logs_of_every_kind_of_task_and_after_slurm_forgot(cluster_ru
         live = rows(array)
         assert list(live) == [f"{first}_1", f"{first}_2", f"{first}_3"], live
         running = live[name]
-        assert running["state"] == "RUNNING" and running["job_id"] == task1 and running["nodes"] == "node[1-2]"
+        assert running["state"] == "RUNNING" and running["job_id"] == task1 and running["nodes"] == node_range(1, 2)
         assert running["start_time"] and running["elapsed_seconds"] is not None
         assert running["time_limit_seconds"] == 600 and running["start_step"] == 0 and running["seconds_to_first_step"]
         for index in (2, 3):
@@ -92,7 +94,7 @@ def test_status_and_logs_of_every_kind_of_task_and_after_slurm_forgot(cluster_ru
             where = [line.split(" | ")[0].split() for line in seen if line.startswith(f"{name} node")]
             ranks = {w[2] for w in where if len(w) == 3}
             steps = [line for line in seen if line.startswith(f"{name} ") and " INFO step " in line]
-            return ranks == {"r0", "r1", "r2", "r3"} and {w[1] for w in where} == {"node1", "node2"} and bool(steps)
+            return ranks == {"r0", "r1", "r2", "r3"} and {w[1] for w in where} == {node(1), node(2)} and bool(steps)
 
         wait_for(every_rank_live, 120, "every rank's lines and training steps in `jobgen logs -f`")
 

@@ -14,9 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DATA, REPO, doctor_spec, jobgen, run_spec, status, wait_for, wait_until_gone, write_spec
+from helpers import (
+    DATA,
+    REPO,
+    doctor_spec,
+    jobgen,
+    node,
+    node_range,
+    run_spec,
+    status,
+    wait_for,
+    wait_until_gone,
+    write_spec,
+)
 from helpers import submitted_job_id as job_id_of
-from jobgen import slurm
+from jobgen.slurm import client as slurm
 
 pytestmark = pytest.mark.slurm
 
@@ -37,20 +49,20 @@ def test_doctor_example_runs_world_size_four_on_two_hosts(cluster, tmp_path: Pat
     verdict = json.loads((run / "doctor.json").read_text())
     assert verdict["ok"], log
     assert verdict["world_size"] == verdict["expected_world_size"] == 4
-    assert verdict["nodes"] == ["node1", "node2"]
+    assert verdict["nodes"] == [node(1), node(2)]
     assert sorted((r["node"], r["local_rank"]) for r in verdict["ranks"]) == [
-        ("node1", 0),
-        ("node1", 1),
-        ("node2", 0),
-        ("node2", 1),
+        (node(1), 0),
+        (node(1), 1),
+        (node(2), 0),
+        (node(2), 1),
     ]
     # The rendezvous used the head's own eth0 address, not a hostname or localhost.
-    head_addr = cluster.node_addrs["node1"]
+    head_addr = cluster.node_addrs[node(1)]
     assert f"rendezvous at {head_addr}:" in log
     assert "RESULT: all 4 ranks OK on 2 node(s)" in log
     assert final_state(job_id)["ExitCode"] == "0:0"
     repro = run / "repro" / str(job_id)
-    assert (repro / "nodes.txt").read_text().split() == ["node1", "node2"]
+    assert (repro / "nodes.txt").read_text().split() == [node(1), node(2)]
     assert "torch==2.13.0" in (repro / "pip-freeze.txt").read_text()
     assert "JobId=" in (repro / "job.txt").read_text()
 
@@ -59,7 +71,8 @@ def test_doctor_command_reports_every_rank(cluster, tmp_path: Path):
     proc = jobgen("doctor", "--nodes", "2", env={"HOME": str(tmp_path)}, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "RESULT: all 4 ranks OK on 2 node(s)" in proc.stdout
-    assert re.search(r"^node1\s+0,1\s", proc.stdout, re.M) and re.search(r"^node2\s+2,3\s", proc.stdout, re.M)
+    assert re.search(rf"^{node(1)}\s+0,1\s", proc.stdout, re.M), proc.stdout
+    assert re.search(rf"^{node(2)}\s+2,3\s", proc.stdout, re.M), proc.stdout
 
 
 def test_wrong_nic_fails_fast_with_a_clear_message(cluster, tmp_path: Path):
@@ -83,15 +96,20 @@ PREFLIGHT_CASES = {
     ),
     "no-partition": ('partition = "gpu-nope"', "partition 'gpu-nope' does not exist"),
     "excluded-away": (
-        'nodes = 2\n        exclude = ["node[1-2]"]',
-        "2 nodes requested but partition 'debug' has 1 after excluding node1, node2",
+        'nodes = 2\n        exclude = ["{nodes_1_2}"]',
+        "2 nodes requested but partition 'debug' has 1 after excluding {node_1}, {node_2}",
     ),
 }
 
 
+def _on_this_cluster(text: str) -> str:
+    """``text`` with the names of this worker's dev cluster's nodes in it."""
+    return text.format(node_1=node(1), node_2=node(2), node_3=node(3), nodes_1_2=node_range(1, 2))
+
+
 @pytest.mark.parametrize("case", sorted(PREFLIGHT_CASES))
 def test_preflight_refuses_before_queueing(cluster, tmp_path: Path, case: str):
-    line, message = PREFLIGHT_CASES[case]
+    line, message = (_on_this_cluster(text) for text in PREFLIGHT_CASES[case])
     body = f"""
         site = "local"
         [job]
@@ -118,8 +136,8 @@ def test_preflight_refuses_gres_the_cluster_lacks(cluster, tmp_path: Path):
 @pytest.mark.parametrize(
     "variant",
     [
-        'exclude = ["node3"]',
-        'nodelist = ["node[1-2]"]',
+        'exclude = ["{node_3}"]',
+        'nodelist = ["{nodes_1_2}"]',
     ],
 )
 def test_sbatch_test_only_accepts_rendered_variants(cluster, tmp_path: Path, variant: str):
@@ -140,7 +158,7 @@ def test_sbatch_test_only_accepts_rendered_variants(cluster, tmp_path: Path, var
         time = "5m"
         exit_grace = "1m"
         runs_root = "runs"
-        {variant}
+        {_on_this_cluster(variant)}
     """,
     )
     proc = jobgen("submit", str(spec), "--dry-run")
@@ -153,8 +171,8 @@ def test_sbatch_test_only_accepts_rendered_variants(cluster, tmp_path: Path, var
 
 
 def test_failed_sbatch_leaves_no_run_directory(cluster, tmp_path: Path):
-    from jobgen.loader import load_run
-    from jobgen.submit import submit
+    from jobgen.launch.submit import submit
+    from jobgen.spec.loader import load_run
 
     spec = load_run(doctor_spec(tmp_path, "ghost", partition="nope"))
     with pytest.raises(slurm.SlurmError, match="partition"):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from helpers import jobgen, read_jsonl, submit, train_spec, wait_until_gone
-from jobgen import slurm
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
@@ -82,7 +82,7 @@ def watch(sweep: Path, job: int, stop_after: str, timeout: float) -> tuple[int, 
     point's max_steps is set past its first time-limit stop, and ``stop_after`` is stopped
     once it has trained a step."""
     deadline, peak, extended, stopped, others_ran_on = time.monotonic() + timeout, 0, set(), False, False
-    points = sweep / "points"  # each point's run directory (jobgen.sweep_files)
+    points = sweep / "points"  # each point's run directory (jobgen.runs.sweep_files)
     while time.monotonic() < deadline:
         queue = slurm.queue([job])
         running = [e for e in queue if e.state == "RUNNING"]
@@ -111,7 +111,7 @@ def test_a_sweep_is_one_array_of_at_most_two_points_through_time_limits(cluster,
     text = spec.read_text()
     spec.write_text(text + SWEEP.format(bad=bad, added=""))
     sweep = tmp_path / "runs" / "lrs"
-    points = sweep / "points"  # each point's run directory (jobgen.sweep_files)
+    points = sweep / "points"  # each point's run directory (jobgen.runs.sweep_files)
     job = submit(spec)
     assert {e.array_job_id for e in slurm.queue([job])} == {job}  # one job in squeue
 

@@ -24,7 +24,7 @@ from helpers import (
     summary,
     wait_until_gone,
 )
-from jobgen import slurm
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 

@@ -20,6 +20,8 @@ import pytest
 from helpers import (
     jobgen,
     losses,
+    node,
+    node_range,
     read_jsonl,
     stopped_at_lead_time_then_finished,
     submit,
@@ -42,19 +44,19 @@ def rank_places(run: Path, job_id: int) -> dict[int, tuple[str, int]]:
     """Global rank -> (node, local rank), from the rank logs of one task."""
     places = {}
     for log in (run / "logs" / "ranks" / str(job_id)).rglob("*.log"):
-        for rank, world, node, local in RANK_LINE.findall(log.read_text(errors="replace")):
+        for rank, world, host, local in RANK_LINE.findall(log.read_text(errors="replace")):
             assert world == "4", log
-            places[int(rank)] = (node, int(local))
+            places[int(rank)] = (host, int(local))
     return places
 
 
 def test_three_and_one_processes_train_resume_exactly_and_complete(cluster, cluster_run):
-    # The run on node1 (3 processes) and node2 (1); the reference, 4 processes, on node3.
+    # The run on the first node (3 processes) and the second (1); the reference, 4 processes, on the third.
     run = cluster_run(
-        "uneq", nodes=2, procs_per_node=[3, 1], array=2, site=SITE, job={"nodelist": ["node[1-2]"]}, **TRAIN
+        "uneq", nodes=2, procs_per_node=[3, 1], array=2, site=SITE, job={"nodelist": [node_range(1, 2)]}, **TRAIN
     )
     job = submit(run.spec)
-    reference = cluster_run("uneq-ref", procs_per_node=4, site=SITE, job={"nodelist": ["node3"]}, **TRAIN)
+    reference = cluster_run("uneq-ref", procs_per_node=4, site=SITE, job={"nodelist": [node(3)]}, **TRAIN)
     submit(reference.spec)
 
     first = stopped_at_lead_time_then_finished(run.path, job, STOP_AFTER, MAX_STEPS)
@@ -63,7 +65,7 @@ def test_three_and_one_processes_train_resume_exactly_and_complete(cluster, clus
     # Ranks 0-2 on the first node of the allocation, 3 on the second, in both tasks.
     tasks = run_status(run.path)["tasks"]
     assert [t["state"] for t in tasks] == ["COMPLETED", "COMPLETED"], tasks
-    expected = {0: ("node1", 0), 1: ("node1", 1), 2: ("node1", 2), 3: ("node2", 0)}
+    expected = {0: (node(1), 0), 1: (node(1), 1), 2: (node(1), 2), 3: (node(2), 0)}
     for entry in tasks:
         assert rank_places(run.path, entry["job_id"]) == expected, entry
         rank_map = json.loads((run.path / "logs" / "ranks" / str(entry["job_id"]) / "ranks.0.json").read_text())

@@ -30,7 +30,7 @@ from helpers import (
     wait_for,
     wait_until_gone,
 )
-from jobgen import slurm
+from jobgen.slurm import client as slurm
 from watchdogs.probe import rank_processes
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]

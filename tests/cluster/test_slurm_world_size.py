@@ -14,12 +14,24 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import exit_record, jobgen, last_step, losses, running_task, submit, wait_for, wait_until_gone
+from helpers import (
+    exit_record,
+    jobgen,
+    last_step,
+    losses,
+    node,
+    node_range,
+    running_task,
+    submit,
+    wait_for,
+    wait_until_gone,
+)
 from helpers import status as run_status
-from jobgen import quarantine, slurm
-from jobgen.exit_codes import ExitCode
-from jobgen.goodput import read_jsonl
-from jobgen.rundir import RunDir
+from jobgen.base.exit_codes import ExitCode
+from jobgen.runs import quarantine
+from jobgen.runs.goodput import read_jsonl
+from jobgen.runs.rundir import RunDir
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
@@ -108,7 +120,7 @@ def test_min_nodes_continues_on_the_nodes_quarantine_leaves(cluster, cluster_run
     wait_for(lambda: all(n.get("State") == "IDLE" for n in slurm.nodes()), 120, "every node idle")
     job = submit(run.spec)
     # The reference: the same batch on one node of 2 processes, beside task 1 on the node the run loses.
-    reference = cluster_run("fewer-ref", procs_per_node=2, job={"nodelist": ["node3"]}, **keys(max_steps=24))
+    reference = cluster_run("fewer-ref", procs_per_node=2, job={"nodelist": [node(3)]}, **keys(max_steps=24))
     submit(reference.spec)
 
     first = stop_after_quarantine(run.path, job)
@@ -117,7 +129,7 @@ def test_min_nodes_continues_on_the_nodes_quarantine_leaves(cluster, cluster_run
     second = exits(run.path)[-1]
     assert (second["world_size"], second["grad_accum"], second["exit_code"]) == (2, 6, ExitCode.OK), second
     tasks = run_status(run.path)["tasks"]
-    assert [t["nodes"] for t in tasks] == ["node[1-3]", "node[1-2]"], tasks
+    assert [t["nodes"] for t in tasks] == [node_range(1, 3), node_range(1, 2)], tasks
     assert all(t["state"] == "COMPLETED" for t in tasks), tasks
     wait_for(lambda: (reference.path / "done").exists(), 300, "the reference to finish")
     got, expected = losses(run.path), losses(reference.path)
@@ -127,11 +139,11 @@ def test_min_nodes_continues_on_the_nodes_quarantine_leaves(cluster, cluster_run
 
 
 def stop_after_quarantine(run, job: int) -> dict:
-    """node3 quarantined while task 1 trains (as the batch script does when a node fails: the
+    """The third node quarantined while task 1 trains (as the batch script does when a node fails: the
     run's pending task excludes it), then task 1 stopped by the lead-time signal."""
     task = running_task(job, 1, timeout=240)
     wait_for(lambda: last_step(run, task) >= 3, 240, "task 1's step 3")
     rundir = RunDir(run)
-    quarantine.add(rundir, {"node3": "taken out by the test"}, f"{job}_1")
+    quarantine.add(rundir, {node(3): "taken out by the test"}, f"{job}_1")
     assert quarantine.exclude_from_pending(rundir, rundir.load_spec())  # task 2, pending
     return stopped(run, signal_after(run, job, 3))

@@ -1,6 +1,6 @@
-"""Context parallelism (trainer/context_parallel.py) on gloo processes of this machine, against
+"""Context parallelism (trainer/parallel/context_parallel.py) on gloo processes of this machine, against
 one unsharded forward and backward of the same rows (the model's own sdpa attention and the
-trainer's loss, :func:`trainer.packing.token_loss_sum`):
+trainer's loss, :func:`trainer.data.packing.token_loss_sum`):
 
 - CP=2 on 2 ranks, CP=4 on 4 ranks, and CP=2 x 2 data-parallel replicas, each under FSDP2
   ``fully_shard`` over the whole world with the trainer's scaling (world size / global target
@@ -46,8 +46,8 @@ WORKER = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
-    from trainer.context_parallel import ContextParallel, _HostGather, _gather
-    from trainer.packing import collate, model_inputs, token_loss_sum
+    from trainer.parallel.context_parallel import ContextParallel, _HostGather, _gather
+    from trainer.data.packing import collate, model_inputs, token_loss_sum
 
     models, out, replicas = sys.argv[1].split(","), sys.argv[2], [int(n) for n in sys.argv[3].split(",")]
     flex = sys.argv[4] == "flex"  # also the flex_attention path, forward only
@@ -247,8 +247,8 @@ def test_refusals(tiny_models):
     from torch import nn
     from transformers import AutoModelForCausalLM
 
-    from trainer.context_parallel import ATTENTION, FLEX_ATTENTION, ContextParallel, ContextParallelError
-    from trainer.packing import collate
+    from trainer.data.packing import collate
+    from trainer.parallel.context_parallel import ATTENTION, FLEX_ATTENTION, ContextParallel, ContextParallelError
 
     cp = ContextParallel(None)
     model = cp.install(AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32))
@@ -284,8 +284,8 @@ def test_flex_block_mask_is_the_dense_mask():
     import torch
     import torch.nn.functional as F
 
-    from trainer.context_parallel import ContextParallel
-    from trainer.packing import collate
+    from trainer.data.packing import collate
+    from trainer.parallel.context_parallel import ContextParallel
 
     g = torch.Generator().manual_seed(0)
 

@@ -23,7 +23,7 @@ from helpers import (
     summary,
     trained_locally,
 )
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
 
 pytestmark = pytest.mark.torch
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from helpers import DATA, jobgen, make_run, run_spec, torchrun
-from jobgen.exit_codes import ExitCode
-from jobgen.loader import SpecError, load_run
+from jobgen.base.exit_codes import ExitCode
+from jobgen.spec.loader import SpecError, load_run
 
 
 def spec_with_data(tmp_path: Path, data: Path) -> Path:
@@ -135,7 +135,7 @@ def tokenizer(tiny_model):
 @pytest.mark.parametrize("content", ["", "\n\n  \n"], ids=["zero-bytes", "blank-lines"])
 def test_empty_jsonl_is_named_as_empty(tmp_path, content):
     pytest.importorskip("datasets")
-    from trainer.data import DataError, load_raw
+    from trainer.data.build import DataError, load_raw
 
     path = tmp_path / "train.jsonl"
     path.write_text(content)
@@ -146,7 +146,7 @@ def test_empty_jsonl_is_named_as_empty(tmp_path, content):
 @pytest.mark.torch
 def test_empty_shards_in_a_data_directory_are_skipped(tmp_path):
     pytest.importorskip("datasets")
-    from trainer.data import load_raw
+    from trainer.data.build import load_raw
 
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.csv").write_text("instruction,output\nx,y\n")
@@ -159,7 +159,7 @@ def test_empty_shards_in_a_data_directory_are_skipped(tmp_path):
 @pytest.mark.torch
 def test_data_directory_of_empty_files_is_named_as_empty(tmp_path):
     pytest.importorskip("datasets")
-    from trainer.data import DataError, load_raw
+    from trainer.data.build import DataError, load_raw
 
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.jsonl").write_text("")
@@ -175,8 +175,8 @@ def test_data_directory_of_empty_files_is_named_as_empty(tmp_path):
 @pytest.mark.torch
 def test_zero_row_dataset_is_named_as_empty_before_its_columns(tokenizer, tmp_path):
     datasets = pytest.importorskip("datasets")
-    from jobgen.spec import DataSpec
-    from trainer.data import DataError, tokenize_dataset
+    from jobgen.spec.tables.run import DataSpec
+    from trainer.data.build import DataError, tokenize_dataset
 
     # No rows and so no columns: "empty" is the problem, not a missing 'instruction' column.
     with pytest.raises(DataError, match=r"^data\.path: /x/train\.jsonl is empty \(0 rows\)$"):
@@ -191,8 +191,8 @@ def test_zero_row_dataset_is_named_as_empty_before_its_columns(tokenizer, tmp_pa
 @pytest.mark.torch
 def test_chat_set_without_any_assistant_turn_says_so(tokenizer, tmp_path):
     pytest.importorskip("datasets")
-    from jobgen.spec import DataSpec
-    from trainer.data import DataError, load_raw, tokenize_dataset
+    from jobgen.spec.tables.run import DataSpec
+    from trainer.data.build import DataError, load_raw, tokenize_dataset
 
     path = tmp_path / "chat.jsonl"
     rows = [

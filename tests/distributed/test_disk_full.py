@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import checkpoints, make_run, read_jsonl, torchrun, wait_for
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
 
 pytestmark = pytest.mark.torch
 

@@ -28,8 +28,8 @@ from helpers import (
     torchrun,
     wait_for,
 )
-from jobgen.exit_codes import ExitCode
-from jobgen.visible import visible
+from jobgen.base.exit_codes import ExitCode
+from jobgen.base.visible import visible
 
 pytestmark = pytest.mark.torch
 

@@ -32,7 +32,7 @@ LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
 
 def _export(run: Path, target: Path, **kwargs):
-    from jobgen.rundir import RunDir
+    from jobgen.runs.rundir import RunDir
     from trainer.export import export
 
     lines: list[str] = []
@@ -241,7 +241,7 @@ MEMORY_PROBE = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from jobgen.rundir import RunDir
+    from jobgen.runs.rundir import RunDir
     from trainer import export as exporting
     from trainer.model import load_tokenizer
 

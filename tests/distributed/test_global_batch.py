@@ -15,7 +15,7 @@ import json
 import pytest
 
 from helpers import checkpoints, jobgen, losses, make_run, read_jsonl, stopped_by_kill_switch, summary, torchrun
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
 
 pytestmark = pytest.mark.torch
 

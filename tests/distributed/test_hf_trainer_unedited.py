@@ -1,6 +1,6 @@
 """A Hugging Face Trainer script nobody edited (tests/scripts/run_clm_like.py, of the shape
 of transformers' run_clm.py) through stops and resumes, as ``program = "command"``:
-jobgen.command_plan writes each task's plan as the batch script does, and ``torchrun
+jobgen.launch.command_plan writes each task's plan as the batch script does, and ``torchrun
 --standalone --nproc-per-node=2 -m jobgen.runtime.launch --plan ...`` runs it on gloo/CPU
 with the environment the batch script gives (JOBGEN_RUN_DIR, SLURM_JOB_ID,
 SLURM_RESTART_COUNT, the job's end). The same on the dev cluster, through time limits, is
@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 
 from helpers import DATA, REPO, VENV_BIN, read_jsonl, run_spec, wait_for
-from jobgen.exit_codes import ExitCode
-from jobgen.loader import load_run
-from jobgen.render import render
-from jobgen.rundir import RunDir, materialize
+from jobgen.base.exit_codes import ExitCode
+from jobgen.launch.render import render
+from jobgen.runs.materialize import materialize
+from jobgen.runs.rundir import RunDir
+from jobgen.spec.loader import load_run
 
 pytestmark = pytest.mark.torch
 
@@ -70,7 +71,7 @@ def task_env(run: RunDir, job_id: str, tmp_path: Path) -> dict[str, str]:
 def start_task(run: RunDir, job_id: str, tmp_path: Path) -> subprocess.Popen[str]:
     """The batch script's two steps for one task: the plan on the head node, then torchrun."""
     env = task_env(run, job_id, tmp_path)
-    plan_cmd = [sys.executable, "-m", "jobgen.command_plan", "--run-dir", str(run.path), "--job", job_id]
+    plan_cmd = [sys.executable, "-m", "jobgen.launch.command_plan", "--run-dir", str(run.path), "--job", job_id]
     subprocess.run([*plan_cmd, "--restart", "0", "--task", env["SLURM_ARRAY_TASK_ID"]], env=env, check=True)
     cmd = [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "jobgen.runtime.launch"]
     cmd += ["--plan", str(run.command_plan(job_id, 0))]
@@ -165,7 +166,8 @@ def test_resume_args_resume_from_the_newest_checkpoint_after_a_sigterm(tmp_path,
 def test_hf_trainer_refuses_an_output_dir_elsewhere_and_stops_the_run(tmp_path, tiny_model):
     run = hf_run(tmp_path, tiny_model, output_dir=str(tmp_path / "elsewhere"), hf_trainer=True)
     env = task_env(run, "301", tmp_path)
-    subprocess.run([sys.executable, "-m", "jobgen.command_plan", "--run-dir", str(run.path), "--job", "301"], env=env)
+    plan = [sys.executable, "-m", "jobgen.launch.command_plan", "--run-dir", str(run.path), "--job", "301"]
+    subprocess.run(plan, env=env)
     cmd = [sys.executable, "-m", "jobgen.runtime.launch", "--plan", str(run.command_plan("301", 0))]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == ExitCode.PROGRAM_SETUP, proc.stdout + proc.stderr

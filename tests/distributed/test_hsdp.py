@@ -35,7 +35,7 @@ from helpers import (
     summary,
     torchrun,
 )
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
 
 pytestmark = pytest.mark.torch
 
@@ -46,9 +46,9 @@ STEPS = 10
 def make_run(directory: Path, tiny_model: Path, parallelism: str, **train: object) -> Path:
     """A run directory of 4 processes on one node (the trainer's settings of tests/helpers,
     float32 weights so that exports compare at full precision)."""
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
+    from jobgen.spec.loader import load_run
 
     spec_file = run_spec(
         directory,
@@ -128,7 +128,7 @@ def test_hsdp_export_loads_and_equals_the_fsdp_export(tmp_path, hsdp, fsdp):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jobgen.rundir import RunDir
+    from jobgen.runs.rundir import RunDir
     from trainer.export import export
 
     exported = {}
@@ -153,11 +153,11 @@ CHECK = textwrap.dedent(
     """
     import json, sys
     import torch, torch.distributed as dist
-    from jobgen.spec import ModelSpec, TrainSpec
+    from jobgen.spec.tables.run import ModelSpec, TrainSpec
     from trainer.distributed import init_distributed
     from trainer.model import build_model, trainable_parameters
     from trainer.optim import build_optimizer
-    from trainer.parallel import strategy
+    from trainer.parallel.strategies import strategy
 
     path, mode, out = sys.argv[1], sys.argv[2], sys.argv[3]
     env = init_distributed(120, None)

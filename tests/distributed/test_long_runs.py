@@ -36,7 +36,7 @@ from helpers import (
     torchrun,
     wait_for_step,
 )
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
 
 pytestmark = pytest.mark.torch
 
@@ -187,8 +187,8 @@ def test_a_stop_request_of_an_earlier_attempt_is_ignored(tmp_path, tiny_model):
 
 def run_script_locally(run: Path, job_id: int, restart: int, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """The rendered batch script on this machine, as the given attempt of a job."""
-    from jobgen.rundir import RunDir
-    from jobgen.submit import local_environment
+    from jobgen.launch.submit import local_environment
+    from jobgen.runs.rundir import RunDir
 
     rd = RunDir(run)
     env = {
@@ -236,8 +236,8 @@ def test_a_save_slower_than_torchruns_default_grace_survives_sigterm(tmp_path, t
     """,
     )
     run = make_run(tmp_path / "r", tiny_model, max_steps=100_000)
-    from jobgen.rundir import RunDir
-    from jobgen.submit import local_environment
+    from jobgen.launch.submit import local_environment
+    from jobgen.runs.rundir import RunDir
 
     rd = RunDir(run)
     env = {**local_environment(rd.load_spec(), 4343), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **with_fault(slow)}

@@ -23,8 +23,8 @@ from helpers import (
     torchrun,
 )
 from helpers import write_spec as write_text_spec
-from jobgen.exit_codes import ExitCode
-from jobgen.loader import SpecError, load_run
+from jobgen.base.exit_codes import ExitCode
+from jobgen.spec.loader import SpecError, load_run
 
 # ---------------------------------------------------------------- spec rules
 
@@ -143,8 +143,8 @@ def _torch():
 )
 def test_chunked_loss_equals_full_loss_values_and_gradients(chunk, targets_only):
     torch = _torch()
+    from trainer.data.packing import IGNORE_INDEX, token_loss_sum
     from trainer.loss import chunked_linear_cross_entropy
-    from trainer.packing import IGNORE_INDEX, token_loss_sum
 
     gen = torch.Generator().manual_seed(chunk)
     batch, seq, dim, vocab = 3, 17, 8, 50
@@ -170,8 +170,8 @@ def test_chunked_loss_equals_full_loss_values_and_gradients(chunk, targets_only)
 @pytest.mark.parametrize(("chunk", "targets_only"), [(4, False), (4, True), (0, True)])
 def test_chunked_loss_without_targets_is_zero_and_still_gives_gradients(chunk, targets_only):
     torch = _torch()
+    from trainer.data.packing import IGNORE_INDEX
     from trainer.loss import chunked_linear_cross_entropy
-    from trainer.packing import IGNORE_INDEX
 
     hidden = torch.randn(2, 6, 4, requires_grad=True)
     weight = torch.randn(9, 4, requires_grad=True)
@@ -188,7 +188,7 @@ def _tiny_lm(tie: bool = False, **config_overrides):
 
 
 def _batch(torch, vocab=97, batch=2, seq=24):
-    from trainer.packing import IGNORE_INDEX
+    from trainer.data.packing import IGNORE_INDEX
 
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen)
@@ -203,8 +203,8 @@ def _batch(torch, vocab=97, batch=2, seq=24):
 @pytest.mark.parametrize("tie", [False, True])
 def test_chunked_output_layer_inside_the_forward_matches_logits_loss(tie, chunk, targets_only):
     torch = _torch()
+    from trainer.data.packing import token_loss_sum
     from trainer.loss import ChunkedLossHead, install_chunked_loss
-    from trainer.packing import token_loss_sum
 
     reference = _tiny_lm(tie)
     model = copy.deepcopy(reference)
@@ -273,7 +273,7 @@ def test_offload_hooks_give_identical_gradients_and_never_move_parameters():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids, labels = _batch(torch)
-    from trainer.packing import token_loss_sum
+    from trainer.data.packing import token_loss_sum
 
     def grads(context):
         model.zero_grad(set_to_none=True)
@@ -319,7 +319,7 @@ def test_offload_skips_small_tensors_and_is_a_logged_no_op_on_cpu(caplog):
 
 
 def _train_spec(**overrides):
-    from jobgen.spec import TrainSpec
+    from jobgen.spec.tables.run import TrainSpec
 
     return TrainSpec(**{"lr": 1e-2, "warmup_steps": 1, "max_steps": 4, "weight_decay": 0.1, **overrides})
 
@@ -365,8 +365,8 @@ def _make_run(
     directory: Path, tiny_model: Path, *, procs: int, model: dict | None = None, data: dict | None = None, **train
 ) -> Path:
     """helpers.make_run with ``job.procs_per_node`` set (optimizer_in_backward with DDP needs 1)."""
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
 
     spec_file = run_spec(
         directory,

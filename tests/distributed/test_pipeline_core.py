@@ -1,4 +1,4 @@
-"""Pipeline parallelism's core (trainer/pipeline.py) on gloo processes of this machine, against
+"""Pipeline parallelism's core (trainer/parallel/pipeline.py) on gloo processes of this machine, against
 one unpipelined forward and backward of the same global batch:
 
 - every schedule torch 2.13 ships, on 2 pipeline ranks and (a selection) on 4: the loss and
@@ -39,10 +39,10 @@ WORKER = textwrap.dedent(
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
-    from jobgen.pipeline_split import SCHEDULES, stage_indices, stage_layers
+    from jobgen.model.pipeline_split import SCHEDULES, stage_indices, stage_layers
     from trainer.distributed import init_distributed
-    from trainer.packing import IGNORE_INDEX, count_targets, token_loss_sum
-    from trainer.pipeline import PipelineStep, build_stages, checkpoint_options, grad_norm_and_clip
+    from trainer.data.packing import IGNORE_INDEX, count_targets, token_loss_sum
+    from trainer.parallel.pipeline import PipelineStep, build_stages, checkpoint_options, grad_norm_and_clip
 
     model_dir, out, dp, kind, ckpt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
     names = sys.argv[6].split(",")
@@ -289,7 +289,7 @@ def test_tied_embeddings_and_other_architectures_are_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from trainer.distributed import DistEnv
-    from trainer.pipeline import PipelineError, StageModule, build_stages
+    from trainer.parallel.pipeline import PipelineError, StageModule, build_stages
 
     tied = make_model(tmp_path / "tied", tied=True)
     env = DistEnv(0, 1, 0, torch.device("cpu"), "gloo")

@@ -28,7 +28,7 @@ from helpers import (
     summary,
     trained_locally,
 )
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
 
 pytestmark = pytest.mark.torch
 
@@ -90,7 +90,7 @@ def test_export_is_one_hugging_face_model(tmp_path, pipelined, deep_model):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jobgen.rundir import RunDir
+    from jobgen.runs.rundir import RunDir
     from trainer.export import export
 
     run = pipelined[0]

@@ -47,9 +47,9 @@ def _name(step: int) -> str:
 
 
 def _run(directory: Path, kind: str, model_path: Path) -> Path:
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
+    from jobgen.spec.loader import load_run
 
     _, model, train = KINDS[kind]
     spec_file = run_spec(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, jobgen, make_run, torchrun
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
 
 pytestmark = pytest.mark.torch
 

@@ -25,7 +25,7 @@ CHECK = textwrap.dedent(
     """
     import json, resource, sys
     import torch, torch.distributed as dist
-    from jobgen.spec import ModelSpec, TrainSpec
+    from jobgen.spec.tables.run import ModelSpec, TrainSpec
     from trainer.distributed import init_distributed
     from trainer.model import build_model
 

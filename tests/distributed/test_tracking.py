@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from helpers import jobgen, losses, make_run, stopped_by_kill_switch, summary, torchrun, wait_for_step
-from jobgen.exit_codes import ExitCode
-from jobgen.rundir import RunDir
+from jobgen.base.exit_codes import ExitCode
+from jobgen.runs.rundir import RunDir
 
 pytestmark = pytest.mark.torch
 pytest.importorskip("torch")
@@ -22,7 +22,7 @@ pytest.importorskip("matplotlib")
 def test_tensorboard_wandb_and_plot_across_two_resumes(tmp_path, tiny_model):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from jobgen.plot import read_plot_data
+    from jobgen.report.plot import read_plot_data
 
     run = make_run(
         tmp_path, tiny_model, max_steps=12, save_every_steps=3, log_every_steps=1, report_to=["tensorboard", "wandb"]

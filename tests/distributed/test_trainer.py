@@ -29,7 +29,7 @@ from helpers import (
     wait_for,
     wait_for_step,
 )
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
 
 pytestmark = pytest.mark.torch
 

@@ -51,8 +51,8 @@ from helpers import (
     wait_until_gone,
     worker_pids,
 )
-from jobgen import slurm
-from jobgen.exit_codes import ExitCode
+from jobgen.base.exit_codes import ExitCode
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.lifecycle]
 
@@ -176,9 +176,9 @@ def reference_losses(spec_dir: Path, tiny_model: Path, until: int, omp_threads: 
     ref_spec = train_spec(spec_dir, tiny_model, "soak-reference", nodes=1, **SETTINGS)
     proc = jobgen("validate", str(ref_spec))
     assert proc.returncode == 0, proc.stderr
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
+    from jobgen.spec.loader import load_run
 
     spec = load_run(ref_spec)
     run, _ = materialize(spec, render(spec), ref_spec.read_text())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jobgen.rundir import RunDir
+from jobgen.runs.rundir import RunDir
 from run_dirs import unsubmitted_run
 
 
@@ -21,7 +21,7 @@ def sbatch_calls(monkeypatch) -> list[list[str]]:
     """sbatch and squeue replaced, to see what a submission does around them: each call's
     [script, *options] (job ids 101, 102...); nothing is queued. The dev cluster's tests
     submit to real Slurm."""
-    from jobgen import slurm
+    from jobgen.slurm import client as slurm
 
     calls: list[list[str]] = []
 

@@ -1,8 +1,8 @@
 """Run-directory records that are readable JSON but not what jobgen wrote: the tools name the
 file and what is wrong, and show the rest; none of them prints a traceback.
 
-``quarantine.json`` is checked as a whole (jobgen.quarantine.read, QuarantineError); the lines
-of ``metrics.jsonl`` and ``tasks.jsonl`` one by one (jobgen.goodput.read_records), a bad line
+``quarantine.json`` is checked as a whole (jobgen.runs.quarantine.read, QuarantineError); the lines
+of ``metrics.jsonl`` and ``tasks.jsonl`` one by one (jobgen.runs.goodput.read_records), a bad line
 skipped and counted. No Slurm: the run has no submissions, so status asks Slurm nothing.
 """
 
@@ -118,7 +118,7 @@ def test_bad_jsonl_lines_are_skipped_and_counted(run, name, bad, problem):
 
 
 def test_reader_keeps_every_record_and_only_counts_bad_lines(tmp_path):
-    from jobgen.goodput import read_metrics, read_tasks
+    from jobgen.runs.goodput import read_metrics, read_tasks
 
     path = tmp_path / "metrics.jsonl"
     _write_lines(path, GOOD_METRICS, "[1, 2, 3]")
@@ -170,9 +170,9 @@ def test_best_json_with_a_non_numeric_eval_loss_is_a_warning(trained):
 
 def test_best_json_of_a_sweeps_point_is_a_warning_in_the_sweeps_status(tmp_path, sbatch_calls):
     from helpers import small_sweep
-    from jobgen.sweep_files import POINTS_DIR
-    from jobgen.sweep_points import load_sweep
-    from jobgen.sweep_submit import submit_sweep
+    from jobgen.runs.sweep_files import POINTS_DIR
+    from jobgen.sweep.points import load_sweep
+    from jobgen.sweep.submit import submit_sweep
 
     path = small_sweep(tmp_path)
     submit_sweep(load_sweep(path), source_text=path.read_text(), skip_preflight=True)
@@ -242,8 +242,8 @@ def test_a_grep_pattern_python_cannot_use_is_one_line(trained, pattern):
 
 @pytest.mark.parametrize("text", ["[1, 2]", '{"jobs": []}', "garbage"])
 def test_a_damaged_jobs_json_refuses_a_submission_before_sbatch(run, sbatch_calls, text):
-    from jobgen.loader import load_run
-    from jobgen.submit import SubmitError, submit
+    from jobgen.launch.submit import SubmitError, submit
+    from jobgen.spec.loader import load_run
 
     run.jobs_file.write_text(text)
     spec = load_run(str(run.path.parent.parent / "run.toml"))

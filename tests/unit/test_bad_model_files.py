@@ -12,7 +12,7 @@ import pytest
 
 from fake_models import fake_model, plan_spec
 from helpers import jobgen
-from jobgen.model_files import ModelFileError, UnsizedModel, read_model
+from jobgen.model.files import ModelFileError, UnsizedModel, read_model
 
 
 def raw_safetensors(path: Path, header: object) -> None:

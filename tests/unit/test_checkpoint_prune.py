@@ -77,7 +77,7 @@ def test_surplus_checkpoints_are_deleted_after_the_save_returns_and_before_close
 def test_a_deletion_cut_short_is_finished_at_the_next_start(tmp_path):
     """A process killed mid-deletion leaves a .tmp-deleting-* directory (the daemon thread dies
     with it); it is never taken for a checkpoint and the next Checkpointer removes it."""
-    from jobgen.rundir import complete_checkpoints_in
+    from jobgen.runs.rundir import complete_checkpoints_in
 
     root = tmp_path / "checkpoints"
     (root / ".tmp-deleting-step-00000001").mkdir(parents=True)

@@ -20,7 +20,7 @@ def test_cli_imports_no_ml_libraries():
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "from jobgen.cli import main\n"
+        "from jobgen.cli.main import main\n"
         f"r = CliRunner().invoke(main, ['render', {str(spec)!r}])\n"
         "assert r.exit_code == 0, r.output\n"
         f"r = CliRunner().invoke(main, ['validate', {str(spec)!r}])\n"
@@ -46,9 +46,9 @@ def test_help_does_not_import_pydantic_or_jinja():
 
 
 def test_switch_commands_create_the_files(tmp_path: Path):
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
+    from jobgen.spec.loader import load_run
 
     spec = load_run(doctor_spec(tmp_path, "switchy"))
     run, _ = materialize(spec, render(spec), None)
@@ -64,9 +64,9 @@ def test_switch_commands_create_the_files(tmp_path: Path):
 def test_stop_never_sets_a_switch_through_a_linked_switches_directory(tmp_path: Path):
     """A switches/ that is a symbolic link (to another run's) is refused in one line: `jobgen
     stop` acts on the run it was given, never on the directory a link leads to."""
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
+    from jobgen.spec.loader import load_run
 
     spec = load_run(doctor_spec(tmp_path, "linked"))
     run, _ = materialize(spec, render(spec), None)
@@ -120,9 +120,9 @@ def test_local_refuses_multi_node(tmp_path: Path):
 
 def test_status_reports_a_run_with_a_corrupt_spec_and_lists_the_others(tmp_path: Path):
     """One broken spec.json must not hide every other run from `jobgen status`."""
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
+    from jobgen.spec.loader import load_run
 
     runs = {}
     for name in ("alpha", "broken", "zulu"):
@@ -172,10 +172,10 @@ def test_a_fifo_as_the_failed_marker_never_holds_the_batch_script(tmp_path: Path
     import os
     import subprocess
 
-    from jobgen.loader import load_run
-    from jobgen.render import render
-    from jobgen.rundir import materialize
-    from jobgen.submit import local_environment
+    from jobgen.launch.render import render
+    from jobgen.launch.submit import local_environment
+    from jobgen.runs.materialize import materialize
+    from jobgen.spec.loader import load_run
 
     (tmp_path / "model").mkdir()
     (tmp_path / "data.jsonl").write_text('{"instruction": "hi", "output": "hello"}\n')

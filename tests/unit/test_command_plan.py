@@ -1,4 +1,4 @@
-"""A command program's task plan (jobgen.command_plan) and the launcher that runs it
+"""A command program's task plan (jobgen.launch.command_plan) and the launcher that runs it
 (jobgen.runtime.launch): placeholders expanded by jobgen, the checkpoint rules, resume_args
 only with a checkpoint, the plan written atomically and refused by any other attempt. The
 launcher under torchrun with a real Hugging Face Trainer is
@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
-from jobgen import placeholders
-from jobgen.command_checkpoints import latest_checkpoint
-from jobgen.command_plan import (
+from jobgen.base.exit_codes import ExitCode
+from jobgen.launch.command_plan import (
     CommandPlan,
     PlanForAnotherAttempt,
     PlanUnreadable,
@@ -27,10 +26,11 @@ from jobgen.command_plan import (
     read_plan,
     write_plan,
 )
-from jobgen.exit_codes import ExitCode
-from jobgen.loader import resolve
-from jobgen.render import render
-from jobgen.rundir import RunDir
+from jobgen.launch.render import render
+from jobgen.program import placeholders
+from jobgen.program.checkpoints import latest_checkpoint
+from jobgen.runs.rundir import RunDir
+from jobgen.spec.loader import resolve
 
 SCRIPT = """
 import json, os, sys

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from helpers import spec_issues, write_spec
-from jobgen.loader import load_run
-from jobgen.render import render
+from jobgen.launch.render import render
+from jobgen.spec.loader import load_run
 
 HEAD = """
     site = "local"
@@ -102,7 +102,7 @@ def test_a_script_is_found_from_run_toml_and_its_arguments_stay_words(tmp_path: 
     assert spec.run.command.script == str(tmp_path / "scripts" / "train.py")
     assert spec.run.command.workdir == str(tmp_path)
     text = render(spec)
-    # The words travel in the task's plan (jobgen.command_plan), never through a shell; the
+    # The words travel in the task's plan (jobgen.launch.command_plan), never through a shell; the
     # script shows them in a comment and starts jobgen's launcher with the plan.
     assert f"#   {tmp_path}/scripts/train.py --out 'a b' '$(id)'\n" in text
     assert '-m jobgen.runtime.launch --plan "$JOBGEN_RUN_DIR/logs/command-plan.$SLURM_JOB_ID.' in text
@@ -171,7 +171,7 @@ def test_a_newline_in_run_tomls_directory_never_reaches_the_script(tmp_path: Pat
 
 
 def test_submit_tells_the_same_as_a_warning(tmp_path: Path):
-    from jobgen.submit import submit
+    from jobgen.launch.submit import submit
 
     spec = load_run(
         write_spec(tmp_path, HEAD.replace("[job]", "[job]\nruns_root = 'runs'") + '[command]\nmodule = "a.b"\n')

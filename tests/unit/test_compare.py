@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from jobgen.cli import main
-from jobgen.compare import PENDING, BadReference, CompareError, compare, draw, label, short_names
+from jobgen.cli.main import main
+from jobgen.report.compare import PENDING, BadReference, CompareError, compare, draw, label, short_names
 from run_dirs import training_run_at_step_25
 
 
@@ -181,8 +181,9 @@ def test_each_row_is_in_the_state_jobgen_status_shows(tmp_path, spec_json, monke
     """A run whose only task crashed (a failure that need not repeat: no failed marker) is
     failed for jobgen status, and compare called it submitted; a run whose task Slurm runs is
     running. Compare asks Slurm once, as the listing of runs does, and says what it says."""
-    from jobgen import cli_status, slurm
-    from jobgen.rundir import RunDir
+    from jobgen.cli import status as cli_status
+    from jobgen.runs.rundir import RunDir
+    from jobgen.slurm import client as slurm
 
     def submitted(name: str, job_id: int, losses: dict[int, float]) -> RunDir:
         spec = json.loads(spec_json)

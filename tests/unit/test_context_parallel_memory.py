@@ -1,4 +1,4 @@
-"""`jobgen plan` with train.context_parallel = N (jobgen/context_parallel_memory.py): one rank's
+"""`jobgen plan` with train.context_parallel = N (jobgen/plan/context_parallel.py): one rank's
 share of each row, plus the whole row's gathered keys and values and, with SDPA, its mask."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from fake_models import fake_model
-from jobgen.context_parallel_memory import share_of_row
-from jobgen.memory_estimate import PlanInputs
-from jobgen.model_files import ModelInfo, read_model
-from jobgen.pipeline_memory import estimate_run
+from jobgen.model.files import ModelInfo, read_model
+from jobgen.plan.context_parallel import share_of_row
+from jobgen.plan.inputs import PlanInputs
+from jobgen.plan.pipeline import estimate_run
 
 LENGTH = 32768
 

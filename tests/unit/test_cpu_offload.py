@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 
-from jobgen.spec import ModelSpec, TrainSpec  # noqa: E402
+from jobgen.spec.tables.run import ModelSpec, TrainSpec  # noqa: E402
 from trainer.distributed import DistEnv  # noqa: E402
 from trainer.model_errors import ModelError  # noqa: E402
 
@@ -20,7 +20,7 @@ CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), ba
 @pytest.mark.parametrize("parallelism", ["fsdp", "hsdp"])
 def test_the_trainer_refuses_cpu_offload_on_a_cpu_device_before_loading(tmp_path, parallelism):
     from trainer.model import build_model
-    from trainer.parallel import CpuOffloadUnavailable
+    from trainer.parallel.strategies import CpuOffloadUnavailable
 
     train = TrainSpec(parallelism=parallelism, cpu_offload=True)
     # No model at this path: the refusal comes before anything is read.
@@ -34,7 +34,7 @@ def test_the_trainer_refuses_cpu_offload_on_a_cpu_device_before_loading(tmp_path
 
 
 def test_without_offload_the_shards_live_on_the_device_and_with_it_on_the_host():
-    from trainer.parallel import strategy
+    from trainer.parallel.strategies import strategy
 
     gpu = DistEnv(0, 1, 0, torch.device("cuda", 0), "cpu:gloo,cuda:nccl")
     assert strategy("fsdp").param_device(TrainSpec(parallelism="fsdp"), gpu) == gpu.device
@@ -44,8 +44,8 @@ def test_without_offload_the_shards_live_on_the_device_and_with_it_on_the_host()
 
 
 def test_the_trainer_table_has_an_entry_for_every_parallelism_jobgen_knows():
-    from jobgen.parallelism import STRATEGIES as PLANS
-    from trainer.parallel import STRATEGIES
+    from jobgen.model.parallelism import STRATEGIES as PLANS
+    from trainer.parallel.strategies import STRATEGIES
 
     assert STRATEGIES.keys() == PLANS.keys()
     assert [s.loads_sharded for s in STRATEGIES.values()] == [p.shards_parameters for p in PLANS.values()]
@@ -56,14 +56,14 @@ def test_the_trainer_table_has_an_entry_for_every_parallelism_jobgen_knows():
     [(4, 2, None, (2, 2)), (4, 4, 2, (2, 2)), (8, 8, None, (1, 8)), (2, 1, None, (2, 1))],
 )
 def test_hsdp_shape_comes_from_the_world_torchrun_formed(world, local, shard_size, shape):
-    from trainer.parallel import hsdp_shape
+    from trainer.parallel.strategies import hsdp_shape
 
     env = DistEnv(0, world, 0, torch.device("cpu"), "gloo", local_world_size=local)
     assert hsdp_shape(env, shard_size) == shape
 
 
 def test_hsdp_refuses_a_shard_size_that_does_not_divide_this_world():
-    from trainer.parallel import ParallelismError, strategy
+    from trainer.parallel.strategies import ParallelismError, strategy
 
     env = DistEnv(0, 6, 0, torch.device("cpu"), "gloo", local_world_size=6)
     with pytest.raises(ParallelismError, match=r"groups of 4 ranks.*must divide the world size 6"):
@@ -72,10 +72,11 @@ def test_hsdp_refuses_a_shard_size_that_does_not_divide_this_world():
 
 def test_the_trainer_refuses_offload_before_it_reads_the_tokenizer_or_the_data(tmp_path, tiny_model, monkeypatch):
     # A GPU site's spec (validate accepts the offload there) in a process that trains on the CPU.
+    import trainer.data.batches as batches
     import trainer.loop as loop
     from helpers import DATA, run_spec
-    from jobgen.loader import load_run
-    from trainer.parallel import CpuOffloadUnavailable
+    from jobgen.spec.loader import load_run
+    from trainer.parallel.strategies import CpuOffloadUnavailable
 
     spec_file = run_spec(
         tmp_path,
@@ -90,7 +91,7 @@ def test_the_trainer_refuses_offload_before_it_reads_the_tokenizer_or_the_data(t
     def read_too_early(*args: object, **kwargs: object) -> None:
         raise AssertionError("the tokenizer or the data was read before the parallelism was checked")
 
-    monkeypatch.setattr(loop, "load_tokenizer", read_too_early)
-    monkeypatch.setattr(loop, "DataPipeline", read_too_early)
+    monkeypatch.setattr(batches, "load_tokenizer", read_too_early)
+    monkeypatch.setattr(batches, "DataPipeline", read_too_early)
     with pytest.raises(CpuOffloadUnavailable):
         loop.Trainer(load_run(spec_file), tmp_path, CPU, monitor=None)

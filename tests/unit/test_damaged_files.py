@@ -70,25 +70,25 @@ def _no_side_effects(patch: pytest.MonkeyPatch) -> None:
     """What the commands would do beyond reading: export a checkpoint (torch), draw a figure
     (matplotlib: each would take a second), signal a process, ask a server. The stand-ins do
     what those do with what was read, up to the point they would act on it."""
-    import jobgen.cli
-    import jobgen.plot
-    import jobgen.serve_status
+    import jobgen.cli.main
+    import jobgen.report.plot
+    import jobgen.serve.status
 
     exporter = types.ModuleType("trainer.export")  # the export itself (torch) is not reading files
     exporter.ExportError = type("ExportError", (Exception,), {})
     patch.setitem(sys.modules, "trainer.export", exporter)
-    patch.setattr(jobgen.cli, "_export_checkpoint", lambda run, target, checkpoint, merge, who: str(checkpoint))
-    patch.setattr(jobgen.plot, "draw", _dates_only)
+    patch.setattr(jobgen.cli.main, "_export_checkpoint", lambda run, target, checkpoint, merge, who: str(checkpoint))
+    patch.setattr(jobgen.report.plot, "draw", _dates_only)
     patch.setattr(os, "kill", lambda pid, sig: None)
-    if hasattr(jobgen.serve_status, "answers"):
-        patch.setattr(jobgen.serve_status, "answers", lambda *args, **kwargs: False)
+    if hasattr(jobgen.serve.status, "answers"):
+        patch.setattr(jobgen.serve.status, "answers", lambda *args, **kwargs: False)
 
 
 def _dates_only(data, output: Path) -> Path:
-    """jobgen.plot.draw's part that can fail on what was read: every time as a date."""
-    import jobgen.plot
+    """jobgen.report.plot.draw's part that can fail on what was read: every time as a date."""
+    import jobgen.report.plot
 
-    jobgen.plot.empty_panels(data)
+    jobgen.report.plot.empty_panels(data)
     times = [t for series in data.metrics.values() for t in series.times]
     times += [at for _, at in data.resumes] + [t for span in data.waits for t in span]
     for t in times:
@@ -116,7 +116,7 @@ def _alarm(signum, frame):
 
 def invoke(args: list[str]) -> Outcome:
     """``jobgen ARGS`` in this process."""
-    from jobgen.cli import main
+    from jobgen.cli.main import main
 
     result = _bounded(lambda: CliRunner().invoke(main, args, catch_exceptions=True))
     if isinstance(result, Outcome):
@@ -212,7 +212,7 @@ def places(world: damaged_world.World) -> dict[str, str]:
 
 def _plan(world: damaged_world.World) -> Outcome:
     """The launcher's reading of a command plan (jobgen.runtime.launch): the plan, or PlanError."""
-    from jobgen.command_plan import PlanError, read_plan
+    from jobgen.launch.command_plan import PlanError, read_plan
 
     path = world.own.command_plan(damaged_world.JOB, 0)
 
@@ -227,8 +227,8 @@ def _plan(world: damaged_world.World) -> Outcome:
 
 
 def _claim(world: damaged_world.World) -> Outcome:
-    """A sweep task's claim (the batch script's ``python -m jobgen.sweep_claim``)."""
-    from jobgen.sweep_claim import main
+    """A sweep task's claim (the batch script's ``python -m jobgen.sweep.claim``)."""
+    from jobgen.sweep.claim import main
 
     return call(
         main, ["--sweep", str(world.sweep), "--job", "40", "--array-job", "19", "--task", "2", "--live-unknown"]

@@ -1,4 +1,4 @@
-"""trainer.data: loading every file type, each format's loss mask, truncation counts, errors."""
+"""trainer.data.build: loading every file type, each format's loss mask, truncation counts, errors."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
 from helpers import REPO  # noqa: E402
-from jobgen.spec import DataSpec  # noqa: E402
-from trainer.data import (  # noqa: E402
+from jobgen.spec.tables.run import DataSpec  # noqa: E402
+from trainer.data.build import (  # noqa: E402
     IGNORE_INDEX,
     DataError,
     DataStats,
     load_raw,
     tokenize_dataset,
 )
-from trainer.formats import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT  # noqa: E402
+from trainer.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT  # noqa: E402
 
 ALPACA_ROWS = [
     {"instruction": "Reverse the word.", "input": "queue", "output": "eueuq"},
@@ -360,7 +360,7 @@ def test_several_tokenizing_processes_give_the_same_dataset_row_for_row(tokenize
 
 
 def test_a_bad_row_in_a_worker_is_the_same_data_error(tokenizer, tmp_path):
-    from trainer.data import DataError
+    from trainer.data.build import DataError
 
     rows = _rows(2500)
     rows[2100]["output"] = 7  # in the second worker's shard
@@ -373,7 +373,7 @@ def test_a_bad_row_in_a_worker_is_the_same_data_error(tokenizer, tmp_path):
 
 
 def test_the_number_of_tokenizing_processes():
-    from trainer.data import AUTO_ROWS_PER_PROCESS, tokenizer_processes
+    from trainer.data.build import AUTO_ROWS_PER_PROCESS, tokenizer_processes
 
     # Unset: the job's CPUs, one per AUTO_ROWS_PER_PROCESS rows at most, at least one.
     assert tokenizer_processes(1_000_000, None, cpus=16) == 16
@@ -392,11 +392,11 @@ def test_a_long_tokenization_says_how_far_it_got(tokenizer, tmp_path, monkeypatc
     """Every PROGRESS_LOG_SECONDS the process with the first shard logs rows, rate and ETA."""
     import logging
 
-    import trainer.data as data_module
+    import trainer.data.build as data_module
 
     monkeypatch.setattr(data_module, "PROGRESS_LOG_SECONDS", 0.0)
     monkeypatch.setattr(data_module, "MAP_BATCH_SIZE", 2)
-    with caplog.at_level(logging.INFO, logger="trainer.data"):
+    with caplog.at_level(logging.INFO, logger="trainer.data.build"):
         encode(tokenizer, ALPACA_ROWS * 4, tmp_path, format="alpaca", max_length=512)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizing: ")]
     rows = len(ALPACA_ROWS) * 4

@@ -1,4 +1,4 @@
-"""trainer.data_cache: tokenize once, reuse, survive concurrent builders and a SIGKILLed rank 0."""
+"""trainer.data.cache: tokenize once, reuse, survive concurrent builders and a SIGKILLed rank 0."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ pytestmark = pytest.mark.torch
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
-from jobgen.spec import DataSpec  # noqa: E402
-from trainer import data as data_mod  # noqa: E402
-from trainer import data_cache as cache_mod  # noqa: E402
-from trainer.data import DataError  # noqa: E402
-from trainer.data_cache import (  # noqa: E402
+from jobgen.spec.tables.run import DataSpec  # noqa: E402
+from trainer.data import build as data_mod  # noqa: E402
+from trainer.data import cache as cache_mod  # noqa: E402
+from trainer.data.build import DataError  # noqa: E402
+from trainer.data.cache import (  # noqa: E402
     STAGING_PREFIX,
     DataCacheError,
     cache_key,
@@ -36,7 +36,7 @@ from trainer.data_cache import (  # noqa: E402
 )
 
 # rank 0 of a job, in its own process; the encoder is slowed (and optionally gated on
-# other builders being mid-way too) through trainer.data's module attributes.
+# other builders being mid-way too) through trainer.data.build's module attributes.
 WORKER = r"""
 import json, sys, time
 from pathlib import Path
@@ -44,9 +44,9 @@ args = json.loads(sys.argv[1])
 import datasets
 datasets.disable_progress_bars()
 from transformers import AutoTokenizer
-from jobgen.spec import DataSpec
-from trainer import data
-from trainer.data_cache import prepare_dataset
+from jobgen.spec.tables.run import DataSpec
+from trainer.data import build as data
+from trainer.data.cache import prepare_dataset
 
 data.MAP_BATCH_SIZE = args["batch_size"]
 original = data.Encoder.__call__
@@ -325,9 +325,9 @@ from pathlib import Path
 import datasets
 datasets.disable_progress_bars()
 import torch.distributed as dist
-from jobgen.rundir import RunDir
-from trainer import data_cache
-from trainer.batches import DataPipeline
+from jobgen.runs.rundir import RunDir
+from trainer.data import cache as data_cache
+from trainer.data.batches import DataPipeline
 from trainer.distributed import init_distributed
 from trainer.model import load_tokenizer
 

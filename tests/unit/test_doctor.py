@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from jobgen.doctor import report
-from jobgen.exit_codes import ExitCode
-from jobgen.rundir import RunDir
+from jobgen.base.exit_codes import ExitCode
+from jobgen.launch.doctor import report
+from jobgen.runs.rundir import RunDir
 
 TABLE = [
     "node         ranks      device  ...",

@@ -1,6 +1,6 @@
 import pytest
 
-from jobgen.durations import DurationError, format_human, format_slurm, parse_duration, parse_slurm_limit
+from jobgen.base.durations import DurationError, format_human, format_slurm, parse_duration, parse_slurm_limit
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from helpers import GOLDEN, REPO, run_spec, spec_issues
-from jobgen.env_names import SCRIPT_DEFAULTS, SCRIPT_OWNED, reserved_problem, secret_problem
-from jobgen.loader import load_run
-from jobgen.render import render
+from jobgen.launch.render import render
+from jobgen.spec.env_names import SCRIPT_DEFAULTS, SCRIPT_OWNED, reserved_problem, secret_problem
+from jobgen.spec.loader import load_run
 
 TEMPLATES = REPO / "sbatch_templates"
 
@@ -200,7 +200,7 @@ def test_every_variable_the_templates_assign_is_refused_or_a_documented_default(
     assert not unlisted, f"variables of sbatch_templates/ that [env] could override: {unlisted}"
     # And the other way: every name on the lists is one a template still sets.
     stale = sorted((SCRIPT_OWNED | SCRIPT_DEFAULTS) - assigned)
-    assert not stale, f"names in jobgen.env_names that no template assigns any more: {stale}"
+    assert not stale, f"names in jobgen.spec.env_names that no template assigns any more: {stale}"
 
 
 def spec_exports(golden: Path) -> set[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers import DATA, jobgen, spec_issues, write_spec
-from jobgen.loader import load_run
+from jobgen.spec.loader import load_run
 
 
 def head(tmp_path: Path) -> str:
@@ -78,14 +78,14 @@ def test_eval_paths_are_made_absolute_for_the_nodes(tmp_path: Path):
     )
     assert spec.run.eval.path == str(tmp_path / "valid.jsonl")
     assert spec.run.eval.prompts_file == str(tmp_path / "prompts.txt")
-    from jobgen.datafiles import read_prompts
+    from jobgen.spec.data_files import read_prompts
 
     assert read_prompts(spec.run.eval.prompts_file) == ["Say hi.", "Name a color."]
 
 
 @pytest.mark.torch
 def test_the_held_out_split_is_a_function_of_its_inputs_only():
-    from trainer.eval_data import held_out, split_digest
+    from trainer.data.eval_set import held_out, split_digest
 
     train, held = held_out(400, 0.02, seed=7)
     assert len(held) == 8 and len(train) == 392

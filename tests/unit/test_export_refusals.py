@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from helpers import VENV_BIN, jobgen
-from jobgen.rundir import RunDir, complete_checkpoints_in
+from jobgen.runs.rundir import RunDir, complete_checkpoints_in
 from run_dirs import training_run_at_step_25
 
 

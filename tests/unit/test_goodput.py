@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from jobgen.goodput import goodput, lead_time_warning, required_lead_seconds, run_reports, task_reports
+from jobgen.runs.goodput import goodput, lead_time_warning, required_lead_seconds, run_reports, task_reports
 
 T0 = 1_800_000_000.0
 

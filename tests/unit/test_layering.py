@@ -1,6 +1,7 @@
 """Dependencies point one way (``docs/architecture.md``, "The dependency rule"): ``trainer/``
-and ``watchdogs/`` use ``jobgen/``; ``jobgen/`` uses neither, except ``jobgen/cli.py``, the
+and ``watchdogs/`` use ``jobgen/``; ``jobgen/`` uses neither, except ``jobgen/cli/``, the
 composition root that wires every subcommand together; ``trainer/`` does not use ``watchdogs/``.
+Inside ``jobgen/`` the rooms form a DAG (:data:`ROOMS`): each may import only the rooms below it.
 
 Every module is parsed, not imported: imports at module level, inside functions and
 under ``if TYPE_CHECKING`` all count, and so do ``importlib.import_module`` /
@@ -13,15 +14,19 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+import jobgen
 from helpers import REPO
 
 PACKAGES = ("jobgen", "trainer", "watchdogs")
 
 # (package, what it must not import, modules exempt from the rule)
 RULES = [
-    ("jobgen", ("trainer", "watchdogs"), {"jobgen/cli.py"}),
+    ("jobgen", ("trainer", "watchdogs"), {"jobgen/cli/main.py"}),
     ("trainer", ("watchdogs",), set()),
 ]
+
+# The rooms of jobgen/ and the rooms each may import besides itself: jobgen.ROOMS.
+ROOMS: dict[str, set[str]] = {room: set(allowed) for room, allowed in jobgen.ROOMS.items()}
 
 
 def modules() -> list[Path]:
@@ -77,14 +82,14 @@ def violations() -> list[str]:
 
 def test_every_package_is_parsed():
     names = {p.relative_to(REPO).as_posix() for p in modules()}
-    assert {"jobgen/cli.py", "jobgen/status.py", "trainer/loop.py", "watchdogs/base.py"} <= names
+    assert {"jobgen/cli/main.py", "jobgen/report/status.py", "trainer/loop.py", "watchdogs/base.py"} <= names
     assert any(n.startswith("jobgen/devcluster/") for n in names)
 
 
 def test_function_level_imports_are_seen():
     """The composition root imports trainer and watchdogs inside functions; the walker must see that,
     or the rules below would pass for the wrong reason."""
-    seen = {module for _, module, _ in imports(REPO / "jobgen" / "cli.py")}
+    seen = {module for _, module, _ in imports(REPO / "jobgen" / "cli" / "main.py")}
     assert any(_is_in(m, "trainer") for m in seen) and any(_is_in(m, "watchdogs") for m in seen), seen
 
 
@@ -100,6 +105,58 @@ def test_relative_imports_are_resolved(tmp_path: Path):
 def test_dependencies_point_one_way():
     problems = violations()
     assert not problems, "imports against the one-way layout (docs/architecture.md):\n" + "\n".join(problems)
+
+
+def room_of(module: str) -> str | None:
+    """The room of a jobgen module (jobgen.spec.tables.run: spec), None outside jobgen's rooms."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "jobgen" and len(parts) > 2 else None
+
+
+def room_violations(paths: list[Path], root: Path = REPO) -> list[str]:
+    found = []
+    for path in paths:
+        rel = path.relative_to(root).as_posix()
+        room = room_of(module_name(path, root) + ".x")
+        if room is None:
+            continue
+        allowed = ROOMS.get(room)
+        if allowed is None:
+            found.append(f"{rel}: the room jobgen/{room}/ is not in the table of rooms (tests/unit/test_layering.py)")
+            continue
+        for line, module, text in imports(path, root):
+            other = room_of(module)
+            if other is None or other == room or "*" in allowed or other in allowed:
+                continue
+            found.append(f"{rel}:{line}: `{text}`: jobgen/{room}/ may not import jobgen/{other}/")
+    return sorted(set(found))
+
+
+def test_the_rooms_are_a_dag_lowest_first():
+    order = list(ROOMS)
+    for room, allowed in ROOMS.items():
+        assert all(order.index(o) < order.index(room) for o in allowed if o != "*"), room
+
+
+def test_every_module_of_jobgen_lives_in_a_room():
+    loose = [p.name for p in (REPO / "jobgen").glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    assert not loose, f"modules directly in jobgen/ (each belongs in a room): {loose}"
+    rooms = {p.parent.name for p in (REPO / "jobgen").glob("*/__init__.py")}
+    assert rooms == set(ROOMS), rooms ^ set(ROOMS)
+
+
+def test_a_room_importing_a_room_above_it_is_seen(tmp_path: Path):
+    low = tmp_path / "jobgen" / "base"
+    low.mkdir(parents=True)
+    (low / "m.py").write_text("def f():\n    from jobgen.report import status\n")
+    assert room_violations([low / "m.py"], root=tmp_path) == [
+        "jobgen/base/m.py:2: `from jobgen.report import status`: jobgen/base/ may not import jobgen/report/"
+    ]
+
+
+def test_rooms_import_only_the_rooms_below_them():
+    problems = room_violations(modules())
+    assert not problems, "imports against the rooms' DAG (tests/unit/test_layering.py ROOMS):\n" + "\n".join(problems)
 
 
 def module_name(path: Path, root: Path = REPO) -> str:
@@ -176,3 +233,24 @@ def test_no_import_cycles():
     can only be understood, tested and moved with the other. What both need goes below both."""
     found = cycles(import_graph(modules()))
     assert not found, "import cycles (move what both need below both):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_entry_points_of_scripts_rendered_before_the_rooms_still_run(tmp_path: Path):
+    """A queued task runs its batch script as it was submitted: ``python -m jobgen.sweep_claim``
+    from before the rooms runs jobgen.sweep.claim. Every ``-m jobgen.X`` the golden scripts of
+    before the rooms named (git 40560c9) is one of jobgen.MOVED_ENTRY_POINTS."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    before = {"jobgen.sweep_claim", "jobgen.command_plan", "jobgen.quarantine", "jobgen.repro"}
+    before |= {"jobgen.serve_node", "jobgen.serve_uds"}
+    assert before == set(jobgen.MOVED_ENTRY_POINTS)
+    for old, new in jobgen.MOVED_ENTRY_POINTS.items():
+        found = importlib.util.find_spec(old)
+        assert found is not None and found.origin == str(REPO / (new.replace(".", "/") + ".py")), (old, found)
+    for old in ("jobgen.sweep_claim", "jobgen.command_plan"):  # as a batch script runs them
+        proc = subprocess.run(
+            [sys.executable, "-m", old, "--help"], capture_output=True, text=True, cwd=tmp_path, timeout=60, check=False
+        )
+        assert proc.returncode == 0 and "usage:" in proc.stdout, (old, proc.stdout + proc.stderr)

@@ -1,4 +1,4 @@
-"""jobgen.logs on a run directory laid out as the batch script, torchrun and the trainer leave
+"""jobgen.report.logs on a run directory laid out as the batch script, torchrun and the trainer leave
 it (the dev-cluster test in tests/cluster/test_slurm_status.py follows a live 2-node job)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import re
 import threading
 import time
 
-from jobgen.logs import Filters, find_sources, follow, merged
-from jobgen.rundir import RunDir
+from jobgen.report.logs import Filters, find_sources, follow, merged
+from jobgen.runs.rundir import RunDir
 
 
 def lay_out(tmp_path) -> RunDir:
@@ -143,7 +143,7 @@ def test_a_command_programs_ranks_by_node_and_global_rank_in_time_order(tmp_path
 
 
 def test_without_the_ranks_own_records_a_node_keeps_its_local_ranks_apart(tmp_path):
-    from jobgen.logs import unknown_ranks
+    from jobgen.report.logs import unknown_ranks
 
     run = command_layout(tmp_path, identities=False)
     assert {line.split(" | ")[0] for line in lines(run)} == {

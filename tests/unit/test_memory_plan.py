@@ -12,9 +12,10 @@ import pytest
 
 from fake_models import expected_count, fake_model, plan_spec
 from helpers import DATA, jobgen, run_spec
-from jobgen.memory_estimate import PlanInputs, estimate
-from jobgen.model_files import read_model, read_safetensors_header
-from jobgen.sizes import GIB, MIB, parse_size
+from jobgen.base.sizes import GIB, MIB, parse_size
+from jobgen.model.files import read_model, read_safetensors_header
+from jobgen.plan.estimate import estimate
+from jobgen.plan.inputs import PlanInputs
 
 # --------------------------------------------------------------------------- the estimator
 
@@ -97,7 +98,7 @@ def test_plan_json_shape_and_no_torch_import(tmp_path: Path):
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"
-        "from jobgen.cli import main\n"
+        "from jobgen.cli.main import main\n"
         f"r = CliRunner().invoke(main, ['plan', {str(spec)!r}, '--json'])\n"
         "print(r.output)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'datasets')))\n"
@@ -160,8 +161,8 @@ def test_submit_does_not_refuse_a_run_that_fits(tmp_path: Path):
 
 
 def test_submit_warns_when_it_cannot_estimate(tmp_path: Path):
-    from jobgen.loader import load_run
-    from jobgen.preflight import memory_findings
+    from jobgen.launch.preflight import memory_findings
+    from jobgen.spec.loader import load_run
 
     spec = load_run(plan_spec(tmp_path, Path("org/some-model"), device_memory="1GiB"))
     (finding,) = memory_findings(spec)
@@ -169,8 +170,8 @@ def test_submit_warns_when_it_cannot_estimate(tmp_path: Path):
 
 
 def test_cpu_budget_from_slurm_mem(tmp_path: Path):
-    from jobgen.loader import load_run
-    from jobgen.memory_plan import plan_run
+    from jobgen.plan.memory_plan import plan_run
+    from jobgen.spec.loader import load_run
 
     spec_file = run_spec(
         tmp_path,
@@ -256,7 +257,7 @@ def test_measured_peaks_in_a_damaged_metrics_json_are_left_out(tmp_path: Path, d
     or on a figure too large for an int)."""
     import os
 
-    from jobgen.memory_plan import _measured_figure, read_measured
+    from jobgen.plan.memory_plan import _measured_figure, read_measured
 
     path = tmp_path / "metrics.json"
     good = {"memory_peaks": {"steady": {"host_rss_peak_mib": 100.0}, "max_over_ranks": {"steady": {}}}}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from jobgen.goodput import read_jsonl
+from jobgen.runs.goodput import read_jsonl
 from jobgen.runtime import Job, lifecycle
 from jobgen.runtime.records import MetricsWriter, training_lines
 from run_dirs import command_run, job_environ

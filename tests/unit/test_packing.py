@@ -1,4 +1,4 @@
-"""trainer.packing: best-fit packing, collation, and packed == unpacked loss on the tiny model."""
+"""trainer.data.packing: best-fit packing, collation, and packed == unpacked loss on the tiny model."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 from helpers import REPO  # noqa: E402
-from jobgen.spec import DataSpec  # noqa: E402
-from trainer.data import load_raw, tokenize_dataset  # noqa: E402
-from trainer.packing import (  # noqa: E402
+from jobgen.spec.tables.run import DataSpec  # noqa: E402
+from trainer.data.build import load_raw, tokenize_dataset  # noqa: E402
+from trainer.data.packing import (  # noqa: E402
     build_rows,
     collate,
     count_targets,
@@ -191,7 +191,7 @@ def test_packed_loss_equals_examples_run_one_by_one(tiny_model, examples, attn):
 
 
 def test_flex_attention_for_packed_rows_on_gpus_and_compiled_blocks_on_gpus_by_default():
-    from jobgen.spec import ModelSpec, TrainSpec
+    from jobgen.spec.tables.run import ModelSpec, TrainSpec
     from trainer.model import attention_implementation, compiles_blocks
 
     auto, cuda, cpu = ModelSpec(path="m"), torch.device("cuda", 0), torch.device("cpu")

@@ -1,6 +1,6 @@
 """`jobgen plan` for train.parallelism = "pipeline": each pipeline position estimated from its
-own blocks (jobgen/pipeline_memory.py), the schedules' pieces in flight, the replicas'
-sharding, and the pipeline offered on Ethernet sites (jobgen/plan_suggestions.py)."""
+own blocks (jobgen/plan/pipeline.py), the schedules' pieces in flight, the replicas'
+sharding, and the pipeline offered on Ethernet sites (jobgen/plan/suggestions.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 
 from fake_models import fake_model
 from helpers import DATA, run_spec
-from jobgen.loader import load_run
-from jobgen.memory_estimate import PipelineInputs, PlanInputs, estimate
-from jobgen.memory_plan import plan_run
-from jobgen.model_files import ModelInfo, read_model
-from jobgen.pipeline_memory import (
+from jobgen.model.files import ModelInfo, read_model
+from jobgen.model.pipeline_split import SCHEDULES, stage_layers
+from jobgen.plan.estimate import estimate
+from jobgen.plan.inputs import PipelineInputs, PlanInputs
+from jobgen.plan.memory_plan import plan_run
+from jobgen.plan.pipeline import (
     Layout,
     embed_and_head_weights,
     estimate_pipeline,
@@ -23,7 +24,7 @@ from jobgen.pipeline_memory import (
     pipeline_problem,
     stage_pieces_in_flight,
 )
-from jobgen.pipeline_split import SCHEDULES, stage_layers
+from jobgen.spec.loader import load_run
 
 STATES = ("parameters", "gradients", "optimizer_state")
 
@@ -76,7 +77,7 @@ def test_two_positions_split_the_blocks_and_the_embedding_and_head(model: ModelI
 
 def test_the_split_is_the_trainers(model: ModelInfo):
     """stage_layers with the embedding and head weighted by their parameters, as
-    trainer.pipeline_steps._embed_and_head_weights weighs them."""
+    trainer.parallel.pipeline_steps._embed_and_head_weights weighs them."""
     embed, head = embed_and_head_weights(model)
     block = model.block_numel  # Llama: q, k, v, o, three MLP matrices and two norms
     assert embed == pytest.approx(model.vocab_size * model.hidden_size / block)
@@ -93,7 +94,7 @@ def test_the_split_is_the_trainers(model: ModelInfo):
 def test_the_weights_equal_the_trainers_from_the_config(tmp_path: Path):
     from transformers import AutoConfig
 
-    from trainer.pipeline_steps import _embed_and_head_weights
+    from trainer.parallel.pipeline_steps import _embed_and_head_weights
 
     directory = fake_model(tmp_path / "gqa", hidden=512, heads=8, kv=2, inter=1408, layers=6, vocab=5000)
     config = AutoConfig.from_pretrained(directory)

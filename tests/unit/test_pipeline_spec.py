@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from helpers import run_spec, spec_issues
-from jobgen.global_batch import grad_accum_for, shape_for
-from jobgen.loader import load_run
-from jobgen.pipeline_spec import PipelineSpec
-from jobgen.train_spec import TrainSpec
+from jobgen.spec.global_batch import grad_accum_for, shape_for
+from jobgen.spec.loader import load_run
+from jobgen.spec.tables.pipeline import PipelineSpec
+from jobgen.spec.tables.train import TrainSpec
 
 
 def spec(tmp_path, *, job=None, train=None, extra=None):

@@ -1,5 +1,5 @@
 """How jobgen splits a model into pipeline stages and places stages on ranks
-(jobgen/pipeline_split.py): balanced by parameters with the embedding and the output layer
+(jobgen/model/pipeline_split.py): balanced by parameters with the embedding and the output layer
 counted as blocks, smaller devices getting fewer blocks, explicit counts checked, and every
 schedule's rules on stages and micro-batches refused with the train.pipeline key to change."""
 
@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from jobgen.pipeline_split import (
+from jobgen.model.pipeline_split import (
     SCHEDULES,
     PipelineSplitError,
     schedule_problem,

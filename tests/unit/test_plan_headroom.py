@@ -14,13 +14,14 @@ from pathlib import Path
 
 from fake_models import fake_model, plan_spec
 from helpers import DATA, jobgen, run_spec
-from jobgen.loader import load_run
-from jobgen.memory_estimate import CUDA_CONTEXT_RESERVE, FRAGMENTATION_MARGIN, PlanInputs, estimate
-from jobgen.memory_plan import MemoryPlan, plan_run
-from jobgen.model_files import read_model
-from jobgen.nccl_memory import NcclSettings
-from jobgen.preflight import memory_findings
-from jobgen.sizes import GIB, MIB
+from jobgen.base.sizes import GIB, MIB
+from jobgen.launch.preflight import memory_findings
+from jobgen.model.files import read_model
+from jobgen.plan.estimate import CUDA_CONTEXT_RESERVE, FRAGMENTATION_MARGIN, estimate
+from jobgen.plan.inputs import PlanInputs
+from jobgen.plan.memory_plan import MemoryPlan, plan_run
+from jobgen.plan.nccl import NcclSettings
+from jobgen.spec.loader import load_run
 
 LLAMA_70B = {
     "model_type": "llama",
@@ -158,7 +159,7 @@ def test_tight_verdict_exits_zero_and_submit_warns(tmp_path: Path):
     assert "changes that would leave room, cheapest first:" in proc.stdout
     data = json.loads(jobgen("plan", str(spec), "--json", check=True).stdout)
     assert data["verdict"] == "tight" and data["fits"] is True
-    # What submit checks (jobgen.submit): a warning, not the error it refuses.
+    # What submit checks (jobgen.launch.submit): a warning, not the error it refuses.
     (finding,) = memory_findings(load_run(spec))
     assert finding.level == "warning" and "tight" in finding.message
     assert "--ignore-memory-plan" not in finding.message

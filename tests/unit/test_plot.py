@@ -1,4 +1,4 @@
-"""jobgen.plot: what it reads from a run directory, and its message without matplotlib.
+"""jobgen.report.plot: what it reads from a run directory, and its message without matplotlib.
 (tests/distributed/test_tracking.py draws a real run that resumed twice.)"""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import datetime as dt
 import json
 
 from helpers import jobgen
-from jobgen.plot import read_plot_data
-from jobgen.rundir import RunDir
+from jobgen.report.plot import read_plot_data
+from jobgen.runs.rundir import RunDir
 
 T0 = 1_800_000_000
 
@@ -59,7 +59,7 @@ def test_without_matplotlib_the_message_says_what_to_install(tmp_path):
 def test_a_trainers_loss_and_learning_rate_without_throughput(tmp_path):
     """What JobgenCallback records (loss, lr, grad_norm on logging steps; no tokens): loss and
     learning rate are drawn, and the throughput panel says it is unknown."""
-    from jobgen.plot import empty_panels
+    from jobgen.report.plot import empty_panels
 
     run = lay_out(tmp_path)
     lines = [

@@ -1,14 +1,14 @@
-"""jobgen.progress and what `submit --wait` says while it waits (tests/cluster/test_slurm_status.py
+"""jobgen.base.progress and what `submit --wait` says while it waits (tests/cluster/test_slurm_status.py
 runs `jobgen submit --wait` on the dev cluster)."""
 
 from __future__ import annotations
 
 import io
 
-from jobgen import slurm
-from jobgen.first_step import where_it_stands
-from jobgen.progress import Progress
-from jobgen.task_table import TaskStatus
+from jobgen.base.progress import Progress
+from jobgen.report.first_step import where_it_stands
+from jobgen.report.task_table import TaskStatus
+from jobgen.slurm import client as slurm
 
 
 class Terminal(io.StringIO):

@@ -1,4 +1,4 @@
-"""Bad-node quarantine (jobgen.quarantine) without a cluster: which nodes a failed task
+"""Bad-node quarantine (jobgen.runs.quarantine) without a cluster: which nodes a failed task
 blames, the file that keeps them, and what a submission and status make of it. The whole
 chain (a node's ranks stopped on the dev cluster, its pending tasks kept off it, doctor
 --clear releasing it) is tests/cluster/test_slurm_quarantine.py."""
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from jobgen import quarantine
-from jobgen.quarantine import RankEnd, silent_nodes
-from jobgen.rundir import RunDir
-from jobgen.submit import sbatch_options
+from jobgen.launch.submit import sbatch_options
+from jobgen.runs import quarantine
+from jobgen.runs.quarantine import RankEnd, silent_nodes
+from jobgen.runs.rundir import RunDir
 
 RANKS = {0: "node1", 1: "node1", 2: "node2", 3: "node2"}
 
@@ -110,7 +110,7 @@ def test_rank_ends_round_trip_and_a_torn_file_counts_as_silent(tmp_path: Path):
 
 
 def test_a_submission_excludes_the_quarantined_nodes_on_the_command_line(tmp_path: Path):
-    from jobgen.loader import resolve
+    from jobgen.spec.loader import resolve
 
     job = {"name": "q", "program": "doctor", "nodes": 1, "time": "1h", "exclude": ["node9"]}
     spec = resolve({"site": "local", "job": job}, spec_file=None, base_dir=tmp_path)

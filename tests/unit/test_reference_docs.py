@@ -13,9 +13,9 @@ import pytest
 import tomllib
 
 from helpers import REPO
-from jobgen.loader import SpecError, resolve
-from jobgen.reference import RUN_COMMAND, SITE_COMMAND, run_markdown, site_markdown
-from jobgen.sweep_points import expand, is_sweep
+from jobgen.spec.loader import SpecError, resolve
+from jobgen.spec.reference import RUN_COMMAND, SITE_COMMAND, run_markdown, site_markdown
+from jobgen.sweep.points import expand, is_sweep
 
 REFERENCES = [
     ("docs/reference/run-toml.md", run_markdown, RUN_COMMAND),
@@ -35,7 +35,7 @@ def test_reference_is_up_to_date(path, generate, command):
 def test_cli_prints_the_reference():
     from click.testing import CliRunner
 
-    from jobgen.cli import main
+    from jobgen.cli.main import main
 
     cases = ((["schema", "--markdown"], run_markdown), (["schema", "--site", "--markdown"], site_markdown))
     for args, generate in cases:

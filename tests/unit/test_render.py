@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from helpers import GOLDEN, check_shell, doctor_spec, jobgen, run_spec
-from jobgen.exit_codes import ExitCode
-from jobgen.loader import load_run
-from jobgen.paths import PROJECT_ROOT
-from jobgen.render import build_context, render, sbatch_directives
-from jobgen.rundir import STARTUP_SWITCHES, RunDir
+from jobgen.base.exit_codes import ExitCode
+from jobgen.base.paths import PROJECT_ROOT
+from jobgen.launch.render import build_context, render, sbatch_directives
+from jobgen.runs.rundir import STARTUP_SWITCHES, RunDir
+from jobgen.spec.loader import load_run
 
 SPECS = sorted(p for p in (GOLDEN / "specs").glob("*.toml") if not p.name.endswith("-site.toml"))
 
@@ -462,14 +462,14 @@ SERVE_SPECS = [
 
 
 def serve_job_of(spec_path: Path):
-    from jobgen.serve_render import serve_job_for_run
+    from jobgen.serve.render import serve_job_for_run
 
     spec = load_run(spec_path)
     return serve_job_for_run(spec, spec.run_dir / "served" / "step-00000040", "step-00000040", state_dir=spec.run_dir)
 
 
 def rendered_serve(spec_path: Path) -> str:
-    from jobgen.serve_render import render_serve
+    from jobgen.serve.render import render_serve
 
     return render_serve(serve_job_of(spec_path))
 
@@ -481,7 +481,7 @@ def test_serve_script_matches_golden(spec_path: Path, update_golden: bool):
 
 @pytest.mark.parametrize("spec_path", SERVE_SPECS, ids=lambda p: p.stem)
 def test_serve_script_syntax_shellcheck_and_directives(spec_path: Path, tmp_path: Path):
-    from jobgen.serve_render import serve_directives
+    from jobgen.serve.render import serve_directives
 
     text = rendered_serve(spec_path)
     check_shell(text, tmp_path)
@@ -494,7 +494,7 @@ def test_serve_script_is_pure():
     orig = subprocess.Popen
     try:
         subprocess.Popen = None  # type: ignore[assignment,misc]
-        from jobgen.serve_render import render_serve
+        from jobgen.serve.render import render_serve
 
         text = render_serve(job)
     finally:
@@ -522,7 +522,7 @@ def test_serve_header_is_one_node_with_the_serve_tables_resources():
 def test_serve_arguments_reach_the_supervisor_verbatim(tmp_path: Path):
     """Run the script's SERVE=(...) lines in bash: each value arrives as one argument, as typed,
     whatever the run directory is called; nothing executes."""
-    from jobgen.serve_render import render_serve, serve_job_for_run
+    from jobgen.serve.render import render_serve, serve_job_for_run
 
     marker = tmp_path / "pwned"
     home = tmp_path / "my 'odd' dir"
@@ -545,7 +545,7 @@ def test_serve_arguments_reach_the_supervisor_verbatim(tmp_path: Path):
     env = {"SLURM_JOB_ID": "7", "JOBGEN_IFNAME": "eth0", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(["bash", "-c", probe], capture_output=True, check=True, env=env).stdout.decode()
     assert out.split("\0")[:-1] == [
-        *("python", "-m", "jobgen.serve_node", "--state-dir", str(spec.run_dir), "--job-id", "7"),
+        *("python", "-m", "jobgen.serve.node", "--state-dir", str(spec.run_dir), "--job-id", "7"),
         *("--model-dir", str(model_dir), "--model-name", "team/llm", "--checkpoint", "step-00000040"),
         *("--engine", "transformers", "--gpus", "0", "--dtype", "auto", "--interface", "eth0", "--port", "8123"),
         *("--ready-timeout", "900", "--stop-grace", "20", "--", *args),

@@ -15,10 +15,10 @@ import pytest
 
 from fake_models import fake_model
 from helpers import run_spec, spec_issues
-from jobgen.loader import load_run
-from jobgen.rundir import RunDir
+from jobgen.runs.rundir import RunDir
 from jobgen.runtime.records import CrashSignature, attempt_ended, attempt_started
-from jobgen.train_spec import MAX_SEED
+from jobgen.spec.loader import load_run
+from jobgen.spec.tables.train import MAX_SEED
 
 SMALL = dict(hidden=64, layers=4, inter=128, heads=4, kv=4, vocab=256)
 
@@ -206,14 +206,14 @@ def test_an_end_without_its_start_repeats_nothing(tmp_path: Path):
     "targets", [["q_proj", "v_proj"], ["self_attn.o_proj"], ["lm_head"], "all-linear", r".*\.mlp\.(up|down)_proj"]
 )
 def test_jobgen_names_the_layers_peft_adapts(tiny_model: Path, targets):
-    """The validate check and the trainer agree: the modules jobgen.lora_targets works out from the
+    """The validate check and the trainer agree: the modules jobgen.model.lora_targets works out from the
     safetensors headers are the ones peft adapts in the loaded model (trainer.model_prep)."""
     pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
-    from jobgen.lora_targets import adapted, weight_modules
-    from jobgen.model_files import read_model
-    from jobgen.spec import ModelSpec
+    from jobgen.model.files import read_model
+    from jobgen.model.lora_targets import adapted, weight_modules
+    from jobgen.spec.tables.run import ModelSpec
     from trainer.model_prep import add_lora
 
     info = read_model(tiny_model)

@@ -1,6 +1,6 @@
 """The reproducibility record a job writes under ``repro/<jobid>/``: the rendered
 snippet runs in bash against a hostile environment, and no secret reaches env.txt (the rule
-that validates [env], jobgen.env_names, decides there too)."""
+that validates [env], jobgen.spec.env_names, decides there too)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from helpers import GOLDEN
-from jobgen.loader import load_run
-from jobgen.render import render
+from jobgen.launch.render import render
+from jobgen.spec.loader import load_run
 
 # Everything here lives in a run directory the team reads for months: values must not.
 SECRETS = {

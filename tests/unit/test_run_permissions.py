@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 
 from helpers import doctor_spec, jobgen_as
-from jobgen.loader import load_run
-from jobgen.render import render
-from jobgen.rundir import RunDir, materialize
+from jobgen.launch.render import render
+from jobgen.runs.materialize import materialize
+from jobgen.runs.rundir import RunDir
+from jobgen.spec.loader import load_run
 
 GROUP, MATE, STRANGER = "jgperm", "jgpmate", "jgpstranger"
 

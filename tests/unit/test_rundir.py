@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-import jobgen.rundir as rundir_mod
+import jobgen.runs.materialize as materialize_mod
 from helpers import run_spec
-from jobgen.loader import load_run
-from jobgen.render import render
-from jobgen.rundir import (
+from jobgen.launch.render import render
+from jobgen.runs.materialize import materialize
+from jobgen.runs.rundir import (
     STARTUP_SWITCHES,
     SWITCHES,
     RunDir,
@@ -21,8 +21,8 @@ from jobgen.rundir import (
     checkpoint_name,
     checkpoint_step,
     find_run,
-    materialize,
 )
+from jobgen.spec.loader import load_run
 
 
 @pytest.fixture()
@@ -50,14 +50,14 @@ def test_new_run_directory_layout(spec_file: Path):
 
 def test_failure_mid_creation_leaves_nothing(spec_file: Path, monkeypatch: pytest.MonkeyPatch):
     spec = load_run(spec_file)
-    real = rundir_mod.write_text_atomic
+    real = materialize_mod.write_text_atomic
 
     def failing(path, text, mode=0o644):
         if str(path).endswith(".sbatch"):
             raise OSError(28, "No space left on device")
         return real(path, text, mode)
 
-    monkeypatch.setattr(rundir_mod, "write_text_atomic", failing)
+    monkeypatch.setattr(materialize_mod, "write_text_atomic", failing)
     with pytest.raises(OSError):
         materialize(spec, render(spec), "x")
     assert list((spec_file.parent / "runs").iterdir()) == []

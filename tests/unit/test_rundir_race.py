@@ -12,9 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from helpers import run_spec
-from jobgen.loader import load_run
-from jobgen.render import render
-from jobgen.rundir import RunDirError, RunDirTaken, materialize
+from jobgen.launch.render import render
+from jobgen.runs.materialize import materialize
+from jobgen.runs.rundir import RunDirError, RunDirTaken
+from jobgen.spec.loader import load_run
 
 
 @pytest.fixture()
@@ -77,7 +78,7 @@ def test_a_run_that_appears_after_it_was_found_absent_is_not_continued(spec_file
 def test_the_cli_refuses_the_loser_with_exit_status_2(spec_file: Path, monkeypatch: pytest.MonkeyPatch):
     """``jobgen submit --local``: another submission creates the run while this one is
     staging it; this one stops before running anything, with one sentence and no traceback."""
-    from jobgen.cli import main
+    from jobgen.cli.main import main
 
     spec = load_run(spec_file)
     started = []

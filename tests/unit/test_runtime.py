@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
-from jobgen.exit_codes import ExitCode
-from jobgen.goodput import read_jsonl
-from jobgen.quarantine import read_rank_ends
+from jobgen.base.exit_codes import ExitCode
+from jobgen.runs.goodput import read_jsonl
+from jobgen.runs.quarantine import read_rank_ends
 from jobgen.runtime import Action, Job, NotUnderJobgen, lifecycle
 from run_dirs import command_run, job_environ
 
@@ -119,7 +119,7 @@ def test_an_exception_is_a_crash_and_the_save_switch_is_consumed(tmp_path: Path)
         raise ValueError("boom")
     code, words = run.exit_code_file("77", 0).read_text().splitlines()
     assert int(code) == ExitCode.CRASHED and words == "crashed: ValueError: boom"
-    # The rank's end report, for the batch script's node check (jobgen.quarantine).
+    # The rank's end report, for the batch script's node check (jobgen.runs.quarantine).
     (end,) = read_rank_ends(run, "77", 0)
     assert (end.rank, end.error, end.signalled) == (0, "ValueError", None) and end.waited_seconds < 60
 

@@ -1,4 +1,4 @@
-"""trainer.sampler: deterministic order, disjoint and complete ranks, exact resume at any offset."""
+"""trainer.data.sampler: deterministic order, disjoint and complete ranks, exact resume at any offset."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("numpy")  # the [train] extra; the sampler needs nothing else
 
-from trainer.sampler import ResumableSampler, epoch_permutation
+from trainer.data.sampler import ResumableSampler, epoch_permutation
 
 N, WORLD, MBS, SEED = 23, 3, 2, 7  # global batch 6: 3 batches per epoch, a ragged tail of 5
 

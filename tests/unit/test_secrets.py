@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import jobgen, run_spec, spec_issues, write_spec
-from jobgen.loader import load_run
+from jobgen.spec.loader import load_run
 
 TOKEN = "hf_jobgen_test_value_0123456789"
 

@@ -22,12 +22,12 @@ from typing import ClassVar
 import pytest
 
 from helpers import DATA, VENV_BIN, jobgen, run_spec, wait_for
-from jobgen import serve_node
-from jobgen.chat import Conversation, chat
-from jobgen.loader import load_run
-from jobgen.rundir import RunDir, checkpoint_name
-from jobgen.serve import ServeError, Target, exported_model, serve_job
-from jobgen.serve_status import read_address
+from jobgen.runs.rundir import RunDir, checkpoint_name
+from jobgen.serve import node as serve_node
+from jobgen.serve.chat import Conversation, chat
+from jobgen.serve.status import read_address
+from jobgen.serve.submit import ServeError, Target, exported_model, serve_job
+from jobgen.spec.loader import load_run
 
 # ---------------------------------------------------------------- the [serve] table
 
@@ -83,8 +83,8 @@ def test_a_serve_table_validates_and_defaults_apply(tmp_path: Path):
 
 def fake_run(tmp_path: Path, steps: tuple[int, ...] = (1, 2), serve: dict[str, object] | None = None) -> RunDir:
     """A run directory with empty checkpoint directories (enough for choosing one)."""
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
 
     spec = load_run(serve_spec(tmp_path, serve or {}))
     run, _ = materialize(spec, render(spec), None)
@@ -386,7 +386,7 @@ def test_a_server_that_never_answers_fails_the_job_and_leaves_nothing(tmp_path: 
     fake = bin_dir / "vllm"
     fake.write_text(f"#!/bin/bash\n# marker {tmp_path}\n{body}\n")
     fake.chmod(0o755)
-    command = [str(VENV_BIN / "python"), "-m", "jobgen.serve_node", "--state-dir", str(tmp_path), "--job-id", "5"]
+    command = [str(VENV_BIN / "python"), "-m", "jobgen.serve.node", "--state-dir", str(tmp_path), "--job-id", "5"]
     command += ["--model-dir", str(tmp_path), "--model-name", "m", "--engine", "vllm", "--interface", "lo"]
     command += ["--ready-timeout", "2", "--stop-grace", "2", "--"]
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}

@@ -30,13 +30,13 @@ from pathlib import Path
 import pytest
 
 from helpers import DATA, VENV_BIN, jobgen, run_spec, wait_for
-from jobgen import serve_address
-from jobgen.loader import load_run
-from jobgen.rundir import RunDir, checkpoint_name
-from jobgen.serve import Target, serve_job, write_script
-from jobgen.serve_records import identity
-from jobgen.serve_spec import numeric_address
-from jobgen.serve_status import ServeStateError, read_address, serve_status, stop_serve
+from jobgen.runs.rundir import RunDir, checkpoint_name
+from jobgen.serve import address as serve_address
+from jobgen.serve.records import identity
+from jobgen.serve.status import ServeStateError, read_address, serve_status, stop_serve
+from jobgen.serve.submit import Target, serve_job, write_script
+from jobgen.spec.loader import load_run
+from jobgen.spec.tables.serve import numeric_address
 
 KEY_NAME = "SERVE_API_KEY"
 # What `jobgen serve` writes into the directory it serves.
@@ -155,7 +155,7 @@ def test_the_node_resolves_a_name_and_checks_every_address_it_binds(monkeypatch:
 
 
 def test_with_a_key_both_engines_listen_on_the_socket_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    from jobgen import serve_node
+    from jobgen.serve import node as serve_node
 
     monkeypatch.setattr(serve_node, "engine_executable", lambda name: f"/opt/bin/{name}")
     common = {"model_dir": tmp_path, "model_name": "llm", "host": "10.1.2.3", "port": 8000, "dtype": "auto", "gpus": 1}
@@ -166,7 +166,7 @@ def test_with_a_key_both_engines_listen_on_the_socket_only(monkeypatch: pytest.M
     ]
     transformers = serve_node.engine_command("transformers", socket_path="/tmp/s/engine.sock", **common)
     assert transformers == [
-        *(sys.executable, "-m", "jobgen.serve_uds", "/tmp/s/engine.sock", "serve", "llm"),
+        *(sys.executable, "-m", "jobgen.serve.uds", "/tmp/s/engine.sock", "serve", "llm"),
         *("--dtype", "auto", "--device", "auto"),
     ]
     workdir = serve_node.private_workdir()
@@ -187,7 +187,7 @@ def _fake_engine(tmp_path: Path, body: str) -> tuple[Path, dict[str, str]]:
 
 
 def supervisor(state: Path, *options: str) -> list[str]:
-    command = [str(VENV_BIN / "python"), "-m", "jobgen.serve_node", "--state-dir", str(state), "--job-id", "5"]
+    command = [str(VENV_BIN / "python"), "-m", "jobgen.serve.node", "--state-dir", str(state), "--job-id", "5"]
     command += ["--model-dir", str(state), "--model-name", "m", "--engine", "vllm", *options]
     return [*command, "--ready-timeout", "60", "--stop-grace", "2", "--"]
 
@@ -274,8 +274,8 @@ def test_vllm_listens_behind_the_key_on_every_path_and_gets_it_by_environment(tm
 def planted_run(directory: Path, serve: dict[str, object], model: Path | None = None) -> RunDir:
     """A run directory with checkpoint 1, and ``model`` as its export under served/ (what
     `jobgen serve` made earlier): serving it needs no training and no export."""
-    from jobgen.render import render
-    from jobgen.rundir import materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
 
     spec = load_run(serve_spec(directory, serve))
     run, _ = materialize(spec, render(spec), None)
@@ -559,7 +559,7 @@ def test_the_key_proxy_refuses_before_reading_and_relays_streams(tmp_path: Path)
     import socketserver
     import threading
 
-    from jobgen.serve_proxy import KeyProxy
+    from jobgen.serve.proxy import KeyProxy
 
     class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         daemon_threads = True

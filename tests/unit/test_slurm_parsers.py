@@ -2,8 +2,8 @@
 
 import pytest
 
-from jobgen.preflight import _gres_count
-from jobgen.slurm import (
+from jobgen.launch.preflight import _gres_count
+from jobgen.slurm.client import (
     accounting_enabled,
     parse_job_id,
     parse_key_values,

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, jobgen, write_spec
-from jobgen.loader import SpecError, load_run
+from jobgen.spec.loader import SpecError, load_run
 
 GOOD = """
     site = "local"
@@ -172,7 +172,7 @@ def test_train_program_needs_model_and_data(workdir):
 
 
 def test_resolved_spec_round_trips_through_json(workdir):
-    from jobgen.resolved import ResolvedSpec
+    from jobgen.spec.resolved import ResolvedSpec
 
     spec = load_run(write_spec(workdir, GOOD))
     again = ResolvedSpec.from_json(spec.to_json())
@@ -182,8 +182,8 @@ def test_resolved_spec_round_trips_through_json(workdir):
 def test_every_bundled_site_profile_and_example_validates(tmp_path):
     import shutil
 
-    from jobgen.loader import available_sites, find_site_file, read_toml
-    from jobgen.site import SiteProfile
+    from jobgen.spec.loader import available_sites, find_site_file, read_toml
+    from jobgen.spec.tables.site import SiteProfile
 
     assert {"local", "h100-ib", "cloud-ethernet", "consumer-nfs"} <= set(available_sites())
     for name in available_sites():

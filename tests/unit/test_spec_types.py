@@ -14,10 +14,10 @@ import pytest
 from pydantic import BaseModel
 
 from helpers import jobgen, run_spec, spec_issues
-from jobgen.fields import SpecModel
-from jobgen.loader import SpecError, load_run
-from jobgen.site import SiteProfile
-from jobgen.spec import RunSpec
+from jobgen.spec.fields import SpecModel
+from jobgen.spec.loader import SpecError, load_run
+from jobgen.spec.tables.run import RunSpec
+from jobgen.spec.tables.site import SiteProfile
 
 
 def _types(annotation: Any) -> Iterator[Any]:

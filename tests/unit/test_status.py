@@ -1,5 +1,5 @@
 """`jobgen status` without a cluster: the run's state as a pure function of what was read
-(jobgen.status.decide_state), the one table of Slurm states, the watchdogs' alerts handed in
+(jobgen.report.status.decide_state), the one table of Slurm states, the watchdogs' alerts handed in
 by the composition root, and Slurm being unreachable as data, not as a note to match."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import pytest
 
 from helpers import jobgen
-from jobgen import slurm
-from jobgen.status import decide_state, run_status
+from jobgen.report.status import decide_state, run_status
+from jobgen.slurm import client as slurm
 
 NONE: set[str] = set()
 
@@ -103,7 +103,7 @@ def test_watchdog_alerts_come_from_the_composition_root(run):
     assert not any(w.startswith("watchdog ") for w in run_status(run).warnings)
     assert [w for w in run_status(run, run_alerts).warnings if w.startswith(expected)]
     assert [w for w in run_status(run, lambda spec: ["x: y"]).warnings if w == "watchdog x: y"]
-    # `jobgen status` (jobgen/cli.py) hands them in, as before
+    # `jobgen status` (jobgen/cli/main.py) hands them in, as before
     proc = jobgen("status", str(run.path), check=True)
     assert f"WARNING  {expected}" in proc.stdout, proc.stdout
     view = json.loads(jobgen("status", str(run.path), "--json", check=True).stdout)

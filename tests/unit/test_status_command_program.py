@@ -13,14 +13,14 @@ import json
 import pytest
 
 from helpers import jobgen
-from jobgen import slurm
-from jobgen.cli_status import _statuses
-from jobgen.loader import resolve
-from jobgen.rundir import RunDir
-from jobgen.status import run_status
-from jobgen.status_format import format_listing, format_status
-from jobgen.stop_requests import remove
-from jobgen.task_table import TIME_LIMIT_KILLED
+from jobgen.cli.status import _statuses
+from jobgen.report.status import run_status
+from jobgen.report.status_format import format_listing, format_status
+from jobgen.report.stop_requests import remove
+from jobgen.report.task_table import TIME_LIMIT_KILLED
+from jobgen.runs.rundir import RunDir
+from jobgen.slurm import client as slurm
+from jobgen.spec.loader import resolve
 from run_dirs import batch_end_record
 
 T0 = 1_800_000_000

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
-from jobgen import slurm
-from jobgen import status as status_module
-from jobgen.status import run_status, watch_run
+from jobgen.report import status as status_module
+from jobgen.report.status import run_status, watch_run
+from jobgen.slurm import client as slurm
 from run_dirs import training_run_at_step_25
 
 

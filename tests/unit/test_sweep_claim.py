@@ -1,4 +1,4 @@
-"""jobgen.sweep_claim: which point an array task of a sweep runs, and the throttle it asks
+"""jobgen.sweep.claim: which point an array task of a sweep runs, and the throttle it asks
 for. The points' files are fabricated; which jobs are alive is the test's (the batch script
 asks squeue: tests/cluster/test_slurm_sweep.py runs the claim in real Slurm tasks)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from jobgen import sweep_claim
-from jobgen.rundir import RunDir
-from jobgen.sweep_claim import claim, closed_reason, parse_args
+from jobgen.runs.rundir import RunDir
+from jobgen.sweep import claim as sweep_claim
+from jobgen.sweep.claim import claim, closed_reason, parse_args
 
 
 def point_path(sweep: Path, name: str, fmt: int = 2) -> Path:
@@ -76,7 +76,7 @@ def claimed(sweep: Path) -> list[str]:
 
 
 def run_claim(sweep: Path, job: int, live: str, capsys) -> tuple[int, list[str], str]:
-    """``python -m jobgen.sweep_claim`` as the batch script runs it: exit status, stdout's lines, stderr."""
+    """``python -m jobgen.sweep.claim`` as the batch script runs it: exit status, stdout's lines, stderr."""
     argv = ["--sweep", str(sweep), "--job", str(job), "--array-job", "100", "--task", str(job - 100), "--live", live]
     code = sweep_claim.main(argv)
     out = capsys.readouterr()
@@ -176,7 +176,7 @@ def test_main_says_what_it_took_and_what_the_throttle_is(tmp_path, capsys):
 
 def test_the_claim_needs_no_package_beyond_the_standard_library():
     # It runs first in every task: jobgen's lean modules only (no pydantic, no torch).
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r}); import jobgen.sweep_claim"
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r}); import jobgen.sweep.claim"
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 

@@ -1,4 +1,4 @@
-"""A sweep's own files (jobgen.sweep_files): where a point's directory is, by construction never
+"""A sweep's own files (jobgen.runs.sweep_files): where a point's directory is, by construction never
 one of the sweep's files nor outside the sweep; sweep.json read into one validated structure;
 and a sweep submitted before points/ (format 1, points beside sweep.json) still read, stopped,
 claimed and continued, refusing only new points. Damaged files through the commands:
@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 
 from helpers import jobgen, small_sweep
-from jobgen import sweep_claim, sweep_spec
-from jobgen.spec import JobSpec
-from jobgen.submit import SubmitError
-from jobgen.sweep_files import (
+from jobgen.launch.submit import SubmitError
+from jobgen.runs.sweep_files import (
     DOTTED_KEY,
     FLAT,
     FORMAT,
@@ -27,9 +25,12 @@ from jobgen.sweep_files import (
     point_dir,
     read_index,
 )
-from jobgen.sweep_points import load_sweep
-from jobgen.sweep_status import sweep_status
-from jobgen.sweep_submit import submit_sweep
+from jobgen.spec.tables import sweep as sweep_spec
+from jobgen.spec.tables.run import JobSpec
+from jobgen.sweep import claim as sweep_claim
+from jobgen.sweep.points import load_sweep
+from jobgen.sweep.status import sweep_status
+from jobgen.sweep.submit import submit_sweep
 
 
 def submit(path: Path):

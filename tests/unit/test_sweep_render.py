@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from helpers import check_shell, run_spec
-from jobgen.render import render
-from jobgen.rundir import RunDir
-from jobgen.sweep_points import Sweep, load_sweep
-from jobgen.sweep_render import render_sweep
+from jobgen.launch.render import render
+from jobgen.runs.rundir import RunDir
+from jobgen.sweep.points import Sweep, load_sweep
+from jobgen.sweep.render import render_sweep
 
 # The Python environment part of a script (sbatch_templates/_python_env.j2).
 PYTHON_ENV = re.compile(r"^# --- Python environment: .*?^export PYTHONPATH=.*?$", re.DOTALL | re.MULTILINE)
@@ -44,7 +44,7 @@ def test_the_claim_runs_in_the_jobs_own_python(tmp_path: Path, profile: str, kin
     text = render_sweep(sweep)
     check_shell(text, tmp_path, "sweep.sbatch")
 
-    assert "if ! answer=$(py_on_head python -m jobgen.sweep_claim --sweep" in text
+    assert "if ! answer=$(py_on_head python -m jobgen.sweep.claim --sweep" in text
     assert "python3" not in text
     # The same environment, text for text, as the base run's own script sets up.
     (env,) = PYTHON_ENV.findall(text)
@@ -78,7 +78,7 @@ def test_a_points_node_logs_carry_the_points_name(tmp_path: Path):
 def test_render_o_lays_the_points_out_as_the_sweeps_directory_does(tmp_path: Path):
     from click.testing import CliRunner
 
-    from jobgen.cli import main
+    from jobgen.cli.main import main
 
     # Points named as the sweep's own script and index ('__-sweep.sbatch' -> 'sweep.sbatch').
     (tmp_path / "model").mkdir()

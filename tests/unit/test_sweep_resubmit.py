@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from helpers import run_spec, small_sweep
-from jobgen import slurm
-from jobgen.slurm import SlurmError
-from jobgen.submit import SubmitError
-from jobgen.sweep_points import load_sweep
-from jobgen.sweep_submit import read_index, submit_sweep
+from jobgen.launch.submit import SubmitError
+from jobgen.slurm import client as slurm
+from jobgen.slurm.client import SlurmError
+from jobgen.sweep.points import load_sweep
+from jobgen.sweep.submit import read_index, submit_sweep
 
 
 def submit(path: Path):

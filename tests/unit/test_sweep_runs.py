@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from helpers import jobgen, small_sweep
-from jobgen import slurm
-from jobgen.rundir import RunDir
-from jobgen.sweep_points import load_sweep
-from jobgen.sweep_runs import find_point, find_sweep, slurm_view, sweep_name
-from jobgen.sweep_status import format_sweep_status, sweep_status
-from jobgen.sweep_submit import submit_sweep
+from jobgen.runs.rundir import RunDir
+from jobgen.runs.sweep_runs import find_point, find_sweep, slurm_view, sweep_name
+from jobgen.slurm import client as slurm
+from jobgen.sweep.points import load_sweep
+from jobgen.sweep.status import format_sweep_status, sweep_status
+from jobgen.sweep.submit import submit_sweep
 
 
 @pytest.fixture()
@@ -108,7 +108,7 @@ def entry(job_id: int, task: str, state: str) -> slurm.QueueEntry:
 
 
 def test_a_points_status_has_its_own_tasks_and_while_open_the_arrays_waiting_ones(sweep):
-    from jobgen.status import run_status
+    from jobgen.report.status import run_status
 
     claim(sweep, "lr-0.001", 42, 1)
     claim(sweep, "lr-0.002", 43, 2)
@@ -123,7 +123,7 @@ def test_a_points_status_has_its_own_tasks_and_while_open_the_arrays_waiting_one
 
 
 def test_compare_calls_a_point_with_its_kill_switch_stopped(sweep):
-    from jobgen.compare import compare
+    from jobgen.report.compare import compare
 
     line = {"time": 1764219600.0, "step": 2, "loss": 2.5}
     (point(sweep, "lr-0.002") / "metrics.jsonl").write_text(json.dumps(line) + "\n")
@@ -133,7 +133,7 @@ def test_compare_calls_a_point_with_its_kill_switch_stopped(sweep):
 
 
 def test_the_listing_of_runs_has_every_point_of_a_sweep(sweep, monkeypatch):
-    from jobgen import cli_status
+    from jobgen.cli import status as cli_status
 
     (sweep.parent / "alone").mkdir()
     (sweep.parent / "alone" / "spec.json").write_text((point(sweep, "lr-0.001") / "spec.json").read_text())
@@ -164,7 +164,7 @@ def test_a_sweep_index_that_cannot_be_read_is_a_sentence(sweep):
 
 
 def test_serve_and_status_watch_take_a_point_not_a_sweep(sweep):
-    from jobgen.serve import find_target
+    from jobgen.serve.submit import find_target
 
     assert find_target("lrs/lr-0.001", sweep.parent).state.path == point(sweep, "lr-0.001")
     out = jobgen("status", "lrs", "--watch", env={"JOBGEN_RUNS_ROOT": str(sweep.parent)})
@@ -273,7 +273,7 @@ def test_a_point_that_is_a_link_out_of_the_sweep_is_refused(sweep):
 def test_watchdogs_and_quarantine_meet_a_damaged_sweep_index_with_one_line(sweep, monkeypatch, capsys):
     """`jobgen watchdog install SWEEP` refuses in one line naming sweep.json, and a point's
     quarantine still keeps its own nodes off the sweep's pending tasks (it used to raise)."""
-    from jobgen import quarantine
+    from jobgen.runs import quarantine
 
     spec = RunDir(point(sweep, "lr-0.001")).load_spec()
     (sweep / "sweep.json").write_text('{"points": 5}')

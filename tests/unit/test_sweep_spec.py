@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from helpers import write_spec
-from jobgen.loader import SpecError, load_run
-from jobgen.sweep_points import allocation, describe, is_sweep, load_sweep, point_names, short_keys
+from jobgen.spec.loader import SpecError, load_run
+from jobgen.sweep.points import allocation, describe, is_sweep, load_sweep, point_names, short_keys
 
 BASE = """
     site = "local"
@@ -262,7 +262,7 @@ def test_too_many_points_are_refused_before_expanding(workdir):
 def test_more_array_tasks_than_one_array_holds_are_refused_at_validate(workdir):
     from click.testing import CliRunner
 
-    from jobgen.cli import main
+    from jobgen.cli.main import main
 
     # 1000 points of 2 tasks each: refused by jobgen validate, the key named, not first by sbatch.
     body = f'[sweep]\n[sweep.grid]\n"train.seed" = {list(range(1000))}\n'

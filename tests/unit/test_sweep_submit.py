@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from helpers import run_spec, small_sweep
-from jobgen import slurm, sweep_claim
-from jobgen.slurm import SlurmError
-from jobgen.sweep_points import load_sweep
-from jobgen.sweep_render import render_sweep
-from jobgen.sweep_submit import read_index, submit_sweep
+from jobgen.slurm import client as slurm
+from jobgen.slurm.client import SlurmError
+from jobgen.sweep import claim as sweep_claim
+from jobgen.sweep.points import load_sweep
+from jobgen.sweep.render import render_sweep
+from jobgen.sweep.submit import read_index, submit_sweep
 
 
 @pytest.fixture()
@@ -40,7 +41,7 @@ def test_the_sweep_script_asks_what_the_base_asks_with_its_own_name_and_log(work
         "--open-mode=append",
     ]
     assert "--time=00:02:00" in directives and not any(d.startswith("--array") for d in directives)
-    assert "py_on_head python -m jobgen.sweep_claim" in text and 'exec bash "$POINT_SCRIPT"' in text
+    assert "py_on_head python -m jobgen.sweep.claim" in text and 'exec bash "$POINT_SCRIPT"' in text
 
 
 def test_submit_writes_every_point_and_the_index_then_one_array(workdir, sbatch_calls):
@@ -93,7 +94,7 @@ def test_resubmitting_adds_new_points_and_never_changes_one_that_exists(workdir,
 
 
 def test_a_sweep_with_every_point_finished_is_not_queued(workdir, sbatch_calls):
-    from jobgen.submit import SubmitError
+    from jobgen.launch.submit import SubmitError
 
     path = small_sweep(workdir)
     submit(path)
@@ -107,8 +108,8 @@ def test_a_sweep_with_every_point_finished_is_not_queued(workdir, sbatch_calls):
 
 
 def test_resubmitting_keeps_the_array_off_the_nodes_its_points_quarantined(workdir, sbatch_calls):
-    from jobgen import quarantine
-    from jobgen.rundir import RunDir
+    from jobgen.runs import quarantine
+    from jobgen.runs.rundir import RunDir
 
     path = small_sweep(workdir)
     submit(path)

@@ -1,4 +1,4 @@
-"""jobgen.task_table: a run's tasks from the queue, the run directory and Slurm's memory.
+"""jobgen.report.task_table: a run's tasks from the queue, the run directory and Slurm's memory.
 
 The scontrol text is captured on the dev cluster; the squeue lines follow a capture there
 (tests/unit/test_slurm_parsers.py) with this run's ids and name. The dev cluster has no
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 
-from jobgen import slurm
-from jobgen.goodput import task_reports
-from jobgen.rundir import RunDir
-from jobgen.task_table import TIME_LIMIT_KILLED, build_tasks, read_task_records, unexplained_submissions
+from jobgen.report.task_table import TIME_LIMIT_KILLED, build_tasks, read_task_records, unexplained_submissions
+from jobgen.runs.goodput import task_reports
+from jobgen.runs.rundir import RunDir
+from jobgen.slurm import client as slurm
 from run_dirs import batch_end_record
 
 T0 = 1_800_000_000

@@ -1,5 +1,5 @@
 """Text from a run's files reaches the terminal with its control characters shown as escapes,
-never acted on (jobgen.visible): a prompt or a completion in samples.jsonl, every reason and
+never acted on (jobgen.base.visible): a prompt or a completion in samples.jsonl, every reason and
 name ``jobgen status`` shows, a sweep's point names and values in ``jobgen compare``, the
 prefixes of ``jobgen logs``, a watchdog's alert. Each file is written as a hostile teammate
 or a misbehaving program would: OSC sequences that set the window title and write the
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import jobgen
-from jobgen.rundir import RunDir
+from jobgen.runs.rundir import RunDir
 from run_dirs import batch_end_record, training_run_at_step_25
 
 HOSTILE = "\x1b]0;pwned\x07\x1b]52;c;cm0gLXJmIH4K\x07\x1b[2J\x9b31m\u202eevil\rX\nFAKE jobgen: ok"
@@ -35,7 +35,7 @@ def assert_shown_escaped(text: str) -> None:
 
 
 def test_visible_escapes_every_control_and_keeps_text():
-    from jobgen.visible import visible, visible_lines
+    from jobgen.base.visible import visible, visible_lines
 
     assert visible(HOSTILE) == (
         r"\x1b]0;pwned\x07\x1b]52;c;cm0gLXJmIH4K\x07\x1b[2J\x9b31m\u202eevil\rX\nFAKE jobgen: ok"
@@ -106,7 +106,7 @@ def test_the_listing_shows_a_hostile_name_escaped(hostile_run):
 
 
 def test_compare_shows_override_values_escaped_and_refuses_a_hostile_point_name(tmp_path):
-    # Point names and override keys are plain words (jobgen.sweep_files refuses anything else);
+    # Point names and override keys are plain words (jobgen.runs.sweep_files refuses anything else);
     # an override's value is the user's own text, shown escaped.
     sweep = tmp_path / "runs" / "hostile"
     sweep.mkdir(parents=True)
@@ -139,7 +139,7 @@ def test_logs_prefixes_are_escaped_and_the_lines_are_the_programs_own(hostile_ru
 
 
 def test_a_watchdogs_alert_is_escaped(hostile_run, monkeypatch, capsys):
-    from jobgen import slurm
+    from jobgen.slurm import client as slurm
     from watchdogs.running import main
 
     os.unlink(hostile_run.failed_marker)  # ended, neither finished nor stopped: the running check alerts

@@ -15,16 +15,16 @@ import pytest
 
 from fake_models import fake_model
 from helpers import DATA, check_shell, jobgen, run_spec, spec_issues
-from jobgen.cli import _procs_per_node
-from jobgen.doctor import doctor_spec
-from jobgen.loader import load_run
-from jobgen.memory_estimate import PlanInputs
-from jobgen.parallelism import STRATEGIES, shard_size_problem
-from jobgen.preflight import _ClusterFacts, _decide
-from jobgen.render import render, sbatch_directives
-from jobgen.spec import JobSpec, layout_text
-from jobgen.status import RunStatus
-from jobgen.status_format import format_status
+from jobgen.cli.main import _procs_per_node
+from jobgen.launch.doctor import doctor_spec
+from jobgen.launch.preflight import _ClusterFacts, _decide
+from jobgen.launch.render import render, sbatch_directives
+from jobgen.model.parallelism import STRATEGIES, shard_size_problem
+from jobgen.plan.inputs import PlanInputs
+from jobgen.report.status import RunStatus
+from jobgen.report.status_format import format_status
+from jobgen.spec.loader import load_run
+from jobgen.spec.tables.run import JobSpec, layout_text
 
 # A CPU site whose nodes have the CPUs for 3 processes (the dev cluster's nodes have 4).
 SITE = {"profile": "local", "slurm": {"cpus_per_node": 4}}

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from helpers import DATA, REPO, doctor_spec, jobgen, local_receivers, run_spec
-from jobgen.loader import SpecError, load_run
-from jobgen.watchdog_settings import WatchdogSettings, parse_threshold
+from jobgen.spec.loader import SpecError, load_run
+from jobgen.spec.tables.watchdogs import WatchdogSettings, parse_threshold
 from watchdogs.notify import ALERT, REMINDER, RESOLVED, AlertState, decide, deliver
 from watchdogs.target import CheckResult, Target
 
@@ -141,8 +141,9 @@ def test_usage_errors_exit_2_and_options_may_come_before_run(tmp_path: Path):
 
 def _run_with_checkpoints(tmp_path: Path, sizes_and_ages: list[tuple[int, float]], keep: int) -> Target:
     """A run directory (via the real submit path's materialize) with fake complete checkpoints."""
-    from jobgen.render import render
-    from jobgen.rundir import RunDir, materialize
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
+    from jobgen.runs.rundir import RunDir
 
     spec = load_run(
         run_spec(
@@ -285,7 +286,7 @@ def test_a_threshold_from_the_command_line_is_text_and_still_a_number():
     import argparse
     import types
 
-    from jobgen.watchdog_settings import WatchdogSettings
+    from jobgen.spec.tables.watchdogs import WatchdogSettings
     from watchdogs.base import apply_overrides
 
     target = types.SimpleNamespace(settings=WatchdogSettings())

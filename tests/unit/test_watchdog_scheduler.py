@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from jobgen import slurm
+from jobgen.slurm import client as slurm
 from watchdogs.scheduler import WatchdogHome, clean_logs, interval_name, job_file_text
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from helpers import run_spec, spec_issues
-from jobgen.global_batch import BatchShape, GlobalBatchChanged, GlobalBatchError, check_resume, grad_accum_for
-from jobgen.loader import load_run
-from jobgen.preflight import Finding, _ClusterFacts, _decide
-from jobgen.train_spec import TrainSpec
+from jobgen.launch.preflight import Finding, _ClusterFacts, _decide
+from jobgen.spec.global_batch import BatchShape, GlobalBatchChanged, GlobalBatchError, check_resume, grad_accum_for
+from jobgen.spec.loader import load_run
+from jobgen.spec.tables.train import TrainSpec
 
 
 def spec(tmp_path, *, job=None, train=None, site="local"):
@@ -102,7 +102,7 @@ def test_quarantine_below_nodes_is_fine_down_to_min_nodes(tmp_path, excluded, mi
 
 
 def test_min_nodes_asks_for_a_range_of_whole_nodes_and_checks_what_it_got(tmp_path):
-    from jobgen.render import render, sbatch_directives
+    from jobgen.launch.render import render, sbatch_directives
 
     loaded = load_run(spec(tmp_path, job={"nodes": 3, "min_nodes": 2}, train={"global_batch_size": 12}))
     assert {"--nodes=2-3", "--exclusive"} <= set(sbatch_directives(loaded))

@@ -1,0 +1,105 @@
+"""``jobgen logs RUN|SWEEP`` (see jobgen.cli.main.logs): one run's logs merged into one stream, or
+every point's of a sweep, each line prefixed with its point.
+
+    jobgen logs RUN -f --rank 0
+    jobgen logs lr-sweep --grep 'ERROR|time limit'
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from jobgen.base.safe_read import DamagedFile
+from jobgen.base.visible import visible
+from jobgen.cli.common import fail, find_run
+from jobgen.report.logs import Filters, Source, find_sources, merged, unknown_ranks
+from jobgen.report.logs import follow as follow_logs
+
+# Ask Slurm at most this often, while following, whether anything is still queued or running.
+CHECK_EVERY_S = 10.0
+
+
+def _sweep_sources(directory: Path, filters: Filters) -> list[Source]:
+    """Every point's sources, their task names prefixed with the point's."""
+    from jobgen.runs.sweep_runs import point_runs
+
+    out = []
+    for entry, run in point_runs(directory):
+        if run.exists():
+            out += [replace(s, name=f"{entry.name} {s.name}") for s in find_sources(run, entry.name, filters)]
+    return out
+
+
+def _finished(is_over: Callable[[], bool]) -> Callable[[], bool]:
+    last_check = [0.0]
+
+    def finished() -> bool:
+        if time.time() - last_check[0] < CHECK_EVERY_S:
+            return False
+        last_check[0] = time.time()
+        return is_over()
+
+    return finished
+
+
+Sources = Callable[[Filters], list[Source]]
+
+
+def _what_to_read(run_ref: str) -> tuple[Sources, Callable[[], bool]]:
+    """Where RUN's (or SWEEP's) logs are, and whether nothing of it is queued or running."""
+    from jobgen.cli.sweep import sweep_ref
+    from jobgen.report.status import run_status
+    from jobgen.runs.sweep_runs import SweepError, read_sweep
+    from jobgen.sweep.status import sweep_status
+
+    sweep = sweep_ref(run_ref)
+    if sweep is not None:
+        try:
+            read_sweep(sweep)  # a sentence, not a traceback, for one that cannot be read
+        except SweepError as exc:
+            fail(f"jobgen: {exc}")
+
+        def sweep_sources(filters: Filters) -> list[Source]:
+            return _sweep_sources(sweep, filters)
+
+        return sweep_sources, lambda: sweep_status(sweep)["state"] not in ("pending", "running", "unknown")
+    run = find_run(run_ref)
+    try:
+        name = run.load_spec().run.job.name
+    except DamagedFile as exc:
+        # The logs are still there: Slurm names them after the job, which is the directory's name.
+        click.echo(f"jobgen logs: warning: {exc}; reading the logs of job name {visible(run.path.name)}", err=True)
+        return lambda filters: find_sources(run, run.path.name, filters), lambda: True
+
+    def run_sources(filters: Filters) -> list[Source]:
+        return find_sources(run, name, filters)
+
+    return run_sources, lambda: run_status(run, details=False).state not in ("pending", "running", "unknown")
+
+
+def logs_command(
+    run_ref: str, *, follow: bool, task: str | None, node: str | None, rank: int | None, pattern: str | None
+) -> None:
+    try:
+        grep = re.compile(pattern) if pattern else None
+    except (re.error, OverflowError, RecursionError) as exc:  # 'a{99999999999}' overflows; '((((...' recurses
+        fail(f"jobgen logs: --grep {pattern!r} is no regular expression Python can use: {exc}", 2)
+    filters = Filters(task=task, node=node, rank=rank, grep=grep)
+    sources, over = _what_to_read(run_ref)
+    if rank is not None:  # ranks --rank cannot find: say where they are instead of printing nothing
+        for where in unknown_ranks(sources(Filters(task=task, node=node))):
+            click.echo(f"jobgen logs: {where}: global ranks unknown (no rank map); --node shows them", err=True)
+    if not follow:
+        for line in merged(sources(filters), filters):
+            click.echo(line)
+        return
+    try:
+        follow_logs(lambda: sources(filters), filters, click.echo, until=_finished(over))
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,83 @@
+"""Which modules ``[model.lora] target_modules`` adapts, by peft's own rules, worked out from a
+model directory's tensor names without torch (:mod:`jobgen.model.files` reads them).
+
+peft (``check_target_module_exists``, 0.21) matches a module's full name (``model.layers.0.
+self_attn.q_proj``) against the spec's targets: a list matches a module whose name equals an
+entry or ends in ``.`` + the entry; a string is a regular expression the whole name must match,
+except ``"all-linear"``, which is every linear layer but the output layer. A module LoRA can
+adapt has a 2-D weight (linear, embedding, GPT-2's Conv1D); a norm or a whole block cannot.
+
+``jobgen validate`` refuses targets that adapt nothing the model has (every array task would
+fail the same way as it builds the model), naming the entry and the names the model does have.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from jobgen.model.files import _LAYER as BLOCK_NAME
+
+ALL_LINEAR = "all-linear"
+_LISTED = 12  # names shown in a message
+
+
+def is_all_linear(targets: list[str] | str) -> bool:
+    return isinstance(targets, str) and targets.lower() == ALL_LINEAR
+
+
+def weight_modules(tensor_names: Iterable[str], shapes: Iterable[tuple[int, ...]]) -> dict[str, int]:
+    """Module name -> the number of dimensions of its weight, for every ``<module>.weight``."""
+    return {
+        name.removesuffix(".weight"): len(shape)
+        for name, shape in zip(tensor_names, shapes)
+        if name.endswith(".weight")
+    }
+
+
+def matches(targets: list[str] | str, module: str) -> bool:
+    """Whether peft's rule matches ``module`` (a full module name) to ``targets``."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
+def adaptable(modules: dict[str, int]) -> list[str]:
+    """The modules LoRA can adapt: those with a 2-D weight."""
+    return sorted(name for name, dims in modules.items() if dims == 2)
+
+
+def adapted(targets: list[str] | str, modules: dict[str, int]) -> list[str]:
+    """The modules ``targets`` adapts in a model of ``modules``. "all-linear" is taken as the
+    decoder blocks' 2-D weights (peft leaves out the output layer; embeddings are no linear
+    layers)."""
+    if is_all_linear(targets):
+        return [name for name in adaptable(modules) if BLOCK_NAME.search(name + ".")]
+    return [name for name in adaptable(modules) if matches(targets, name)]
+
+
+def _leaf_names(names: Iterable[str]) -> str:
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in names})
+    more = f" and {len(leaves) - _LISTED} more" if len(leaves) > _LISTED else ""
+    return ", ".join(leaves[:_LISTED]) + more
+
+
+def target_problems(targets: list[str] | str, modules: dict[str, int], model_dir: str) -> list[tuple[str, str]]:
+    """(suffix of the key: "" or "[i]", why) for each target that adapts nothing in the model:
+    a list entry that matches no module or only modules LoRA cannot adapt (a norm, a block),
+    a regular expression that matches no adaptable module."""
+    if is_all_linear(targets):
+        return []
+    names = _leaf_names(adaptable(modules))
+    entries = [("", targets)] if isinstance(targets, str) else [(f"[{i}]", t) for i, t in enumerate(targets)]
+    problems = []
+    for suffix, target in entries:
+        hits = [name for name in modules if matches([target] if suffix else target, name)]
+        if not hits:
+            why = f"{target!r} matches no layer of the model in {model_dir}"
+        elif not any(modules[name] == 2 for name in hits):
+            why = f"{target!r} matches only {_leaf_names(hits)}, which LoRA cannot adapt (no linear layer)"
+        else:
+            continue
+        problems.append((suffix, f"{why}; its linear layers are named {names}"))
+    return problems

@@ -1,0 +1,386 @@
+"""The one place jobgen talks to Slurm: sbatch, squeue, scontrol, scancel.
+
+Commands run as argument lists (never through a shell) with parsable output
+formats; the parsers are plain functions of text so unit tests can feed them
+captured output. Nothing here decides policy: preflight and submit do.
+
+It also owns what Slurm's words mean: the one table of job states, node states and
+pending reasons (``JOB_ACTIVE``, ``JOB_RUNNING``, ``NODE_UNUSABLE``,
+``REASONS_NEVER_CLEAR``, ...) that status, preflight, the scheduler and the watchdogs
+decide by, and the classification of a failed command (``SlurmUnavailable`` when no
+controller answers), so that no code elsewhere reads Slurm's or an error's text.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobgen.slurm.text import (
+    NAMED_FORMAT,
+    SACCT_FIELDS,
+    JobRecord,
+    NamedJob,
+    job_record,
+    parse_config,
+    parse_job_id,
+    parse_named_jobs,
+    parse_records,
+    parse_sacct,
+    parse_time,
+    parse_version,
+)
+
+# Not used here; kept importable from jobgen.slurm.client, where the rest of the code looks for them.
+from jobgen.slurm.text import parse_key_values as parse_key_values
+from jobgen.slurm.text import parse_seconds as parse_seconds
+
+DEFAULT_TIMEOUT = 60.0
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed; the message carries its stderr."""
+
+    def __init__(self, command: list[str], returncode: int, stderr: str):
+        self.command = command
+        self.returncode = returncode
+        self.stderr = stderr.strip()
+        super().__init__(f"{' '.join(command)} failed (exit {returncode}): {self.stderr}")
+
+
+class SlurmUnavailable(SlurmError):
+    """Slurm's client commands are not installed or no controller answers."""
+
+
+# ---------------------------------------------------------------- states and reasons
+# Job states are squeue's %T and scontrol's JobState; node states are scontrol's State,
+# flags joined by "+" ("IDLE+DRAIN"). Decide by these sets, never by spelling a state.
+
+# Slurm still holds the job: queued, starting, running, finishing, suspended or being requeued.
+# A run with such a job is going somewhere by itself; a watchdog chain with one is alive.
+JOB_ACTIVE = frozenset(
+    {
+        "PENDING",
+        "RUNNING",
+        "CONFIGURING",
+        "COMPLETING",
+        "REQUEUED",
+        "RESIZING",
+        "SUSPENDED",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+    }
+)
+# Waiting in the queue; the pending reason says what for.
+JOB_PENDING = frozenset({"PENDING"})
+# Has its nodes and has started: booting them, running, or finishing. The run counts as running.
+JOB_STARTED = frozenset({"CONFIGURING", "RUNNING", "COMPLETING"})
+# Its processes run now: a step can join it (srun --jobid --overlap) and look at them.
+JOB_RUNNING = frozenset({"RUNNING"})
+# Ended or cancelled, its processes being cleaned up (KillWait, epilog): nothing in it answers any more.
+JOB_ENDING = frozenset({"COMPLETING"})
+# Ended by a failure of the program or of its nodes (not a time limit, a cancel or a preemption).
+JOB_FAILED = frozenset({"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
+
+# A node with any of these state flags takes no new job (preflight counts the others).
+NODE_UNUSABLE = frozenset(
+    {
+        "DOWN",
+        "DRAIN",
+        "DRAINED",
+        "DRAINING",
+        "FAIL",
+        "FAILING",
+        "NOT_RESPONDING",
+        "FUTURE",
+        "POWERED_DOWN",
+        "INVALID_REG",
+    }
+)
+
+# Pending reasons that never clear by themselves: the job will not start without a person
+# (a failed dependency, a hold, a down partition, an account, QOS or constraint it may not use).
+REASONS_NEVER_CLEAR = frozenset(
+    {
+        "DependencyNeverSatisfied",
+        "JobHeldAdmin",
+        "JobHeldUser",
+        "PartitionDown",
+        "InvalidAccount",
+        "InvalidQOS",
+        "QOSNotAllowed",
+        "AccountNotAllowed",
+        "PartitionConfig",
+        "BadConstraints",
+    }
+)
+
+
+def client_env() -> dict[str, str]:
+    """The environment for Slurm commands. Inside a job (a watchdog's scheduler job, a
+    training job) the job's own SLURM_* variables would leak into what we start: sbatch
+    would copy them into the new job and srun would read SLURM_NTASKS and friends as
+    options for a step of *another* job. SLURM_CONF says which cluster, so it stays."""
+    env = dict(os.environ)
+    if "SLURM_JOB_ID" in env:
+        for key in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+            del env[key]
+    return env
+
+
+def run(args: list[str], *, timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess[str]:
+    if shutil.which(args[0]) is None:
+        raise SlurmUnavailable(args, 127, f"{args[0]} not found on PATH: no Slurm client on this machine")
+    try:
+        proc = subprocess.run(
+            args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=client_env()
+        )
+    except subprocess.TimeoutExpired:
+        raise SlurmUnavailable(args, 124, f"no answer within {timeout:.0f}s (is slurmctld up?)") from None
+    if check and proc.returncode != 0:
+        raise failure(args, proc)
+    return proc
+
+
+def failure(args: list[str], proc: subprocess.CompletedProcess[str]) -> SlurmError:
+    """The error for a failed command: SlurmUnavailable when no controller answers."""
+    err = proc.stderr or proc.stdout
+    unreachable = ("Unable to contact slurm controller", "Could not establish a configuration source")
+    cls = SlurmUnavailable if any(u in err for u in unreachable) else SlurmError
+    return cls(args, proc.returncode, err)
+
+
+# ---------------------------------------------------------------- parsers
+# The ones that read no state are in jobgen.slurm.text (imported above); parse_squeue reads
+# one by the table above, so it stays here.
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """One line of ``squeue --array`` (one array task per line)."""
+
+    job_id: int  # this task's own job id (%A)
+    array_job_id: int  # the array's id (%F); equal to job_id for non-array jobs
+    array_task: str  # task index, or a pending range like "[2-4%1]", or "N/A"
+    state: str
+    reason: str
+    elapsed: str
+    time_limit: str
+    nodes: str
+    name: str
+    start: float | None = None  # when it started (epoch seconds); None while pending
+    expected_start: float | None = None  # while pending: the scheduler's estimate, when it has one
+
+    @property
+    def slurm_id(self) -> str:
+        """How scontrol and scancel name it: ``ARRAYID_TASK`` for an array task (a task's own
+        job id does not work for them, see :func:`cancel`), else the job id."""
+        if self.array_task.isdigit():
+            return f"{self.array_job_id}_{self.array_task}"
+        return str(self.job_id)
+
+
+# The name (%j) last: it may hold the separator.
+SQUEUE_FORMAT = "%A|%F|%K|%T|%r|%M|%l|%N|%S|%j"
+
+
+def parse_squeue(text: str) -> list[QueueEntry]:
+    entries = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        parts = line.split("|", SQUEUE_FORMAT.count("|"))
+        if len(parts) != SQUEUE_FORMAT.count("|") + 1:
+            raise ValueError(f"unexpected squeue line {line!r}")
+        job, array_job, task, state, reason, elapsed, limit, nodes, start, name = parts
+        entries.append(
+            QueueEntry(
+                job_id=int(job),
+                array_job_id=int(array_job) if array_job.isdigit() else int(job),
+                array_task=task,
+                state=state,
+                reason=reason,
+                elapsed=elapsed,
+                time_limit=limit,
+                nodes=nodes,
+                name=name,
+                # A pending job's %S is the scheduler's estimate, not a start.
+                start=parse_time(start) if state not in JOB_PENDING else None,
+                expected_start=parse_time(start) if state in JOB_PENDING else None,
+            )
+        )
+    return entries
+
+
+def accounting_enabled(conf: dict[str, str]) -> bool:
+    """Whether ``sacct`` has anything to say on this cluster (``scontrol show config``)."""
+    storage = conf.get("AccountingStorageType", "")
+    return bool(storage) and not storage.endswith("/none") and storage != "(null)"
+
+
+# ---------------------------------------------------------------- commands
+
+
+def version() -> tuple[int, ...]:
+    return parse_version(run(["sbatch", "--version"]).stdout)
+
+
+def partitions() -> list[dict[str, str]]:
+    return parse_records(run(["scontrol", "show", "partition", "--oneliner"]).stdout)
+
+
+def config() -> dict[str, str]:
+    return parse_config(run(["scontrol", "show", "config"]).stdout)
+
+
+def nodes() -> list[dict[str, str]]:
+    return parse_records(run(["scontrol", "show", "node", "--oneliner"]).stdout)
+
+
+def hostnames(expression: str) -> list[str]:
+    """Expand a Slurm hostlist (``node[1-3]``) into names."""
+    if not expression or expression == "(null)":
+        return []
+    return run(["scontrol", "show", "hostnames", expression]).stdout.split()
+
+
+def sbatch_test_only(script: Path, options: list[str]) -> str:
+    """``sbatch --test-only``: validates the script and the request without queueing.
+    Returns Slurm's estimate ("Job N to start at ... on nodes ...")."""
+    proc = run(["sbatch", "--test-only", *options, str(script)])
+    return (proc.stderr or proc.stdout).strip()
+
+
+def sbatch(script: Path, options: list[str]) -> int:
+    proc = run(["sbatch", "--parsable", *options, str(script)])
+    return parse_job_id(proc.stdout)
+
+
+def queue(job_ids: list[int] | None = None) -> list[QueueEntry]:
+    """Pending and running jobs (and array tasks), optionally only these array/job ids."""
+    args = ["squeue", "--noheader", "--array", f"--format={SQUEUE_FORMAT}"]
+    if job_ids:
+        args.append("--jobs=" + ",".join(str(j) for j in job_ids))
+    proc = run(args, check=False)
+    if proc.returncode != 0:
+        # squeue exits 1 for job ids it no longer knows; that means "not queued".
+        if "Invalid job id" in proc.stderr:
+            return []
+        raise failure(args, proc)
+    return parse_squeue(proc.stdout)
+
+
+def jobs_named(name: str) -> list[NamedJob]:
+    """This user's queued and running jobs called ``name``."""
+    proc = run(["squeue", "--noheader", "--me", f"--name={name}", f"--format={NAMED_FORMAT}"])
+    return parse_named_jobs(proc.stdout)
+
+
+def queue_named(name: str) -> list[QueueEntry]:
+    """This user's pending and running jobs called ``name``, one entry per array task."""
+    args = ["squeue", "--noheader", "--me", "--array", f"--name={name}", f"--format={SQUEUE_FORMAT}"]
+    return parse_squeue(run(args).stdout)
+
+
+MY_JOBS_FORMAT = "%i|%T|%S|%u|%j|%k"
+
+
+def my_jobs() -> list[tuple[str, NamedJob]]:
+    """(name, job) of every queued or running job of this user: one squeue call. The comment
+    comes last and may hold the separator; a name that holds it garbles only its own line."""
+    proc = run(["squeue", "--noheader", "--me", f"--format={MY_JOBS_FORMAT}"])
+    out = []
+    for line in proc.stdout.splitlines():
+        parts = line.split("|", 5)
+        if len(parts) != 6 or not parts[0].isdigit():
+            continue
+        job, state, start, user, name, comment = parts
+        out.append((name, NamedJob(int(job), state, start, user, "" if comment == "(null)" else comment)))
+    return out
+
+
+def run_in_job(
+    job_id: int, nodes: int, command: list[str], *, timeout: float = 120.0
+) -> subprocess.CompletedProcess[str]:
+    """A short step inside another, running job: one task on each of its nodes, sharing the
+    job's CPUs (``--overlap``) and not counted against its memory (``--mem=0``), so it
+    starts even when the job holds the whole allocation. Used to look at a training job
+    from the outside (stack dumps, node memory)."""
+    args = [
+        "srun",
+        f"--jobid={job_id}",
+        "--overlap",
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=1",
+        "--mem=0",
+        "--time=2",
+        "--quiet",
+        "--kill-on-bad-exit=0",
+        "--job-name=jobgen-watchdog-probe",
+        *command,
+    ]
+    return run(args, timeout=timeout, check=False)
+
+
+def ended_jobs(job_ids: list[int], *, accounting: bool) -> list[JobRecord]:
+    """What Slurm remembers of these jobs (array ids take in every task): one ``sacct``
+    call where accounting keeps jobs, else ``scontrol show job`` for each id, which knows
+    a job until MinJobAge after its end."""
+    if not job_ids:
+        return []
+    if accounting:
+        ids = ",".join(str(j) for j in job_ids)
+        proc = run(["sacct", "--noheader", "--parsable2", "--duplicates", f"--jobs={ids}", f"--format={SACCT_FIELDS}"])
+        return parse_sacct(proc.stdout)
+    records = (job_record(r) for job_id in job_ids for r in show_job(job_id))
+    return [r for r in records if r is not None]
+
+
+def show_job(job_id: int) -> list[dict[str, str]]:
+    """``scontrol show job`` records (one per array task); empty once Slurm forgot the job
+    (MinJobAge after it ended)."""
+    proc = run(["scontrol", "show", "job", "--oneliner", str(job_id)], check=False)
+    if proc.returncode != 0:
+        return []
+    return parse_records(proc.stdout)
+
+
+def end_time(job_id: str) -> float | None:
+    """A job's scheduled end (epoch seconds) from squeue, or None when Slurm does not say (no
+    client on the node, no answer, a job without a limit). Asked on a job's own node."""
+    try:
+        out = run(["squeue", "--noheader", "--jobs", job_id, "--format=%e"], timeout=30, check=False).stdout.strip()
+    except (OSError, SlurmError):
+        return None
+    try:
+        # squeue prints the controller's local time without a zone; the node shares it.
+        return dt.datetime.strptime(out.splitlines()[0], "%Y-%m-%dT%H:%M:%S").timestamp()
+    except (ValueError, IndexError):
+        return None
+
+
+def update_job(job_id: int | str, **fields: str) -> None:
+    """``scontrol update JobId=<id> Key=value ...`` (a pending job's ExcNodeList, a comment)."""
+    run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())])
+
+
+def cancel(
+    job_id: int | str, *, signal: str | None = None, batch_only: bool = False, pending_only: bool = False
+) -> None:
+    """``scancel``. An array task must be named ``ARRAYID_TASK``: Slurm 22.05 answers
+    ``scancel <the task's own job id>`` with exit 0 and does nothing (slurmctld logs
+    "invalid JobId"; measured on the dev cluster). ``pending_only``: an array's tasks that
+    have not started, its running ones left alone."""
+    args = ["scancel"]
+    if signal:
+        args.append(f"--signal={signal}")
+    if batch_only:
+        args.append("--batch")
+    if pending_only:
+        args.append("--state=PENDING")
+    run([*args, str(job_id)])

@@ -1,0 +1,185 @@
+"""Pure parsers of Slurm's text: ``scontrol show`` records and config, versions, job ids,
+times, ``sacct`` and ``squeue --name`` lines, and the records they make.
+
+Plain functions of captured output, so that unit tests can feed them text; they run no
+command and decide nothing by a state. :mod:`jobgen.slurm.client` runs the commands, owns the
+one table of states (and ``parse_squeue``, which reads a state by it), and re-exports
+every public name here: import them from there.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/.]*)=")
+
+
+def parse_key_values(line: str) -> dict[str, str]:
+    """One ``scontrol show ... --oneliner`` record. Values may contain spaces
+    (``Reason=Not responding``), so a value runs until the next ``Key=``."""
+    out: dict[str, str] = {}
+    matches = list(_KEY.finditer(line))
+    for i, match in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
+        out[match.group(1)] = line[match.end() : end].strip()
+    return out
+
+
+def parse_records(text: str) -> list[dict[str, str]]:
+    return [parse_key_values(line) for line in text.splitlines() if line.strip() and "=" in line]
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """``scontrol show config``: ``Key = value`` lines (the header line has no ``=``)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and " " not in key.strip():
+            out[key.strip()] = value.strip()
+    return out
+
+
+def parse_seconds(value: str) -> int | None:
+    """``30 sec`` / ``30`` / ``0`` → seconds; None for anything else (``UNLIMITED``)."""
+    match = re.fullmatch(r"(\d+)(?:\s*sec)?", value.strip())
+    return int(match.group(1)) if match else None
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """``slurm 22.05.8`` / ``slurm-wlm 22.05.8`` → (22, 5, 8)."""
+    match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        raise ValueError(f"no Slurm version in {text!r}")
+    return tuple(int(x) for x in match.groups() if x is not None)
+
+
+def parse_job_id(text: str) -> int:
+    """``sbatch --parsable`` prints ``JOBID`` or ``JOBID;CLUSTER``."""
+    first = text.strip().splitlines()[-1].split(";")[0] if text.strip() else ""
+    if not first.isdigit():
+        raise ValueError(f"no job id in sbatch output {text!r}")
+    return int(first)
+
+
+def parse_time(text: str) -> float | None:
+    """Slurm's ``2026-11-22T14:01:02`` (the controller's local time, which this host
+    shares) as epoch seconds; None for ``Unknown``, ``N/A``, ``None`` and the like."""
+    try:
+        return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One ended (or ending) job as Slurm remembers it: ``scontrol show job`` until
+    MinJobAge after its end, ``sacct`` for as long as accounting keeps it."""
+
+    job_id: int
+    array_job_id: int
+    array_task: str  # task index, or "N/A" for a job outside an array
+    name: str
+    state: str
+    exit_code: str  # "N:S": the exit status and the signal that ended the batch script
+    reason: str
+    nodes: str
+    start: float | None
+    end: float | None
+    time_limit: int | None  # seconds
+    comment: str
+    restarts: int
+
+
+def job_record(record: dict[str, str]) -> JobRecord | None:
+    """A ``scontrol show job --oneliner`` record; None for the line of an array's pending
+    rest (``ArrayTaskId=2-3%1``), which is no task of its own."""
+    from jobgen.base.durations import parse_slurm_limit
+
+    job_id, array_job, task = record.get("JobId", ""), record.get("ArrayJobId", ""), record.get("ArrayTaskId", "N/A")
+    if not job_id.isdigit() or not (task == "N/A" or task.isdigit()):
+        return None
+    comment = record.get("Comment", "")
+    return JobRecord(
+        job_id=int(job_id),
+        array_job_id=int(array_job) if array_job.isdigit() else int(job_id),
+        array_task=task,
+        name=record.get("JobName", ""),
+        state=record.get("JobState", "UNKNOWN"),
+        exit_code=record.get("ExitCode", ""),
+        reason=record.get("Reason", ""),
+        nodes=record.get("NodeList", ""),
+        start=parse_time(record.get("StartTime", "")),
+        end=parse_time(record.get("EndTime", "")),
+        time_limit=parse_slurm_limit(record.get("TimeLimit", "")),
+        comment="" if comment == "(null)" else comment,
+        restarts=int(record.get("Restarts", "0") or 0),
+    )
+
+
+SACCT_FIELDS = "JobIDRaw,JobID,JobName,State,ExitCode,Reason,NodeList,Start,End,TimelimitRaw,Comment"
+
+
+def parse_sacct(text: str) -> list[JobRecord]:
+    """``sacct --parsable2 --noheader --format=SACCT_FIELDS``: one line per job and one per
+    step (``5.batch``, ``5.0``); only the jobs' lines are kept. The comment, last, may hold
+    the separator. With ``--duplicates`` a requeued job has one line per start, oldest first
+    (``REQUEUED``, ...): each line's ``restarts`` counts the lines of that job before it."""
+    out = []
+    starts: dict[int, int] = {}
+    for line in text.splitlines():
+        parts = line.split("|", SACCT_FIELDS.count(","))
+        if len(parts) != SACCT_FIELDS.count(",") + 1 or not parts[0].isdigit():
+            continue  # a step's line (5.batch), or nothing
+        raw, job_id, name, state, exit_code, reason, nodes, start, end, limit_minutes, comment = parts
+        array_job, in_array, task = job_id.partition("_")
+        if in_array and not task.isdigit():
+            continue  # an array's pending rest (2_[3-4%1]): squeue's business
+        out.append(
+            JobRecord(
+                job_id=int(raw),
+                array_job_id=int(array_job) if array_job.isdigit() else int(raw),
+                array_task=task if task.isdigit() else "N/A",
+                name=name,
+                state=state.split()[0] if state else "UNKNOWN",  # "CANCELLED by 0"
+                exit_code=exit_code,
+                reason=reason,
+                nodes=nodes,
+                start=parse_time(start),
+                end=parse_time(end),
+                # Minutes; "Partition_Limit" for a job that asked for none, "UNLIMITED".
+                time_limit=int(limit_minutes) * 60 if limit_minutes.isdigit() else None,
+                comment=comment,
+                restarts=starts.get(int(raw), 0),
+            )
+        )
+        starts[int(raw)] = starts.get(int(raw), 0) + 1
+    return out
+
+
+@dataclass(frozen=True)
+class NamedJob:
+    """One job of ``squeue --name``: enough to recognise a watchdog scheduler chain."""
+
+    job_id: int
+    state: str
+    start_time: str  # expected start for pending jobs (their --begin), actual for running ones
+    user: str
+    comment: str
+
+
+NAMED_FORMAT = "%i|%T|%S|%u|%k"
+
+
+def parse_named_jobs(text: str) -> list[NamedJob]:
+    jobs = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        parts = line.split("|", NAMED_FORMAT.count("|"))
+        if len(parts) != NAMED_FORMAT.count("|") + 1 or not parts[0].isdigit():
+            raise ValueError(f"unexpected squeue line {line!r}")
+        job, state, start, user, comment = parts
+        jobs.append(NamedJob(int(job), state, start, user, "" if comment == "(null)" else comment))
+    return jobs

@@ -1,0 +1,270 @@
+"""Site profile: everything that belongs to the cluster rather than to one job.
+
+A profile lives in ``site_configs/<name>.toml`` (or any path) and is chosen by the
+run's top-level ``site`` key. The run may override any key of it, e.g.::
+
+    [site]
+    profile = "h100-ib"
+    network.debug = true
+
+The field descriptions below are the reference documentation (``jobgen schema``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, model_validator
+
+from jobgen.spec.fields import (
+    Constraint,
+    EnvValue,
+    InterfaceName,
+    JobEnv,
+    ModuleName,
+    SafePath,
+    SbatchOption,
+    SlurmMemory,
+    SlurmName,
+    SpecModel,
+    matching,
+)
+from jobgen.spec.tables.watchdogs import WatchdogSettings
+
+
+def _check_size(value: str) -> str:
+    from jobgen.base.sizes import parse_size
+
+    if parse_size(value) <= 0:
+        raise ValueError(f"{value!r} must be more than zero bytes")
+    return value
+
+
+# A human memory size, kept as written ('80GiB', '24G', '500MiB'); jobgen.base.sizes parses it.
+DeviceMemory = Annotated[
+    matching(
+        r"^\s*\d+(\.\d+)?\s*[KMGTPkmgtp]?(i?[Bb])?\s*$",
+        "a memory size",
+        "a number with an optional unit, e.g. '80GiB', '23.5GiB', '24G' or '500MB'",
+    ),
+    AfterValidator(_check_size),
+]
+GresName = matching(
+    r"^[A-Za-z0-9_]+(:[A-Za-z0-9_.-]+)?$", "a gres name", "a name, optionally typed: 'gpu' or 'gpu:h100'"
+)
+IbHca = matching(
+    r"^[A-Za-z0-9_.:,=^-]{1,256}$",
+    "an NCCL_IB_HCA value",
+    "letters, digits and _ . : , = ^ -, e.g. 'mlx5_0,mlx5_1' or '=mlx5_0:1', at most 256 characters",
+    chars=r"[A-Za-z0-9_.:,=^-]",
+)
+ContainerImage = matching(
+    r"^[A-Za-z0-9_./:@+#-]{1,512}$",
+    "a container image",
+    "letters, digits and _ . / : @ + # -, e.g. 'nvcr.io#nvidia/pytorch:24.05-py3', at most 512 characters",
+    chars=r"[A-Za-z0-9_./:@+#-]",
+)
+SiteName = matching(
+    r"^[A-Za-z0-9_.-]{1,64}$",
+    "a site name",
+    "letters, digits, '_', '.' and '-', at most 64 characters",
+    chars=r"[A-Za-z0-9_.-]",
+)
+
+
+class SlurmSettings(SpecModel):
+    """How jobs ask Slurm for resources on this cluster."""
+
+    partition: SlurmName | None = Field(
+        None, description="Partition for training jobs; empty means the cluster's default partition."
+    )
+    account: SlurmName | None = Field(None, description="Account (--account) to charge; empty for none.")
+    qos: SlurmName | None = Field(None, description="Quality of service (--qos); empty for none.")
+    constraint: Constraint | None = Field(None, description="Node feature expression (--constraint), e.g. 'h100&ib'.")
+    reservation: SlurmName | None = Field(None, description="Reservation (--reservation) to run in.")
+    gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs per node; 0 for a CPU-only site (gloo backend).")
+    device_memory: DeviceMemory | None = Field(
+        None,
+        description=(
+            "Memory one rank may use, for `jobgen plan` and submit's memory check: on GPU sites the memory "
+            "of one GPU (e.g. '79GiB' for an H100 80GB, '23.5GiB' for an RTX 4090), on CPU sites the host "
+            "memory of one process (default there: slurm.mem / procs_per_node, by its largest entry for a "
+            "list). Binary units as Slurm's (K, M, G, T, KiB, MiB, GiB, TiB), decimal with 'GB'/'MB'. "
+            "Empty: no verdict."
+        ),
+    )
+    gpu_request: Literal["gres", "gpus-per-node"] = Field(
+        "gres",
+        description="How GPUs are requested: '--gres=<gres_name>:<n>' or '--gpus-per-node=<n>'.",
+    )
+    gres_name: GresName = Field(
+        "gpu",
+        description="Gres name, optionally typed, e.g. 'gpu' or 'gpu:h100'.",
+    )
+    cpus_per_node: int = Field(2, ge=1, le=1024, description="CPUs for the one task per node (--cpus-per-task).")
+    mem: SlurmMemory | None = Field(
+        None, description="Memory per node (--mem): '0' for all of it, or e.g. '480G'. Empty to omit."
+    )
+    exclusive: bool = Field(False, description="Ask for whole nodes (--exclusive).")
+    hint_nomultithread: bool = Field(False, description="Add --hint=nomultithread (one thread per core for the task).")
+    output_per_node: bool = Field(
+        False,
+        description="Also write each node's training output to its own file (srun --output with %N).",
+    )
+    signal: Literal["USR1", "USR2"] = Field(
+        "USR1",
+        description="Signal Slurm sends the batch shell exit_grace before the time limit (--signal=B:SIG@T).",
+    )
+    requeue: bool = Field(True, description="Let Slurm requeue the job after preemption or node failure (--requeue).")
+    extra_sbatch: list[SbatchOption] = Field(
+        default_factory=list,
+        description=(
+            "Extra '#SBATCH' options, one per entry as '--name' or '--name=value', e.g. "
+            "['--gpu-bind=none', '--comment=my run']; values are passed verbatim (quoted for sbatch)."
+        ),
+    )
+
+    @property
+    def default_procs_per_node(self) -> int:
+        """Processes per node when a run leaves job.procs_per_node unset: one per GPU, else 1."""
+        return self.gpus_per_node or 1
+
+
+class NetworkSettings(SpecModel):
+    """How ranks find each other and which network NCCL/Gloo use."""
+
+    ifname: InterfaceName | None = Field(
+        None,
+        description=(
+            "Network interface for bootstrap and socket traffic (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, "
+            "torchrun --local-addr), e.g. 'ib0', 'eth0', 'enp1s0'. Empty lets NCCL and Gloo guess."
+        ),
+    )
+    transport: Literal["ib", "socket"] = Field(
+        "socket",
+        description="'ib' for InfiniBand/RoCE; 'socket' for Ethernet-only (sets NCCL_IB_DISABLE=1, NCCL_NET=Socket).",
+    )
+    ib_hca: IbHca | None = Field(
+        None,
+        description="NCCL_IB_HCA, e.g. 'mlx5_0,mlx5_1' or '=mlx5_0:1'.",
+    )
+    resolve_head_ip: bool = Field(
+        True,
+        description=(
+            "Resolve the head node to the IPv4 address of 'ifname' on that node for the rendezvous endpoint, "
+            "instead of its hostname (which may resolve to another network)."
+        ),
+    )
+    rdzv_port: int = Field(29500, ge=1024, le=65535, description="Base TCP port of the c10d rendezvous.")
+    rdzv_port_spread: int = Field(
+        1000,
+        ge=0,
+        le=20000,
+        description=(
+            "The port is rdzv_port + (job id mod spread), so jobs that share a head node do not collide; "
+            "0 for a fixed port."
+        ),
+    )
+    debug: bool = Field(
+        False,
+        description="NCCL_DEBUG=INFO with one NCCL_DEBUG_FILE per host and process, TORCH_DISTRIBUTED_DEBUG=DETAIL.",
+    )
+    env: JobEnv = Field(
+        default_factory=dict,
+        description=(
+            "Extra NCCL/GLOO variables, e.g. {NCCL_IB_GID_INDEX = '3'}; the same names and values are refused "
+            "as in the run's [env]."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_port(self) -> NetworkSettings:
+        if self.rdzv_port + self.rdzv_port_spread > 65535:
+            raise ValueError("rdzv_port + rdzv_port_spread must stay below 65536")
+        if self.resolve_head_ip and self.ifname is None:
+            # Without an interface there is nothing to resolve on; use the hostname.
+            self.resolve_head_ip = False
+        return self
+
+
+class PathSettings(SpecModel):
+    """Shared filesystem locations every node sees."""
+
+    runs_root: SafePath = Field(
+        "~/jobgen-runs", description="Directory holding one run directory per job name; must be shared by all nodes."
+    )
+    hf_home: SafePath | None = Field(None, description="HF_HOME for the job (models, tokenizers, datasets cache).")
+    data_cache: SafePath | None = Field(
+        None, description="Where tokenized datasets are cached; default <runs_root>/.cache/data."
+    )
+
+
+class PythonSettings(SpecModel):
+    """How the job's Python environment is activated on every node."""
+
+    kind: Literal["venv", "modules", "container", "none"] = Field(
+        "venv",
+        description="'venv' (source <venv>/bin/activate), 'modules' (module load ...), 'container' (pyxis), or 'none'.",
+    )
+    venv: SafePath | None = Field(None, description="Virtualenv directory, when kind = 'venv'.")
+    modules: list[ModuleName] = Field(
+        default_factory=list, description="Modules to load in order, when kind = 'modules' (after 'module purge')."
+    )
+    module_venv: SafePath | None = Field(None, description="Optional virtualenv to activate after loading the modules.")
+    container_image: ContainerImage | None = Field(
+        None,
+        description="Container image for pyxis (srun --container-image), e.g. 'nvcr.io#nvidia/pytorch:24.05-py3'.",
+    )
+    container_mounts: list[str] = Field(
+        default_factory=list,
+        description="Extra 'src:dst[:flags]' mounts; the runs root and the jobgen checkout are always mounted.",
+    )
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> PythonSettings:
+        if self.kind == "venv" and not self.venv:
+            raise ValueError("kind = 'venv' needs 'venv' (the virtualenv directory)")
+        if self.kind == "modules" and not self.modules:
+            raise ValueError("kind = 'modules' needs a non-empty 'modules' list")
+        if self.kind == "container" and not self.container_image:
+            raise ValueError("kind = 'container' needs 'container_image'")
+        for mount in self.container_mounts:
+            if not all(c.isalnum() or c in "_./:+@-" for c in mount):
+                raise ValueError(f"container mount {mount!r} has characters outside [A-Za-z0-9_./:+@-]")
+        return self
+
+
+class SiteProfile(SpecModel):
+    """One cluster."""
+
+    name: SiteName = Field(description="Short name of the site.")
+    description: str = Field("", description="What this cluster is, for humans.")
+    slurm: SlurmSettings = Field(default_factory=SlurmSettings, description="Slurm resource requests.")
+    network: NetworkSettings = Field(default_factory=NetworkSettings, description="Rendezvous and NCCL/Gloo network.")
+    paths: PathSettings = Field(default_factory=PathSettings, description="Shared filesystem locations.")
+    python: PythonSettings = Field(
+        default_factory=lambda: PythonSettings(kind="none"), description="Python environment activation."
+    )
+    env: JobEnv = Field(
+        default_factory=dict,
+        description=(
+            "Variables exported in every job of this site (the run's [env] wins); the same names and values are "
+            "refused as in the run's [env]."
+        ),
+    )
+    watchdogs: WatchdogSettings = Field(
+        default_factory=WatchdogSettings,
+        description=(
+            "Team-wide watchdog defaults (partition, mail relay, webhook); a run's [watchdogs] wins key by key."
+        ),
+    )
+    health_check: EnvValue | None = Field(
+        None,
+        max_length=1000,
+        description=(
+            "A command run on every node before each training task or doctor job launches (bash -c, on the host, e.g. "
+            "'/usr/sbin/nhc -t 50'). A node where it exits non-zero or takes over 60 s is quarantined for the "
+            "run: the task ends FAILED naming it, and the run's later tasks exclude it (jobgen status, "
+            "jobgen doctor --clear). GPU sites also check that each node shows gpus_per_node GPUs."
+        ),
+    )

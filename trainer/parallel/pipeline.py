@@ -1,0 +1,448 @@
+"""Pipeline parallelism: each pipeline rank holds a contiguous run of decoder blocks (one or
+two *stages*) and torch.distributed.pipelining's schedules pass activations between ranks.
+
+    module, stages = build_stages(path, None, env, stage_layers(L, n), my_stages, dtype, pp_group, dp_mesh, "fsdp")
+    step = PipelineStep("1f1b", stages, n_microbatches)
+    loss_sum = step(input_ids, position_ids, labels, scale=dp_size / global_targets)
+    grad_norm = grad_norm_and_clip(module, max_norm, pp_group)
+
+What is decided here and why:
+
+- :class:`StageModule` holds *all* of a rank's stages and keeps the full model's parameter
+  names (``model.layers.<global index>....``, ``lm_head.weight``), so the Hugging Face
+  safetensors, torch.distributed.checkpoint and an unpipelined model see the same keys: a
+  checkpoint does not depend on the layout. torch runs each stage through
+  :meth:`StageModule.stage_view`, a module sharing the StageModule's submodules.
+- The data-parallel dimension wraps every block and every stage view with FSDP2's
+  ``fully_shard`` or with ``replicate_with_fsdp.replicate`` (a DDP built on FSDP2), never
+  ``nn.parallel.DistributedDataParallel``: under pipelining its reducer crashes on the second
+  step or, with the zero-bubble schedules, silently skips the gradient all-reduce.
+- Loss normalisation is the caller's, as in trainer.loop: the schedule's loss is the token-
+  summed loss times ``scale`` (data-parallel size / target tokens of the global batch), with
+  ``scale_grads=False``; torch's default (the mean of per-micro-batch means) weights tokens
+  unequally.
+- The schedules fix their activation shapes at the first step; :class:`PipelineStep` makes
+  every rank infer them again when any rank's batch shape changed.
+- Tied input/output embeddings would live on two ranks; they are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from jobgen.model.parallelism import STRATEGIES
+from jobgen.model.pipeline_split import SCHEDULES, schedule_problem
+from trainer.data.packing import token_loss_sum
+from trainer.distributed import DistEnv
+from trainer.model_errors import ModelError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import PipelineStage
+
+log = logging.getLogger("trainer.parallel.pipeline")
+
+# Model types whose base model runs exactly embed -> causal mask -> rotary -> blocks -> norm,
+# which is what a stage re-implements; others (embedding scales, sliding windows, per-layer
+# masks) would train silently wrong.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# How a pipeline's replicas may combine: every strategy of jobgen.model.parallelism but a pipeline.
+DATA_PARALLEL = tuple(name for name, entry in STRATEGIES.items() if not entry.pipelined)
+
+# The flags torch 2.13's schedules keep to run shape inference once (schedules.py:
+# PipelineScheduleSingle and PipelineScheduleMulti); cleared, the next step infers again.
+_INIT_FLAGS = (
+    "_stage_forward_initialized",
+    "_stage_backward_initialized",
+    "_stages_forward_initialized",
+    "_stages_backward_initialized",
+)
+
+
+class PipelineError(ModelError):
+    """The model or the layout cannot be pipelined as asked; the message says what to change.
+    A ModelError: every later task would fail the same way, so the run stops."""
+
+
+# ---------------------------------------------------------------- the model's pieces
+
+
+def check_pipelinable(config) -> None:
+    """Refuse a configuration a stage cannot reproduce: tied embeddings, an architecture other
+    than the Llama-style ones, sliding-window attention."""
+    if getattr(config, "tie_word_embeddings", False):
+        raise PipelineError(
+            "model.path: the model ties its input and output embeddings (tie_word_embeddings = true), which "
+            "pipeline parallelism cannot split (they would live on the first and the last stage); train it "
+            "without train.pipeline, or untie them once (set tie_word_embeddings false, give lm_head.weight "
+            "a copy of model.embed_tokens.weight, save_pretrained)"
+        )
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise PipelineError(
+            f"model.path: pipeline parallelism supports the model types {', '.join(SUPPORTED_MODEL_TYPES)}, "
+            f"not '{model_type}'; train it without train.pipeline"
+        )
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        raise PipelineError(
+            "model.path: the model uses sliding-window attention, which the pipeline stages do not build "
+            "masks for; train it without train.pipeline"
+        )
+
+
+def _llama_parts(full: nn.Module) -> nn.Module:
+    """``full.model``, after checking it has what a stage uses; PipelineError naming what lacks."""
+    base = getattr(full, "model", None)
+    wanted = {"model": base, "lm_head": getattr(full, "lm_head", None)}
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        wanted[f"model.{name}"] = getattr(base, name, None)
+    missing = [name for name, value in wanted.items() if value is None]
+    if missing:
+        raise PipelineError(
+            f"model.path: {type(full).__name__} lacks {', '.join(missing)}: pipeline parallelism needs a "
+            "Llama-style causal LM (model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head; "
+            "no LoRA wrapper); train it without train.pipeline"
+        )
+    if full.lm_head.weight is base.embed_tokens.weight:
+        raise PipelineError("model.path: lm_head.weight is model.embed_tokens.weight (tied embeddings); " + _UNTIE)
+    return base
+
+
+_UNTIE = "untie them (tie_word_embeddings false, lm_head.weight a copy) or train without train.pipeline"
+
+
+class _StageView(nn.Module):
+    """One stage of a StageModule: the modules it shares with it, and the stage's forward.
+    torch's PipelineStage runs this; FSDP2 and replicate wrap it (one root per stage)."""
+
+    def __init__(self, owner: StageModule, stage_index: int):
+        super().__init__()
+        self.config = owner.config
+        self.stage_index = stage_index
+        first, last = stage_index == 0, stage_index == owner.num_stages - 1
+        self.embed_tokens = owner.model.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): owner.model.layers[str(i)] for i in owner.stage_ranges[stage_index]})
+        self.norm = owner.model.norm if last else None
+        self.rotary_emb = owner.model.rotary_emb
+        self.lm_head = owner.lm_head if last else None
+
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x``: token ids on the first stage, the previous stage's hidden states otherwise.
+        Returns hidden states, or the logits on the last stage."""
+        from transformers.masking_utils import create_causal_mask
+
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        # Rebuilt on every stage from what every rank gets (kwargs are not sent between
+        # stages): packed rows give a block-diagonal mask, plain causal sdpa none at all.
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            cache=None,
+            position_ids=position_ids,
+        )
+        rotary = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers.values():
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
+        if self.lm_head is not None:
+            hidden = self.lm_head(self.norm(hidden))
+        return hidden
+
+
+class StageModule(nn.Module):
+    """The stages one pipeline rank holds, under the full model's parameter names.
+
+    Built from a Llama-style causal LM (on meta, usually): the input embedding iff the rank
+    holds stage 0, the decoder blocks of its stages in ``model.layers`` keyed by global index,
+    the final norm and ``lm_head`` iff it holds the last stage, and the (parameterless) rotary
+    embedding. ``state_dict()``/``named_parameters()`` are those of the full model restricted
+    to this rank, so checkpoints and the safetensors line up whatever the layout."""
+
+    # Read by trainer.checkpoint.state_dict_options: the optimizer state keyed by parameter name.
+    flat_optimizer_state = True
+
+    def __init__(self, full: nn.Module, stage_ranges: Sequence[range], stage_indices: Sequence[int]):
+        super().__init__()
+        check_pipelinable(full.config)
+        base = _llama_parts(full)
+        self.config = full.config
+        self.num_stages = len(stage_ranges)
+        self.stage_ranges = [range(r.start, r.stop) for r in stage_ranges]
+        self.stage_indices = list(stage_indices)
+        if not self.stage_indices or any(not 0 <= s < self.num_stages for s in self.stage_indices):
+            raise PipelineError(f"stage indices {self.stage_indices} outside 0..{self.num_stages - 1}")
+        starts = [0, *(r.stop for r in self.stage_ranges)]
+        if [r.start for r in self.stage_ranges] != starts[:-1] or starts[-1] != len(base.layers):
+            raise PipelineError(
+                f"the stages' blocks {self.stage_ranges} do not cover the model's {len(base.layers)} blocks in order "
+                "(train.pipeline.layers_per_stage)"
+            )
+        blocks = sorted(i for s in self.stage_indices for i in self.stage_ranges[s])
+        self.model = nn.Module()
+        self.model.embed_tokens = base.embed_tokens if self.is_first else None
+        self.model.layers = nn.ModuleDict({str(i): base.layers[i] for i in blocks})
+        self.model.norm = base.norm if self.is_last else None
+        self.model.rotary_emb = base.rotary_emb
+        self.lm_head = full.lm_head if self.is_last else None
+        # Set by trainer.parallel.pipeline_steps: (layout, PipelineStep, mesh) for the trainer's steps.
+        self.steps_state: tuple | None = None
+        # A plain dict, not submodules: the views' own names must not enter state_dict().
+        self._views: dict[int, _StageView] = {}
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds stage 0 (the input embedding)."""
+        return 0 in self.stage_indices
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last stage (the norm, the output layer and the loss)."""
+        return self.num_stages - 1 in self.stage_indices
+
+    def stage_view(self, stage_index: int) -> nn.Module:
+        """The module running stage ``stage_index`` alone, sharing this module's submodules
+        (the same one on every call)."""
+        if stage_index not in self.stage_indices:
+            raise PipelineError(f"stage {stage_index} is not on this rank (it holds {self.stage_indices})")
+        if stage_index not in self._views:
+            self._views[stage_index] = _StageView(self, stage_index)
+        return self._views[stage_index]
+
+    def forward(self, *args, **kwargs):
+        """Not used: the schedule runs each :meth:`stage_view`."""
+        raise PipelineError("a StageModule runs through its stage views (stage_view), driven by a pipeline schedule")
+
+
+# ---------------------------------------------------------------- building a rank's stages
+
+
+def _wrap_data_parallel(module: StageModule, views: list[nn.Module], kind: str, mesh: DeviceMesh, device) -> None:
+    """Each block, then each stage view, as a unit of ``kind`` over ``mesh`` (still on meta).
+    reshard_after_forward=False: a schedule runs many micro-batches' forwards before their
+    backwards, which would otherwise gather every block again for each (torchtitan's choice)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, object] = {"mesh": mesh}
+    if device.type == "cuda":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if not STRATEGIES[kind].shards_parameters:  # whole copies: FSDP2's replicate
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for unit in [*module.model.layers.values(), *views]:
+            replicate(unit, **kwargs)
+        return
+    for unit in [*module.model.layers.values(), *views]:
+        fully_shard(unit, reshard_after_forward=False, **kwargs)
+
+
+def build_stages(
+    model_path: str,
+    config,
+    env: DistEnv,
+    stage_ranges: Sequence[range],
+    my_stage_indices: Sequence[int],
+    dtype: torch.dtype,
+    pp_group: dist.ProcessGroup | None,
+    dp_mesh: DeviceMesh | None,
+    data_parallel: str = "fsdp",
+    *,
+    prepare: Callable[[nn.Module], nn.Module] | None = None,
+) -> tuple[StageModule, list[PipelineStage]]:
+    """This rank's StageModule and one PipelineStage per stage it holds, filled from the
+    safetensors at ``model_path``.
+
+    ``config``: the transformers config (None: read from ``model_path``); ``stage_ranges``:
+    every stage's blocks (jobgen.model.pipeline_split.stage_layers); ``my_stage_indices``: this
+    rank's (stage_indices); ``dp_mesh``: the data-parallel (sub)mesh of this rank, wrapped
+    with ``data_parallel`` ("fsdp", "hsdp" with a 2-D mesh, "ddp") when it has several ranks;
+    ``prepare``: applied to the meta skeleton first (attention kernel, checkpointing).
+
+    The skeleton is built on meta and only this rank's modules get storage; the weights come
+    from one collective ``dcp.load`` where each rank asks for its own tensors (shards). Every
+    rank of the world must call this together."""
+    from torch.distributed.pipelining import PipelineStage
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.sharded_load import allocate_shards, model_directory, read_weights, recompute_buffers
+
+    if data_parallel not in DATA_PARALLEL:
+        raise PipelineError(f"train.parallelism = '{data_parallel}' with a pipeline: one of {', '.join(DATA_PARALLEL)}")
+    config = config if config is not None else AutoConfig.from_pretrained(model_path, trust_remote_code=False)
+    check_pipelinable(config)  # before anything is built or any collective runs
+    directory = model_directory(model_path)
+    with torch.device("meta"):
+        full = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    full.config.use_cache = False  # stages never make a KV cache; keep the config honest
+    if prepare is not None:
+        full = prepare(full)
+    module = StageModule(full, stage_ranges, my_stage_indices)
+    del full  # the other ranks' modules, on meta: nothing to free but the references
+    views = [module.stage_view(s) for s in module.stage_indices]
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        _wrap_data_parallel(module, views, data_parallel, dp_mesh, env.device)
+    allocate_shards(module, env.device)
+    threads = max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
+    count = read_weights(module, directory, threads)
+    recompute_buffers(module, env.device)
+    log.info("pipeline stages %s: blocks %s, %d tensors read", module.stage_indices, list(module.model.layers), count)
+    stages = [
+        PipelineStage(view, s, module.num_stages, env.device, group=pp_group)
+        for view, s in zip(views, module.stage_indices)
+    ]
+    return module, stages
+
+
+def checkpoint_options(module: StageModule) -> StateDictOptions:
+    """Options for torch.distributed.checkpoint.state_dict's get/set_state_dict on a StageModule:
+    the optimizer state *flattened* by parameter name. Unflattened, ``param_groups`` is a list
+    naming each rank's own parameters under one key, which ranks of different stages would
+    overwrite in each other's checkpoint. (LoRA, frozen parameters: as trainer.checkpoint.)"""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in module.parameters())
+    return StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=not frozen)
+
+
+# ---------------------------------------------------------------- running a step
+
+
+def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable):
+    """torch's schedule ``name`` (jobgen's name, jobgen.model.pipeline_split.SCHEDULES) over this
+    rank's ``stages``. ``scale_grads=False`` always: ``loss_fn`` returns each micro-batch's
+    token-summed loss already scaled to the whole batch (see the module docstring)."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    if not stages:
+        raise PipelineError("a pipeline schedule needs at least one stage on this rank")
+    problem = schedule_problem(name, stages[0].group_size, stages[0].num_stages, n_microbatches)
+    if problem:
+        raise PipelineError(problem)
+    cls = get_schedule_class(SCHEDULES[name].torch_name)
+    kwargs = {"n_microbatches": n_microbatches, "loss_fn": loss_fn, "scale_grads": False}
+    if issubclass(cls, PipelineScheduleSingle):
+        if len(stages) != 1:
+            raise PipelineError(
+                f"train.pipeline.schedule = '{name}' runs one stage per rank, this one has {len(stages)}"
+            )
+        return cls(stages[0], **kwargs)
+    return cls(stages, **kwargs)
+
+
+def forget_shapes(schedule) -> None:
+    """Make ``schedule`` infer its stages' activation shapes again at its next step (one extra
+    forward and backward of micro-batch 0). Every rank of the pipeline must do it together."""
+    found = [flag for flag in _INIT_FLAGS if hasattr(schedule, flag)]
+    if not found:  # another torch: failing here beats a hang on mis-sized receive buffers
+        raise RuntimeError(f"{type(schedule).__name__} has none of {_INIT_FLAGS}; torch changed its schedules")
+    for flag in found:
+        setattr(schedule, flag, False)
+
+
+class PipelineStep:
+    """One optimizer step's forward and backward on this rank's stages.
+
+    ``step = PipelineStep("1f1b", stages, n_microbatches)`` then, every optimizer step,
+    ``step(input_ids, position_ids, labels, scale)`` with one data-parallel replica's whole
+    batch ([rows, seq] each, the same on every pipeline rank of the replica; rows a multiple
+    of the micro-batches, split along rows). Gradients accumulate into the parameters' ``.grad``
+    (under FSDP: reduced over the data-parallel mesh); zero them after the optimizer step.
+
+    ``sync_group``: the ranks that must agree on re-inferring shapes when a batch's shape
+    changes (default: the world; with data parallelism the FSDP collectives of the shape
+    inference span replicas)."""
+
+    def __init__(self, schedule: str, stages: list[PipelineStage], n_microbatches: int, *, sync_group=None) -> None:
+        self.n_microbatches = n_microbatches
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        self.sync_group = sync_group
+        self._scale = 1.0
+        self._sums: list[torch.Tensor] = []
+        self._shape: tuple | None = None
+        self.schedule = build_schedule(schedule, stages, n_microbatches, self._loss)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        summed, _count = token_loss_sum(logits, labels)
+        # Noted for the step's report; shape inference calls this once more before the
+        # real micro-batches, so only the last n_microbatches entries count.
+        self._sums.append(summed.detach())
+        return summed * self._scale
+
+    def _agree_on_shapes(self, shape: tuple) -> None:
+        """Re-infer shapes on every rank when any rank's batch shape changed (one all-reduce of
+        a host tensor: gloo, also under the trainer's "cpu:gloo,cuda:nccl" backend)."""
+        changed = torch.tensor([int(shape != self._shape)], dtype=torch.int64)
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.sync_group)
+        if int(changed) and self._shape is not None:
+            forget_shapes(self.schedule)
+        self._shape = shape
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        labels: torch.Tensor,
+        scale: float,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward of the batch; returns this rank's summed next-token loss
+        (unscaled, float64): the sum over the last stage's micro-batches, 0 on other ranks.
+        ``scale``: data-parallel size / target tokens of the global batch (all replicas).
+        ``position_ids`` None: 0..seq-1 on every row; ``attention_mask``: unpacked rows."""
+        rows, seq = input_ids.shape
+        if rows % self.n_microbatches:
+            # Unequal micro-batches would not fit the receive buffers sized for micro-batch 0.
+            raise PipelineError(
+                f"a batch of {rows} rows does not split into {self.n_microbatches} equal micro-batches "
+                "(train.pipeline.microbatches must divide the rows of a replica's batch)"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=input_ids.device).repeat(rows, 1)
+        kwargs = {"position_ids": position_ids}  # split along rows and passed to every stage
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        self._agree_on_shapes((rows, seq, attention_mask is not None))
+        self._scale = float(scale)
+        self._sums = []
+        args = (input_ids,) if self.has_first else ()
+        target = labels if self.has_last else None
+        self.schedule.step(*args, target=target, losses=[], return_outputs=False, **kwargs)
+        if not self.has_last:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack(self._sums[-self.n_microbatches :]).double().sum().cpu()
+
+
+# ---------------------------------------------------------------- gradient norm
+
+
+def grad_norm_and_clip(stage_module: StageModule, max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
+    """The gradient norm of the whole model, then clipped to ``max_norm`` (inf: no clipping).
+    Each rank holds only its stages' gradients (under FSDP, its shards of them): the local
+    norm is the full norm over the data-parallel mesh, and the squares are summed over the
+    pipeline group."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in stage_module.parameters() if p.grad is not None]
+    if params:
+        local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(local, DTensor):
+            local = local.full_tensor()
+    else:
+        local = torch.zeros(())
+    squared = local.detach().double().pow(2)
+    dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=pp_group)
+    total = squared.sqrt().float()
+    if params and not math.isinf(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
