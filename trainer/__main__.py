@@ -338,18 +338,8 @@ def record_exit(run, attempt: Attempt, code: ExitCode, reason: str, progress: Pr
     return record_failure(run, attempt.job_id, attempt.restart, code, reason, repeated)
 
 
-def exit_now(code: int) -> None:
-    """Leave without Python's finalization. Everything the run needs (checkpoints,
-    metrics, the done marker) is written and fsynced by now, and the process group is
-    destroyed; what finalization would add is only C++ static destructors, and one of
-    them (a still-joinable std::thread) aborted a finished gloo worker with SIGABRT
-    ("terminate called without an active exception") in 2 of 4 fresh-clone CI runs."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
+    from trainer.distributed import exit_now
+
     # A crash still raises through the interpreter, so its traceback is printed as usual.
     exit_now(main())

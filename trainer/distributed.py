@@ -8,7 +8,9 @@ environment. NCCL on GPU, Gloo on CPU; every collective times out after the spec
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -129,3 +131,15 @@ def barrier() -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_now(code: int) -> None:
+    """Leave without Python's finalization. Everything the run needs (checkpoints,
+    metrics, the done marker) is written and fsynced by now, and the process group is
+    destroyed; what finalization would add is only C++ static destructors, and one of
+    them (a still-joinable std::thread) aborted a finished gloo worker with SIGABRT
+    ("terminate called without an active exception") in 2 of 4 fresh-clone CI runs."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

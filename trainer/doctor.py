@@ -27,7 +27,6 @@ import datetime as dt
 import os
 import platform
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -216,4 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.distributed import exit_now
+
+    # As the trainer: no interpreter finalization for gloo's threads to abort in after the verdict.
+    exit_now(main())

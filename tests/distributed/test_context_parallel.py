@@ -48,6 +48,7 @@ WORKER = textwrap.dedent(
     from transformers import AutoModelForCausalLM
     from trainer.parallel.context_parallel import ContextParallel, _HostGather, _gather
     from trainer.data.packing import collate, model_inputs, token_loss_sum
+    from trainer.distributed import exit_now
 
     models, out, replicas = sys.argv[1].split(","), sys.argv[2], [int(n) for n in sys.argv[3].split(",")]
     flex = sys.argv[4] == "flex"  # also the flex_attention path, forward only
@@ -151,6 +152,7 @@ WORKER = textwrap.dedent(
     report["host_gather"] = max(float((a - b).abs().max()) for a, b in zip(op, staged))
     json.dump(report, open(f"{out}.{rank}", "w"))
     dist.destroy_process_group()
+    exit_now(0)  # no interpreter finalization for gloo's threads to abort in
     """
 )
 

@@ -154,7 +154,7 @@ CHECK = textwrap.dedent(
     import json, sys
     import torch, torch.distributed as dist
     from jobgen.spec.tables.run import ModelSpec, TrainSpec
-    from trainer.distributed import init_distributed
+    from trainer.distributed import exit_now, init_distributed
     from trainer.model import build_model, trainable_parameters
     from trainer.optim import build_optimizer
     from trainer.parallel.strategies import strategy
@@ -202,6 +202,7 @@ CHECK = textwrap.dedent(
                 [p.grad for p in trainable_parameters(model)])))
     json.dump(report, open(f"{out}.{env.rank}", "w"))
     dist.destroy_process_group()
+    exit_now(0)  # no interpreter finalization for gloo's threads to abort in
     """
 )
 

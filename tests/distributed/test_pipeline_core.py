@@ -40,7 +40,7 @@ WORKER = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
     from jobgen.model.pipeline_split import SCHEDULES, stage_indices, stage_layers
-    from trainer.distributed import init_distributed
+    from trainer.distributed import exit_now, init_distributed
     from trainer.data.packing import IGNORE_INDEX, count_targets, token_loss_sum
     from trainer.parallel.pipeline import PipelineStep, build_stages, checkpoint_options, grad_norm_and_clip
 
@@ -162,6 +162,7 @@ WORKER = textwrap.dedent(
         }
     json.dump(report, open(f"{out}.{env.rank}", "w"))
     dist.destroy_process_group()
+    exit_now(0)  # no interpreter finalization for gloo's threads to abort in
     """
 )
 

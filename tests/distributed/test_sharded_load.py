@@ -26,7 +26,7 @@ CHECK = textwrap.dedent(
     import json, resource, sys
     import torch, torch.distributed as dist
     from jobgen.spec.tables.run import ModelSpec, TrainSpec
-    from trainer.distributed import init_distributed
+    from trainer.distributed import exit_now, init_distributed
     from trainer.model import build_model
 
     path, lora, out = sys.argv[1], sys.argv[2] == "lora", sys.argv[3]
@@ -47,7 +47,7 @@ CHECK = textwrap.dedent(
         # Exiting with the process group alive lets gloo's threads outlive the interpreter
         # ("terminate called without an active exception", SIGABRT) now and then.
         dist.destroy_process_group()
-        raise SystemExit
+        exit_now(0)
     sharded = type(model.get_input_embeddings().weight).__name__  # before a forward unshards the root
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -74,6 +74,7 @@ CHECK = textwrap.dedent(
     }
     json.dump(report, open(f"{out}.{env.rank}", "w"))
     dist.destroy_process_group()
+    exit_now(0)  # no interpreter finalization for gloo's threads to abort in
     """
 )
 

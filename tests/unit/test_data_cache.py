@@ -328,7 +328,7 @@ import torch.distributed as dist
 from jobgen.runs.rundir import RunDir
 from trainer.data import cache as data_cache
 from trainer.data.batches import DataPipeline
-from trainer.distributed import init_distributed
+from trainer.distributed import exit_now, init_distributed
 from trainer.model import load_tokenizer
 
 run_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
@@ -358,6 +358,7 @@ except Exception as exc:
 (out / f"rank{env.rank}.json").write_text(json.dumps(result))
 dist.barrier()
 dist.destroy_process_group()
+exit_now(0)  # no interpreter finalization for gloo's threads to abort in
 """
 
 
