@@ -1,7 +1,7 @@
 """Checkpoint cost: how long training is blocked per save, sync and async, against the
 checkpoint's size and the disk's sequential write bandwidth measured in the same run.
 
-The trainer's own :class:`trainer.checkpoint.Checkpointer` saves a model with its AdamW
+The trainer's own :class:`trainer.checkpoints.checkpointer.Checkpointer` saves a model with its AdamW
 state (a world of one gloo process, as a one-process trainer run has), into a directory on
 the disk under test. The limit is the disk: writing the checkpoint's bytes sequentially to
 one file and fsyncing it, as fast as Python can. Figures:
@@ -77,7 +77,7 @@ def main() -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoints.checkpointer import Checkpointer
     from trainer.distributed import init_distributed, shutdown
 
     shape = (

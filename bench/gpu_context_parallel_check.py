@@ -117,7 +117,7 @@ def worker(args: argparse.Namespace) -> None:
     cp.install(sharded)
     kernel = "flex_attention" if sharded.config._attn_implementation == FLEX_ATTENTION else "sdpa"
     if args.compile:
-        for layer in sharded.model.layers:  # as trainer.model_prep.compile_decoder_blocks
+        for layer in sharded.model.layers:  # as trainer.model.prep.compile_decoder_blocks
             layer.compile()
     batch = rows(args.max_length)
     report = {p: compare(reference, sharded, cp, batch, device, p) for p in ("float32", "bf16")}

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Heavy imports after argument parsing, so --help stays instant.
     from jobgen.runs.rundir import RunDir
-    from trainer import host_allocator
+    from trainer.memory import host_allocator
 
     run = RunDir(args.run_dir.absolute())
     spec = run.load_spec()
@@ -242,11 +242,11 @@ def train(spec, run, env, attempt: Attempt, startup, progress: Progress) -> tupl
     their exit codes (typed exceptions, never matched on message text)."""
     from jobgen.model.pipeline_split import PipelineSplitError
     from jobgen.spec.global_batch import GlobalBatchChanged
-    from trainer.checkpoint import ResumeFailed
+    from trainer.checkpoints.checkpointer import ResumeFailed
     from trainer.data.cache import DataCacheError
     from trainer.data.formats import DataError
     from trainer.data.sampler import ResumeMismatch
-    from trainer.model_errors import ModelError
+    from trainer.model.errors import ModelError
 
     monitor = stop_monitor(spec, run, env, attempt)
     from trainer.loop import Trainer

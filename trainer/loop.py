@@ -1,10 +1,9 @@
 """The training loop: a Trainer whose whole state is ``state_dict()``-able.
 
-Owns one job's training: the Trainer's state, one optimizer step, the loop, the
-step-boundary decision, and what the loop records (a ``metrics.jsonl`` line per
-logging step, the ``first_step`` and ``exit`` lines of ``tasks.jsonl``,
-``metrics.json``). Model, data, checkpoints and stop reasons live in their own
-modules.
+Owns one job's training: the Trainer's state, one optimizer step, the loop and the
+step-boundary decision. What the loop records (``metrics.jsonl``, ``tasks.jsonl``,
+``metrics.json``) is trainer/job_record.py's; model, data, checkpoints, evaluation and stop
+reasons live in their own rooms.
 
 One optimizer step = ``grad_accum`` micro-batches per rank. The loss is the mean
 over every target token of the step on every rank (token-weighted, so packing,
@@ -17,8 +16,8 @@ Memory-lean options: with ``optimizer_in_backward`` each parameter is clipped an
 stepped in its gradient hook during backward (trainer.optim.OptimizerInBackward), so
 after backward there is nothing left to clip or step; ``loss_chunk_tokens`` computes
 the loss inside the model's forward without the whole sequence's logits
-(trainer.loss); ``activation_offloading`` keeps the tensors saved for backward in host
-memory during the micro-batch's forward and backward (trainer.offload).
+(trainer.memory.chunked_loss); ``activation_offloading`` keeps the tensors saved for backward in host
+memory during the micro-batch's forward and backward (trainer.memory.activation_offload).
 """
 
 from __future__ import annotations
@@ -29,30 +28,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from jobgen.base.atomic import write_json_atomic
 from jobgen.base.exit_codes import ExitCode
 from jobgen.runs.rundir import RunDir
-from jobgen.runtime.records import MetricsWriter
 from jobgen.runtime.stopping import Action, StopMonitor
 from jobgen.spec.global_batch import BatchShape, check_resume, shape_for
 from jobgen.spec.resolved import ResolvedSpec
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoints.checkpointer import Checkpointer
 from trainer.data.batches import training_data
 from trainer.data.packing import count_targets
 from trainer.distributed import DistEnv, mark_progress, reduce_max, reduce_sum
-from trainer.eval_loop import RunEvaluation, build_run_evaluation
-from trainer.loss import loss_head_for
-from trainer.memory_peaks import MemoryPeaks, combine_ranks
-from trainer.metrics import StartupClock, ThroughputWindow, memory_snapshot
-from trainer.model import build_model, trainable_parameters
-from trainer.offload import make_offloader
+from trainer.evaluation.in_training import RunEvaluation, build_run_evaluation
+from trainer.job_record import JobRecord
+from trainer.memory.activation_offload import make_offloader
+from trainer.memory.chunked_loss import loss_head_for
+from trainer.metrics import StartupClock, ThroughputWindow
+from trainer.model.build import build_model, trainable_parameters
 from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler
 from trainer.parallel.strategies import Strategy, context_parallel_for, strategy
 from trainer.step_parts import StepParts
-from trainer.tracking import Trackers, trackers_for_run
+from trainer.tracking import trackers_for_run
 
 log = logging.getLogger("trainer")
 
@@ -82,11 +79,8 @@ class Trainer:
         # train.global_batch_size is set (a resume on fewer nodes keeps the batch).
         self.batch = shape_for(self.cfg, env.world_size)
         self.startup = startup or StartupClock()
-        self.started = self.startup.process_started
-        self.memory_peaks = MemoryPeaks(env.device)  # per phase: load, first step, steady
-        # When the allocation began (the batch script exports it); falls back to this process's start.
-        self.job_start = self.startup.job_start
-        self.step_seconds: list[float] = []  # wall time of each optimizer step of this job
+        # What this job records; its memory peaks' load phase starts here, before the data.
+        self.record = JobRecord(run_dir, env, self.batch, self.startup)
         chosen = strategy(self.cfg.parallelism)
         chosen.check(self.cfg, env)  # before the data is read: it may refuse
         self.ranks_per_replica = self.cfg.ranks_per_replica(env.world_size)  # a pipeline's ranks share rows
@@ -98,21 +92,13 @@ class Trainer:
         self.runner = chosen.runner(self.parts)  # forward, backward and clipping of a step
         self.optimizer, self.scheduler = self._build_optimizer(chosen)
         self.checkpointer = self._checkpointer()
-        self.metrics = MetricsWriter(run_dir, enabled=env.is_main)
         self.evaluation = self._build_evaluation()
-        self.trackers = Trackers([])  # train.report_to, opened by fit()
         self.startup.mark("model")  # weights, wrapping, optimizer
         # Per-rank streams for dropout and friends; restored from checkpoints on resume.
         torch.manual_seed(self.cfg.seed * 1000 + env.rank)
         self.step = 0
         self.tokens_seen = 0  # non-padding tokens over all ranks
         self.target_tokens_seen = 0
-        self.steps_this_job = 0
-        self.local_tokens_this_job = 0  # this rank's own share
-        self.start_step = 0  # the step this job resumed at (set by fit)
-        self.resumed_from: str | None = None  # the checkpoint's name, when this job resumed from one
-        self.seconds_to_first_step: float | None = None  # job start to the end of this job's first step
-        self.summary: dict[str, Any] = {}  # filled when fit() ends, however it ends
 
     def _build_model(self) -> StepParts:
         """The model as the parallelism builds it, with what a step runs it through: the
@@ -148,7 +134,7 @@ class Trainer:
             self.parts,
             monitor=self.monitor,
             run=RunDir(self.run_dir),
-            metrics=self.metrics,
+            metrics=self.record.metrics,
             checkpointer=self.checkpointer,
         )
 
@@ -236,7 +222,7 @@ class Trainer:
         self.scheduler.step()
         (total_loss,) = reduce_sum(self.env, [float(loss_sum)])  # the last stage's, under a pipeline
         self.tokens_seen += int(global_tokens)
-        self.local_tokens_this_job += local_tokens
+        self.record.local_tokens += local_tokens
         self.target_tokens_seen += int(global_targets)
         return {
             "loss": total_loss / max(global_targets, 1.0),
@@ -276,7 +262,7 @@ class Trainer:
         """Evaluate now; a new best is saved at once and named in best.json. Returns the stop
         action that abandoned the evaluation, or CONTINUE."""
         assert self.evaluation is not None
-        action, new_best = self.evaluation.evaluate(self.step, self.trackers)
+        action, new_best = self.evaluation.evaluate(self.step, self.record.trackers)
         if new_best:
             self.evaluation.before_best_save(self.step)
             self.save(blocking=True)
@@ -318,14 +304,13 @@ class Trainer:
         """Train until max_steps or a stop; returns the exit code and a one-line reason."""
         resumed = self.resume()
         mark_progress()
-        self.startup.mark("resume")
-        self.start_step = self.step
-        self.resumed_from = resumed.name if resumed else None
-        self.memory_peaks.end_phase("load")  # model, optimizer and checkpoint in place
+        # train.report_to, on rank 0, from the step this job starts at.
+        trackers = trackers_for_run(self.spec, RunDir(self.run_dir), self.step, enabled=self.env.is_main)
+        self.record.began(self.step, resumed.name if resumed else None, trackers)
         if self.env.is_main:
             log.info(
                 "%s at step %d of %d (world size %d, global batch %d = %s, %s, seed %d)",
-                f"resumed from {self.resumed_from}" if self.resumed_from else "starting",
+                f"resumed from {resumed.name}" if resumed else "starting",
                 self.step,
                 self.cfg.max_steps,
                 self.env.world_size,
@@ -335,8 +320,6 @@ class Trainer:
                 self.cfg.seed,
             )
         self.model.train()
-        # train.report_to, on rank 0, from the step this job starts at.
-        self.trackers = trackers_for_run(self.spec, RunDir(self.run_dir), self.step, enabled=self.env.is_main)
         try:
             if self.step >= self.cfg.max_steps:
                 code, reason = self._finish()
@@ -344,10 +327,12 @@ class Trainer:
                 return code, finished if code is ExitCode.OK else reason
             return self._train_until_stop()
         finally:
-            self.trackers.close()
             self.checkpointer.close()
-            self.memory_peaks.end_phase("steady")
-            self.summary = self._exit_summary()
+            saves = {
+                "save_seconds": self.checkpointer.save_seconds,
+                "save_blocking_seconds": self.checkpointer.blocking_seconds,
+            }
+            self.record.ended(self.step, saves, self.evaluation.evaluator.summary() if self.evaluation else {})
 
     def _train_until_stop(self) -> tuple[ExitCode, str]:
         """Step, record, and act on the ranks' step-boundary decision, until max_steps or a stop."""
@@ -360,10 +345,9 @@ class Trainer:
         while self.step < max_steps:
             step_metrics = self._timed_step()
             window.add(step_metrics["step_tokens"])
-            if self.seconds_to_first_step is None:
-                self._record_first_step()
             if self.step % self.cfg.log_every_steps == 0 or self.step == max_steps:
-                self._log_step(step_metrics, window)
+                totals = {"tokens": self.tokens_seen, "target_tokens": self.target_tokens_seen}
+                self.record.log_step(self.step, step_metrics, window, totals)
             if self.step >= max_steps:
                 break
             action, save_due, eval_due = self.step_boundary()
@@ -380,60 +364,13 @@ class Trainer:
         return self._finish()
 
     def _timed_step(self) -> dict[str, float]:
-        """One optimizer step, with its wall time recorded and the step counters advanced."""
+        """One optimizer step, with its wall time recorded and the step counter advanced."""
         step_started = time.time()
         step_metrics = self.train_step()
-        self.step_seconds.append(time.time() - step_started)
         self.step += 1
-        self.steps_this_job += 1
+        self.record.step_taken(time.time() - step_started, self.step)
         mark_progress()
         return step_metrics
-
-    def _record_first_step(self) -> None:
-        """The ``first_step`` line of ``tasks.jsonl``: when this job's first step ended and where it
-        began (goodput and lead time are computed from it)."""
-        self.memory_peaks.end_phase("first_step")  # optimizer state is allocated by now
-        self.seconds_to_first_step = time.time() - self.job_start
-        self.startup.mark("first_step")
-        if self.env.is_main:
-            log.info("first step %.1f s after the job started: %s", self.seconds_to_first_step, self.startup.summary())
-        self.metrics.log_task(
-            {
-                "event": "first_step",
-                "step": self.step,
-                "start_step": self.start_step,
-                "job_start": self.job_start,
-                "seconds_to_first_step": round(self.seconds_to_first_step, 3),
-                "startup_seconds": self.startup.seconds,
-                "resumed_from": self.resumed_from,
-                **self.batch.to_json(),  # world size and global batch: they may change between tasks
-            }
-        )
-
-    def _log_step(self, step_metrics: dict[str, float], window: ThroughputWindow) -> None:
-        """A ``metrics.jsonl`` line for this step (and a log line on rank 0); tokens/s are over
-        the steps since the previous one."""
-        tokens_per_s = window.tokens_per_s()
-        record = {
-            "step": self.step,
-            **step_metrics,
-            "step_seconds": round(self.step_seconds[-1], 4),
-            "tokens": self.tokens_seen,
-            "target_tokens": self.target_tokens_seen,
-            "tokens_per_s": tokens_per_s,
-            **memory_snapshot(),
-        }
-        self.metrics.log_step(record)
-        self.trackers.log(self.step, {k: v for k, v in record.items() if k != "step"})
-        if self.env.is_main:
-            log.info(
-                "step %d loss %.4f lr %.3g grad_norm %.3f",
-                self.step,
-                step_metrics["loss"],
-                step_metrics["lr"],
-                step_metrics["grad_norm"],
-            )
-        window.reset()
 
     def _stop(self, action: Action) -> tuple[ExitCode, str]:
         """Leave at this step boundary: save first unless aborting, then consume the stop request."""
@@ -457,44 +394,16 @@ class Trainer:
         elif save_due:
             self.save(blocking=False)
 
-    def _exit_summary(self) -> dict[str, Any]:
-        """What this job did, for ``metrics.json`` and the ``exit`` line of ``tasks.jsonl``."""
-        return {
-            "start_step": self.start_step,
-            "end_step": self.step,
-            "steps_this_job": self.steps_this_job,
-            "seconds_to_first_step": self.seconds_to_first_step,
-            "job_start": self.job_start,
-            "step_seconds_total": round(sum(self.step_seconds), 3),
-            "step_seconds_max": round(max(self.step_seconds, default=0.0), 3),
-            "save_seconds": [round(s, 3) for s in self.checkpointer.save_seconds],
-            "save_blocking_seconds": [round(s, 3) for s in self.checkpointer.blocking_seconds],
-            **(self.evaluation.evaluator.summary() if self.evaluation else {}),
-        }
-
     def write_summary(self, code: ExitCode, reason: str) -> None:
-        """``metrics.json`` and the ``exit`` line of ``tasks.jsonl``: the exit summary with the
-        exit code, wall time, every rank's tokens/s and what was trained on what."""
-        wall = time.time() - self.started
-        per_rank = [None] * self.env.world_size
-        dist.all_gather_object(per_rank, round(self.local_tokens_this_job / max(wall, 1e-9), 2))
-        peaks: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(peaks, self.memory_peaks.as_dict())
+        """``metrics.json`` and the ``exit`` line of ``tasks.jsonl`` (trainer/job_record.py), with
+        what was trained on what. Collective: every rank calls it."""
         model_spec, data_spec = self.spec.run.model, self.spec.run.data
-        summary = {
-            **self.summary,
-            "exit_code": int(code),
-            "exit_reason": reason,
-            "wall_seconds": round(wall, 3),
-            "tokens_per_s_per_rank": per_rank,
-            **self.batch.to_json(),
+        run_facts = {
             "torch": torch.__version__,
             "model": model_spec.path if model_spec else None,
             "dataset": data_spec.path if data_spec else None,
             "data_stats": self.data.stats_dict(),
             "seed": self.cfg.seed,
             "parallelism": self.cfg.parallelism,
-            "memory_peaks": combine_ranks(peaks),
         }
-        self.metrics.write_summary(summary)
-        self.metrics.log_task({"event": "exit", **summary, "data_stats": None})
+        self.record.write_summary(int(code), reason, run_facts)

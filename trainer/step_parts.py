@@ -4,7 +4,7 @@ this rank trains it and everything a micro-batch's forward, loss and backward go
 The Trainer (trainer/loop.py) builds it once, after the model, and passes it explicitly: to
 its parallelism's step runner (trainer/parallel/strategies.py's ``Strategy.runner``:
 trainer/parallel/step_runner.py, trainer/parallel/pipeline_steps.py) and to its evaluation
-(trainer/eval_loop.py). Nothing else of the Trainer reaches them: they count no tokens and
+(trainer/evaluation/in_training.py). Nothing else of the Trainer reaches them: they count no tokens and
 step no optimizer (the loop does), so they need none of its counters, its optimizer, its
 scheduler or its checkpointer.
 """
@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
     from jobgen.spec.tables.train import TrainSpec
     from trainer.distributed import DistEnv
-    from trainer.loss import ChunkedLoss
-    from trainer.offload import ActivationOffloader
+    from trainer.memory.activation_offload import ActivationOffloader
+    from trainer.memory.chunked_loss import ChunkedLoss
     from trainer.parallel.context_parallel import ContextParallel
 
 

@@ -44,7 +44,7 @@ class ExitCode(IntEnum):
     BATCH_CHANGED = 22
     # The model cannot be trained as [model] and [train] ask in this process: a malformed or
     # unsupported model, a loss head it lacks, a parallelism this world or device cannot run
-    # (trainer.model_errors.ModelError and its kinds).
+    # (trainer.model.errors.ModelError and its kinds).
     MODEL_ERROR = 23
 
     @property

@@ -376,7 +376,7 @@ def export(run_ref: str, target: str, checkpoint: str | None, best: bool, step: 
         checkpoint = checkpoint or run.checkpoint_for(best=best, step=step)
     except (RunDirError, DamagedFile) as exc:
         _fail(f"jobgen export: {exc}", 2)
-    from trainer.export import ExportError
+    from trainer.checkpoints.export import ExportError
 
     try:
         source = _export_checkpoint(run, Path(target), checkpoint, merge_lora, "jobgen export")
@@ -408,10 +408,10 @@ def samples(run_ref: str, step: int | None, as_json: bool) -> None:
 
 
 def _export_checkpoint(run, target: Path, checkpoint: str | None, merge_lora: bool, who: str) -> str:
-    """trainer.export with a progress bar on a terminal (only the composition root may use
-    trainer/); returns the checkpoint's name. Raises trainer.export.ExportError."""
+    """trainer.checkpoints.export with a progress bar on a terminal (only the composition root may use
+    trainer/); returns the checkpoint's name. Raises trainer.checkpoints.export.ExportError."""
     from jobgen.base.progress import Progress
-    from trainer.export import export as do_export
+    from trainer.checkpoints.export import export as do_export
 
     bar = Progress("export", unit="B")  # on a terminal only
 
@@ -438,7 +438,7 @@ def _export_for_serve(run, checkpoint: str | None, target: Path) -> str:
     """``jobgen serve``'s exporter (jobgen.serve.submit.Exporter). A LoRA run is merged: servers load
     whole models."""
     from jobgen.serve.submit import ServeError
-    from trainer.export import ExportError
+    from trainer.checkpoints.export import ExportError
 
     model = run.load_spec().run.model
     try:

@@ -1,7 +1,7 @@
 """Estimate one rank's peak memory from a model's shapes and what the run does, without torch.
 
 What the figures mean
-    On a CPU site, the peak resident set size of a trainer rank (what ``trainer.memory_peaks``
+    On a CPU site, the peak resident set size of a trainer rank (what ``trainer.memory.peaks``
     measures as ``host_rss_peak_mib``), including the Python, torch and transformers runtime.
     On a GPU site, what ``torch.cuda.max_memory_allocated`` reports (``gpu_max_allocated_mib``);
     :func:`headroom` is what the GPU needs beyond it, which ``nvidia-smi`` shows but
@@ -9,7 +9,7 @@ What the figures mean
     component, :mod:`jobgen.plan.nccl`), the CUDA context (:data:`CUDA_CONTEXT_RESERVE`) and
     the caching allocator's fragmentation (:data:`FRAGMENTATION_MARGIN` of the peak).
 
-What the estimate models (``trainer/model.py``, ``trainer/loop.py``, ``trainer/optim.py``)
+What the estimate models (``trainer/model/build.py``, ``trainer/loop.py``, ``trainer/optim.py``)
     - dtype: CPU ranks train in float32 whatever ``model.dtype``; GPU ranks hold parameters in
       ``model.dtype`` and run under bf16 autocast (FSDP2: MixedPrecisionPolicy param bf16).
     - DDP: a whole replica, its gradients and gradient buckets (about another copy of them).
@@ -220,7 +220,7 @@ def _fsdp_gather_bytes(model: ModelInfo, inputs: PlanInputs, tr: Trainable) -> i
     if not (inputs.sharded or inputs.offloaded):
         return 0
     pb = inputs.param_bytes
-    # trainer.model.wrap: two blocks gathered (the current one and the prefetched next) and
+    # trainer.model.build.wrap: two blocks gathered (the current one and the prefetched next) and
     # the output layer from its forward to its backward, its own unit when untied; tied, the
     # root keeps the shared embedding gathered throughout, and its unsharded gradient too.
     head = model.vocab_size * model.hidden_size
@@ -296,7 +296,7 @@ def overhead_bytes(inputs: PlanInputs) -> int:
 def _load_bytes(model: ModelInfo, inputs: PlanInputs, tr: Trainable, params: float, overhead: int) -> float:
     """The load phase: the parameters and the tensor being read."""
     load_transient = LOAD_TRANSIENT * model.largest_numel * inputs.param_bytes
-    # FSDP ranks read only their slices of the safetensors (trainer.sharded_load): a 374M model's
+    # FSDP ranks read only their slices of the safetensors (trainer.model.sharded_load): a 374M model's
     # rank measured 1375 MiB while loading on 2 ranks, its shard plus runtime plus this transient.
     load = params + overhead + load_transient
     mapped = model.counted_from == "safetensors" and all(t.dtype == "F32" for t in model.tensors)

@@ -347,7 +347,7 @@ def _lora_leaves(targets: list[str] | str, model_info: ModelInfo | None) -> tupl
 
 
 def _attention(attention: str, gpu: bool, packing: bool) -> str:
-    """model.attention as the trainer resolves "auto" (trainer.model_prep.attention_implementation)."""
+    """model.attention as the trainer resolves "auto" (trainer.model.prep.attention_implementation)."""
     if attention != "auto":
         return attention
     return "flex_attention" if gpu and packing else "sdpa"

@@ -18,7 +18,7 @@ Layout::
                      command-plan.<job>.<restart>.json (what a command program's task runs),
                      ranks/<job>/<node>/ (torchrun's), ranks/<job>/ranks.<restart>.json
                      (rank map), ranks/<job>/ends.<restart>/ (failed ranks), nccl-*.log
-    checkpoints/     step-<step>/, .tmp-*, broken-* (see trainer.checkpoint)
+    checkpoints/     step-<step>/, .tmp-*, broken-* (see trainer.checkpoints.checkpointer)
     repro/<job>/ history/ failed done writer.lock
     quarantine.json  nodes kept off the run's later tasks (jobgen.runs.quarantine)
     tensorboard/ wandb/ wandb-id   experiment tracking (train.report_to)

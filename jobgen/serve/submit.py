@@ -51,7 +51,7 @@ from jobgen.spec.tables.serve import ServeSpec
 from jobgen.spec.tables.site import SiteProfile
 
 # (run, checkpoint name or None for the newest that loads, a new directory) → the name of the
-# checkpoint exported into that directory. jobgen.cli.main wires trainer.export in.
+# checkpoint exported into that directory. jobgen.cli.main wires trainer.checkpoints.export in.
 Exporter = Callable[[RunDir, "str | None", Path], str]
 # Files that make a directory a Hugging Face model one can serve.
 MODEL_FILES = ("config.json",)

@@ -33,7 +33,7 @@ from helpers import (
 from jobgen.base.exit_codes import ExitCode
 from jobgen.model.pipeline_split import SCHEDULES
 from jobgen.slurm import client as slurm
-from trainer.checkpoint import complete_checkpoints
+from trainer.checkpoints.checkpointer import complete_checkpoints
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 

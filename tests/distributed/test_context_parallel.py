@@ -79,7 +79,7 @@ WORKER = textwrap.dedent(
 
     def sharded(model_dir, batch, documents=True, checkpointing=False):
         model = cp.install(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
-        if checkpointing:  # as trainer.model does: attention runs again in backward, inside active()
+        if checkpointing:  # as trainer.model.build does: attention runs again in backward, inside active()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
         for layer in model.model.layers:

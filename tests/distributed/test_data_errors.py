@@ -95,8 +95,8 @@ def tokenizer_without_pad_or_eos(tiny_model, tmp_path) -> Path:
 @pytest.mark.torch
 def test_tokenizer_without_pad_or_eos_is_refused_naming_model_path(tokenizer_without_pad_or_eos):
     pytest.importorskip("transformers")
-    from trainer.model import load_tokenizer
-    from trainer.model_errors import ModelError
+    from trainer.model.build import load_tokenizer
+    from trainer.model.errors import ModelError
 
     with pytest.raises(Exception) as info:
         load_tokenizer(str(tokenizer_without_pad_or_eos))

@@ -33,7 +33,7 @@ LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
 def _export(run: Path, target: Path, **kwargs):
     from jobgen.runs.rundir import RunDir
-    from trainer.export import export
+    from trainer.checkpoints.export import export
 
     lines: list[str] = []
     source = export(RunDir(run).load_spec(), run, target, report=lines.append, **kwargs)
@@ -200,8 +200,8 @@ def test_a_checkpoint_that_breaks_mid_export_leaves_nothing_of_itself(tmp_path, 
     import torch
     from safetensors.torch import load_file
 
-    from trainer.export import ExportError
-    from trainer.hf_export import DcpTensors
+    from trainer.checkpoints.export import ExportError
+    from trainer.checkpoints.hf_shards import DcpTensors
 
     _, run = _model_with_checkpoints(tmp_path, tiny_model, steps=2)
     shard = run / "checkpoints" / "step-00000002" / "__0_0.distcp"
@@ -242,8 +242,8 @@ MEMORY_PROBE = textwrap.dedent(
     import json, sys
     from pathlib import Path
     from jobgen.runs.rundir import RunDir
-    from trainer import export as exporting
-    from trainer.model import load_tokenizer
+    from trainer.checkpoints import export as exporting
+    from trainer.model.build import load_tokenizer
 
     def peak_kib():
         # VmHWM, this process's own high-water mark: ru_maxrss would start at the parent's

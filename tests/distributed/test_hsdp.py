@@ -129,7 +129,7 @@ def test_hsdp_export_loads_and_equals_the_fsdp_export(tmp_path, hsdp, fsdp):
     from transformers import AutoModelForCausalLM
 
     from jobgen.runs.rundir import RunDir
-    from trainer.export import export
+    from trainer.checkpoints.export import export
 
     exported = {}
     for name, run in (("hsdp", hsdp[0]), ("fsdp", fsdp)):
@@ -155,7 +155,7 @@ CHECK = textwrap.dedent(
     import torch, torch.distributed as dist
     from jobgen.spec.tables.run import ModelSpec, TrainSpec
     from trainer.distributed import exit_now, init_distributed
-    from trainer.model import build_model, trainable_parameters
+    from trainer.model.build import build_model, trainable_parameters
     from trainer.optim import build_optimizer
     from trainer.parallel.strategies import strategy
 

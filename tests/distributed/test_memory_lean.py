@@ -144,7 +144,7 @@ def _torch():
 def test_chunked_loss_equals_full_loss_values_and_gradients(chunk, targets_only):
     torch = _torch()
     from trainer.data.packing import IGNORE_INDEX, token_loss_sum
-    from trainer.loss import chunked_linear_cross_entropy
+    from trainer.memory.chunked_loss import chunked_linear_cross_entropy
 
     gen = torch.Generator().manual_seed(chunk)
     batch, seq, dim, vocab = 3, 17, 8, 50
@@ -171,7 +171,7 @@ def test_chunked_loss_equals_full_loss_values_and_gradients(chunk, targets_only)
 def test_chunked_loss_without_targets_is_zero_and_still_gives_gradients(chunk, targets_only):
     torch = _torch()
     from trainer.data.packing import IGNORE_INDEX
-    from trainer.loss import chunked_linear_cross_entropy
+    from trainer.memory.chunked_loss import chunked_linear_cross_entropy
 
     hidden = torch.randn(2, 6, 4, requires_grad=True)
     weight = torch.randn(9, 4, requires_grad=True)
@@ -204,7 +204,7 @@ def _batch(torch, vocab=97, batch=2, seq=24):
 def test_chunked_output_layer_inside_the_forward_matches_logits_loss(tie, chunk, targets_only):
     torch = _torch()
     from trainer.data.packing import token_loss_sum
-    from trainer.loss import ChunkedLossHead, install_chunked_loss
+    from trainer.memory.chunked_loss import ChunkedLossHead, install_chunked_loss
 
     reference = _tiny_lm(tie)
     model = copy.deepcopy(reference)
@@ -231,7 +231,7 @@ def test_chunked_output_layer_inside_the_forward_matches_logits_loss(tie, chunk,
 @pytest.mark.torch
 def test_chunked_loss_refuses_models_it_cannot_stand_in_for():
     torch = _torch()
-    from trainer.loss import LossHeadError, install_chunked_loss
+    from trainer.memory.chunked_loss import LossHeadError, install_chunked_loss
 
     with pytest.raises(LossHeadError, match=r"logit_scale = 2\.0.*loss_chunk_tokens = 0"):
         model = _tiny_lm()
@@ -267,7 +267,7 @@ def test_chunked_loss_refuses_models_it_cannot_stand_in_for():
 @pytest.mark.torch
 def test_offload_hooks_give_identical_gradients_and_never_move_parameters():
     torch = _torch()
-    from trainer.offload import ActivationOffloader, CopyTransfer, offload_activations
+    from trainer.memory.activation_offload import ActivationOffloader, CopyTransfer, offload_activations
 
     model = _tiny_lm()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -300,7 +300,7 @@ def test_offload_hooks_give_identical_gradients_and_never_move_parameters():
 @pytest.mark.torch
 def test_offload_skips_small_tensors_and_is_a_logged_no_op_on_cpu(caplog):
     torch = _torch()
-    from trainer import offload
+    from trainer.memory import activation_offload as offload
 
     transfer = offload.CopyTransfer(torch.device("cpu"))
     offloader = offload.ActivationOffloader(transfer, min_bytes=1 << 20)
@@ -308,7 +308,7 @@ def test_offload_skips_small_tensors_and_is_a_logged_no_op_on_cpu(caplog):
     with offloader.hooks():
         (x.exp() * 2).sum().backward()
     assert transfer.moved == 0
-    caplog.set_level(logging.INFO, logger="trainer.offload")
+    caplog.set_level(logging.INFO, logger="trainer.memory.activation_offload")
     offload._logged_noop = False
     assert offload.make_offloader(torch.device("cpu"), True) is None
     assert offload.make_offloader(torch.device("cpu"), True) is None

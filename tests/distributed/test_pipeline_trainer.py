@@ -91,7 +91,7 @@ def test_export_is_one_hugging_face_model(tmp_path, pipelined, deep_model):
     from transformers import AutoModelForCausalLM
 
     from jobgen.runs.rundir import RunDir
-    from trainer.export import export
+    from trainer.checkpoints.export import export
 
     run = pipelined[0]
     source = export(RunDir(run).load_spec(), run, tmp_path / "hf", report=lambda line: None)

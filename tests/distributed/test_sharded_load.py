@@ -1,4 +1,4 @@
-"""Sharded loading (trainer.sharded_load): FSDP ranks build the model on meta, shard it, and
+"""Sharded loading (trainer.model.sharded_load): FSDP ranks build the model on meta, shard it, and
 read only their own slices from the safetensors.
 
 - Every weight and buffer equals ``from_pretrained``'s, with tied embeddings still tied and
@@ -27,7 +27,7 @@ CHECK = textwrap.dedent(
     import torch, torch.distributed as dist
     from jobgen.spec.tables.run import ModelSpec, TrainSpec
     from trainer.distributed import exit_now, init_distributed
-    from trainer.model import build_model
+    from trainer.model.build import build_model
 
     path, lora, out = sys.argv[1], sys.argv[2] == "lora", sys.argv[3]
     env = init_distributed(120, None)
@@ -141,7 +141,7 @@ def test_a_rank_grows_by_its_shard_not_the_whole_model(tmp_path):
 def test_a_directory_without_safetensors_is_refused_with_how_to_convert(tmp_path):
     import torch
 
-    from trainer.sharded_load import ShardedLoadError, read_weights
+    from trainer.model.sharded_load import ShardedLoadError, read_weights
 
     with pytest.raises(ShardedLoadError, match=r"has no \.safetensors files.*safe_serialization=True"):
         read_weights(torch.nn.Linear(2, 2), tmp_path, threads=1)
@@ -151,7 +151,7 @@ def test_a_tensor_the_files_lack_is_named(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from trainer.sharded_load import ShardedLoadError, read_weights
+    from trainer.model.sharded_load import ShardedLoadError, read_weights
 
     save_file({"weight": torch.zeros(2, 2)}, tmp_path / "model.safetensors")
     with pytest.raises(ShardedLoadError, match=r"lack bias"):
@@ -159,7 +159,7 @@ def test_a_tensor_the_files_lack_is_named(tmp_path):
 
 
 def test_the_checkpoint_name_of_a_peft_parameter_is_the_base_model_name():
-    from trainer.sharded_load import checkpoint_name, is_adapter
+    from trainer.model.sharded_load import checkpoint_name, is_adapter
 
     name = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
     assert checkpoint_name(name) == "model.layers.0.self_attn.q_proj.weight"

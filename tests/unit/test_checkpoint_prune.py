@@ -28,7 +28,7 @@ SCRIPT = (
     + r"""
 import json, shutil, threading
 import torch
-from trainer import checkpoint
+from trainer.checkpoints import checkpointer as checkpoint
 from trainer.distributed import init_distributed, shutdown
 
 root = Path(sys.argv[1])
@@ -84,7 +84,8 @@ def test_a_deletion_cut_short_is_finished_at_the_next_start(tmp_path):
     (root / ".tmp-deleting-step-00000001" / "__0_0.distcp").write_bytes(b"half")
     assert complete_checkpoints_in(root) == []
     script = PRELUDE + (
-        "from trainer.checkpoint import Checkpointer\nfrom trainer.distributed import init_distributed, shutdown\n"
+        "from trainer.checkpoints.checkpointer import Checkpointer\n"
+        "from trainer.distributed import init_distributed, shutdown\n"
         "Checkpointer(Path(sys.argv[1]), init_distributed(60, 1), keep=1, every_steps=0, every_seconds=0)\n"
         "shutdown()\n"
     )

@@ -1,4 +1,4 @@
-"""trainer.checkpoint_reader: a DCP checkpoint is read without running anything it holds.
+"""trainer.checkpoints.reader: a DCP checkpoint is read without running anything it holds.
 
 A real checkpoint (a model and its AdamW state, saved by DCP's own writer in this process)
 loads whole through the reader; a ``.metadata`` or a non-tensor item with a planted global
@@ -58,7 +58,7 @@ def _empty_like(state):
 
 
 def _load(path: Path, like: dict) -> dict:
-    from trainer.checkpoint_reader import load
+    from trainer.checkpoints.reader import load
 
     target = _empty_like(like)
     with warnings.catch_warnings():
@@ -83,7 +83,7 @@ def test_a_real_checkpoint_loads_whole(saved):
 def test_the_metadata_reads_with_only_what_dcp_writes(saved):
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from trainer.checkpoint_reader import read_metadata_file
+    from trainer.checkpoints.reader import read_metadata_file
 
     found = read_metadata_file(saved[0] / ".metadata")
     assert isinstance(found, Metadata) and "model.0.weight" in found.state_dict_metadata
@@ -116,7 +116,7 @@ def _exec(marker: Path) -> bytes:
     ids=["GLOBAL", "STACK_GLOBAL", "exec"],
 )
 def test_a_planted_metadata_is_refused_by_name_and_never_runs(saved, tmp_path, caplog, payload, asks_for):
-    from trainer.checkpoint_reader import CheckpointRefused
+    from trainer.checkpoints.reader import CheckpointRefused
 
     checkpoint = _copy(saved, tmp_path)
     marker = tmp_path / "pwned"
@@ -130,7 +130,7 @@ def test_a_planted_metadata_is_refused_by_name_and_never_runs(saved, tmp_path, c
 
 
 def test_a_planted_item_in_a_shard_is_refused_by_name_and_never_runs(saved, tmp_path):
-    from trainer.checkpoint_reader import CheckpointRefused
+    from trainer.checkpoints.reader import CheckpointRefused
 
     checkpoint = _copy(saved, tmp_path)
     marker = tmp_path / "pwned"
@@ -147,7 +147,7 @@ def test_a_pickle_that_sets_attributes_of_a_class_is_refused(saved, tmp_path):
     """BUILD on a class object (which the C unpickler allows) would change it for the process."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from trainer.checkpoint_reader import CheckpointRefused, read_metadata_file
+    from trainer.checkpoints.reader import CheckpointRefused, read_metadata_file
 
     path = tmp_path / ".metadata"
     # GLOBAL Metadata, then (None, {"version": "x"}) as state, BUILD: setattr(Metadata, "version", "x").
@@ -163,7 +163,7 @@ def test_a_pickle_that_sets_attributes_of_a_class_is_refused(saved, tmp_path):
 def test_a_metadata_naming_a_file_outside_its_checkpoint_is_refused(saved, tmp_path):
     import dataclasses
 
-    from trainer.checkpoint_reader import CheckpointRefused, read_metadata_file
+    from trainer.checkpoints.reader import CheckpointRefused, read_metadata_file
 
     checkpoint = _copy(saved, tmp_path)
     meta = read_metadata_file(checkpoint / ".metadata")
@@ -176,7 +176,7 @@ def test_a_metadata_naming_a_file_outside_its_checkpoint_is_refused(saved, tmp_p
 
 @pytest.mark.parametrize("damage", ["truncated", "missing", "not metadata"])
 def test_a_damaged_metadata_is_one_line_naming_it(saved, tmp_path, caplog, damage):
-    from trainer.checkpoint_reader import CheckpointRefused, UnreadableCheckpoint
+    from trainer.checkpoints.reader import CheckpointRefused, UnreadableCheckpoint
 
     checkpoint = _copy(saved, tmp_path)
     metadata = checkpoint / ".metadata"
@@ -195,7 +195,7 @@ def test_a_damaged_metadata_is_one_line_naming_it(saved, tmp_path, caplog, damag
 
 def test_the_trainers_one_line_for_a_refusal_is_the_refusal(saved, tmp_path):
     """What resume logs and writes to broken.json, and export reports."""
-    from trainer.checkpoint import describe_load_error
+    from trainer.checkpoints.checkpointer import describe_load_error
 
     checkpoint = _copy(saved, tmp_path)
     plant_metadata(checkpoint, tmp_path / "pwned")

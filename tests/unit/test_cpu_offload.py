@@ -12,14 +12,14 @@ torch = pytest.importorskip("torch")
 
 from jobgen.spec.tables.run import ModelSpec, TrainSpec  # noqa: E402
 from trainer.distributed import DistEnv  # noqa: E402
-from trainer.model_errors import ModelError  # noqa: E402
+from trainer.model.errors import ModelError  # noqa: E402
 
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
 
 
 @pytest.mark.parametrize("parallelism", ["fsdp", "hsdp"])
 def test_the_trainer_refuses_cpu_offload_on_a_cpu_device_before_loading(tmp_path, parallelism):
-    from trainer.model import build_model
+    from trainer.model.build import build_model
     from trainer.parallel.strategies import CpuOffloadUnavailable
 
     train = TrainSpec(parallelism=parallelism, cpu_offload=True)

@@ -74,9 +74,9 @@ def _no_side_effects(patch: pytest.MonkeyPatch) -> None:
     import jobgen.report.plot
     import jobgen.serve.status
 
-    exporter = types.ModuleType("trainer.export")  # the export itself (torch) is not reading files
+    exporter = types.ModuleType("trainer.checkpoints.export")  # the export itself (torch) is not reading files
     exporter.ExportError = type("ExportError", (Exception,), {})
-    patch.setitem(sys.modules, "trainer.export", exporter)
+    patch.setitem(sys.modules, "trainer.checkpoints.export", exporter)
     patch.setattr(jobgen.cli.main, "_export_checkpoint", lambda run, target, checkpoint, merge, who: str(checkpoint))
     patch.setattr(jobgen.report.plot, "draw", _dates_only)
     patch.setattr(os, "kill", lambda pid, sig: None)

@@ -329,7 +329,7 @@ from jobgen.runs.rundir import RunDir
 from trainer.data import cache as data_cache
 from trainer.data.batches import DataPipeline
 from trainer.distributed import exit_now, init_distributed
-from trainer.model import load_tokenizer
+from trainer.model.build import load_tokenizer
 
 run_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
 env = init_distributed(120, 2)

@@ -100,7 +100,7 @@ def test_the_held_out_split_is_a_function_of_its_inputs_only():
 
 @pytest.mark.torch
 def test_the_history_gives_the_best_the_count_since_and_the_best_saved():
-    from trainer.evaluation import EvalHistory
+    from trainer.evaluation.evaluator import EvalHistory
 
     history = EvalHistory(min_delta=0.05)
     assert history.add(10, 2.0) and history.add(20, 1.9)

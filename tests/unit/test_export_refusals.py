@@ -40,7 +40,7 @@ def two_runs(tmp_path: Path) -> tuple[RunDir, Path]:
 
 @pytest.mark.torch
 def test_a_checkpoint_is_named_not_given_as_a_path(two_runs):
-    from trainer.export import ExportError, checkpoint_dir
+    from trainer.checkpoints.export import ExportError, checkpoint_dir
 
     mine, theirs = two_runs
     assert checkpoint_dir(mine.checkpoints, "step-00000005") == mine.checkpoints / "step-00000005"
@@ -53,7 +53,7 @@ def test_a_checkpoint_is_named_not_given_as_a_path(two_runs):
 
 @pytest.mark.torch
 def test_a_link_out_of_the_runs_checkpoints_is_not_its_checkpoint(two_runs):
-    from trainer.export import ExportError, checkpoint_dir
+    from trainer.checkpoints.export import ExportError, checkpoint_dir
 
     mine, theirs = two_runs
     (mine.checkpoints / "step-00000011").symlink_to(theirs)

@@ -16,7 +16,7 @@ PROBE = r"""
 import ctypes, ctypes.util, sys
 applied = False
 if sys.argv[1] == "apply":  # "leave" imports nothing beyond ctypes: glibc as it comes
-    from trainer.host_allocator import return_large_frees_to_os
+    from trainer.memory.host_allocator import return_large_frees_to_os
     applied = return_large_frees_to_os()
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype = ctypes.c_void_p
@@ -68,7 +68,7 @@ def test_a_threshold_set_in_the_environment_wins():
 
 
 def test_auto_is_lean_unless_a_cpu_run_has_room_to_spare():
-    from trainer.host_allocator import choose
+    from trainer.memory.host_allocator import choose
 
     gib = 1 << 30
     # A CPU run predicted to use a quarter of its share keeps glibc's faster allocator...
@@ -85,7 +85,7 @@ def test_auto_is_lean_unless_a_cpu_run_has_room_to_spare():
 
 
 def test_memory_per_process_is_the_lowest_of_node_cgroup_and_budget(monkeypatch):
-    from trainer import host_allocator
+    from trainer.memory import host_allocator
 
     gib = 1 << 30
     monkeypatch.setattr(host_allocator, "cgroup_memory_limit", lambda: 12 * gib)

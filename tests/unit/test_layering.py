@@ -145,6 +145,33 @@ def test_every_module_of_jobgen_lives_in_a_room():
     assert rooms == set(ROOMS), rooms ^ set(ROOMS)
 
 
+MAX_MODULES_PER_PACKAGE = 15  # a folder a newcomer can read at a glance (issue 31)
+
+
+def crowded_packages(root: Path = REPO) -> dict[str, int]:
+    """Every package (at any depth) of jobgen/, trainer/ and watchdogs/ with more modules than
+    MAX_MODULES_PER_PACKAGE directly in it (``__init__`` not counted)."""
+    crowded = {}
+    for package in PACKAGES:
+        for init in (root / package).rglob("__init__.py"):
+            count = sum(1 for p in init.parent.glob("*.py") if p.name != "__init__.py")
+            if count > MAX_MODULES_PER_PACKAGE:
+                crowded[init.parent.relative_to(root).as_posix()] = count
+    return crowded
+
+
+def test_no_package_holds_more_than_fifteen_modules():
+    assert not crowded_packages(), f"packages to split into rooms: {crowded_packages()}"
+
+
+def test_a_crowded_package_is_seen(tmp_path: Path):
+    crowded = tmp_path / "trainer"
+    crowded.mkdir()
+    for name in ["__init__", *(f"m{i}" for i in range(MAX_MODULES_PER_PACKAGE + 1))]:
+        (crowded / f"{name}.py").write_text("")
+    assert crowded_packages(tmp_path) == {"trainer": MAX_MODULES_PER_PACKAGE + 1}
+
+
 def test_a_room_importing_a_room_above_it_is_seen(tmp_path: Path):
     low = tmp_path / "jobgen" / "base"
     low.mkdir(parents=True)

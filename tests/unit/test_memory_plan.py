@@ -231,7 +231,7 @@ def test_plan_of_a_pipeline_that_cannot_be_split(tmp_path: Path):
 
 def test_memory_peaks_record_phases():
     pytest.importorskip("torch")
-    from trainer.memory_peaks import MemoryPeaks, combine_ranks
+    from trainer.memory.peaks import MemoryPeaks, combine_ranks
 
     peaks = MemoryPeaks("cpu")
     peaks.end_phase("load")

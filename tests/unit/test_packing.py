@@ -192,7 +192,7 @@ def test_packed_loss_equals_examples_run_one_by_one(tiny_model, examples, attn):
 
 def test_flex_attention_for_packed_rows_on_gpus_and_compiled_blocks_on_gpus_by_default():
     from jobgen.spec.tables.run import ModelSpec, TrainSpec
-    from trainer.model import attention_implementation, compiles_blocks
+    from trainer.model.build import attention_implementation, compiles_blocks
 
     auto, cuda, cpu = ModelSpec(path="m"), torch.device("cuda", 0), torch.device("cpu")
     assert attention_implementation(auto, cuda, packing=True) == "flex_attention"
@@ -205,7 +205,7 @@ def test_flex_attention_for_packed_rows_on_gpus_and_compiled_blocks_on_gpus_by_d
 
 @pytest.mark.full  # inductor compiles the block on CPU: ~15 s
 def test_compiled_decoder_blocks_give_the_packed_loss_and_gradients_of_eager(tiny_model, examples):
-    from trainer.model import compile_decoder_blocks
+    from trainer.model.build import compile_decoder_blocks
 
     ds, pad = examples
     packed = collate(
@@ -220,7 +220,7 @@ def test_compiled_decoder_blocks_give_the_packed_loss_and_gradients_of_eager(tin
 
     eager_loss, eager_grad = loss_and_grad(load_model(tiny_model, "sdpa"))
     compiled = compile_decoder_blocks(load_model(tiny_model, "sdpa"))
-    from trainer.model import decoder_layers
+    from trainer.model.build import decoder_layers
 
     assert all(layer._compiled_call_impl is not None for layer in decoder_layers(compiled))
     compiled_loss, compiled_grad = loss_and_grad(compiled)

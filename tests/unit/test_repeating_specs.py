@@ -207,14 +207,14 @@ def test_an_end_without_its_start_repeats_nothing(tmp_path: Path):
 )
 def test_jobgen_names_the_layers_peft_adapts(tiny_model: Path, targets):
     """The validate check and the trainer agree: the modules jobgen.model.lora_targets works out from the
-    safetensors headers are the ones peft adapts in the loaded model (trainer.model_prep)."""
+    safetensors headers are the ones peft adapts in the loaded model (trainer.model.prep)."""
     pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
     from jobgen.model.files import read_model
     from jobgen.model.lora_targets import adapted, weight_modules
     from jobgen.spec.tables.run import ModelSpec
-    from trainer.model_prep import add_lora
+    from trainer.model.prep import add_lora
 
     info = read_model(tiny_model)
     expected = adapted(targets, weight_modules((t.name for t in info.tensors), (t.shape for t in info.tensors)))

@@ -99,7 +99,7 @@ def test_the_evaluators_loss_path_is_the_runners(tiny_model):
 
     model = tiny(tiny_model)
     batch = micro_batches(model.config.vocab_size)[0]
-    # What trainer.eval_loop.build_run_evaluation hands its Evaluator.
+    # What trainer.evaluation.in_training.build_run_evaluation hands its Evaluator.
     loss_sum = functools.partial(forward_loss_sum, parts_of(model, TrainSpec()))
     with torch.no_grad():
         got = loss_sum(model_inputs_on(batch, CPU.device), batch["labels"])

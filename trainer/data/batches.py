@@ -27,7 +27,7 @@ from trainer.data.eval_set import eval_set_for, load_eval_path, split_off_eval
 from trainer.data.packing import build_rows, collate, fetch_rows, fill_ratio, model_inputs
 from trainer.data.sampler import ResumableSampler, ResumeMismatch
 from trainer.distributed import DistEnv
-from trainer.model_prep import load_tokenizer
+from trainer.model.prep import load_tokenizer
 
 if TYPE_CHECKING:
     import datasets

@@ -21,7 +21,7 @@ How attention sees the whole row (Llama 3's approach)
 
 Two kernels, one rule
     - flex_attention (:data:`FLEX_ATTENTION`), when the model's attention resolves to
-      ``flex_attention`` (:func:`trainer.model_prep.attention_implementation`: a GPU and packed
+      ``flex_attention`` (:func:`trainer.model.prep.attention_implementation`: a GPU and packed
       rows, by default) or ``ContextParallel(group, attention="flex_attention")`` /
       ``install(model, attention="flex_attention")`` asks for it. One ``BlockMask`` per sharded
       micro-batch (``Q_LEN = L/N`` local queries, ``KV_LEN = L`` gathered keys), built on first
@@ -95,7 +95,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from trainer.data.packing import IGNORE_INDEX
-from trainer.model_errors import ModelError
+from trainer.model.errors import ModelError
 from trainer.parallel.context_parallel_layout import (
     Layout,
     LocalBatch,
@@ -313,7 +313,7 @@ class ContextParallel:
         The kernel: ``attention`` ("sdpa" or "flex_attention"), else the one given to the
         constructor, else the model's own: its flex_attention becomes the flex path, any other
         (sdpa, eager, ...) the SDPA path (the trainer sets the model's attention first,
-        :func:`trainer.model_prep.prepare`). Refuses models whose attention does not go
+        :func:`trainer.model.prep.prepare`). Refuses models whose attention does not go
         through transformers' AttentionInterface (the switch would silently keep the old
         attention, which sees a fraction of the row).
         """

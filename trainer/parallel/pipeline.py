@@ -42,7 +42,7 @@ from jobgen.model.parallelism import STRATEGIES
 from jobgen.model.pipeline_split import SCHEDULES, schedule_problem
 from trainer.data.packing import token_loss_sum
 from trainer.distributed import DistEnv
-from trainer.model_errors import ModelError
+from trainer.model.errors import ModelError
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -169,7 +169,7 @@ class StageModule(nn.Module):
     embedding. ``state_dict()``/``named_parameters()`` are those of the full model restricted
     to this rank, so checkpoints and the safetensors line up whatever the layout."""
 
-    # Read by trainer.checkpoint.state_dict_options: the optimizer state keyed by parameter name.
+    # Read by trainer.checkpoints.checkpointer.state_dict_options: the optimizer state keyed by parameter name.
     flat_optimizer_state = True
 
     def __init__(self, full: nn.Module, stage_ranges: Sequence[range], stage_indices: Sequence[int]):
@@ -274,7 +274,7 @@ def build_stages(
     from torch.distributed.pipelining import PipelineStage
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.sharded_load import allocate_shards, model_directory, read_weights, recompute_buffers
+    from trainer.model.sharded_load import allocate_shards, model_directory, read_weights, recompute_buffers
 
     if data_parallel not in DATA_PARALLEL:
         raise PipelineError(f"train.parallelism = '{data_parallel}' with a pipeline: one of {', '.join(DATA_PARALLEL)}")
@@ -307,7 +307,7 @@ def checkpoint_options(module: StageModule) -> StateDictOptions:
     """Options for torch.distributed.checkpoint.state_dict's get/set_state_dict on a StageModule:
     the optimizer state *flattened* by parameter name. Unflattened, ``param_groups`` is a list
     naming each rank's own parameters under one key, which ranks of different stages would
-    overwrite in each other's checkpoint. (LoRA, frozen parameters: as trainer.checkpoint.)"""
+    overwrite in each other's checkpoint. (LoRA, frozen parameters: as trainer.checkpoints.checkpointer.)"""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     frozen = any(not p.requires_grad for p in module.parameters())

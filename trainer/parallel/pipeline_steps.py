@@ -32,7 +32,7 @@ from jobgen.spec.tables.train import TrainSpec
 from trainer.data.batches import model_inputs_on, to_device
 from trainer.data.packing import IGNORE_INDEX
 from trainer.distributed import DistEnv
-from trainer.model_prep import attention_implementation, compile_decoder_blocks, compiles_blocks, param_dtype, prepare
+from trainer.model.prep import attention_implementation, compile_decoder_blocks, compiles_blocks, param_dtype, prepare
 from trainer.parallel.pipeline import PipelineError, PipelineStep, StageModule, build_stages, grad_norm_and_clip
 from trainer.parallel.step_runner import autocast_for
 from trainer.step_parts import StepParts

@@ -25,8 +25,8 @@ import torch
 
 from trainer.data.batches import model_inputs_on, to_device
 from trainer.data.packing import token_loss_sum
-from trainer.model_prep import trainable_parameters
-from trainer.offload import offload_activations
+from trainer.memory.activation_offload import offload_activations
+from trainer.model.prep import trainable_parameters
 from trainer.optim import clip_per_parameter
 from trainer.step_parts import StepParts
 

@@ -8,7 +8,7 @@ and the memory plan read), saying how the trainer applies it:
   summed (the grad norm that OptimizerInBackward sums in its hooks);
 - :meth:`Strategy.param_device`: where the sharded parameters live (the host with
   ``train.cpu_offload``);
-- :attr:`Strategy.build`: how the model is built when not by trainer.model's whole-model or
+- :attr:`Strategy.build`: how the model is built when not by trainer.model.build's whole-model or
   sharded build (the pipeline's stages); :attr:`Strategy.data_shard`: which rows this rank
   reads (its replica's); :attr:`Strategy.runner`: how a step runs forward, backward and
   clipping (trainer.parallel.step_runner).
@@ -41,8 +41,8 @@ from jobgen.model.parallelism import STRATEGIES as PLANS
 from jobgen.model.parallelism import Parallelism, shard_size_problem
 from jobgen.spec.tables.run import TrainSpec
 from trainer.distributed import DistEnv
-from trainer.model_errors import ModelError
-from trainer.model_prep import decoder_layers
+from trainer.model.errors import ModelError
+from trainer.model.prep import decoder_layers
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -84,7 +84,7 @@ class Strategy:
 
     @property
     def loads_sharded(self) -> bool:
-        """Built on the meta device, sharded, each rank reading its slices (trainer.sharded_load)."""
+        """Built on the meta device, sharded, each rank reading its slices (trainer.model.sharded_load)."""
         return self.plan.shards_parameters
 
     def check(self, train: TrainSpec, env: DistEnv) -> None:

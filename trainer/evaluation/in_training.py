@@ -27,13 +27,13 @@ from jobgen.runs.rundir import RunDir, checkpoint_name, complete_checkpoints_in
 from jobgen.runtime.records import MetricsWriter
 from jobgen.runtime.stopping import Action, StopMonitor
 from jobgen.spec.tables.eval import EvalSpec
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoints.checkpointer import Checkpointer
 from trainer.data.batches import DataPipeline, model_inputs_on
 from trainer.data.formats import DataError
 from trainer.distributed import DistEnv, broadcast_object
-from trainer.evaluation import EvalHistory, EvalResult, Evaluator, eval_prompts
+from trainer.evaluation.evaluator import EvalHistory, EvalResult, Evaluator, eval_prompts
+from trainer.evaluation.samples import SampleGenerator
 from trainer.parallel.step_runner import forward_loss_sum
-from trainer.samples import SampleGenerator
 from trainer.step_parts import StepParts
 from trainer.tracking import Trackers
 

@@ -18,7 +18,7 @@ buffers live on the device or in pinned memory that CUDA allocates itself. Where
 speed matters more than host memory, glibc's own tunable wins over this module:
 ``MALLOC_MMAP_THRESHOLD_=33554432`` in the job's environment restores the 32 MiB ceiling.
 
-    from trainer.host_allocator import return_large_frees_to_os
+    from trainer.memory.host_allocator import return_large_frees_to_os
     return_large_frees_to_os()  # first thing in the trainer process
 
 Which to use is ``train.host_allocator`` (:func:`choose`): "lean" is this module's setting,
@@ -36,7 +36,7 @@ import logging
 import os
 from pathlib import Path
 
-log = logging.getLogger("trainer.host_allocator")
+log = logging.getLogger("trainer.memory.host_allocator")
 
 # mallopt(3) parameter numbers from glibc's malloc.h.
 M_MMAP_THRESHOLD = -3

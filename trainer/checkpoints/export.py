@@ -7,7 +7,7 @@ or a bad disk is skipped, and the export says which and why), or the one named.
 
 Runs in one process without a process group: torch.distributed.checkpoint reads
 every shard, whatever world size or parallelism (DDP or FSDP2) wrote them. The
-weights are streamed, never held whole (trainer.hf_export): a model larger than the
+weights are streamed, never held whole (trainer.checkpoints.hf_shards): a model larger than the
 host's memory exports as well as the tiny one. The result is written next to DIR
 under a temporary name and renamed into place, and
 ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it.
@@ -24,7 +24,7 @@ Which tensors, under which names, comes from a model skeleton on the meta device
 it gives are those the trainer checkpointed.
 
 This module owns the consolidation; where checkpoints are and which are complete
-comes from the run directory's layout (jobgen.runs.rundir via trainer.checkpoint).
+comes from the run directory's layout (jobgen.runs.rundir via trainer.checkpoints.checkpointer).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from jobgen.base.atomic import staged_directory
 from jobgen.runs.rundir import RunDir
 from jobgen.spec.resolved import ResolvedSpec
 from jobgen.spec.tables.run import ModelSpec
-from trainer.checkpoint import complete_checkpoints, describe_load_error
-from trainer.hf_export import (
+from trainer.checkpoints.checkpointer import complete_checkpoints, describe_load_error
+from trainer.checkpoints.hf_shards import (
     MAX_SHARD_BYTES,
     READ_BATCH_BYTES,
     DcpTensors,
@@ -53,7 +53,7 @@ from trainer.hf_export import (
     write_safetensors,
     write_sharded,
 )
-from trainer.model import DTYPES, add_lora, load_tokenizer
+from trainer.model.build import DTYPES, add_lora, load_tokenizer
 
 MODEL_KEY = "model."  # the checkpoint's state dict is {"model": ..., "optim": ...}
 ADAPTER = "default"  # peft's adapter name, as the trainer creates it

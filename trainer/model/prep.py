@@ -1,7 +1,7 @@
 """A bare Hugging Face model made ready to train, before any parallelism touches it: its
 dtype, tokenizer, attention kernel, KV cache off, activation checkpointing, LoRA adapters,
 compiled blocks; and the lookups every strategy shares (its decoder blocks, its trainable
-parameters). Below trainer.model (whole-model and sharded builds), trainer.parallel.strategies and
+parameters). Below trainer.model.build (whole-model and sharded builds), trainer.parallel.strategies and
 trainer.parallel.pipeline_steps, which all use it.
 
 Order matters: LoRA adapters and gradient checkpointing are set up on the plain
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from jobgen.spec.tables.run import ModelSpec, TrainSpec
-from trainer.model_errors import ModelError
+from trainer.model.errors import ModelError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,7 +73,7 @@ def compile_decoder_blocks(model: torch.nn.Module) -> torch.nn.Module:
     """torch.compile each decoder block in place (``Module.compile``), as torchtitan does: one
     small graph per block, reused by every block of the same shape, and the blocks stay the
     modules FSDP2 shards and checkpointing wraps. The output layer and the loss head stay
-    eager: they are swapped and hooked at run time (trainer.loss)."""
+    eager: they are swapped and hooked at run time (trainer.memory.chunked_loss)."""
     for layer in decoder_layers(model):
         layer.compile()
     return model

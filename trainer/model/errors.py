@@ -1,5 +1,5 @@
 """Errors of the model the trainer is given, below every module that raises or catches them
-(trainer.model builds the model and calls trainer.sharded_load, which raises them too)."""
+(trainer.model.build builds the model and calls trainer.model.sharded_load, which raises them too)."""
 
 from __future__ import annotations
 

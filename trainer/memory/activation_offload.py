@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-log = logging.getLogger("trainer.offload")
+log = logging.getLogger("trainer.memory.activation_offload")
 
 MIN_OFFLOAD_BYTES = 1 << 20  # smaller tensors are not worth a transfer
 

@@ -19,7 +19,7 @@ header with ``{"format": "pt"}`` metadata padded to 8 bytes, then the raw little
 data) and ``safetensors`` itself reads it back.
 
 This module knows the file formats only; which tensors an export holds, and under which
-names, is trainer.export's decision.
+names, is trainer.checkpoints.export's decision.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainer.checkpoint_reader import CheckpointReader, load
+from trainer.checkpoints.reader import CheckpointReader, load
 
 MAX_SHARD_BYTES = 2 * 1024**3  # per safetensors file, as written (the export dtype)
 READ_BATCH_BYTES = 256 * 1024**2  # held at once while reading: the export's memory beyond the interpreter
@@ -198,8 +198,8 @@ class DcpTensors:
 
     The ``.metadata`` is read once (it lists every tensor's global shape and dtype); each
     :meth:`read` is one ``dcp.load`` of just the keys asked for, which DCP assembles from
-    whichever ranks' shards hold them. Both through trainer.checkpoint_reader: nothing the
-    checkpoint holds runs (trainer.checkpoint_reader.UnreadableCheckpoint otherwise)."""
+    whichever ranks' shards hold them. Both through trainer.checkpoints.reader: nothing the
+    checkpoint holds runs (trainer.checkpoints.reader.UnreadableCheckpoint otherwise)."""
 
     def __init__(self, path: Path):
         self.path = path

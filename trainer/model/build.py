@@ -15,7 +15,7 @@ import torch
 
 from jobgen.spec.tables.run import ModelSpec, TrainSpec
 from trainer.distributed import DistEnv
-from trainer.model_prep import (  # noqa: F401 - re-exported: trainer.model is where callers look
+from trainer.model.prep import (  # noqa: F401 - re-exported: trainer.model.build is where callers look
     DTYPES,
     add_lora,
     attention_implementation,
@@ -29,7 +29,7 @@ from trainer.model_prep import (  # noqa: F401 - re-exported: trainer.model is w
 )
 from trainer.parallel.strategies import strategy
 
-log = logging.getLogger("trainer.model")
+log = logging.getLogger("trainer.model.build")
 
 
 def load_model(spec: ModelSpec, device: torch.device, attention: str = "sdpa") -> torch.nn.Module:
@@ -50,7 +50,7 @@ def build_model(
 ) -> torch.nn.Module:
     """The model ready to train, as ``train.parallelism``'s entry in trainer.parallel.strategies says.
     DDP: loaded whole and replicated. FSDP and HSDP: built on the meta device, sharded, and
-    each rank reads only its shards from the safetensors (trainer.sharded_load), so no rank
+    each rank reads only its shards from the safetensors (trainer.model.sharded_load), so no rank
     ever holds the whole model; with ``train.cpu_offload`` the shards live in host memory.
     Decoder blocks are compiled before wrapping (train.compile). What the strategy cannot do
     in this process (CPU offload without a GPU, an HSDP shard size that does not divide this
@@ -71,7 +71,7 @@ def build_model(
 
     if not chosen.loads_sharded:
         return ready(load_model(spec, env.device, attention))
-    from trainer.sharded_load import build_sharded
+    from trainer.model.sharded_load import build_sharded
 
     return build_sharded(
         spec,

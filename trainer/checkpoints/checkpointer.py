@@ -61,10 +61,10 @@ from jobgen.runs.rundir import (
     checkpoint_name,
     complete_checkpoints_in,
 )
-from trainer.checkpoint_reader import load, unreadable_cause
+from trainer.checkpoints.reader import load, unreadable_cause
 from trainer.distributed import DistEnv, all_gather_object, barrier, broadcast_object, reduce_max
 
-log = logging.getLogger("trainer.checkpoint")
+log = logging.getLogger("trainer.checkpoints.checkpointer")
 
 # Files (and threads) each rank writes its part of a checkpoint with. One thread leaves the
 # disk idle while it serialises, checksums and fsyncs; measured by bench/checkpoint_cost.py
@@ -91,7 +91,7 @@ class ResumeFailed(RuntimeError):
 
 def describe_load_error(exc: BaseException) -> str:
     """One line for a failed load: DCP wraps the real error (with a traceback in its text). A
-    refused or unreadable file (trainer.checkpoint_reader) is its own message: it names the file."""
+    refused or unreadable file (trainer.checkpoints.reader) is its own message: it names the file."""
     unreadable = unreadable_cause(exc)
     if unreadable is not None:
         return " ".join(str(unreadable).split())

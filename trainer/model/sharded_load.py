@@ -40,9 +40,9 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from jobgen.spec.tables.run import ModelSpec
 from trainer.distributed import DistEnv
-from trainer.model_errors import ModelError
+from trainer.model.errors import ModelError
 
-log = logging.getLogger("trainer.sharded_load")
+log = logging.getLogger("trainer.model.sharded_load")
 
 # Names a parameter has in a peft-wrapped model that its base model's files do not.
 PEFT_PREFIX = "base_model.model."

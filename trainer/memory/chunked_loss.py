@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.data.packing import IGNORE_INDEX
-from trainer.model_errors import ModelError
+from trainer.model.errors import ModelError
 
 # Config keys of transformers models that post-process the output layer's logits.
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -189,7 +189,7 @@ def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _fsdp_unit_of_linear(module: nn.Module) -> bool:
     """Whether ``module`` is a plain ``nn.Linear`` that FSDP2's ``fully_shard`` made a unit of
-    its own (:func:`trainer.model.wrap` does so for untied output layers): its class is then
+    its own (:func:`trainer.model.build.wrap` does so for untied output layers): its class is then
     ``FSDPLinear(FSDPModule, nn.Linear)``."""
     from torch.distributed.fsdp import FSDPModule
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from jobgen.runtime.stopping import Action, StopMonitor
 from trainer.distributed import DistEnv, barrier, mark_progress, reduce_max
-from trainer.loss import unwrap
+from trainer.memory.chunked_loss import unwrap
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
