@@ -114,6 +114,7 @@ def run_attempt(spec, run, env, attempt: Attempt, startup, lease, expected_world
 
         code, reason = ExitCode.CRASHED, crash_reason(exc, run.path)
         progress.crash = CrashSignature.of(exc, progress.step)
+        progress.repeats_at_once = progress.building and will_repeat(exc)
         record_rank_end(run, attempt, env, exc)
         raise
     finally:
@@ -147,6 +148,8 @@ class Progress:
     started: bool = False
     trainer: Any = None
     crash: Any = None  # jobgen.runtime.records.CrashSignature
+    building: bool = False  # the Trainer is being built: data, model, optimizer, before any step
+    repeats_at_once: bool = False  # a crash building it that every task would meet (will_repeat)
 
     @property
     def step(self) -> int | None:
@@ -253,7 +256,9 @@ def train(spec, run, env, attempt: Attempt, startup, progress: Progress) -> tupl
 
     startup.mark("imports")  # transformers, datasets
     try:
+        progress.building = True
         trainer = progress.trainer = Trainer(spec, run.path, env, monitor, startup)
+        progress.building = False
     except (DataError, DataCacheError) as exc:
         return ExitCode.DATA_ERROR, f"{type(exc).__name__}: {exc}"
     except (ModelError, PipelineSplitError, *peft_target_errors(spec)) as exc:
@@ -310,6 +315,35 @@ def stop_monitor(spec, run, env, attempt: Attempt):
     return monitor
 
 
+def will_repeat(exc: BaseException) -> bool:
+    """Whether a crash building the Trainer (before its first step) is one every task would meet:
+    an error of the code or of what it was given (a model the code does not handle, a setting it
+    cannot apply: TypeError, AttributeError, ValueError, LookupError, NotImplementedError,
+    ImportError...), not one of the machine or the world (a file system, memory, a collective,
+    a timeout), which a task on other nodes or at another time may not meet. Typed, never
+    matched on message text."""
+    import torch
+    import torch.distributed as dist
+
+    from jobgen.runtime.records import disk_full
+
+    of_the_world = (OSError, MemoryError, TimeoutError, torch.OutOfMemoryError, dist.DistError)
+    if isinstance(exc, of_the_world) or disk_full(exc) is not None:
+        return False
+    of_the_code = (
+        TypeError,
+        AttributeError,
+        ValueError,
+        LookupError,
+        NotImplementedError,
+        ImportError,
+        NameError,
+        AssertionError,
+        ArithmeticError,
+    )
+    return isinstance(exc, of_the_code)
+
+
 def peft_target_errors(spec) -> tuple[type[BaseException], ...]:
     """peft's typed error for LoRA targets that match no module of the model (peft >= 0.14)."""
     if spec.run.model is None or spec.run.model.lora is None:
@@ -326,7 +360,8 @@ def record_exit(run, attempt: Attempt, code: ExitCode, reason: str, progress: Pr
     (this attempt's own file), and the ``failed`` marker when every later task would fail
     the same way: a failure of a kind that repeats (``code.repeats``), or a crash that the
     previous task of the run had exactly so (same exception, same place, same step), which
-    will not go away by itself either. Returns the reason as recorded."""
+    will not go away by itself either; or a crash building the Trainer that any task would meet
+    (:func:`will_repeat`), at once. Returns the reason as recorded."""
     from jobgen.runtime.records import attempt_ended, record_failure
 
     repeated = None
@@ -335,6 +370,8 @@ def record_exit(run, attempt: Attempt, code: ExitCode, reason: str, progress: Pr
             repeated = attempt_ended(run, attempt.job_id, attempt.restart, attempt.array_job_id, progress.crash)
         except OSError as exc:
             logging.getLogger("trainer").warning("could not record how this attempt ended: %s", exc)
+    if progress.repeats_at_once and repeated is None:
+        return record_failure(run, attempt.job_id, attempt.restart, code, reason, progress.crash, at_once=True)
     return record_failure(run, attempt.job_id, attempt.restart, code, reason, repeated)
 
 

@@ -57,7 +57,11 @@ def validate(spec_file: str) -> None:
         f"= world size {spec.world_size}, site '{spec.site.name}', run dir {spec.run_dir})"
     )
     from jobgen.launch.preflight import command_findings
+    from jobgen.spec.named_files import lora_adapted
 
+    adapted = lora_adapted(spec.run)
+    if adapted is not None:
+        click.echo(f"model.lora adapts {adapted}")
     print_findings(command_findings(spec))
 
 

@@ -19,6 +19,9 @@ from collections.abc import Iterable
 from jobgen.model.files import _LAYER as BLOCK_NAME
 
 ALL_LINEAR = "all-linear"
+# Routers pick experts (their outputs are logits over experts): LoRA's default leaves them, as
+# trainer.model.architecture does for the built model.
+ROUTERS = ("gate", "router", "shared_expert_gate")
 _LISTED = 12  # names shown in a message
 
 
@@ -47,13 +50,34 @@ def adaptable(modules: dict[str, int]) -> list[str]:
     return sorted(name for name, dims in modules.items() if dims == 2)
 
 
-def adapted(targets: list[str] | str, modules: dict[str, int]) -> list[str]:
+def default_targets(modules: dict[str, int]) -> list[str]:
+    """What LoRA adapts when ``target_modules`` is unset, as last names: every linear layer of
+    the decoder blocks (attention and MLP projections, fused ones such as Phi-3's ``qkv_proj``
+    and GPT-NeoX's ``query_key_value`` included), routers left out, and the experts of an MoE
+    layer too: transformers holds them fused, as parameters no LoRA layer wraps."""
+    leaves = {
+        name.rsplit(".", 1)[-1]
+        for name in adaptable(modules)
+        if BLOCK_NAME.search(name + ".") and ".experts." not in name + "."
+    }
+    return sorted(leaves - set(ROUTERS))
+
+
+def adapted(targets: list[str] | str | None, modules: dict[str, int]) -> list[str]:
     """The modules ``targets`` adapts in a model of ``modules``. "all-linear" is taken as the
     decoder blocks' 2-D weights (peft leaves out the output layer; embeddings are no linear
-    layers)."""
+    layers); None as :func:`default_targets`."""
+    if targets is None:
+        targets = default_targets(modules)
     if is_all_linear(targets):
         return [name for name in adaptable(modules) if BLOCK_NAME.search(name + ".")]
     return [name for name in adaptable(modules) if matches(targets, name)]
+
+
+def describe_adapted(targets: list[str] | str | None, modules: dict[str, int]) -> str:
+    """What validate says LoRA will adapt: "q_proj, k_proj, v_proj, o_proj (8 layers)"."""
+    hits = adapted(targets, modules)
+    return f"{_leaf_names(hits)} ({len(hits)} layers)" if hits else "nothing"
 
 
 def _leaf_names(names: Iterable[str]) -> str:
@@ -62,10 +86,15 @@ def _leaf_names(names: Iterable[str]) -> str:
     return ", ".join(leaves[:_LISTED]) + more
 
 
-def target_problems(targets: list[str] | str, modules: dict[str, int], model_dir: str) -> list[tuple[str, str]]:
+def target_problems(targets: list[str] | str | None, modules: dict[str, int], model_dir: str) -> list[tuple[str, str]]:
     """(suffix of the key: "" or "[i]", why) for each target that adapts nothing in the model:
     a list entry that matches no module or only modules LoRA cannot adapt (a norm, a block),
-    a regular expression that matches no adaptable module."""
+    a regular expression that matches no adaptable module; the default when the model's blocks
+    have no linear layer at all."""
+    if targets is None:
+        if default_targets(modules):
+            return []
+        return [("", f"the decoder blocks of the model in {model_dir} have no linear layer to adapt: name the layers")]
     if is_all_linear(targets):
         return []
     names = _leaf_names(adaptable(modules))

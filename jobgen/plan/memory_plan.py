@@ -338,10 +338,11 @@ def inputs_for(spec: Any, model_info: ModelInfo | None = None) -> PlanInputs:
     )
 
 
-def _lora_leaves(targets: list[str] | str, model_info: ModelInfo | None) -> tuple[str, ...]:
-    """The last names of the layers LoRA adapts (q_proj...), as the estimate counts them."""
+def _lora_leaves(targets: list[str] | str | None, model_info: ModelInfo | None) -> tuple[str, ...]:
+    """The last names of the layers LoRA adapts (q_proj...), as the estimate counts them; a
+    pattern or the default (None) adapts what only the model's tensors can say."""
     if model_info is None:
-        return () if isinstance(targets, str) else tuple(t.rsplit(".", 1)[-1] for t in targets)
+        return () if targets is None or isinstance(targets, str) else tuple(t.rsplit(".", 1)[-1] for t in targets)
     modules = weight_modules((t.name for t in model_info.tensors), (t.shape for t in model_info.tensors))
     return tuple(sorted({name.rsplit(".", 1)[-1] for name in adapted(targets, modules)}))
 

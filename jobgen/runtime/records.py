@@ -94,13 +94,24 @@ def write_exit_code(run: RunDir, job_id: str, restart: int, code: ExitCode, reas
 
 
 def record_failure(
-    run: RunDir, job_id: str | None, restart: int, code: ExitCode, reason: str, repeated: CrashSignature | None = None
+    run: RunDir,
+    job_id: str | None,
+    restart: int,
+    code: ExitCode,
+    reason: str,
+    repeated: CrashSignature | None = None,
+    *,
+    at_once: bool = False,
 ) -> str:
     """Rank 0 of a program that cannot go on: the exit record for the batch script and, for a
     failure every later task would repeat (``code.repeats``, or a crash that ``repeated`` the
     previous task's: :func:`attempt_ended`), the ``failed`` marker that keeps the queued tasks
-    from starting (the bundled trainer's rule, trainer.__main__). Returns the reason recorded."""
-    if repeated is not None:
+    from starting (the bundled trainer's rule, trainer.__main__). ``at_once``: ``repeated`` is
+    this task's own crash, one that every task would meet (the trainer's crash building the
+    model, of the code rather than the machine). Returns the reason recorded."""
+    if repeated is not None and at_once:
+        reason = f"crashed {repeated.describe()}, as every task would: {reason}"
+    elif repeated is not None:
         reason = f"crashed twice the same way {repeated.describe()}: {reason}"
     if job_id:
         write_exit_code(run, job_id, restart, code, reason)

@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 
 from jobgen.model.files import ModelInfo, PlanError, read_model
-from jobgen.model.lora_targets import target_problems, weight_modules
+from jobgen.model.lora_targets import describe_adapted, target_problems, weight_modules
 from jobgen.model.pipeline_split import LAYERS_KEY, STAGES_KEY, PipelineSplitError, stage_layers
 from jobgen.spec.data_files import data_path_problem, prompts_file_problem
 from jobgen.spec.tables.run import RunSpec
@@ -63,6 +63,19 @@ def _model(directory: str) -> ModelInfo | None:
         return read_model(directory)
     except PlanError:  # a hub id, or files `jobgen plan` and submit report themselves
         return None
+
+
+def lora_adapted(run: RunSpec) -> str | None:
+    """What [model.lora] will adapt in a local model, for validate to say ("q_proj, v_proj (4
+    layers)"); None without LoRA or a model it can read."""
+    model = run.model
+    if model is None or model.lora is None or not Path(model.path).is_absolute():
+        return None
+    info = _model(model.path)
+    if info is None:
+        return None
+    modules = weight_modules((t.name for t in info.tensors), (t.shape for t in info.tensors))
+    return describe_adapted(model.lora.target_modules, modules)
 
 
 def model_problems(run: RunSpec, world_sizes: list[int]) -> list[Problem]:

@@ -1,7 +1,8 @@
 """A crash that will repeat stops the run (issue 30, item 10): when two tasks of a run in a row
 crash the same way (the same exception, raised at the same place, at the same step), rank 0
 writes the ``failed`` marker, so the array's queued tasks do not start; a crash followed by a
-different one does not stop it. Under torchrun on gloo with two ranks: the crash is planted in
+different one does not stop it. A crash building the model that is an error of the code, not
+of the machine, stops it in the first task (issue 32). Under torchrun on gloo with two ranks: the crash is planted in
 every rank's optimizer step through a sitecustomize module, the array tasks are told apart by
 their Slurm ids, as the batch script gives them."""
 
@@ -36,6 +37,20 @@ SITECUSTOMIZE = textwrap.dedent(
                 raise ValueError("a planted crash")
 
         register_optimizer_step_pre_hook(crash)
+
+    if os.environ.get("RANK") is not None and os.environ.get("CRASH_BUILD"):
+        # Building the model fails as GPT-2 under a pipeline did (an error of the code), or as a
+        # file system may (an error of the world).
+        import errno
+
+        import transformers
+
+        def load(*args, **kwargs):
+            if os.environ["CRASH_BUILD"] == "io":
+                raise OSError(errno.EIO, "a planted I/O error")
+            raise AttributeError("'GPT2Config' object has no attribute 'intermediate_size'")
+
+        transformers.AutoModelForCausalLM.from_pretrained = load
     """
 )
 
@@ -81,6 +96,35 @@ def test_the_same_crash_in_two_tasks_in_a_row_stops_the_run(tmp_path: Path, tiny
     assert "crashed twice the same way at step 2" in shown, shown
     task(run, plant, 503)
     assert (run / "logs" / "exit-code.503.0").read_text().splitlines()[0] == str(int(ExitCode.NOT_STARTED))
+
+
+def test_an_error_of_the_code_while_building_the_model_stops_the_run_at_once(
+    tmp_path: Path, tiny_model: Path, plant: Path
+):
+    """Issue 32: an exit-1 crash before the first step that every task would meet (an
+    AttributeError building the model) writes the failed marker in the first task; the next
+    task does not start."""
+    run = make_run(tmp_path, tiny_model, "build", max_steps=20)
+    first = task(run, plant, 801, CRASH_BUILD="code")
+    assert first.returncode != 0
+    marker = json.loads((run / "failed").read_text())
+    assert marker["exit_code"] == ExitCode.CRASHED and marker["job_id"] == "801", marker
+    assert marker["reason"].startswith("crashed before its first step (AttributeError at sitecustomize.py:"), marker
+    assert "as every task would" in marker["reason"] and "intermediate_size" in marker["reason"], marker
+    task(run, plant, 802)
+    assert (run / "logs" / "exit-code.802.0").read_text().splitlines()[0] == str(int(ExitCode.NOT_STARTED))
+
+
+def test_an_error_of_the_world_while_building_the_model_does_not_stop_the_run(
+    tmp_path: Path, tiny_model: Path, plant: Path
+):
+    """An I/O error building the model may not meet the next task (other nodes, a file system
+    back): no marker from one; the run trains on in the next task."""
+    run = make_run(tmp_path, tiny_model, "world", max_steps=2)
+    assert task(run, plant, 901, CRASH_BUILD="io").returncode != 0
+    assert not (run / "failed").exists()
+    assert task(run, plant, 902).returncode == 0
+    assert (run / "done").exists()
 
 
 def test_a_crash_followed_by_another_kind_does_not_stop_the_run(tmp_path: Path, tiny_model: Path, plant: Path):

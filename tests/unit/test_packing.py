@@ -190,11 +190,11 @@ def test_packed_loss_equals_examples_run_one_by_one(tiny_model, examples, attn):
     assert abs(mean_loss(model, packed, use_cache=None) - reference) > 1e-3
 
 
-def test_flex_attention_for_packed_rows_on_gpus_and_compiled_blocks_on_gpus_by_default():
+def test_flex_attention_for_packed_rows_on_gpus_and_compiled_blocks_on_gpus_by_default(tiny_model):
     from jobgen.spec.tables.run import ModelSpec, TrainSpec
     from trainer.model.build import attention_implementation, compiles_blocks
 
-    auto, cuda, cpu = ModelSpec(path="m"), torch.device("cuda", 0), torch.device("cpu")
+    auto, cuda, cpu = ModelSpec(path=str(tiny_model)), torch.device("cuda", 0), torch.device("cpu")
     assert attention_implementation(auto, cuda, packing=True) == "flex_attention"
     assert attention_implementation(auto, cuda, packing=False) == "sdpa"  # padded rows: sdpa's flash kernel
     assert attention_implementation(auto, cpu, packing=True) == "sdpa"

@@ -113,6 +113,17 @@ def test_lora_targets_by_peft_rules_are_accepted(tmp_path, model_dir, targets):
     assert loaded.run.model.lora.target_modules == targets
 
 
+def test_validate_says_what_lora_adapts_by_default(tmp_path, model_dir):
+    """Issue 32: unset target_modules adapts every linear layer of the blocks, whatever the
+    architecture calls them; validate names them (here Llama's seven projections, 4 blocks)."""
+    from helpers import jobgen
+
+    shown = jobgen("validate", str(spec(tmp_path, model={"path": str(model_dir), "lora": {}}))).stdout
+    assert "model.lora adapts down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (28 layers)" in shown, shown
+    chosen = spec(tmp_path / "chosen", model={"path": str(model_dir), "lora": {"target_modules": ["q_proj"]}})
+    assert "model.lora adapts q_proj (4 layers)" in jobgen("validate", str(chosen)).stdout
+
+
 @pytest.mark.parametrize(
     "pipeline, world, key, words",
     [
@@ -203,7 +214,8 @@ def test_an_end_without_its_start_repeats_nothing(tmp_path: Path):
 
 @pytest.mark.torch
 @pytest.mark.parametrize(
-    "targets", [["q_proj", "v_proj"], ["self_attn.o_proj"], ["lm_head"], "all-linear", r".*\.mlp\.(up|down)_proj"]
+    "targets",
+    [["q_proj", "v_proj"], ["self_attn.o_proj"], ["lm_head"], "all-linear", r".*\.mlp\.(up|down)_proj", None],
 )
 def test_jobgen_names_the_layers_peft_adapts(tiny_model: Path, targets):
     """The validate check and the trainer agree: the modules jobgen.model.lora_targets works out from the

@@ -12,10 +12,15 @@ reentrant variant re-runs forward hooks during backward and makes DDP raise
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from jobgen.spec.tables.run import ModelSpec, TrainSpec
+from trainer.model.architecture import Architecture
 from trainer.model.errors import ModelError
+
+log = logging.getLogger("trainer")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,11 +49,17 @@ def load_tokenizer(path: str):
 
 
 def attention_implementation(spec: ModelSpec, device: torch.device, packing: bool) -> str:
-    """``model.attention`` resolved: "auto" is flex attention for packed rows on a GPU (a
-    block mask per document instead of sdpa's dense rows x rows mask), sdpa otherwise."""
+    """``model.attention`` resolved for the model's class (trainer.model.architecture): "auto" is
+    flex attention for packed rows on a GPU, SDPA otherwise, each where the class supports it,
+    else eager (Gemma 2 has no SDPA). Logged with the reason."""
     if spec.attention != "auto":
-        return spec.attention
-    return "flex_attention" if device.type == "cuda" and packing else "sdpa"
+        return spec.attention  # what the user chose stands
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(spec.path, trust_remote_code=False)  # no code from the model directory
+    chosen, why = Architecture.of_config(config).attention(spec.attention, device.type == "cuda", packing)
+    log.info("attention: %s (%s)", chosen, why)
+    return chosen
 
 
 def compiles_blocks(train: TrainSpec, device: torch.device) -> bool:
@@ -89,8 +100,7 @@ def add_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
         r=spec.lora.r,
         lora_alpha=spec.lora.alpha,
         lora_dropout=spec.lora.dropout,
-        # A list of names, or one string: 'all-linear' or a regular expression (jobgen.model.lora_targets).
-        target_modules=targets if isinstance(targets := spec.lora.target_modules, str) else list(targets),
+        target_modules=lora_targets(model, spec),
         task_type="CAUSAL_LM",
     )
     if spec.gradient_checkpointing:
@@ -99,15 +109,24 @@ def add_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
+def lora_targets(model: torch.nn.Module, spec: ModelSpec) -> list[str] | str:
+    """``[model.lora] target_modules``: a list of names, or one string ('all-linear' or a regular
+    expression: jobgen.model.lora_targets); unset, every linear layer of the decoder blocks
+    (trainer.model.architecture), logged."""
+    assert spec.lora is not None
+    targets = spec.lora.target_modules
+    if targets is None:
+        targets = Architecture.of_model(model).lora_targets(model)
+        log.info("LoRA adapts %s of every decoder layer (model.lora.target_modules unset)", ", ".join(targets))
+        return targets
+    return targets if isinstance(targets, str) else list(targets)
+
+
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks, found by class name (LlamaDecoderLayer, Qwen2DecoderLayer, ...)."""
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    if not layers:  # GPT-2 style naming
-        layers = [m for m in model.modules() if type(m).__name__.endswith("Block")]
-    if not layers:
-        raise RuntimeError(f"no decoder layers found in {type(model).__name__} to shard with FSDP")
-    return layers
+    """The transformer blocks, as the model's class names them (its ``_no_split_modules``:
+    LlamaDecoderLayer, GPTNeoXLayer, GPT2Block, ...); ModelError when it names none it has."""
+    return Architecture.of_model(model).decoder_layers(model)

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from jobgen.spec.tables.run import ModelSpec
 from trainer.distributed import DistEnv
+from trainer.model.architecture import CheckpointLayout
 from trainer.model.errors import ModelError
 
 log = logging.getLogger("trainer.model.sharded_load")
@@ -134,9 +135,11 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
-def read_weights(model: torch.nn.Module, directory: Path, threads: int) -> int:
+def read_weights(model: torch.nn.Module, directory: Path, threads: int, layout: CheckpointLayout | None = None) -> int:
     """Fill every non-adapter parameter and persistent buffer from the safetensors in
-    ``directory``, each rank its own slices. Returns how many tensors were read."""
+    ``directory``, each rank its own slices. Returns how many tensors were read. ``layout``: the
+    model's checkpoint layout, read before sharding (FSDP renames the classes the library's
+    conversion mapping is keyed by)."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ShardedLoadError(
@@ -147,17 +150,27 @@ def read_weights(model: torch.nn.Module, directory: Path, threads: int) -> int:
     # safetensors headers (JSON) and raw tensors only: nothing in a model directory is unpickled here.
     reader = HuggingFaceStorageReader(str(directory), thread_count=max(1, min(threads, len(files))))
     available = set(reader.read_metadata().state_dict_metadata)
+    layout = layout or CheckpointLayout(model)
+    renamed = layout.renamed(available)  # GPT-NeoX's embed_out is lm_head in memory
     tied = tied_names(model)
     state: dict[str, torch.Tensor] = {}
     missing: list[str] = []
     for name, tensor in model.state_dict(keep_vars=True).items():
         key = checkpoint_name(name)
+        key = renamed.get(key, key)
         if is_adapter(name) or name in tied:
             continue
         if key not in available:
             missing.append(key)
             continue
         state[key] = tensor.detach() if hasattr(tensor, "detach") else tensor
+    merged = layout.merged(available) & set(missing)
+    if merged:
+        raise ShardedLoadError(
+            f"model.path: {directory}: {sorted(merged)[0]} (and {len(merged) - 1} more) is merged from per-expert "
+            "tensors of the checkpoint, which the sharded load does not convert yet: train this mixture of "
+            'experts with train.parallelism = "ddp"'
+        )
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ShardedLoadError(f"model.path: {directory}: the safetensors lack {shown}")
@@ -167,16 +180,22 @@ def read_weights(model: torch.nn.Module, directory: Path, threads: int) -> int:
 
 
 def recompute_buffers(model: torch.nn.Module, device: torch.device) -> None:
-    """Non-persistent buffers (rotary tables) as ``from_pretrained`` computes them: the module
-    (which holds no parameters) is built again on ``device`` from its config."""
+    """Non-persistent buffers as ``from_pretrained`` computes them. A module without parameters
+    (a rotary table) is built again on ``device`` from its config; one with parameters (Gemma's
+    scaled embedding and its ``embed_scale``) gets them from the model's own initialisation
+    (``_init_weights``), run on a stand-in whose parameters are on the meta device, so nothing
+    loaded is touched."""
     persistent = set(model.state_dict())
     for prefix, module in model.named_modules():
         own = {name for name, _ in module.named_buffers(recurse=False)}
         transient = {n for n in own if f"{prefix}.{n}".lstrip(".") not in persistent}
         if not transient:
             continue
+        if any(True for _ in module.parameters(recurse=False)):
+            _initialise_buffers(model, prefix, module, transient, device)
+            continue
         config = getattr(module, "config", None)
-        if config is None or any(True for _ in module.parameters(recurse=False)):
+        if config is None:
             raise ShardedLoadError(
                 f"cannot recompute the buffers {sorted(transient)} of {prefix or 'the model'} "
                 f"({type(module).__name__}) after sharded loading"
@@ -188,6 +207,37 @@ def recompute_buffers(model: torch.nn.Module, device: torch.device) -> None:
         for name, value in vars(fresh).items():  # e.g. attention_scaling, computed alongside
             if not name.startswith("_") and isinstance(value, (int, float)):
                 setattr(module, name, value)
+
+
+def _initialise_buffers(
+    model: torch.nn.Module, prefix: str, module: torch.nn.Module, transient: set[str], device: torch.device
+) -> None:
+    """``transient`` buffers of ``module`` (which holds parameters) as the model's
+    ``_init_weights`` sets them, on a stand-in of ``module``: its attributes (``scalar_embed_scale``),
+    its parameters' shapes on the meta device (their initialisation costs nothing and goes
+    nowhere), fresh buffers on ``device``."""
+    from trainer.model.architecture import pretrained_model
+
+    stand_in = object.__new__(type(module))
+    stand_in.__dict__.update(module.__dict__)
+    stand_in.__dict__["_parameters"] = {
+        name: None if p is None else torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        for name, p in module._parameters.items()
+    }
+    stand_in.__dict__["_buffers"] = {
+        name: torch.empty(b.shape, dtype=b.dtype, device=device) if name in transient and b is not None else b
+        for name, b in module._buffers.items()
+    }
+    stand_in.__dict__["_modules"] = {}
+    initialise = getattr(pretrained_model(model), "_init_weights", None)
+    if initialise is None:
+        raise ShardedLoadError(
+            f"cannot recompute the buffers {sorted(transient)} of {prefix}: the model has no _init_weights"
+        )
+    with torch.no_grad():
+        initialise(stand_in)
+    for name in transient:
+        module._buffers[name] = stand_in._buffers[name]
 
 
 def build_sharded(
@@ -204,11 +254,12 @@ def build_sharded(
     CPU offload), read there directly from the files."""
     directory = model_directory(spec.path)
     model = build_skeleton(spec, dtype, prepare)
+    layout = CheckpointLayout(model)  # before FSDP renames the classes
     materialise_adapters(model)
     model = shard(model)
     allocate_shards(model, env.device, param_device)
     threads = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1)))
-    count = read_weights(model, directory, threads)
+    count = read_weights(model, directory, threads, layout)
     recompute_buffers(model, env.device)
     if env.is_main:
         log.info("loaded %d tensors of %s, each rank its own shards", count, directory)

@@ -229,13 +229,16 @@ class LoraSpec(SpecModel):
     r: int = Field(16, ge=1, le=4096, description="Adapter rank.")
     alpha: float = Field(32.0, gt=0, description="Scaling (lora_alpha).")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
-    target_modules: list[str] | str = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+    target_modules: list[str] | str | None = Field(
+        None,
         description=(
             "The layers to adapt, by peft's rules: a list of module names, each matching a layer whose full name "
             "is it or ends in '.' and it (['q_proj', 'v_proj'], ['self_attn.o_proj']); or one string: 'all-linear' "
             "(every linear layer but the output layer) or a regular expression the whole name must match "
-            "('.*\\.(q|v)_proj'). With a local model, validate refuses targets that adapt no layer of it."
+            "('.*\\.(q|v)_proj'). Unset: every linear layer of the decoder blocks, whatever the architecture calls "
+            "them (Llama's q/k/v/o and MLP projections, Phi-3's fused qkv_proj, GPT-2's c_attn), routers and "
+            "fused MoE experts left out. With a local model, validate says what will be adapted and refuses "
+            "targets that adapt no layer of it."
         ),
     )
 
@@ -243,6 +246,8 @@ class LoraSpec(SpecModel):
     @classmethod
     def _targets(cls, value: object) -> object:
         """One message naming the entry, instead of pydantic's one per member of the union."""
+        if value is None:
+            return None
         if isinstance(value, str):
             return _lora_pattern(value)
         if not isinstance(value, list) or not all(isinstance(name, str) for name in value):

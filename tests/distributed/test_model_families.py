@@ -1,0 +1,109 @@
+"""Model families beyond Llama (issue 32), as tiny random models built here (tests/model_families.py):
+
+- the architecture is read from transformers' own class (trainer/model/architecture.py): the
+  decoder layers by ``_no_split_modules`` (GPT-NeoX's GPTNeoXLayer, GPT-2's GPT2Block), the
+  attention "auto" picks (eager for Gemma 2, which has no SDPA), and LoRA's default targets,
+  which validate's reading of the safetensors (jobgen/model/lora_targets.py) names alike for
+  every family;
+- FSDP's sharded load trains Gemma 2 (its scaled embedding's ``embed_scale`` buffer recomputed)
+  and GPT-NeoX (its ``embed_out`` checkpoint key renamed to ``lm_head`` as transformers does)
+  with the losses of DDP; a mixture of experts, whose per-expert checkpoint the sharded load
+  does not convert yet, is refused with the reason and stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import make_run, torchrun
+from model_families import FAMILIES, make_family_model
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory):
+    made: dict[str, Path] = {}
+
+    def model(family: str) -> Path:
+        if family not in made:
+            made[family] = make_family_model(tmp_path_factory.mktemp(family), family)
+        return made[family]
+
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_validate_and_the_trainer_name_the_same_default_lora_targets(family_models, family: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from jobgen.model.files import read_model
+    from jobgen.model.lora_targets import default_targets, weight_modules
+    from trainer.model.architecture import Architecture
+
+    directory = family_models(family)
+    info = read_model(directory)
+    from_files = default_targets(weight_modules((t.name for t in info.tensors), (t.shape for t in info.tensors)))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    architecture = Architecture.of_model(model)
+    assert from_files == architecture.lora_targets(model), family
+    assert "lm_head" not in from_files and "gate" not in from_files
+    assert len(architecture.decoder_layers(model)) == 2, family  # every family's blocks are found
+
+
+def test_what_the_architecture_says_of_gemma2_gpt_neox_phi3_and_mixtral(family_models):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.model.architecture import Architecture
+
+    def architecture(family: str) -> tuple[Architecture, torch.nn.Module]:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(family_models(family)))
+        return Architecture.of_model(model), model
+
+    gemma2, _ = architecture("gemma2")
+    assert gemma2.attention("auto", gpu=False, packing=True) == ("eager", "Gemma2ForCausalLM does not support SDPA")
+    assert gemma2.attention("sdpa", gpu=False, packing=True)[0] == "sdpa"  # what the user asked for stands
+    assert gemma2.tied_embeddings
+    neox, model = architecture("gpt-neox")
+    assert neox.layer_classes == ("GPTNeoXLayer",) and neox.attention("auto", gpu=False, packing=False)[0] == "sdpa"
+    assert neox.lora_targets(model) == ["dense", "dense_4h_to_h", "dense_h_to_4h", "query_key_value"]
+    phi3, model = architecture("phi3")
+    assert phi3.lora_targets(model) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]  # fused, all of them
+    mixtral, model = architecture("mixtral")
+    assert mixtral.experts == 4 and mixtral.lora_targets(model) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+
+def losses(run: Path) -> list[float]:
+    return [
+        line["loss"] for line in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in line
+    ]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt-neox"])
+def test_fsdp_trains_the_family_with_the_losses_of_ddp(tmp_path: Path, family_models, family: str):
+    model = family_models(family)
+    runs = {}
+    for parallelism in ("ddp", "fsdp"):
+        run = make_run(tmp_path / parallelism, model, family, parallelism=parallelism, max_steps=3)
+        proc = torchrun(run, nproc=2, timeout=400)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[parallelism] = losses(run)
+        if family == "gemma2":
+            assert "attention: eager (Gemma2ForCausalLM does not support SDPA)" in proc.stdout + proc.stderr
+    assert len(runs["ddp"]) == 3 and runs["fsdp"] == pytest.approx(runs["ddp"], abs=1e-4), runs
+
+
+def test_a_mixture_of_experts_under_fsdp_stops_the_run_with_the_reason(tmp_path: Path, family_models):
+    run = make_run(tmp_path, family_models("mixtral"), "moe", parallelism="fsdp", max_steps=3)
+    proc = torchrun(run, nproc=2, timeout=400)
+    assert proc.returncode != 0
+    marker = json.loads((run / "failed").read_text())
+    assert marker["reason"].startswith("ShardedLoadError: "), marker
+    assert "merged from per-expert tensors" in marker["reason"] and 'parallelism = "ddp"' in marker["reason"]

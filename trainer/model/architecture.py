@@ -1,0 +1,187 @@
+"""One description of a causal LM's parts, read from transformers' own class and config rather
+than from class-name patterns: which modules are its decoder layers (the class's
+``_no_split_modules``: GPTNeoXLayer and GPT2Block as well as LlamaDecoderLayer), which
+attention kernels the class supports (Gemma 2 has no SDPA), whether the head shares the
+embedding's weight, its experts, and the linear layers of its blocks (what LoRA adapts by
+default, fused projections such as Phi-3's ``qkv_proj`` included, routers excluded).
+
+FSDP wrapping, compiling and checkpointing the blocks, the attention kernel, the buffers a
+sharded load recomputes and LoRA's default targets all read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from trainer.model.errors import ModelError
+
+# Routers pick experts; their outputs are logits over experts, not features: LoRA leaves them.
+_ROUTERS = ("gate", "router", "shared_expert_gate")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the trainer needs to know of a model class, before or after it is built."""
+
+    class_name: str
+    model_type: str
+    layer_classes: tuple[str, ...]  # the decoder layers' class names (_no_split_modules)
+    supports_sdpa: bool
+    supports_flex: bool
+    tied_embeddings: bool  # the head is the embedding's weight (config.tie_word_embeddings)
+    experts: int  # routed experts per MoE layer (0: a dense model)
+
+    @classmethod
+    def of_class(cls, model_class: type, config) -> Architecture:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        experts = next(
+            (
+                int(n)
+                for key in ("num_local_experts", "num_experts", "n_routed_experts")
+                if (n := getattr(text, key, 0))
+            ),
+            0,
+        )
+        layers = tuple(getattr(model_class, "_no_split_modules", None) or ())
+        return cls(
+            class_name=model_class.__name__,
+            model_type=str(getattr(config, "model_type", "")),
+            layer_classes=layers,
+            supports_sdpa=bool(getattr(model_class, "_supports_sdpa", False)),
+            supports_flex=bool(getattr(model_class, "_supports_flex_attn", False)),
+            tied_embeddings=bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))),
+            experts=experts,
+        )
+
+    @classmethod
+    def of_config(cls, config) -> Architecture:
+        """The architecture of the causal LM ``AutoModelForCausalLM`` builds for ``config``."""
+        from transformers import AutoModelForCausalLM
+
+        mapping = AutoModelForCausalLM._model_mapping
+        try:
+            model_class = mapping[type(config)]
+        except KeyError:
+            raise ModelError(
+                f"transformers has no causal LM for model_type {getattr(config, 'model_type', '?')!r}"
+            ) from None
+        return cls.of_class(model_class, config)
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module) -> Architecture:
+        base = pretrained_model(model)
+        return cls.of_class(type(base), base.config)
+
+    def decoder_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The model's decoder layers, in order. Raises ModelError when the class names none
+        (``_no_split_modules`` unset) or none is in the model."""
+        wanted = set(self.layer_classes)
+        layers = [m for m in model.modules() if type(m).__name__ in wanted]
+        if not layers:
+            raise ModelError(
+                f"{self.class_name} names no decoder layer class (_no_split_modules = {list(self.layer_classes)}) "
+                "that its modules have: jobgen cannot shard, compile or checkpoint it by block"
+            )
+        return layers
+
+    def attention(self, choice: str, gpu: bool, packing: bool) -> tuple[str, str]:
+        """``model.attention`` resolved, and why: "auto" is flex attention for packed rows on a GPU
+        (a block mask per document instead of SDPA's dense rows x rows mask), SDPA otherwise,
+        each where the class supports it, else eager."""
+        if choice != "auto":
+            return choice, "as model.attention says"
+        if gpu and packing and self.supports_flex:
+            return "flex_attention", "packed rows on a GPU"
+        if self.supports_sdpa:
+            return "sdpa", "the default"
+        return "eager", f"{self.class_name} does not support SDPA"
+
+    def lora_targets(self, model: torch.nn.Module) -> list[str]:
+        """LoRA's default targets: the last names of every linear layer inside the decoder
+        layers (attention and MLP projections, fused ones included), routers left out. peft's
+        "all-linear" without its output layer, spelled as names so that the run's spec.json says
+        what was adapted."""
+        names = {
+            name.rsplit(".", 1)[-1]
+            for layer in self.decoder_layers(model)
+            for name, module in layer.named_modules()
+            if name and _is_linear(module)
+        }
+        return sorted(names - set(_ROUTERS))
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    # GPT-2's Conv1D is a linear layer with its weight transposed; peft adapts it as one.
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def pretrained_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers PreTrainedModel inside ``model`` (itself, or under peft's wrappers)."""
+    from transformers import PreTrainedModel
+
+    for module in _self_and_modules(model):
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise ModelError(f"{type(model).__name__} holds no transformers model")
+
+
+def _self_and_modules(model: torch.nn.Module) -> Iterable[torch.nn.Module]:
+    yield model
+    yield from model.modules()
+
+
+class CheckpointLayout:
+    """How the names in a model's safetensors map to its parameters, as transformers' own
+    conversion mapping says (``transformers.conversion_mapping``): a key renamed (GPT-NeoX's
+    ``embed_out`` is ``lm_head``; Mixtral's ``block_sparse_moe`` is ``mlp``), or several
+    checkpoint tensors merged into one parameter (per-expert MoE weights into the fused
+    ``experts.gate_up_proj``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.renamings: list = []
+        self.converters: list = []
+        try:
+            base = pretrained_model(model)
+        except ModelError:  # a bare module (a test's, a pipeline stage's parts): names as they are
+            return
+        self.prefix = getattr(base, "base_model_prefix", None)
+        self.meta = base.state_dict()
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightConverter, WeightRenaming
+        except ImportError:  # a transformers without conversions renames nothing
+            return
+        for transform in get_model_conversion_mapping(base):
+            if isinstance(transform, WeightConverter):
+                self.converters.append(transform)
+            elif isinstance(transform, WeightRenaming):
+                self.renamings.append(transform)
+
+    def renamed(self, checkpoint_keys: Iterable[str]) -> dict[str, str]:
+        """In-memory name -> checkpoint key, for each checkpoint key the library renames (and
+        does not merge)."""
+        if not self.renamings:
+            return {}
+        from transformers.core_model_loading import rename_source_key
+
+        names = {}
+        for key in checkpoint_keys:
+            name, merged_by = rename_source_key(key, self.renamings, self.converters, self.prefix, self.meta)
+            if merged_by is None and name != key:
+                names[name] = key
+        return names
+
+    def merged(self, checkpoint_keys: Iterable[str]) -> set[str]:
+        """The in-memory names the library builds by merging checkpoint tensors (fused experts)."""
+        if not self.converters:
+            return set()
+        from transformers.core_model_loading import rename_source_key
+
+        return {
+            rename_source_key(key, self.renamings, self.converters, self.prefix, self.meta)[0]
+            for key in checkpoint_keys
+            if rename_source_key(key, self.renamings, self.converters, self.prefix, self.meta)[1] is not None
+        }
