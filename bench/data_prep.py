@@ -53,7 +53,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from jobgen.cli.tinymodel import make_tiny_model
-    from jobgen.spec.tables.run import DataSpec
+    from jobgen.spec.tables.data import DataSpec
     from trainer.data.cache import load_entry
 
     args.work.mkdir(parents=True, exist_ok=True)

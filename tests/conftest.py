@@ -23,7 +23,8 @@ KINDS = ("unit", "distributed", "cluster", "soak")
 NEEDS_SLURM = ("cluster", "soak")
 # The dev cluster's tests run in two parts, each on a worker with a dev cluster of its own: they
 # wait mostly on Slurm's clocks (time limits are checked once a minute), so the parts overlap.
-# Files named here go to part 2 (about half of the time, measured in CI); the rest to part 1.
+# Files named here go to part 2 (about half of the time, measured in CI: the summary line
+# "time in tests per worker"); the rest to part 1.
 CLUSTER_PART_2 = frozenset(
     {
         "test_slurm_lifecycle.py",
@@ -32,7 +33,6 @@ CLUSTER_PART_2 = frozenset(
         "test_slurm_sweep.py",
         "test_slurm_world_size.py",
         "test_serve_slurm.py",
-        "test_devcluster.py",
     }
 )
 
@@ -61,6 +61,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     config.option.loadscopereorder = False  # collection order, not the largest unit first
     return SlurmTestsTogether(config, log)
+
+
+# Seconds each xdist worker spent in tests (setup, call, teardown), summed on the controller:
+# the suite's wall time is its busiest worker's, so CI prints where the time went.
+_BUSY: dict[str, list[float]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
+    if worker is not None:
+        seconds, tests = _BUSY.get(worker, [0.0, 0])
+        _BUSY[worker] = [seconds + report.duration, tests + (report.when == "call")]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _BUSY:
+        parts = ", ".join(f"{w} {s:.0f} s ({int(n)} tests)" for w, (s, n) in sorted(_BUSY.items()))
+        terminalreporter.write_line(f"time in tests per worker: {parts}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

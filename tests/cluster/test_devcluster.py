@@ -326,8 +326,9 @@ class TestNetns:
         print(f"\ndown (netns, with a running job) took {time.monotonic() - started:.1f}s")
 
         assert devcluster.status(info.state_dir) is None
-        namespaces = _run("ip", "netns", "list").stdout
-        assert not any(ns in namespaces for ns in info.netns_names.values())
+        # Whole names: another cluster's node101 contains this cluster's node1 as text.
+        namespaces = {line.split()[0] for line in _run("ip", "netns", "list").stdout.splitlines() if line.strip()}
+        assert not namespaces & set(info.netns_names.values()), namespaces
         links = _run("ip", "-o", "link").stdout
         instance = Instance(info.instance)
         veths = [f": jgv{n.removeprefix('node')}@" for n in info.nodes]  # "7: jgv1@if6: <...>"

@@ -3,7 +3,8 @@
 - A stop request left for a job id before its attempt started (what a requeued job
   finds when its earlier attempt died before consuming one) must not stop it.
 - A failure that every array task would repeat stops the run after the first task:
-  later tasks leave before they launch anything, and ``status`` says why.
+  later tasks leave before they launch anything, and ``status`` says why; so does an exit-1
+  crash building the model that is an error of the code (issue 32), not only a typed failure.
 - Slurm's SIGTERM-to-SIGKILL window (KillWait) is read from the cluster and compared
   with the saves a run has measured, in ``submit`` and ``status``.
 """
@@ -105,6 +106,34 @@ def test_a_failure_that_would_repeat_stops_the_array_after_one_task(cluster_run)
     assert list((run / "history").glob("failed-*.json"))
     stop_run(run, [again])
     assert task != resumed
+
+
+def test_a_crash_building_the_model_stops_a_three_task_array_after_the_first(cluster, tmp_path, tiny_model):
+    """A model whose config.json transformers cannot build (a rope type it does not know: a
+    KeyError as the model is constructed, exit 1): the first task writes the failed marker,
+    tasks 2 and 3 leave without launching anything."""
+    import shutil
+
+    from helpers import train_spec
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "no-such-rope", "factor": 2.0}
+    (broken / "config.json").write_text(json.dumps(config))
+    spec = train_spec(tmp_path, broken, "broken", runs_root=tmp_path / "runs", array=3)
+    run = tmp_path / "runs" / "broken"
+    array = submit(spec)
+    wait_until_gone([array], timeout=300)
+    tasks = {r["ArrayTaskId"]: r for r in slurm.show_job(array)}
+    assert (tasks["1"]["JobState"], tasks["1"]["ExitCode"]) == ("FAILED", f"{int(ExitCode.CRASHED)}:0"), tasks
+    failed = json.loads((run / "failed").read_text())
+    assert failed["reason"].startswith("crashed before its first step (KeyError at "), failed
+    assert "as every task would" in failed["reason"], failed
+    for index in ("2", "3"):
+        assert tasks[index]["JobState"] == "COMPLETED" and "not started" in tasks[index]["Comment"], tasks[index]
+        assert not (run / "logs" / "ranks" / str(int(tasks[index]["JobId"]))).exists()
+    assert status(run)["state"] == "failed"
 
 
 def test_submit_and_status_warn_when_a_save_does_not_fit_in_killwait(cluster_run):

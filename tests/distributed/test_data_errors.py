@@ -175,7 +175,7 @@ def test_data_directory_of_empty_files_is_named_as_empty(tmp_path):
 @pytest.mark.torch
 def test_zero_row_dataset_is_named_as_empty_before_its_columns(tokenizer, tmp_path):
     datasets = pytest.importorskip("datasets")
-    from jobgen.spec.tables.run import DataSpec
+    from jobgen.spec.tables.data import DataSpec
     from trainer.data.build import DataError, tokenize_dataset
 
     # No rows and so no columns: "empty" is the problem, not a missing 'instruction' column.
@@ -191,7 +191,7 @@ def test_zero_row_dataset_is_named_as_empty_before_its_columns(tokenizer, tmp_pa
 @pytest.mark.torch
 def test_chat_set_without_any_assistant_turn_says_so(tokenizer, tmp_path):
     pytest.importorskip("datasets")
-    from jobgen.spec.tables.run import DataSpec
+    from jobgen.spec.tables.data import DataSpec
     from trainer.data.build import DataError, load_raw, tokenize_dataset
 
     path = tmp_path / "chat.jsonl"

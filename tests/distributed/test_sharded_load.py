@@ -25,7 +25,8 @@ CHECK = textwrap.dedent(
     """
     import json, resource, sys
     import torch, torch.distributed as dist
-    from jobgen.spec.tables.run import ModelSpec, TrainSpec
+    from jobgen.spec.tables.run import TrainSpec
+    from jobgen.spec.tables.model import ModelSpec
     from trainer.distributed import exit_now, init_distributed
     from trainer.model.build import build_model
 

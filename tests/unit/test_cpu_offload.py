@@ -10,7 +10,8 @@ import pytest
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 
-from jobgen.spec.tables.run import ModelSpec, TrainSpec  # noqa: E402
+from jobgen.spec.tables.model import ModelSpec  # noqa: E402
+from jobgen.spec.tables.run import TrainSpec  # noqa: E402
 from trainer.distributed import DistEnv  # noqa: E402
 from trainer.model.errors import ModelError  # noqa: E402
 

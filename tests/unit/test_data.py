@@ -13,7 +13,7 @@ datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
 from helpers import REPO  # noqa: E402
-from jobgen.spec.tables.run import DataSpec  # noqa: E402
+from jobgen.spec.tables.data import DataSpec  # noqa: E402
 from trainer.data.build import (  # noqa: E402
     IGNORE_INDEX,
     DataError,

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.torch
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
-from jobgen.spec.tables.run import DataSpec  # noqa: E402
+from jobgen.spec.tables.data import DataSpec  # noqa: E402
 from trainer.data import build as data_mod  # noqa: E402
 from trainer.data import cache as cache_mod  # noqa: E402
 from trainer.data.build import DataError  # noqa: E402
@@ -44,7 +44,7 @@ args = json.loads(sys.argv[1])
 import datasets
 datasets.disable_progress_bars()
 from transformers import AutoTokenizer
-from jobgen.spec.tables.run import DataSpec
+from jobgen.spec.tables.data import DataSpec
 from trainer.data import build as data
 from trainer.data.cache import prepare_dataset
 

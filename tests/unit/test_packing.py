@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
 from helpers import REPO  # noqa: E402
-from jobgen.spec.tables.run import DataSpec  # noqa: E402
+from jobgen.spec.tables.data import DataSpec  # noqa: E402
 from trainer.data.build import load_raw, tokenize_dataset  # noqa: E402
 from trainer.data.packing import (  # noqa: E402
     build_rows,
@@ -191,7 +191,8 @@ def test_packed_loss_equals_examples_run_one_by_one(tiny_model, examples, attn):
 
 
 def test_flex_attention_for_packed_rows_on_gpus_and_compiled_blocks_on_gpus_by_default(tiny_model):
-    from jobgen.spec.tables.run import ModelSpec, TrainSpec
+    from jobgen.spec.tables.model import ModelSpec
+    from jobgen.spec.tables.run import TrainSpec
     from trainer.model.build import attention_implementation, compiles_blocks
 
     auto, cuda, cpu = ModelSpec(path=str(tiny_model)), torch.device("cuda", 0), torch.device("cpu")

@@ -225,7 +225,7 @@ def test_jobgen_names_the_layers_peft_adapts(tiny_model: Path, targets):
 
     from jobgen.model.files import read_model
     from jobgen.model.lora_targets import adapted, weight_modules
-    from jobgen.spec.tables.run import ModelSpec
+    from jobgen.spec.tables.model import ModelSpec
     from trainer.model.prep import add_lora
 
     info = read_model(tiny_model)

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from jobgen.base.atomic import staged_directory
 from jobgen.runs.rundir import RunDir
 from jobgen.spec.resolved import ResolvedSpec
-from jobgen.spec.tables.run import ModelSpec
+from jobgen.spec.tables.model import ModelSpec
 from trainer.checkpoints.checkpointer import complete_checkpoints, describe_load_error
 from trainer.checkpoints.hf_shards import (
     MAX_SHARD_BYTES,

@@ -37,7 +37,7 @@ from typing import Any
 
 import datasets
 
-from jobgen.spec.tables.run import DataSpec
+from jobgen.spec.tables.data import DataSpec
 from trainer.data.formats import (
     PROMPT,
     TARGET,

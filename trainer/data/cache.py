@@ -45,7 +45,7 @@ import datasets
 
 from jobgen.base.atomic import fsync_dir, fsync_tree
 from jobgen.spec.resolved import ResolvedSpec
-from jobgen.spec.tables.run import DataSpec
+from jobgen.spec.tables.data import DataSpec
 from trainer.data.build import build_dataset
 from trainer.data.formats import DataError
 from trainer.data.source import is_hub_id, load_raw

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobgen.spec.tables.run import DataSpec
+from jobgen.spec.tables.data import DataSpec
 
 ALPACA_PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from jobgen.spec.tables.run import ModelSpec, TrainSpec
+from jobgen.spec.tables.model import ModelSpec
+from jobgen.spec.tables.run import TrainSpec
 from trainer.distributed import DistEnv
 from trainer.model.prep import (  # noqa: F401 - re-exported: trainer.model.build is where callers look
     DTYPES,

@@ -16,7 +16,8 @@ import logging
 
 import torch
 
-from jobgen.spec.tables.run import ModelSpec, TrainSpec
+from jobgen.spec.tables.model import ModelSpec
+from jobgen.spec.tables.run import TrainSpec
 from trainer.model.architecture import Architecture
 from trainer.model.errors import ModelError
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from jobgen.spec.tables.run import ModelSpec
+from jobgen.spec.tables.model import ModelSpec
 from trainer.distributed import DistEnv
 from trainer.model.architecture import CheckpointLayout
 from trainer.model.errors import ModelError

@@ -27,7 +27,7 @@ import torch
 
 from jobgen.model.pipeline_split import stage_indices, stage_layers
 from jobgen.spec.global_batch import grad_accum_for
-from jobgen.spec.tables.run import ModelSpec
+from jobgen.spec.tables.model import ModelSpec
 from jobgen.spec.tables.train import TrainSpec
 from trainer.data.batches import model_inputs_on, to_device
 from trainer.data.packing import IGNORE_INDEX

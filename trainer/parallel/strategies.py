@@ -47,7 +47,7 @@ from trainer.model.prep import decoder_layers
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from jobgen.spec.tables.run import ModelSpec
+    from jobgen.spec.tables.model import ModelSpec
     from trainer.parallel.context_parallel import ContextParallel
     from trainer.parallel.step_runner import StepRunner
     from trainer.step_parts import StepParts

@@ -1,4 +1,6 @@
-"""The run spec: tables ``[job]``, ``[model]``, ``[data]``, ``[train]``, ``[env]`` of ``run.toml``.
+"""The run spec: ``[job]`` and ``[env]`` of ``run.toml``, and RunSpec, the whole file, whose other
+tables live in their own modules (``[model]`` in :mod:`jobgen.spec.tables.model`, ``[data]`` in
+:mod:`jobgen.spec.tables.data`, ``[train]`` in :mod:`jobgen.spec.tables.train`, ...).
 
 Key names are part of the product contract (``docs/architecture.md``, "Where a new feature
 goes"); descriptions are the reference documentation and feed ``jobgen schema``. Loading,
@@ -7,13 +9,11 @@ site resolution and error reporting live in :mod:`jobgen.spec.loader`.
 
 from __future__ import annotations
 
-import re
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from jobgen.base.durations import format_human
-from jobgen.model.lora_targets import is_all_linear
 from jobgen.model.mesh import context_parallel_problem
 from jobgen.model.parallelism import ACTIVATION_OFFLOADING, EVAL, LORA, SEVERAL_PROCESSES
 from jobgen.program.kinds import PROGRAMS, Program, ProgramName, owned_tables
@@ -29,7 +29,9 @@ from jobgen.spec.fields import (
     SpecModel,
 )
 from jobgen.spec.tables.command import CommandSpec
+from jobgen.spec.tables.data import DataSpec
 from jobgen.spec.tables.eval import EvalSpec
+from jobgen.spec.tables.model import ModelSpec
 from jobgen.spec.tables.serve import ServeSpec
 from jobgen.spec.tables.sweep import SweepSpec
 from jobgen.spec.tables.train import TrainSpec
@@ -221,170 +223,6 @@ def layout_text(node_procs: tuple[int, ...]) -> str:
     if len(set(node_procs)) <= 1:
         return f"{len(node_procs)} node(s) x {node_procs[0] if node_procs else 0} process(es)"
     return f"{len(node_procs)} nodes with {' + '.join(map(str, node_procs))} processes"
-
-
-class LoraSpec(SpecModel):
-    """Low-rank adapters through peft (pip install .[lora])."""
-
-    r: int = Field(16, ge=1, le=4096, description="Adapter rank.")
-    alpha: float = Field(32.0, gt=0, description="Scaling (lora_alpha).")
-    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
-    target_modules: list[str] | str | None = Field(
-        None,
-        description=(
-            "The layers to adapt, by peft's rules: a list of module names, each matching a layer whose full name "
-            "is it or ends in '.' and it (['q_proj', 'v_proj'], ['self_attn.o_proj']); or one string: 'all-linear' "
-            "(every linear layer but the output layer) or a regular expression the whole name must match "
-            "('.*\\.(q|v)_proj'). Unset: every linear layer of the decoder blocks, whatever the architecture calls "
-            "them (Llama's q/k/v/o and MLP projections, Phi-3's fused qkv_proj, GPT-2's c_attn), routers and "
-            "fused MoE experts left out. With a local model, validate says what will be adapted and refuses "
-            "targets that adapt no layer of it."
-        ),
-    )
-
-    @field_validator("target_modules", mode="before")
-    @classmethod
-    def _targets(cls, value: object) -> object:
-        """One message naming the entry, instead of pydantic's one per member of the union."""
-        if value is None:
-            return None
-        if isinstance(value, str):
-            return _lora_pattern(value)
-        if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
-            raise ValueError("give a list of module names (['q_proj', 'v_proj']), 'all-linear' or a regular expression")
-        if not value:
-            raise ValueError(
-                "an empty list adapts nothing: name the layers, e.g. ['q_proj', 'v_proj'], or 'all-linear'"
-            )
-        for index, name in enumerate(value):
-            if not name.strip() or any(c.isspace() for c in name):
-                raise ValueError(f"entry {index} ({name!r}) is no module name: give one like 'q_proj'")
-        return value
-
-
-def _lora_pattern(pattern: str) -> str:
-    """'all-linear' or a regular expression that compiles (peft matches it with re.fullmatch)."""
-    if is_all_linear(pattern):
-        return pattern
-    if not pattern.strip():
-        raise ValueError("an empty pattern adapts nothing: give 'all-linear', a regular expression or a list of names")
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(f"{pattern!r} is not a regular expression ({exc})") from None
-    return pattern
-
-
-class ModelSpec(SpecModel):
-    """The model to fine-tune."""
-
-    path: str = Field(description="Local Hugging Face model directory (relative to run.toml), or a hub id 'org/name'.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "bfloat16", description="Parameter dtype; CPU runs use float32 regardless."
-    )
-    gradient_checkpointing: bool = Field(False, description="Non-reentrant activation checkpointing.")
-    activation_offloading: bool = Field(
-        False,
-        description=(
-            "Move the tensors kept for backward (with gradient_checkpointing: each block's input) to pinned host "
-            "memory during forward and back during backward, on a separate CUDA stream. Needs "
-            "gradient_checkpointing = true. Trades GPU memory for host memory and PCIe traffic; a no-op on CPU."
-        ),
-    )
-    lora: LoraSpec | None = Field(None, description="LoRA adapters; omit for full fine-tuning.")
-    attention: Literal["auto", "sdpa", "flex_attention", "eager"] = Field(
-        "auto",
-        description=(
-            "The attention kernel (transformers' attn_implementation). 'auto': 'flex_attention' on GPUs when "
-            "data.packing is on, whose block mask skips the pairs of tokens of different examples (sdpa gets a "
-            "dense block-diagonal mask of rows x rows, and no flash kernel with it); 'sdpa' otherwise, and "
-            "always on CPU, where flex attention needs a compiler and was measured slower."
-        ),
-    )
-
-    @model_validator(mode="after")
-    def _offloading_needs_checkpointing(self) -> ModelSpec:
-        if self.activation_offloading and not self.gradient_checkpointing:
-            raise ValueError(
-                "model.activation_offloading = true needs model.gradient_checkpointing = true: without it every "
-                "intermediate activation would cross PCIe twice per step"
-            )
-        return self
-
-
-class DataSpec(SpecModel):
-    """The training data."""
-
-    path: str = Field(
-        description="JSONL/JSON/CSV/Parquet file, a save_to_disk directory (relative to run.toml), or a hub dataset id."
-    )
-    format: Literal["alpaca", "chat", "text", "template"] = Field(
-        "alpaca", description="How rows become prompt + response."
-    )
-    template: str | None = Field(
-        None,
-        description=(
-            "Jinja template over the row's columns, when format = 'template', e.g. "
-            "'### Input: {{input}}\\n\\n### Label: {{output}}'. The text rendered from response_column is the response."
-        ),
-    )
-    response_column: str = Field(
-        "output", description="Column holding the response (format 'template'); loss is computed on it only."
-    )
-    text_column: str = Field("text", description="Column holding the text (format 'text'); loss on all of it.")
-    max_length: int = Field(
-        1024, ge=8, le=1_048_576, description="Tokens per sequence; longer examples are truncated and counted."
-    )
-    packing: bool = Field(False, description="Pack examples into max_length rows without cross-example attention.")
-    num_proc: int | None = Field(
-        None,
-        ge=1,
-        le=1024,
-        description=(
-            "Processes rank 0 tokenizes with when the data is not cached yet. Default: every CPU the job has on "
-            "that node, one per 20000 rows at most (forking costs more than it saves on small sets). The "
-            "tokenized data, and its cache entry, are the same whatever the number."
-        ),
-    )
-
-    @field_validator("template")
-    @classmethod
-    def _template_matches_format(cls, template: str | None, info: ValidationInfo) -> str | None:
-        fmt = info.data.get("format")
-        if fmt == "template" and not template:
-            raise ValueError("format = 'template' needs a 'template'")
-        if fmt not in (None, "template") and template:
-            raise ValueError(f"'template' is only used with format = 'template' (format is '{fmt}')")
-        if template:
-            _parse_template(template)  # a syntax error is found here, not on the cluster
-        return template
-
-    @field_validator("response_column")
-    @classmethod
-    def _template_uses_response(cls, column: str, info: ValidationInfo) -> str:
-        template = info.data.get("template")  # absent when the template itself was invalid
-        if info.data.get("format") == "template" and template:
-            from jinja2 import meta
-
-            if column not in meta.find_undeclared_variables(_parse_template(template)):
-                # The trainer finds the response by rendering it; with none, every row fails.
-                raise ValueError(
-                    f"the template never uses the response column '{column}'; "
-                    "name the column it renders as the response in response_column"
-                )
-        return column
-
-
-def _parse_template(template: str):
-    """The template's syntax tree, parsed as the trainer parses it (trainer.data.formats.jinja_env: a
-    sandboxed environment with default delimiters; jobgen may not import trainer)."""
-    from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    try:
-        return ImmutableSandboxedEnvironment(keep_trailing_newline=True).parse(template)
-    except TemplateSyntaxError as exc:
-        raise ValueError(f"Jinja syntax error at line {exc.lineno} of the template: {exc.message}") from None
 
 
 class RunSpec(SpecModel):
