@@ -9,6 +9,7 @@ left out).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +48,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+@functools.cache
+def _tokenizer():
+    """The tiny tokenizer, trained once per process for every family (it is only saved)."""
+    from jobgen.cli.tinymodel import train_tokenizer
+
+    return train_tokenizer(512)
+
+
 def make_family_model(directory: Path, family: str, *, seed: int = 0) -> Path:
     """A random ``family`` model and the tiny tokenizer, saved into ``directory`` (created)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from jobgen.cli.tinymodel import train_tokenizer
-
     model_type, extra = FAMILIES[family]
-    tokenizer = train_tokenizer(512)
+    tokenizer = _tokenizer()
     ids = {
         "vocab_size": len(tokenizer),
         "pad_token_id": tokenizer.pad_token_id,

@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable
 
 from jobgen.model.files import _LAYER as BLOCK_NAME
+from jobgen.model.files import TensorInfo
 
 ALL_LINEAR = "all-linear"
 # Routers pick experts (their outputs are logits over experts): LoRA's default leaves them, as
@@ -29,13 +30,10 @@ def is_all_linear(targets: list[str] | str) -> bool:
     return isinstance(targets, str) and targets.lower() == ALL_LINEAR
 
 
-def weight_modules(tensor_names: Iterable[str], shapes: Iterable[tuple[int, ...]]) -> dict[str, int]:
-    """Module name -> the number of dimensions of its weight, for every ``<module>.weight``."""
-    return {
-        name.removesuffix(".weight"): len(shape)
-        for name, shape in zip(tensor_names, shapes)
-        if name.endswith(".weight")
-    }
+def weight_modules(tensors: Iterable[TensorInfo]) -> dict[str, int]:
+    """Module name -> the number of dimensions of its weight, for every ``<module>.weight`` among
+    a model's ``tensors`` (:attr:`jobgen.model.files.ModelInfo.tensors`)."""
+    return {t.name.removesuffix(".weight"): len(t.shape) for t in tensors if t.name.endswith(".weight")}
 
 
 def matches(targets: list[str] | str, module: str) -> bool:

@@ -343,7 +343,7 @@ def _lora_leaves(targets: list[str] | str | None, model_info: ModelInfo | None) 
     pattern or the default (None) adapts what only the model's tensors can say."""
     if model_info is None:
         return () if targets is None or isinstance(targets, str) else tuple(t.rsplit(".", 1)[-1] for t in targets)
-    modules = weight_modules((t.name for t in model_info.tensors), (t.shape for t in model_info.tensors))
+    modules = weight_modules(model_info.tensors)
     return tuple(sorted({name.rsplit(".", 1)[-1] for name in adapted(targets, modules)}))
 
 

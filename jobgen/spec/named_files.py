@@ -72,10 +72,7 @@ def lora_adapted(run: RunSpec) -> str | None:
     if model is None or model.lora is None or not Path(model.path).is_absolute():
         return None
     info = _model(model.path)
-    if info is None:
-        return None
-    modules = weight_modules((t.name for t in info.tensors), (t.shape for t in info.tensors))
-    return describe_adapted(model.lora.target_modules, modules)
+    return describe_adapted(model.lora.target_modules, weight_modules(info.tensors)) if info is not None else None
 
 
 def model_problems(run: RunSpec, world_sizes: list[int]) -> list[Problem]:
@@ -94,8 +91,7 @@ def model_problems(run: RunSpec, world_sizes: list[int]) -> list[Problem]:
         return []
     problems: list[Problem] = []
     if model.lora is not None:
-        modules = weight_modules((t.name for t in info.tensors), (t.shape for t in info.tensors))
-        for suffix, why in target_problems(model.lora.target_modules, modules, model.path):
+        for suffix, why in target_problems(model.lora.target_modules, weight_modules(info.tensors), model.path):
             problems.append((f"model.lora.target_modules{suffix}", why))
     for world in world_sizes if pipeline is not None else []:
         if run.train.world_problem(world):

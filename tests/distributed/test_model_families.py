@@ -47,7 +47,7 @@ def test_validate_and_the_trainer_name_the_same_default_lora_targets(family_mode
 
     directory = family_models(family)
     info = read_model(directory)
-    from_files = default_targets(weight_modules((t.name for t in info.tensors), (t.shape for t in info.tensors)))
+    from_files = default_targets(weight_modules(info.tensors))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
     architecture = Architecture.of_model(model)

@@ -229,7 +229,7 @@ def test_jobgen_names_the_layers_peft_adapts(tiny_model: Path, targets):
     from trainer.model.prep import add_lora
 
     info = read_model(tiny_model)
-    expected = adapted(targets, weight_modules((t.name for t in info.tensors), (t.shape for t in info.tensors)))
+    expected = adapted(targets, weight_modules(info.tensors))
     model = add_lora(
         AutoModelForCausalLM.from_pretrained(tiny_model),
         ModelSpec(path=str(tiny_model), lora={"target_modules": targets}),

@@ -16,10 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from jobgen.model.lora_targets import ROUTERS
 from trainer.model.errors import ModelError
-
-# Routers pick experts; their outputs are logits over experts, not features: LoRA leaves them.
-_ROUTERS = ("gate", "router", "shared_expert_gate")
 
 
 @dataclass(frozen=True)
@@ -101,16 +99,16 @@ class Architecture:
 
     def lora_targets(self, model: torch.nn.Module) -> list[str]:
         """LoRA's default targets: the last names of every linear layer inside the decoder
-        layers (attention and MLP projections, fused ones included), routers left out. peft's
-        "all-linear" without its output layer, spelled as names so that the run's spec.json says
-        what was adapted."""
+        layers (attention and MLP projections, fused ones included), routers left out: peft's
+        "all-linear" without its output layer, as names, which the trainer logs. validate names
+        the same from the safetensors (jobgen.model.lora_targets.default_targets)."""
         names = {
             name.rsplit(".", 1)[-1]
             for layer in self.decoder_layers(model)
             for name, module in layer.named_modules()
             if name and _is_linear(module)
         }
-        return sorted(names - set(_ROUTERS))
+        return sorted(names - set(ROUTERS))
 
 
 def _is_linear(module: torch.nn.Module) -> bool:
@@ -122,15 +120,10 @@ def pretrained_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers PreTrainedModel inside ``model`` (itself, or under peft's wrappers)."""
     from transformers import PreTrainedModel
 
-    for module in _self_and_modules(model):
+    for module in model.modules():  # the model itself first
         if isinstance(module, PreTrainedModel):
             return module
     raise ModelError(f"{type(model).__name__} holds no transformers model")
-
-
-def _self_and_modules(model: torch.nn.Module) -> Iterable[torch.nn.Module]:
-    yield model
-    yield from model.modules()
 
 
 class CheckpointLayout:
@@ -160,28 +153,20 @@ class CheckpointLayout:
             elif isinstance(transform, WeightRenaming):
                 self.renamings.append(transform)
 
-    def renamed(self, checkpoint_keys: Iterable[str]) -> dict[str, str]:
-        """In-memory name -> checkpoint key, for each checkpoint key the library renames (and
-        does not merge)."""
-        if not self.renamings:
-            return {}
+    def resolve(self, checkpoint_keys: Iterable[str]) -> tuple[dict[str, str], set[str]]:
+        """One pass over the checkpoint's keys: in-memory name -> checkpoint key for each key the
+        library renames (and does not merge), and the in-memory names it builds by merging
+        several checkpoint tensors (fused experts)."""
+        renamed: dict[str, str] = {}
+        merged: set[str] = set()
+        if not self.renamings and not self.converters:
+            return renamed, merged
         from transformers.core_model_loading import rename_source_key
 
-        names = {}
         for key in checkpoint_keys:
             name, merged_by = rename_source_key(key, self.renamings, self.converters, self.prefix, self.meta)
-            if merged_by is None and name != key:
-                names[name] = key
-        return names
-
-    def merged(self, checkpoint_keys: Iterable[str]) -> set[str]:
-        """The in-memory names the library builds by merging checkpoint tensors (fused experts)."""
-        if not self.converters:
-            return set()
-        from transformers.core_model_loading import rename_source_key
-
-        return {
-            rename_source_key(key, self.renamings, self.converters, self.prefix, self.meta)[0]
-            for key in checkpoint_keys
-            if rename_source_key(key, self.renamings, self.converters, self.prefix, self.meta)[1] is not None
-        }
+            if merged_by is not None:
+                merged.add(name)
+            elif name != key:
+                renamed[name] = key
+        return renamed, merged

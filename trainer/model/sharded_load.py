@@ -150,8 +150,8 @@ def read_weights(model: torch.nn.Module, directory: Path, threads: int, layout: 
     # safetensors headers (JSON) and raw tensors only: nothing in a model directory is unpickled here.
     reader = HuggingFaceStorageReader(str(directory), thread_count=max(1, min(threads, len(files))))
     available = set(reader.read_metadata().state_dict_metadata)
-    layout = layout or CheckpointLayout(model)
-    renamed = layout.renamed(available)  # GPT-NeoX's embed_out is lm_head in memory
+    # GPT-NeoX's embed_out is lm_head in memory; Mixtral's per-expert weights are one fused tensor.
+    renamed, merged = (layout or CheckpointLayout(model)).resolve(available)
     tied = tied_names(model)
     state: dict[str, torch.Tensor] = {}
     missing: list[str] = []
@@ -164,7 +164,7 @@ def read_weights(model: torch.nn.Module, directory: Path, threads: int, layout: 
             missing.append(key)
             continue
         state[key] = tensor.detach() if hasattr(tensor, "detach") else tensor
-    merged = layout.merged(available) & set(missing)
+    merged &= set(missing)
     if merged:
         raise ShardedLoadError(
             f"model.path: {directory}: {sorted(merged)[0]} (and {len(merged) - 1} more) is merged from per-expert "
