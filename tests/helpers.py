@@ -140,6 +140,17 @@ def torchrun(
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def torchrun_many(run_dirs: list[Path], *, nproc: int = 2, timeout: float = 900):
+    """Every one of ``run_dirs`` trained in turn by one ``torchrun --standalone`` of
+    tests/run_many.py (gloo on CPU): one start-up of torch for all of them. A CompletedProcess;
+    each run's metrics.json says how it ended."""
+    cmd = [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", str(REPO / "tests" / "run_many.py")]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [*cmd, *map(str, run_dirs)], env=full_env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
 def stopped_by_kill_switch(
     run_dir: Path, step: int, *, nproc: int = 2, env: dict[str, str] | None = None
 ) -> tuple[dict[str, Any], str]:

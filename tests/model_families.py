@@ -34,7 +34,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("phi3", {}),
     "olmo2": ("olmo2", {}),
     "gpt-neox": ("gpt_neox", {}),
-    "gpt2": ("gpt2", {}),
+    # GPT-2 trains with dropout by default (0.1): off, so that 2 ranks and 1 process compute the same.
+    "gpt2": ("gpt2", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen2-moe": (
         "qwen2_moe",

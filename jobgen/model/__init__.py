@@ -1,6 +1,7 @@
 """A model and how it is laid out across ranks, known before anything runs and without torch.
 
-``files`` reads a model directory (safetensors headers, config.json); ``lora_targets`` works out
+``files`` reads a model directory (safetensors headers, config.json) and ``traits`` what in it
+decides whether a parallelism can train it; ``lora_targets`` works out
 which layers ``[model.lora] target_modules`` adapts; ``pipeline_split`` which decoder blocks each
 pipeline stage holds; ``parallelism`` is the one table of parallelisms (what each shards, the
 settings it refuses, what the planner may change), keyed as the trainer's table

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from jobgen.base.sizes import MIB
+from jobgen.model.traits import ModelTraits
 
 SAFETENSORS_DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
@@ -67,6 +68,7 @@ class ModelInfo:
     num_kv_heads: int
     vocab_size: int
     tie_word_embeddings: bool
+    traits: ModelTraits  # what decides whether a parallelism can train it
     counted_from: str = "safetensors"  # or "config.json" when there are no safetensors
 
     @property
@@ -210,6 +212,7 @@ def _model_info(
     kv_heads = _dim(path, dims, "num_key_value_heads", default=heads)
     if heads % kv_heads:
         raise ModelFileError(f"{path}: num_key_value_heads = {kv_heads} does not divide {heads} attention heads")
+    tied_embeddings = bool(dims.get("tie_word_embeddings", tied))
     return ModelInfo(
         directory=str(root),
         tensors=tuple(tensors),
@@ -219,7 +222,8 @@ def _model_info(
         num_heads=heads,
         num_kv_heads=kv_heads,
         vocab_size=_dim(path, dims, "vocab_size"),
-        tie_word_embeddings=bool(dims.get("tie_word_embeddings", tied)),
+        tie_word_embeddings=tied_embeddings,
+        traits=ModelTraits.of_config(config, (t.name for t in tensors), tied=tied_embeddings),
         counted_from=counted_from,
     )
 

@@ -24,13 +24,20 @@ RunSpec.turned_on) and the plan (jobgen.plan.inputs.PlanInputs.turned_on) each s
 them a run has on, and :meth:`Parallelism.refusal` which one the entry refuses, with the
 spec's message. The context-parallel degree's own refusals are
 :data:`jobgen.model.mesh.CONTEXT_PARALLEL_REFUSES`.
+
+Refused models. What an entry cannot train of an architecture (jobgen.model.traits: a family
+the pipeline's stages do not build, per-expert weights the sharded load does not merge) is its
+``refuses_models``: ``jobgen validate`` says it of a local model, the trainer of any model
+before it loads one (trainer.model.build.refuse_unsupported).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from jobgen.model.traits import ModelTraits
 
 ParallelismName = Literal["ddp", "fsdp", "hsdp", "pipeline"]
 
@@ -60,6 +67,18 @@ class Refusal:
 
 
 @dataclass(frozen=True)
+class ModelRefusal:
+    """An architecture a parallelism cannot train (jobgen.model.traits), and why: said by
+    ``jobgen validate`` for a local model and by the trainer as it builds one."""
+
+    applies: Callable[[ModelTraits], bool]
+    message: str  # str.format fields: model_type
+
+    def text(self, traits: ModelTraits) -> str:
+        return self.message.format(model_type=traits.model_type)
+
+
+@dataclass(frozen=True)
 class Parallelism:
     """What one strategy shards and refuses, for the checks, the estimate and the plan."""
 
@@ -73,6 +92,19 @@ class Parallelism:
     # What jobgen plan suggests instead to a run that does not fit: strategies that shard the
     # states over more ranks, the least communication first (jobgen.plan.suggestions).
     instead: tuple[str, ...] = ()
+    refuses_models: tuple[ModelRefusal, ...] = ()
+
+    def model_refusal(self, traits: ModelTraits) -> str | None:
+        """Why this strategy cannot train a model of ``traits`` (the first reason) and which
+        strategies can, or None."""
+        reason = self._reason(traits)
+        if reason is None:
+            return None
+        able = [f"'{entry.name}'" for entry in STRATEGIES.values() if entry._reason(traits) is None]
+        return f"{reason}: train it with train.parallelism = {' or '.join(able)}" if able else reason
+
+    def _reason(self, traits: ModelTraits) -> str | None:
+        return next((refusal.text(traits) for refusal in self.refuses_models if refusal.applies(traits)), None)
 
     def shard_size(self, world_size: int, procs_per_node: int | Sequence[int], shard_size: int | None) -> int:
         """Ranks one copy of the model is split over: 1 for DDP (each rank a whole copy).
@@ -124,6 +156,36 @@ PIPELINE_REFUSES = (
     _full_fine_tuning_only(ACTIVATION_OFFLOADING),
 )
 
+# The model types whose base model runs exactly embed -> causal mask -> rotary -> blocks -> norm,
+# which is what a pipeline stage re-implements (trainer.parallel.pipeline); others (embedding
+# scales, absolute positions, per-layer masks, routed experts) would train silently wrong.
+PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+PIPELINE_REFUSES_MODELS = (
+    ModelRefusal(
+        lambda traits: traits.model_type not in PIPELINE_MODEL_TYPES,
+        f"pipeline parallelism supports the model types {', '.join(PIPELINE_MODEL_TYPES)}, not '{{model_type}}' "
+        "(a stage re-implements their forward: embedding, causal mask, rotary positions, blocks, norm)",
+    ),
+    ModelRefusal(
+        lambda traits: traits.tied_embeddings,
+        "the model ties its input and output embeddings (tie_word_embeddings = true), which pipeline parallelism "
+        "cannot split (they would live on the first and the last stage; to pipeline it, untie them once: set "
+        "tie_word_embeddings false, give lm_head.weight a copy of model.embed_tokens.weight, save_pretrained)",
+    ),
+    ModelRefusal(
+        lambda traits: traits.sliding_window,
+        "the model uses sliding-window attention, which the pipeline stages do not build masks for",
+    ),
+)
+# Parameters built on meta and read shard by shard from the safetensors (trainer.model.sharded_load).
+SHARDED_LOAD_REFUSES_MODELS = (
+    ModelRefusal(
+        lambda traits: traits.per_expert_checkpoint,
+        "the checkpoint stores each of the {model_type} model's experts as tensors of its own, which transformers "
+        "merges into one tensor per layer as it loads, and the sharded load does not convert yet",
+    ),
+)
+
 DDP_REFUSES = (
     Refusal(
         (CPU_OFFLOAD,),
@@ -149,7 +211,11 @@ STRATEGIES: dict[str, Parallelism] = {
         instead=("hsdp", "fsdp"),
     ),
     "fsdp": Parallelism(
-        "fsdp", "FSDP2: parameters, gradients and optimizer state sharded over every rank", True, False
+        "fsdp",
+        "FSDP2: parameters, gradients and optimizer state sharded over every rank",
+        True,
+        False,
+        refuses_models=SHARDED_LOAD_REFUSES_MODELS,
     ),
     "hsdp": Parallelism(
         "hsdp",
@@ -157,6 +223,7 @@ STRATEGIES: dict[str, Parallelism] = {
         True,
         True,
         instead=("fsdp",),
+        refuses_models=SHARDED_LOAD_REFUSES_MODELS,
     ),
     # Built on meta, each rank reading its stages' tensors; the memory plan splits by stage.
     "pipeline": Parallelism(
@@ -167,6 +234,7 @@ STRATEGIES: dict[str, Parallelism] = {
         pipelined=True,
         context_parallel=False,
         refuses=PIPELINE_REFUSES,
+        refuses_models=PIPELINE_REFUSES_MODELS + SHARDED_LOAD_REFUSES_MODELS,
     ),
 }
 assert tuple(STRATEGIES) == ParallelismName.__args__, "one entry per train.parallelism"

@@ -318,7 +318,7 @@ def inputs_for(spec: Any, model_info: ModelInfo | None = None) -> PlanInputs:
         micro_batch_size=train.micro_batch_size,
         seq_len=share_of_row(data.max_length, train.context_parallel),
         context_parallel=train.context_parallel,
-        attn_implementation=_attention(model.attention, spec.site.slurm.gpus_per_node > 0, data.packing),
+        attn_implementation=_attention(model.attention, spec.site.slurm.gpus_per_node > 0, data.packing, model_info),
         grad_accum=grad_accum,
         optimizer=train.optimizer,
         gradient_checkpointing=model.gradient_checkpointing,
@@ -347,11 +347,12 @@ def _lora_leaves(targets: list[str] | str | None, model_info: ModelInfo | None) 
     return tuple(sorted({name.rsplit(".", 1)[-1] for name in adapted(targets, modules)}))
 
 
-def _attention(attention: str, gpu: bool, packing: bool) -> str:
-    """model.attention as the trainer resolves "auto" (trainer.model.prep.attention_implementation)."""
-    if attention != "auto":
-        return attention
-    return "flex_attention" if gpu and packing else "sdpa"
+def _attention(attention: str, gpu: bool, packing: bool, model_info: ModelInfo | None) -> str:
+    """model.attention as the trainer resolves "auto" (jobgen.model.traits.resolve_attention): for
+    a model it can read, by what its family supports (Gemma 2: eager, whose scores grow with T^2)."""
+    if model_info is None:
+        return attention if attention != "auto" else ("flex_attention" if gpu and packing else "sdpa")
+    return model_info.traits.attention(attention, gpu=gpu, packing=packing)
 
 
 def _pipeline_inputs(train: Any) -> PipelineInputs | None:

@@ -76,20 +76,25 @@ def lora_adapted(run: RunSpec) -> str | None:
 
 
 def model_problems(run: RunSpec, world_sizes: list[int]) -> list[Problem]:
-    """What [model.lora] and [train.pipeline] ask of a local model that it does not have: LoRA
-    targets that adapt none of its layers, a pipeline split that does not fit its decoder
-    blocks in a world of one of ``world_sizes`` ranks. Every rank of every task would fail on
-    them as it builds the model."""
+    """What [model.lora] and [train] ask of a local model that it does not have: an architecture
+    train.parallelism cannot train (jobgen.model.parallelism's model refusals: a pipeline of a
+    family its stages do not build, a sharded load of per-expert weights), LoRA targets that
+    adapt none of its layers, a pipeline split that does not fit its decoder blocks in a world
+    of one of ``world_sizes`` ranks. Every rank of every task would fail on them as it builds
+    the model."""
     model = run.model
     if model is None or not run.job.kind.trains or not Path(model.path).is_absolute():
         return []
     pipeline = run.train.pipeline if run.train.strategy.pipelined else None
-    if model.lora is None and pipeline is None:
+    if model.lora is None and not run.train.strategy.refuses_models:
         return []  # nothing to check: no need to read the model
     info = _model(model.path)
     if info is None:
         return []
     problems: list[Problem] = []
+    refusal = run.train.strategy.model_refusal(info.traits)
+    if refusal is not None:
+        return [("train.parallelism", f"{model.path}: {refusal}")]
     if model.lora is not None:
         for suffix, why in target_problems(model.lora.target_modules, weight_modules(info.tensors), model.path):
             problems.append((f"model.lora.target_modules{suffix}", why))

@@ -63,7 +63,8 @@ def test_full_export_is_sharded_and_equals_the_checkpoint(tmp_path, tiny_model, 
     import torch
     from transformers import AutoModelForCausalLM
 
-    run = make_run(tmp_path, tiny_model, parallelism=parallelism, max_steps=2)
+    # A narrower dtype than training's, asked for: every weight rounded once, nothing else changed.
+    run = make_run(tmp_path, tiny_model, parallelism=parallelism, max_steps=2, model={"export_dtype": "bfloat16"})
     proc = torchrun(run)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     target = tmp_path / "exported"
@@ -193,7 +194,9 @@ def test_tied_embeddings_are_written_once(tmp_path, tiny_model):
     model = AutoModelForCausalLM.from_pretrained(target)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     trained = checkpoint_tensors(run / "checkpoints" / "step-00000001")
-    assert torch.equal(model.model.embed_tokens.weight, trained["model.embed_tokens.weight"].to(torch.bfloat16))
+    # model.export_dtype 'as-trained': the checkpoint's float32, whatever model.dtype says (bfloat16).
+    assert model.dtype == torch.float32 == trained["model.embed_tokens.weight"].dtype
+    assert torch.equal(model.model.embed_tokens.weight, trained["model.embed_tokens.weight"])
 
 
 def test_a_checkpoint_that_breaks_mid_export_leaves_nothing_of_itself(tmp_path, tiny_model, monkeypatch):
@@ -227,7 +230,7 @@ def test_a_checkpoint_that_breaks_mid_export_leaves_nothing_of_itself(tmp_path, 
     written = {name: t for file in files for name, t in load_file(target / file).items()}
     assert set(written) == set(index["weight_map"])
     for name, tensor in written.items():
-        assert torch.equal(tensor, trained[name].to(torch.bfloat16)), name
+        assert torch.equal(tensor, trained[name]), name
     # Named, the broken one is an error, and nothing is left next to the target.
     with pytest.raises(ExportError, match="step-00000002 could not be loaded"):
         _export(run, tmp_path / "again", checkpoint="step-00000002", batch_bytes=8 * 1024)

@@ -12,8 +12,9 @@ host's memory exports as well as the tiny one. The result is written next to DIR
 under a temporary name and renamed into place, and
 ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it.
 
-- Full fine-tuning: every weight is in the checkpoint; it is written in the spec's
-  dtype as ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``.
+- Full fine-tuning: every weight is in the checkpoint; it is written in
+  ``model.export_dtype`` (by default the dtype the checkpoint holds it in, so that the export
+  equals the checkpoint) as ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``.
 - LoRA: only the adapters are in the checkpoint. They are written as a peft adapter
   directory (``PeftModel.from_pretrained(base, DIR)``), without loading the base model;
   or, with ``--merge-lora``, the base model's safetensors are streamed and each adapted
@@ -30,6 +31,7 @@ comes from the run directory's layout (jobgen.runs.rundir via trainer.checkpoint
 from __future__ import annotations
 
 import copy
+import math
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
@@ -114,13 +116,17 @@ def export(
     if target.exists() and any(target.iterdir()):
         raise ExportError(f"{target} exists and is not empty")  # before anything slow
     paths = candidates(run_dir, checkpoint)
-    dtype = DTYPES[model_spec.dtype]
+    asked = DTYPES.get(model_spec.export_dtype)  # None: as trained
     config, skeleton = _skeleton(model_spec)
     adapter_only = model_spec.lora is not None and not merge_lora
     weights = _weights(model_spec, skeleton, merge_lora)
+    written: list[torch.dtype] = []
 
     def write(path: Path, staging: Path) -> None:
-        plans, read_batch = weights(_open(path), dtype)
+        source = _open(path)
+        dtype = asked or trained_dtype(source)
+        written[:] = [dtype]
+        plans, read_batch = weights(source, dtype)
         read = _reporting(read_batch, sum(plan.nbytes for plan in plans), progress)
         if adapter_only:
             write_safetensors(staging / "adapter_model.safetensors", plans, read, batch_bytes=batch_bytes)
@@ -133,7 +139,7 @@ def export(
             if adapter_only:
                 _adapter_config(skeleton, model_spec).save_pretrained(staging)
             else:
-                _save_config(config, model_spec.path, dtype, staging)
+                _save_config(config, model_spec.path, written[0], staging)
             load_tokenizer(model_spec.path).save_pretrained(staging)
             (staging / "jobgen_export.txt").write_text(f"run {run_dir}\ncheckpoint {source.name}\n")
     except OSError as exc:  # the target's filesystem (full, read-only), the base model's files: not the checkpoint
@@ -212,6 +218,18 @@ def _open(path: Path) -> DcpTensors:
         return DcpTensors(path)
     except (Exception, CheckpointException) as exc:  # any failure: try the previous one
         raise Unreadable(describe_load_error(exc)) from exc
+
+
+def trained_dtype(source: DcpTensors) -> torch.dtype:
+    """The dtype the checkpoint holds most of the model's weights in: what training kept them in
+    (float32 on CPU; model.dtype on a GPU), which an export 'as-trained' writes."""
+    counts: dict[torch.dtype, int] = {}
+    for key, (shape, dtype) in source.tensors.items():
+        if key.startswith(MODEL_KEY):
+            counts[dtype] = counts.get(dtype, 0) + math.prod(shape)
+    if not counts:
+        raise Unreadable("it holds no model weights")
+    return max(counts, key=counts.__getitem__)
 
 
 def _read(source: DcpTensors, keys: list[str]) -> dict[str, torch.Tensor]:

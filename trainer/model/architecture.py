@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from jobgen.model.lora_targets import ROUTERS
+from jobgen.model.traits import ModelTraits, expert_count, resolve_attention
 from trainer.model.errors import ModelError
 
 
@@ -35,14 +36,7 @@ class Architecture:
     @classmethod
     def of_class(cls, model_class: type, config) -> Architecture:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        experts = next(
-            (
-                int(n)
-                for key in ("num_local_experts", "num_experts", "n_routed_experts")
-                if (n := getattr(text, key, 0))
-            ),
-            0,
-        )
+        experts = expert_count(text.to_dict())
         layers = tuple(getattr(model_class, "_no_split_modules", None) or ())
         return cls(
             class_name=model_class.__name__,
@@ -86,16 +80,11 @@ class Architecture:
         return layers
 
     def attention(self, choice: str, gpu: bool, packing: bool) -> tuple[str, str]:
-        """``model.attention`` resolved, and why: "auto" is flex attention for packed rows on a GPU
-        (a block mask per document instead of SDPA's dense rows x rows mask), SDPA otherwise,
-        each where the class supports it, else eager."""
-        if choice != "auto":
-            return choice, "as model.attention says"
-        if gpu and packing and self.supports_flex:
-            return "flex_attention", "packed rows on a GPU"
-        if self.supports_sdpa:
-            return "sdpa", "the default"
-        return "eager", f"{self.class_name} does not support SDPA"
+        """``model.attention`` resolved, and why (jobgen.model.traits.resolve_attention, the plan's
+        rule too), from what this class supports."""
+        return resolve_attention(
+            choice, gpu=gpu, packing=packing, sdpa=self.supports_sdpa, flex=self.supports_flex, name=self.class_name
+        )
 
     def lora_targets(self, model: torch.nn.Module) -> list[str]:
         """LoRA's default targets: the last names of every linear layer inside the decoder
@@ -109,6 +98,21 @@ class Architecture:
             if name and _is_linear(module)
         }
         return sorted(names - set(ROUTERS))
+
+
+def model_traits(config, directory: str | None) -> ModelTraits:
+    """What jobgen.model.parallelism's model refusals read, from the loaded config and the
+    names in ``directory``'s safetensors headers (None: a hub id, whose names are not read)."""
+    from pathlib import Path
+
+    from jobgen.model.files import read_safetensors_header
+
+    names: list[str] = []
+    if directory is not None and Path(directory).is_dir():
+        for file in sorted(Path(directory).glob("*.safetensors")):
+            names.extend(read_safetensors_header(file))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return ModelTraits.of_config(config.to_dict(), names, tied=bool(getattr(text, "tie_word_embeddings", False)))
 
 
 def _is_linear(module: torch.nn.Module) -> bool:

@@ -16,6 +16,7 @@ import torch
 from jobgen.spec.tables.model import ModelSpec
 from jobgen.spec.tables.run import TrainSpec
 from trainer.distributed import DistEnv
+from trainer.model.errors import ModelError
 from trainer.model.prep import (  # noqa: F401 - re-exported: trainer.model.build is where callers look
     DTYPES,
     add_lora,
@@ -60,6 +61,7 @@ def build_model(
     (installed after the spec's preparation, before wrapping)."""
     chosen = strategy(train.parallelism)
     chosen.check(train, env)
+    refuse_unsupported(spec, train)
     if chosen.build is not None:
         return chosen.build(spec, train, env, packing)
     attention = attention_implementation(spec, env.device, packing)
@@ -82,6 +84,21 @@ def build_model(
         shard=ready,
         param_device=chosen.param_device(train, env),
     )
+
+
+def refuse_unsupported(spec: ModelSpec, train: TrainSpec) -> None:
+    """ModelError before anything is loaded when train.parallelism cannot train this architecture
+    (jobgen.model.parallelism's model refusals, which validate says of a local model too)."""
+    from transformers import AutoConfig
+
+    from trainer.model.architecture import model_traits
+
+    if not train.strategy.refuses_models:
+        return
+    config = AutoConfig.from_pretrained(spec.path, trust_remote_code=False)  # no code from the model directory
+    refusal = train.strategy.model_refusal(model_traits(config, spec.path))
+    if refusal is not None:
+        raise ModelError(f"train.parallelism = '{train.parallelism}': {spec.path}: {refusal}")
 
 
 def wrap(model: torch.nn.Module, train: TrainSpec, env: DistEnv) -> torch.nn.Module:

@@ -51,12 +51,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trainer.parallel.pipeline")
 
-# Model types whose base model runs exactly embed -> causal mask -> rotary -> blocks -> norm,
-# which is what a stage re-implements; others (embedding scales, sliding windows, per-layer
-# masks) would train silently wrong.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # How a pipeline's replicas may combine: every strategy of jobgen.model.parallelism but a pipeline.
 DATA_PARALLEL = tuple(name for name, entry in STRATEGIES.items() if not entry.pipelined)
+PIPELINED = next(entry for entry in STRATEGIES.values() if entry.pipelined)
 
 # The flags torch 2.13's schedules keep to run shape inference once (schedules.py:
 # PipelineScheduleSingle and PipelineScheduleMulti); cleared, the next step infers again.
@@ -77,26 +74,14 @@ class PipelineError(ModelError):
 
 
 def check_pipelinable(config) -> None:
-    """Refuse a configuration a stage cannot reproduce: tied embeddings, an architecture other
-    than the Llama-style ones, sliding-window attention."""
-    if getattr(config, "tie_word_embeddings", False):
-        raise PipelineError(
-            "model.path: the model ties its input and output embeddings (tie_word_embeddings = true), which "
-            "pipeline parallelism cannot split (they would live on the first and the last stage); train it "
-            "without train.pipeline, or untie them once (set tie_word_embeddings false, give lm_head.weight "
-            "a copy of model.embed_tokens.weight, save_pretrained)"
-        )
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise PipelineError(
-            f"model.path: pipeline parallelism supports the model types {', '.join(SUPPORTED_MODEL_TYPES)}, "
-            f"not '{model_type}'; train it without train.pipeline"
-        )
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        raise PipelineError(
-            "model.path: the model uses sliding-window attention, which the pipeline stages do not build "
-            "masks for; train it without train.pipeline"
-        )
+    """Refuse a configuration a stage cannot reproduce, as the pipeline's entry in
+    jobgen.model.parallelism says (a family other than the Llama-style ones, tied embeddings,
+    sliding-window attention): validate says the same of a local model."""
+    from trainer.model.architecture import model_traits
+
+    refusal = PIPELINED.model_refusal(model_traits(config, None))
+    if refusal is not None:
+        raise PipelineError(f"model.path: {refusal}")
 
 
 def _llama_parts(full: nn.Module) -> nn.Module:

@@ -73,6 +73,14 @@ class ModelSpec(SpecModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="Parameter dtype; CPU runs use float32 regardless."
     )
+    export_dtype: Literal["as-trained", "float32", "bfloat16", "float16"] = Field(
+        "as-trained",
+        description=(
+            "The dtype `jobgen export` writes the weights in. 'as-trained': the dtype the checkpoint holds them "
+            "in (float32 after a CPU run, whatever model.dtype says), so the export equals the checkpoint; a "
+            "narrower one halves the files at the cost of rounding every weight."
+        ),
+    )
     gradient_checkpointing: bool = Field(False, description="Non-reentrant activation checkpointing.")
     activation_offloading: bool = Field(
         False,

@@ -1,0 +1,212 @@
+"""What a model's config.json and tensor names say of its architecture that decides whether a
+parallelism can train it: its family (``model_type``), tied input and output embeddings,
+sliding-window attention, routed experts and whether the checkpoint stores them one tensor per
+expert (the hub's layout, which transformers 5 fuses in memory).
+
+Read the same way by ``jobgen validate`` (config.json and the safetensors headers, without
+torch) and by the trainer (its ``PretrainedConfig.to_dict()`` and the safetensors it opens), so
+a refusal in jobgen.model.parallelism's table is one text, said before the job queues and again,
+should the check have been skipped (a hub id), as the job builds its model.
+
+    traits = ModelTraits.of_config(json.loads(config_text), tensor_names, tied=info.tie_word_embeddings)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# The config keys different families count their routed experts by (Mixtral, Qwen2-MoE and
+# OLMoE, DeepSeek).
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+# A checkpoint tensor of one expert: "model.layers.0.block_sparse_moe.experts.3.w1.weight".
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+# The causal LMs of transformers (5.24) whose class lacks an attention kernel
+# (``_supports_sdpa``, ``_supports_flex_attn`` false), by model_type: what ``jobgen plan`` sizes
+# "auto" by without importing transformers. The trainer reads the class itself
+# (trainer.model.architecture); tests/unit/test_model_traits.py checks this table against it.
+WITHOUT_SDPA = frozenset(
+    [
+        "big_bird",
+        "bigbird_pegasus",
+        "bloom",
+        "cpmant",
+        "deepseek_v4",
+        "falcon_mamba",
+        "flint",
+        "gemma2",
+        "git",
+        "got_ocr2",
+        "gpt_neo",
+        "gpt_neox_japanese",
+        "gpt_oss",
+        "granite_swa",
+        "granitemoe_swa",
+        "hy_v4",
+        "inkling2_loop_text",
+        "inkling2_text",
+        "mamba",
+        "mamba2",
+        "megatron-bert",
+        "mimo_v2_flash",
+        "mpt",
+        "mvp",
+        "openai-gpt",
+        "prophetnet",
+        "reformer",
+        "rembert",
+        "roformer",
+        "rwkv",
+        "trocr",
+        "vaultgemma",
+        "xglm",
+        "xlm",
+        "xlnet",
+        "xlstm",
+    ]
+)
+WITHOUT_FLEX = frozenset(
+    [
+        "aria_text",
+        "axk2",
+        "bailing_hybrid",
+        "bamba",
+        "big_bird",
+        "bigbird_pegasus",
+        "bloom",
+        "blt",
+        "cohere_compass_text",
+        "cpmant",
+        "deepseek_v32",
+        "deepseek_v4",
+        "dots3_note",
+        "dots3_note_text",
+        "falcon",
+        "falcon_h1",
+        "falcon_mamba",
+        "gemma4_assistant",
+        "gemma4_unified_assistant",
+        "git",
+        "glm_moe_dsa",
+        "got_ocr2",
+        "gpt-sw3",
+        "gpt2",
+        "gpt_bigcode",
+        "gpt_neo",
+        "gpt_neox_japanese",
+        "hy_v4",
+        "inkling2_loop_text",
+        "inkling2_text",
+        "jamba",
+        "kimi_linear",
+        "lara_mini",
+        "mamba",
+        "mamba2",
+        "megatron-bert",
+        "mimo_v2_flash",
+        "minimax_m3_vl_text",
+        "moss_transcribe_diarize",
+        "mpt",
+        "mvp",
+        "olmo_hybrid",
+        "olmoe",
+        "openai-gpt",
+        "persimmon",
+        "prophetnet",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_5_text",
+        "qwen3_next",
+        "qwen4_exp",
+        "qwen4_exp_text",
+        "reformer",
+        "rembert",
+        "roformer",
+        "rwkv",
+        "stablelm",
+        "trocr",
+        "xglm",
+        "xlm",
+        "xlnet",
+        "xlstm",
+        "zamba",
+    ]
+)
+
+
+def resolve_attention(choice: str, *, gpu: bool, packing: bool, sdpa: bool, flex: bool, name: str) -> tuple[str, str]:
+    """``model.attention`` resolved, and why: "auto" is flex attention for packed rows on a GPU
+    (a block mask per document instead of SDPA's dense rows x rows mask), SDPA otherwise, each
+    where the model (``name``) supports it (``sdpa``, ``flex``), else eager. The trainer's rule
+    (from the class) and the plan's (from the model type) alike."""
+    if choice != "auto":
+        return choice, "as model.attention says"
+    if gpu and packing and flex:
+        return "flex_attention", "packed rows on a GPU"
+    if sdpa:
+        return "sdpa", "the default"
+    return "eager", f"{name} does not support SDPA"
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part of a config (a multimodal one nests it in ``text_config``)."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, Mapping) else config
+
+
+def expert_count(config: Mapping[str, Any]) -> int:
+    """Routed experts per MoE layer; 0 for a dense model."""
+    text = text_config(config)
+    return next((int(text[key]) for key in EXPERT_KEYS if text.get(key)), 0)
+
+
+def sliding_window(config: Mapping[str, Any]) -> bool:
+    """Whether some attention layer sees only a window of the tokens before it: a
+    ``sliding_window`` the config does not switch off (Mistral, Qwen2's ``use_sliding_window``),
+    or ``layer_types`` naming sliding layers (Gemma 2 and 3 alternate them)."""
+    text = text_config(config)
+    if "sliding_attention" in (text.get("layer_types") or ()):
+        return True
+    return text.get("sliding_window") is not None and bool(text.get("use_sliding_window", True))
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    """The facts of an architecture that jobgen.model.parallelism's refusals read."""
+
+    model_type: str
+    tied_embeddings: bool
+    sliding_window: bool
+    experts: int  # routed experts per MoE layer; 0 for a dense model
+    per_expert_checkpoint: bool  # the safetensors hold one tensor per expert (the hub's layout)
+
+    def attention(self, choice: str, *, gpu: bool, packing: bool) -> str:
+        """The kernel the trainer will run for ``model.attention = choice`` (:func:`resolve_attention`)."""
+        kernel, _ = resolve_attention(
+            choice,
+            gpu=gpu,
+            packing=packing,
+            sdpa=self.model_type not in WITHOUT_SDPA,
+            flex=self.model_type not in WITHOUT_FLEX,
+            name=self.model_type,
+        )
+        return kernel
+
+    @classmethod
+    def of_config(cls, config: Mapping[str, Any], tensor_names: Iterable[str] = (), *, tied: bool) -> ModelTraits:
+        """``config``: config.json's object (or ``PretrainedConfig.to_dict()``); ``tensor_names``:
+        the checkpoint's; ``tied``: whether the head is the embedding's weight, which the caller
+        knows with the family's default (config.json may leave it out)."""
+        text = text_config(config)
+        experts = expert_count(config)
+        return cls(
+            model_type=str(text.get("model_type") or config.get("model_type") or ""),
+            tied_embeddings=tied,
+            sliding_window=sliding_window(config),
+            experts=experts,
+            per_expert_checkpoint=experts > 0 and any(_PER_EXPERT.search(name) for name in tensor_names),
+        )
