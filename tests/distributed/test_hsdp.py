@@ -34,6 +34,7 @@ from helpers import (
     stopped_by_kill_switch,
     summary,
     torchrun,
+    torchrun_many,
 )
 from jobgen.base.exit_codes import ExitCode
 
@@ -76,19 +77,27 @@ def trained(run: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def hsdp(tmp_path_factory, tiny_model) -> tuple[Path, str]:
-    """An uninterrupted HSDP run and its output."""
-    run = hsdp_run(tmp_path_factory.mktemp("hsdp"), tiny_model)
-    proc = trained(run)
-    return run, proc.stdout + proc.stderr
+def uninterrupted(tmp_path_factory, tiny_model) -> tuple[Path, Path, str]:
+    """An uninterrupted HSDP run, the same run under FSDP (sharded over all 4 ranks), and their
+    output: one torchrun trains both (tests/run_many.py)."""
+    runs = (
+        hsdp_run(tmp_path_factory.mktemp("hsdp"), tiny_model),
+        make_run(tmp_path_factory.mktemp("fsdp"), tiny_model, "fsdp"),
+    )
+    proc = torchrun_many(list(runs), nproc=PROCS, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return *runs, proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory, tiny_model) -> Path:
-    """The same run under FSDP, sharded over all 4 ranks."""
-    run = make_run(tmp_path_factory.mktemp("fsdp"), tiny_model, "fsdp")
-    trained(run)
-    return run
+def hsdp(uninterrupted) -> tuple[Path, str]:
+    """The uninterrupted HSDP run and the output."""
+    return uninterrupted[0], uninterrupted[2]
+
+
+@pytest.fixture(scope="module")
+def fsdp(uninterrupted) -> Path:
+    return uninterrupted[1]
 
 
 def test_hsdp_trains_like_fsdp(hsdp, fsdp):

@@ -1,7 +1,7 @@
 """A checkpoint a teammate planted a pickle in runs nothing, whoever reads it (issue 30).
 
 Each kind of checkpoint the trainer writes (full fine-tuning under DDP, a pipeline, LoRA,
-optimizer in backward under FSDP) trains 3 steps under torchrun, saving each. Step 1 is
+optimizer in backward under FSDP) trains 3 steps under torchrun (the four in one), saving each. Step 1 is
 left alone; step 2 gets a planted non-tensor item in a shard (a ``torch.save`` of an object
 that unpickles as ``os.system``); step 3 a planted ``.metadata`` (``os.system`` by name); and
 ``checkpoints/step-00000009`` is a link to a copy of step 1 outside the run. Then the real
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DATA, TRAINER_SETTINGS, jobgen, run_spec, summary, torchrun, trained_locally
+from helpers import DATA, TRAINER_SETTINGS, jobgen, run_spec, summary, torchrun, torchrun_many
 from planted import plant_item, plant_metadata
 
 pytestmark = pytest.mark.torch
@@ -66,14 +66,24 @@ def _run(directory: Path, kind: str, model_path: Path) -> Path:
     return run.path
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_model, deep_model) -> dict[str, Path]:
+    """One run of each kind, trained 3 steps, all in one torchrun (tests/run_many.py): a start-up
+    of torch per kind would cost more than the training."""
+    runs = {
+        kind: _run(tmp_path_factory.mktemp(kind), kind, deep_model if KINDS[kind][0] else tiny_model) for kind in KINDS
+    }
+    proc = torchrun_many(list(runs.values()), nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return runs
+
+
 @pytest.fixture(scope="module", params=list(KINDS))
-def planted(request, tmp_path_factory, tiny_model, deep_model) -> tuple[Path, Path]:
+def planted(request, trained: dict[str, Path]) -> tuple[Path, Path]:
     """A trained run of one kind with its checkpoints planted as the module docstring says,
     and the marker its payloads would create."""
-    kind = request.param
-    directory = tmp_path_factory.mktemp(kind)
-    run = _run(directory, kind, deep_model if KINDS[kind][0] else tiny_model)
-    trained_locally(run, 2)
+    run = trained[request.param]
+    directory = run.parent.parent  # the kind's own directory, holding runs/
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step-*")) == [_name(1), _name(2), _name(3)]
     marker = directory / "pwned"
