@@ -25,6 +25,7 @@ import json
 import os
 import pwd
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -610,11 +611,24 @@ def stopped_at_lead_time_then_finished(run: Path, job: int, stop_after: int, max
     ``--signal=B:USR1@...`` sends the batch shell before a time limit: it saves and stops
     (SIGNALLED, before ``max_steps``), and task 2 resumes and finishes. Task 1's exit record."""
     from jobgen.base.exit_codes import ExitCode
+    from jobgen.runs.rundir import RunDir
     from jobgen.slurm import client as slurm
 
     task = running_task(job, 1, timeout=240)
     wait_for(lambda: last_step(run, task) >= stop_after, 240, f"step {stop_after}", interval=0.1)
-    slurm.cancel(f"{job}_1", signal="USR1", batch_only=True)
+    # The workers wait (SIGSTOP) while the signal travels (scancel, slurmctld, slurmd, the batch
+    # shell's trap, its stop request): a tiny model's remaining steps take less than that trip
+    # on an idle machine (the CI of 9b09b09 saw HSDP finish all 12 steps first).
+    paused = worker_pids(run)
+    for pid in paused:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        slurm.cancel(f"{job}_1", signal="USR1", batch_only=True)
+        request = RunDir(run).stop_request(str(task), 0)  # what the batch shell's trap leaves
+        wait_for(request.exists, 60, "the batch shell to leave the stop request", interval=0.1)
+    finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
     first = wait_for(lambda: exit_record(run, task), 180, "task 1 to save and stop")
     assert first["exit_code"] == ExitCode.SIGNALLED and first["end_step"] < max_steps, first
     wait_for(lambda: (run / "done").exists(), 300, "task 2 to resume and finish")

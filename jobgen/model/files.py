@@ -223,7 +223,7 @@ def _model_info(
         num_kv_heads=kv_heads,
         vocab_size=_dim(path, dims, "vocab_size"),
         tie_word_embeddings=tied_embeddings,
-        traits=ModelTraits.of_config(config, (t.name for t in tensors), tied=tied_embeddings),
+        traits=ModelTraits.of_config(config, tied=tied_embeddings),
         counted_from=counted_from,
     )
 

@@ -26,7 +26,7 @@ spec's message. The context-parallel degree's own refusals are
 :data:`jobgen.model.mesh.CONTEXT_PARALLEL_REFUSES`.
 
 Refused models. What an entry cannot train of an architecture (jobgen.model.traits: a family
-the pipeline's stages do not build, per-expert weights the sharded load does not merge) is its
+the pipeline's stages do not build, tied embeddings) is its
 ``refuses_models``: ``jobgen validate`` says it of a local model, the trainer of any model
 before it loads one (trainer.model.build.refuse_unsupported).
 """
@@ -156,9 +156,9 @@ PIPELINE_REFUSES = (
     _full_fine_tuning_only(ACTIVATION_OFFLOADING),
 )
 
-# The model types whose base model runs exactly embed -> causal mask -> rotary -> blocks -> norm,
-# which is what a pipeline stage re-implements (trainer.parallel.pipeline); others (embedding
-# scales, absolute positions, per-layer masks, routed experts) would train silently wrong.
+# The model types whose base model runs exactly embed -> causal (or sliding-window) masks ->
+# rotary -> blocks -> norm, which is what a pipeline stage re-implements (trainer.parallel.pipeline);
+# others (embedding scales, absolute positions, routed experts) would train silently wrong.
 PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 PIPELINE_REFUSES_MODELS = (
     ModelRefusal(
@@ -172,20 +172,7 @@ PIPELINE_REFUSES_MODELS = (
         "cannot split (they would live on the first and the last stage; to pipeline it, untie them once: set "
         "tie_word_embeddings false, give lm_head.weight a copy of model.embed_tokens.weight, save_pretrained)",
     ),
-    ModelRefusal(
-        lambda traits: traits.sliding_window,
-        "the model uses sliding-window attention, which the pipeline stages do not build masks for",
-    ),
 )
-# Parameters built on meta and read shard by shard from the safetensors (trainer.model.sharded_load).
-SHARDED_LOAD_REFUSES_MODELS = (
-    ModelRefusal(
-        lambda traits: traits.per_expert_checkpoint,
-        "the checkpoint stores each of the {model_type} model's experts as tensors of its own, which transformers "
-        "merges into one tensor per layer as it loads, and the sharded load does not convert yet",
-    ),
-)
-
 DDP_REFUSES = (
     Refusal(
         (CPU_OFFLOAD,),
@@ -215,7 +202,6 @@ STRATEGIES: dict[str, Parallelism] = {
         "FSDP2: parameters, gradients and optimizer state sharded over every rank",
         True,
         False,
-        refuses_models=SHARDED_LOAD_REFUSES_MODELS,
     ),
     "hsdp": Parallelism(
         "hsdp",
@@ -223,7 +209,6 @@ STRATEGIES: dict[str, Parallelism] = {
         True,
         True,
         instead=("fsdp",),
-        refuses_models=SHARDED_LOAD_REFUSES_MODELS,
     ),
     # Built on meta, each rank reading its stages' tensors; the memory plan splits by stage.
     "pipeline": Parallelism(
@@ -234,7 +219,7 @@ STRATEGIES: dict[str, Parallelism] = {
         pipelined=True,
         context_parallel=False,
         refuses=PIPELINE_REFUSES,
-        refuses_models=PIPELINE_REFUSES_MODELS + SHARDED_LOAD_REFUSES_MODELS,
+        refuses_models=PIPELINE_REFUSES_MODELS,
     ),
 }
 assert tuple(STRATEGIES) == ParallelismName.__args__, "one entry per train.parallelism"

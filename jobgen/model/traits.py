@@ -1,28 +1,24 @@
-"""What a model's config.json and tensor names say of its architecture that decides whether a
-parallelism can train it: its family (``model_type``), tied input and output embeddings,
-sliding-window attention, routed experts and whether the checkpoint stores them one tensor per
-expert (the hub's layout, which transformers 5 fuses in memory).
+"""What a model's config.json says of its architecture that decides whether a parallelism can
+train it and which attention kernel "auto" runs: its family (``model_type``), tied input and
+output embeddings, routed experts.
 
-Read the same way by ``jobgen validate`` (config.json and the safetensors headers, without
-torch) and by the trainer (its ``PretrainedConfig.to_dict()`` and the safetensors it opens), so
-a refusal in jobgen.model.parallelism's table is one text, said before the job queues and again,
-should the check have been skipped (a hub id), as the job builds its model.
+Read the same way by ``jobgen validate`` and ``jobgen plan`` (config.json, without torch) and by
+the trainer (its ``PretrainedConfig.to_dict()``), so a refusal in jobgen.model.parallelism's
+table is one text, said before the job queues and again, should the check have been skipped (a
+hub id), as the job builds its model.
 
-    traits = ModelTraits.of_config(json.loads(config_text), tensor_names, tied=info.tie_word_embeddings)
+    traits = ModelTraits.of_config(json.loads(config_text), tied=info.tie_word_embeddings)
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 # The config keys different families count their routed experts by (Mixtral, Qwen2-MoE and
 # OLMoE, DeepSeek).
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-# A checkpoint tensor of one expert: "model.layers.0.block_sparse_moe.experts.3.w1.weight".
-_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 # The causal LMs of transformers (5.24) whose class lacks an attention kernel
 # (``_supports_sdpa``, ``_supports_flex_attn`` false), by model_type: what ``jobgen plan`` sizes
@@ -164,25 +160,13 @@ def expert_count(config: Mapping[str, Any]) -> int:
     return next((int(text[key]) for key in EXPERT_KEYS if text.get(key)), 0)
 
 
-def sliding_window(config: Mapping[str, Any]) -> bool:
-    """Whether some attention layer sees only a window of the tokens before it: a
-    ``sliding_window`` the config does not switch off (Mistral, Qwen2's ``use_sliding_window``),
-    or ``layer_types`` naming sliding layers (Gemma 2 and 3 alternate them)."""
-    text = text_config(config)
-    if "sliding_attention" in (text.get("layer_types") or ()):
-        return True
-    return text.get("sliding_window") is not None and bool(text.get("use_sliding_window", True))
-
-
 @dataclass(frozen=True)
 class ModelTraits:
     """The facts of an architecture that jobgen.model.parallelism's refusals read."""
 
     model_type: str
     tied_embeddings: bool
-    sliding_window: bool
     experts: int  # routed experts per MoE layer; 0 for a dense model
-    per_expert_checkpoint: bool  # the safetensors hold one tensor per expert (the hub's layout)
 
     def attention(self, choice: str, *, gpu: bool, packing: bool) -> str:
         """The kernel the trainer will run for ``model.attention = choice`` (:func:`resolve_attention`)."""
@@ -197,16 +181,13 @@ class ModelTraits:
         return kernel
 
     @classmethod
-    def of_config(cls, config: Mapping[str, Any], tensor_names: Iterable[str] = (), *, tied: bool) -> ModelTraits:
-        """``config``: config.json's object (or ``PretrainedConfig.to_dict()``); ``tensor_names``:
-        the checkpoint's; ``tied``: whether the head is the embedding's weight, which the caller
-        knows with the family's default (config.json may leave it out)."""
+    def of_config(cls, config: Mapping[str, Any], *, tied: bool) -> ModelTraits:
+        """``config``: config.json's object (or ``PretrainedConfig.to_dict()``); ``tied``: whether
+        the head is the embedding's weight, which the caller knows with the family's default
+        (config.json may leave it out)."""
         text = text_config(config)
-        experts = expert_count(config)
         return cls(
             model_type=str(text.get("model_type") or config.get("model_type") or ""),
             tied_embeddings=tied,
-            sliding_window=sliding_window(config),
-            experts=experts,
-            per_expert_checkpoint=experts > 0 and any(_PER_EXPERT.search(name) for name in tensor_names),
+            experts=expert_count(config),
         )

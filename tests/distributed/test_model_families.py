@@ -5,8 +5,8 @@
   attention "auto" picks (eager for Gemma 2, which has no SDPA), and LoRA's default targets,
   which validate's reading of the safetensors (jobgen/model/lora_targets.py) names alike for
   every family;
-- a mixture of experts, whose per-expert checkpoint the sharded load does not convert yet, is
-  refused by the trainer with the reason and stops the run, where validate could not see it.
+- a family the parallelism cannot train is refused by the trainer with the reason before it
+  loads anything, and stops the run, where validate could not see it.
 
 Which family trains under which parallelism is tests/distributed/test_family_matrix.py's.
 """
@@ -87,18 +87,18 @@ def losses(run: Path) -> list[float]:
     ]
 
 
-def test_a_mixture_of_experts_under_fsdp_stops_the_run_with_the_reason(tmp_path: Path, family_models):
-    """validate refuses it (tests/distributed/test_family_matrix.py); the trainer too, for a model
-    validate could not read: here a dense model's directory whose files a teammate replaced by a
-    mixture of experts' after the run was submitted."""
+def test_a_family_the_parallelism_cannot_train_stops_the_run_with_the_reason(tmp_path: Path, family_models):
+    """validate refuses it (tests/distributed/test_family_matrix.py); the trainer too, before it
+    loads anything, for a model validate could not read: here a Llama's directory whose files a
+    teammate replaced by Gemma 2's after the pipelined run was submitted."""
     model = tmp_path / "model"
     shutil.copytree(family_models("llama"), model)
-    run = make_run(tmp_path, model, "moe", parallelism="fsdp", max_steps=3)
+    pipeline = {"schedule": "1f1b", "microbatches": 2}
+    run = make_run(tmp_path, model, "swapped", parallelism="pipeline", pipeline=pipeline, max_steps=3)
     shutil.rmtree(model)
-    shutil.copytree(family_models("mixtral"), model)
+    shutil.copytree(family_models("gemma2"), model)
     proc = torchrun(run, nproc=2, timeout=400)
     assert proc.returncode != 0
     marker = json.loads((run / "failed").read_text())
-    assert marker["reason"].startswith("ModelError: train.parallelism = 'fsdp': "), marker
-    assert "stores each of the mixtral model's experts" in marker["reason"], marker
-    assert "train.parallelism = 'ddp'" in marker["reason"], marker
+    assert marker["reason"].startswith("ModelError: train.parallelism = 'pipeline': "), marker
+    assert "not 'gemma2'" in marker["reason"] and "train it with train.parallelism = 'ddp'" in marker["reason"]

@@ -14,7 +14,9 @@ under a temporary name and renamed into place, and
 
 - Full fine-tuning: every weight is in the checkpoint; it is written in
   ``model.export_dtype`` (by default the dtype the checkpoint holds it in, so that the export
-  equals the checkpoint) as ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``.
+  equals the checkpoint) as ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``,
+  under the names the base model's files use (trainer.checkpoints.hub_layout: GPT-NeoX's
+  ``embed_out``, a mixture of experts' tensors one per expert, as ``save_pretrained`` writes).
 - LoRA: only the adapters are in the checkpoint. They are written as a peft adapter
   directory (``PeftModel.from_pretrained(base, DIR)``), without loading the base model;
   or, with ``--merge-lora``, the base model's safetensors are streamed and each adapted
@@ -55,6 +57,7 @@ from trainer.checkpoints.hf_shards import (
     write_safetensors,
     write_sharded,
 )
+from trainer.checkpoints.hub_layout import HubLayout
 from trainer.model.build import DTYPES, add_lora, load_tokenizer
 
 MODEL_KEY = "model."  # the checkpoint's state dict is {"model": ..., "optim": ...}
@@ -150,7 +153,7 @@ def export(
 def _weights(model_spec: ModelSpec, skeleton: torch.nn.Module, merge_lora: bool) -> Weights:
     """What is exported: every weight, the adapters alone, or the base model's with the adapters merged."""
     if model_spec.lora is None:
-        return _full_weights(skeleton)
+        return _full_weights(skeleton, _hub_layout(skeleton, model_spec.path))
     if merge_lora:
         return _merged_weights(skeleton, _base_weights(model_spec.path))
     return _adapter_weights(skeleton)
@@ -250,21 +253,38 @@ def _require(source: DcpTensors, wanted: Mapping[str, tuple[int, ...]]) -> None:
             raise Unreadable(f"{key} has shape {source.tensors[key][0]}, the model needs {shape}")
 
 
-def _full_weights(skeleton: torch.nn.Module) -> Weights:
-    """Every weight of the model, under the names save_pretrained gives them."""
+def _full_weights(skeleton: torch.nn.Module, layout: HubLayout) -> Weights:
+    """Every weight of the model, under the names the base model's files give them (``layout``:
+    renames reverted, fused experts split into their tensors, as save_pretrained writes them)."""
     names = _saved_names(skeleton)
     shapes = {name: tuple(tensor.shape) for name, tensor in skeleton.state_dict().items()}
+    outputs = {name: layout.outputs(name, shapes[name]) for name in names}
+    source_of = {output.name: (name, output) for name in names for output in outputs[name]}
 
     def weights(source: DcpTensors, dtype: torch.dtype):
         _require(source, {MODEL_KEY + name: shapes[name] for name in names})
         plans = [
-            TensorPlan(name, shapes[name], dtype, read_bytes=nbytes(shapes[name], source.tensors[MODEL_KEY + name][1]))
+            TensorPlan(
+                output.name,
+                output.shape,
+                dtype,
+                # a fused tensor is read whole, once per batch, for its experts' tensors
+                read_bytes=nbytes(shapes[name], source.tensors[MODEL_KEY + name][1]) // len(outputs[name]),
+            )
             for name in names
+            for output in outputs[name]
         ]
 
         def read(batch: list[TensorPlan]) -> dict[str, torch.Tensor]:
-            got = _read(source, [MODEL_KEY + plan.name for plan in batch])
-            return {plan.name: got.pop(MODEL_KEY + plan.name).to(dtype) for plan in batch}
+            wanted = list(dict.fromkeys(source_of[plan.name][0] for plan in batch))
+            got = _read(source, [MODEL_KEY + name for name in wanted])
+            out = {}
+            for plan in batch:
+                name, output = source_of[plan.name]
+                tensor = layout.part(got[MODEL_KEY + name], output, name).to(dtype)
+                # an expert's tensor is a view into the fused one: a file gets its own storage
+                out[plan.name] = tensor if output.expert is None else tensor.clone()
+            return out
 
         return plans, read
 
@@ -414,6 +434,16 @@ def _skeleton(model_spec: ModelSpec) -> tuple[object, torch.nn.Module]:
         if model_spec.lora is not None:
             skeleton = add_lora(skeleton, model_spec.model_copy(update={"gradient_checkpointing": False}))
     return config, skeleton
+
+
+def _hub_layout(skeleton: torch.nn.Module, path: str) -> HubLayout:
+    """The base model's files' layout; the in-memory names where they cannot be read (no
+    safetensors: a .bin model, whose names transformers reads as they are)."""
+    try:
+        base = _base_weights(path)
+    except ExportError:
+        return HubLayout.as_in_memory()
+    return HubLayout.of(skeleton, base.tensors)
 
 
 def _base_weights(path: str) -> SafetensorsModel:

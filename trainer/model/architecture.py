@@ -100,19 +100,10 @@ class Architecture:
         return sorted(names - set(ROUTERS))
 
 
-def model_traits(config, directory: str | None) -> ModelTraits:
-    """What jobgen.model.parallelism's model refusals read, from the loaded config and the
-    names in ``directory``'s safetensors headers (None: a hub id, whose names are not read)."""
-    from pathlib import Path
-
-    from jobgen.model.files import read_safetensors_header
-
-    names: list[str] = []
-    if directory is not None and Path(directory).is_dir():
-        for file in sorted(Path(directory).glob("*.safetensors")):
-            names.extend(read_safetensors_header(file))
+def model_traits(config) -> ModelTraits:
+    """What jobgen.model.parallelism's model refusals read, from the loaded config."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return ModelTraits.of_config(config.to_dict(), names, tied=bool(getattr(text, "tie_word_embeddings", False)))
+    return ModelTraits.of_config(config.to_dict(), tied=bool(getattr(text, "tie_word_embeddings", False)))
 
 
 def _is_linear(module: torch.nn.Module) -> bool:
@@ -157,20 +148,22 @@ class CheckpointLayout:
             elif isinstance(transform, WeightRenaming):
                 self.renamings.append(transform)
 
-    def resolve(self, checkpoint_keys: Iterable[str]) -> tuple[dict[str, str], set[str]]:
+    def resolve(self, checkpoint_keys: Iterable[str]) -> tuple[dict[str, str], dict[str, dict[str, object]]]:
         """One pass over the checkpoint's keys: in-memory name -> checkpoint key for each key the
-        library renames (and does not merge), and the in-memory names it builds by merging
-        several checkpoint tensors (fused experts)."""
+        library renames (and does not merge), and for each in-memory name it builds by merging
+        several checkpoint tensors (fused experts) those keys and the converter merging them
+        (trainer.model.merged_experts reads them)."""
         renamed: dict[str, str] = {}
-        merged: set[str] = set()
+        merged: dict[str, dict[str, object]] = {}
         if not self.renamings and not self.converters:
             return renamed, merged
         from transformers.core_model_loading import rename_source_key
 
+        by_pattern = {pattern: c for c in self.converters for pattern in c.source_patterns}
         for key in checkpoint_keys:
-            name, merged_by = rename_source_key(key, self.renamings, self.converters, self.prefix, self.meta)
-            if merged_by is not None:
-                merged.add(name)
+            name, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.meta)
+            if pattern is not None:
+                merged.setdefault(name, {})[key] = by_pattern[pattern]
             elif name != key:
                 renamed[name] = key
         return renamed, merged

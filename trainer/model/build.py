@@ -96,7 +96,7 @@ def refuse_unsupported(spec: ModelSpec, train: TrainSpec) -> None:
     if not train.strategy.refuses_models:
         return
     config = AutoConfig.from_pretrained(spec.path, trust_remote_code=False)  # no code from the model directory
-    refusal = train.strategy.model_refusal(model_traits(config, spec.path))
+    refusal = train.strategy.model_refusal(model_traits(config))
     if refusal is not None:
         raise ModelError(f"train.parallelism = '{train.parallelism}': {spec.path}: {refusal}")
 

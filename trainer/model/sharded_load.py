@@ -19,6 +19,9 @@ The order is what keeps memory proportional to the shard:
    ``HuggingFaceStorageReader``: every rank asks for the slices of its shards, so a rank
    never holds more than its shards plus one tensor being read, and files are read by
    several threads.
+   A mixture of experts' fused parameters (Mixtral's ``experts.gate_up_proj``), which the
+   files store one tensor per expert, are built by trainer.model.merged_experts from the
+   tensors of this rank's experts only.
 5. Buffers that are not in checkpoints (rotary ``inv_freq``) are recomputed by building
    their module again on the device: what ``from_pretrained`` would have computed.
 
@@ -42,6 +45,7 @@ from jobgen.spec.tables.model import ModelSpec
 from trainer.distributed import DistEnv
 from trainer.model.architecture import CheckpointLayout
 from trainer.model.errors import ModelError
+from trainer.model.merged_experts import expert_plans, fill_merged
 
 log = logging.getLogger("trainer.model.sharded_load")
 
@@ -150,10 +154,12 @@ def read_weights(model: torch.nn.Module, directory: Path, threads: int, layout: 
     # safetensors headers (JSON) and raw tensors only: nothing in a model directory is unpickled here.
     reader = HuggingFaceStorageReader(str(directory), thread_count=max(1, min(threads, len(files))))
     available = set(reader.read_metadata().state_dict_metadata)
-    # GPT-NeoX's embed_out is lm_head in memory; Mixtral's per-expert weights are one fused tensor.
+    # GPT-NeoX's embed_out is lm_head in memory; Mixtral's per-expert weights are one fused tensor
+    # (trainer.model.merged_experts).
     renamed, merged = (layout or CheckpointLayout(model)).resolve(available)
     tied = tied_names(model)
     state: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}  # the key's tensor of the model, for those the files lack
     missing: list[str] = []
     for name, tensor in model.state_dict(keep_vars=True).items():
         key = checkpoint_name(name)
@@ -162,21 +168,19 @@ def read_weights(model: torch.nn.Module, directory: Path, threads: int, layout: 
             continue
         if key not in available:
             missing.append(key)
+            tensors[key] = tensor
             continue
         state[key] = tensor.detach() if hasattr(tensor, "detach") else tensor
-    merged &= set(missing)
-    if merged:
-        raise ShardedLoadError(
-            f"model.path: {directory}: {sorted(merged)[0]} (and {len(merged) - 1} more) is merged from per-expert "
-            "tensors of the checkpoint, which the sharded load does not convert yet: train this mixture of "
-            'experts with train.parallelism = "ddp"'
-        )
+    # Fused experts built from the checkpoint's per-expert tensors: each rank reads its experts'.
+    fused = {key: tensors[key] for key in missing if key in merged}
+    plans = expert_plans({key: merged[key] for key in fused})
+    missing = [key for key in missing if key not in fused]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ShardedLoadError(f"model.path: {directory}: the safetensors lack {shown}")
     with torch.no_grad():
         dcp.load(state, storage_reader=reader)
-    return len(state)
+    return len(state) + fill_merged(fused, plans, directory)
 
 
 def recompute_buffers(model: torch.nn.Module, device: torch.device) -> None:

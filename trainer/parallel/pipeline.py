@@ -75,13 +75,25 @@ class PipelineError(ModelError):
 
 def check_pipelinable(config) -> None:
     """Refuse a configuration a stage cannot reproduce, as the pipeline's entry in
-    jobgen.model.parallelism says (a family other than the Llama-style ones, tied embeddings,
-    sliding-window attention): validate says the same of a local model."""
+    jobgen.model.parallelism says (a family other than the Llama-style ones, tied embeddings):
+    validate says the same of a local model."""
     from trainer.model.architecture import model_traits
 
-    refusal = PIPELINED.model_refusal(model_traits(config, None))
+    refusal = PIPELINED.model_refusal(model_traits(config))
     if refusal is not None:
         raise PipelineError(f"model.path: {refusal}")
+
+
+def attention_kinds(config) -> list[str]:
+    """Each decoder layer's attention, as the base model masks it: ``config.layer_types`` where
+    the config has them (Qwen2, Qwen3: "full_attention" or "sliding_attention" per layer), else
+    every layer sliding when ``sliding_window`` is set (Mistral), else every layer full (Llama)."""
+    layers = config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return list(kinds[:layers])
+    sliding = getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if sliding else "full_attention"] * layers
 
 
 def _llama_parts(full: nn.Module) -> nn.Module:
@@ -119,26 +131,34 @@ class _StageView(nn.Module):
         self.norm = owner.model.norm if last else None
         self.rotary_emb = owner.model.rotary_emb
         self.lm_head = owner.lm_head if last else None
+        self.attention_kinds = attention_kinds(owner.config)
 
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``x``: token ids on the first stage, the previous stage's hidden states otherwise.
         Returns hidden states, or the logits on the last stage."""
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
         # Rebuilt on every stage from what every rank gets (kwargs are not sent between
-        # stages): packed rows give a block-diagonal mask, plain causal sdpa none at all.
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            cache=None,
-            position_ids=position_ids,
-        )
+        # stages): packed rows give a block-diagonal mask, plain causal sdpa none at all; a
+        # sliding layer's mask also hides the tokens beyond its window, as the base model's is.
+        kinds = {self.attention_kinds[int(index)] for index in self.layers}
+        make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        masks = {
+            kind: make[kind](
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                cache=None,
+                position_ids=position_ids,
+            )
+            for kind in kinds
+        }
         rotary = self.rotary_emb(hidden, position_ids=position_ids)
-        for layer in self.layers.values():
+        for index, layer in self.layers.items():
+            mask = masks[self.attention_kinds[int(index)]]
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
         if self.lm_head is not None:
             hidden = self.lm_head(self.norm(hidden))
