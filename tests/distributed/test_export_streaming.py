@@ -194,7 +194,7 @@ def test_tied_embeddings_are_written_once(tmp_path, tiny_model):
     model = AutoModelForCausalLM.from_pretrained(target)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     trained = checkpoint_tensors(run / "checkpoints" / "step-00000001")
-    # model.export_dtype 'as-trained': the checkpoint's float32, whatever model.dtype says (bfloat16).
+    # model.export_dtype 'base': the base model's float32, whatever model.dtype says (bfloat16).
     assert model.dtype == torch.float32 == trained["model.embed_tokens.weight"].dtype
     assert torch.equal(model.model.embed_tokens.weight, trained["model.embed_tokens.weight"])
 

@@ -130,7 +130,7 @@ def test_each_family_exports_a_model_that_loads_equal_to_the_checkpoint(matrix: 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     trained = checkpoint_tensors(run / "checkpoints" / source)
     exported = model.state_dict()
-    assert model.dtype == torch.float32  # model.export_dtype 'as-trained': what the CPU run trained in
+    assert model.dtype == torch.float32  # model.export_dtype 'base': the float32 the model's config names
     tied = {"lm_head.weight"} if model.config.get_text_config().tie_word_embeddings else set()
     assert set(exported) - tied == set(trained) - tied, family
     for name, tensor in trained.items():

@@ -290,7 +290,7 @@ state = {{"model": {{k: torch.empty_like(v) for k, v in base.state_dict().items(
 dcp.load(state, checkpoint_id={str(run / "checkpoints" / "step-00000004")!r})
 trained = state["model"]["model.layers.0.self_attn.q_proj.weight"]
 exported = model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
-# model.export_dtype 'as-trained' (float32 on CPU, though model.dtype says bfloat16): the checkpoint's own weights.
+# model.export_dtype 'base' (the tiny model's float32, though model.dtype says bfloat16): the checkpoint's weights.
 assert model.dtype == torch.float32 and torch.equal(trained, exported), "exported weights differ from the checkpoint"
 assert not torch.allclose(base.state_dict()["model.layers.0.self_attn.q_proj.weight"], trained)
 """

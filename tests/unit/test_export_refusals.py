@@ -109,3 +109,20 @@ def test_export_never_asks_to_run_a_model_directorys_code(tmp_path):
     assert not marker.exists(), out
     assert proc.returncode == 2 and "Do you wish to run the custom code" not in out, out
     assert out.startswith(f"jobgen export: model.path {model}: "), out
+
+
+def test_the_export_dtype_is_the_base_models_unless_asked_otherwise():
+    """model.export_dtype: 'base' is what the base model's config.json names (a bfloat16 model
+    trained in float32 on CPU exports bfloat16, as published), or the checkpoint's own where it
+    names none; 'as-trained' is always the checkpoint's own (None here)."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from trainer.checkpoints.export import export_dtype
+
+    assert export_dtype("base", SimpleNamespace(dtype=torch.bfloat16)) is torch.bfloat16
+    assert export_dtype("base", SimpleNamespace(dtype="float16")) is torch.float16
+    assert export_dtype("base", SimpleNamespace(dtype=None)) is None
+    assert export_dtype("base", SimpleNamespace(dtype="auto")) is None
+    assert export_dtype("as-trained", SimpleNamespace(dtype=torch.bfloat16)) is None
+    assert export_dtype("float32", SimpleNamespace(dtype=torch.bfloat16)) is torch.float32

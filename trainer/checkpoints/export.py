@@ -13,10 +13,11 @@ under a temporary name and renamed into place, and
 ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it.
 
 - Full fine-tuning: every weight is in the checkpoint; it is written in
-  ``model.export_dtype`` (by default the dtype the checkpoint holds it in, so that the export
-  equals the checkpoint) as ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``,
-  under the names the base model's files use (trainer.checkpoints.hub_layout: GPT-NeoX's
-  ``embed_out``, a mixture of experts' tensors one per expert, as ``save_pretrained`` writes).
+  ``model.export_dtype`` (by default the one the base model's config.json names, else the
+  dtype the checkpoint holds it in) as ``model-0000i-of-0000N.safetensors`` with
+  ``model.safetensors.index.json``, under the names the base model's files use
+  (trainer.checkpoints.hub_layout: GPT-NeoX's ``embed_out``, a mixture of experts' tensors
+  one per expert, as ``save_pretrained`` writes).
 - LoRA: only the adapters are in the checkpoint. They are written as a peft adapter
   directory (``PeftModel.from_pretrained(base, DIR)``), without loading the base model;
   or, with ``--merge-lora``, the base model's safetensors are streamed and each adapted
@@ -119,8 +120,8 @@ def export(
     if target.exists() and any(target.iterdir()):
         raise ExportError(f"{target} exists and is not empty")  # before anything slow
     paths = candidates(run_dir, checkpoint)
-    asked = DTYPES.get(model_spec.export_dtype)  # None: as trained
     config, skeleton = _skeleton(model_spec)
+    asked = export_dtype(model_spec.export_dtype, config)  # None: as trained
     adapter_only = model_spec.lora is not None and not merge_lora
     weights = _weights(model_spec, skeleton, merge_lora)
     written: list[torch.dtype] = []
@@ -221,6 +222,15 @@ def _open(path: Path) -> DcpTensors:
         return DcpTensors(path)
     except (Exception, CheckpointException) as exc:  # any failure: try the previous one
         raise Unreadable(describe_load_error(exc)) from exc
+
+
+def export_dtype(choice: str, config) -> torch.dtype | None:
+    """``model.export_dtype`` as a dtype; None for the checkpoint's own (:func:`trained_dtype`).
+    'base' is the dtype the base model's config.json names, if it names one jobgen writes."""
+    if choice == "base":
+        named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)  # torch.bfloat16 or a name
+        return DTYPES.get(str(named).removeprefix("torch.")) if named is not None else None
+    return DTYPES.get(choice)
 
 
 def trained_dtype(source: DcpTensors) -> torch.dtype:

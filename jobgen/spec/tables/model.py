@@ -73,12 +73,13 @@ class ModelSpec(SpecModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="Parameter dtype; CPU runs use float32 regardless."
     )
-    export_dtype: Literal["as-trained", "float32", "bfloat16", "float16"] = Field(
-        "as-trained",
+    export_dtype: Literal["base", "as-trained", "float32", "bfloat16", "float16"] = Field(
+        "base",
         description=(
-            "The dtype `jobgen export` writes the weights in. 'as-trained': the dtype the checkpoint holds them "
-            "in (float32 after a CPU run, whatever model.dtype says), so the export equals the checkpoint; a "
-            "narrower one halves the files at the cost of rounding every weight."
+            "The dtype `jobgen export` writes the weights in. 'base': the one the base model's config.json names "
+            "(torch_dtype), what it was published in; where it names none, 'as-trained'. 'as-trained': the dtype "
+            "the checkpoint holds them in (float32 after a CPU run, model.dtype on a GPU), so the export equals "
+            "the checkpoint bit for bit. A narrower dtype than training's rounds every weight once."
         ),
     )
     gradient_checkpointing: bool = Field(False, description="Non-reentrant activation checkpointing.")
