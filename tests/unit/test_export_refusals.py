@@ -118,7 +118,7 @@ def test_the_export_dtype_is_the_base_models_unless_asked_otherwise():
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from trainer.checkpoints.export import export_dtype
+    from trainer.checkpoints.export_weights import export_dtype
 
     assert export_dtype("base", SimpleNamespace(dtype=torch.bfloat16)) is torch.bfloat16
     assert export_dtype("base", SimpleNamespace(dtype="float16")) is torch.float16
