@@ -78,7 +78,7 @@ def lora_adapted(run: RunSpec) -> str | None:
 def model_problems(run: RunSpec, world_sizes: list[int]) -> list[Problem]:
     """What [model.lora] and [train] ask of a local model that it does not have: an architecture
     train.parallelism cannot train (jobgen.model.parallelism's model refusals: a pipeline of a
-    family its stages do not build, a sharded load of per-expert weights), LoRA targets that
+    family its stages do not build, or of tied embeddings), LoRA targets that
     adapt none of its layers, a pipeline split that does not fit its decoder blocks in a world
     of one of ``world_sizes`` ranks. Every rank of every task would fail on them as it builds
     the model."""
