@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,7 +62,10 @@ def apply_overrides(target: Target, name: str, args: argparse.Namespace) -> None
 
 
 def main(name: str, check: Callable[[Target], CheckResult], description: str, argv: list[str] | None = None) -> int:
-    """Parse, build the target, run the check, report; the exit status says whether it alerted."""
+    """Parse, build the target, run the check, report; the exit status says whether it alerted.
+    What the check itself cost (seconds, this process's peak RSS) ends its output: these run
+    every few minutes for weeks, on the nodes and the login node, and must stay small."""
+    started = time.monotonic()
     args = parser(name, description).parse_args(argv)
     if name != "disk" and not args.run_ref:
         print(f"watchdogs.{name}: --run RUN is required", file=sys.stderr)
@@ -85,7 +90,14 @@ def main(name: str, check: Callable[[Target], CheckResult], description: str, ar
         sent = deliver(result, target)
         if sent:
             result.data["notified"] = sent
+    cost = {
+        "seconds": round(time.monotonic() - started, 3),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+    result.data["cost"] = cost
     print(json.dumps(result.to_json(), indent=2) if args.json else result.text())
+    if not args.json:
+        print(f"watchdogs.{name}: checked in {cost['seconds']:.2f} s, peak RSS {cost['peak_rss_mib']:.0f} MiB")
     sys.stdout.flush()
     return result.exit_code
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobgen.base.durations import format_human
-from jobgen.runs.goodput import read_metrics
+from jobgen.runs.rundir import RunDir
+from jobgen.runs.summary_cache import summarize
 from jobgen.spec.tables.watchdogs import parse_threshold
 from watchdogs.base import main as check_main
 from watchdogs.target import CheckResult, Target
@@ -129,10 +130,11 @@ def save_interval(
         gaps = [b[1] - a[1] for a, b in itertools.pairwise(steps) if b[1] > a[1]]
         if gaps:
             return statistics.median(gaps), "observed"
-    lines = read_metrics(run_dir / "metrics.jsonl")[-50:]  # every record has a time and a step
+    # (step, time) of the newest records, from the summary of metrics.jsonl: never its whole history.
+    lines = list(summarize(RunDir(run_dir).metrics).recent)
     candidates = [float(save_every)] if save_every else []
-    if len(lines) >= 2 and lines[-1]["step"] > lines[0]["step"] and save_every_steps:
-        per_step = (lines[-1]["time"] - lines[0]["time"]) / (lines[-1]["step"] - lines[0]["step"])
+    if len(lines) >= 2 and lines[-1][0] > lines[0][0] and save_every_steps:
+        per_step = (lines[-1][1] - lines[0][1]) / (lines[-1][0] - lines[0][0])
         candidates.append(per_step * save_every_steps)
     return (min(candidates), "from the spec and step rate") if candidates else (None, "unknown")
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-from jobgen.runs.goodput import read_metrics
-from jobgen.runtime.records import training_lines
+from jobgen.runs.summary_cache import summarize
 from jobgen.slurm import client as slurm
 from watchdogs.base import main as check_main
 from watchdogs.base import running_jobs
@@ -36,11 +35,12 @@ def node_memory(job_id: int, nodes: int) -> list[dict]:
 
 
 def from_metrics(target: Target, job_id: int) -> list[dict]:
-    every_line = read_metrics(target.run.path / "metrics.jsonl")
-    lines = [m for m in training_lines(every_line) if str(m.get("job_id")) == str(job_id)]
-    if not lines or "host_used_percent" not in lines[-1]:
+    """Rank 0's node memory from the job's newest training line, read from the summary of
+    metrics.jsonl (jobgen.runs.summary_cache), never its whole history."""
+    newest = summarize(target.run.metrics).last_training_line_of_job(job_id)
+    if newest is None or not newest[1]:
         return []
-    return [{"node": "rank 0's node (from metrics.jsonl)", "used_percent": lines[-1]["host_used_percent"]}]
+    return [{"node": "rank 0's node (from metrics.jsonl)", "used_percent": newest[0]}]
 
 
 def check(target: Target) -> CheckResult:

@@ -16,20 +16,14 @@ reminder interval. :func:`run_alerts` reads the state files back for ``jobgen st
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import fcntl
 import json
 import os
 import re
-import smtplib
-import ssl
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
-from email.message import EmailMessage
 from pathlib import Path
 
 from jobgen.base.atomic import write_json_atomic
@@ -148,6 +142,9 @@ def _redacted(text: str, secrets: Iterable[str]) -> str:
 def _describe(exc: BaseException, secrets: Iterable[str]) -> str:
     """A failure for the logs: what the other side or the OS said, never an exception's
     own message that may quote what it was given (a URL, a password's characters)."""
+    import smtplib
+    import urllib.error
+
     if isinstance(exc, urllib.error.HTTPError):
         detail = f"HTTP {exc.code} {exc.reason}"
     elif isinstance(exc, urllib.error.URLError):
@@ -163,6 +160,12 @@ def _describe(exc: BaseException, secrets: Iterable[str]) -> str:
 
 
 def send_email(settings: EmailSettings, subject: str, body: str) -> None:
+    # Imported here: jobgen status reads the alerts of this module at every call, and sends none.
+    import base64
+    import smtplib
+    import ssl
+    from email.message import EmailMessage
+
     password = _secret(settings.password_file, settings.password_env, "email password")
     msg = EmailMessage()
     msg["Subject"], msg["From"], msg["To"] = subject[:900], settings.sender, ", ".join(settings.to)
@@ -195,6 +198,8 @@ def send_webhook(settings: WebhookSettings, text: str) -> None:
         raise DeliveryError(
             f"the webhook url in {where} is not an http(s):// URL of printable characters (not shown: it is a secret)"
         )
+    import urllib.request
+
     try:
         request = urllib.request.Request(
             url, data=json.dumps({"text": text}).encode(), headers={"Content-Type": "application/json"}, method="POST"

@@ -226,16 +226,30 @@ def ensure_chain(
         return chain, True
 
 
-def stop_chain(home: WatchdogHome, name: str) -> list[int]:
-    """Forget the chain, then cancel its queued links. A link running right now finds no
-    record and does not resubmit; if it already did, it cancels its successor itself."""
+# How long remove waits for the links it cancelled to leave Slurm's queue.
+REMOVE_WAIT_SECONDS = 60
+
+
+def stop_chain(home: WatchdogHome, name: str, wait: float = REMOVE_WAIT_SECONDS) -> list[int]:
+    """Forget the chain, then cancel every link of it Slurm holds, queued or running, and wait
+    until none is left in the queue: remove leaves nothing queued, whatever the chain was doing.
+
+    The record goes first, under the chain's lock: a link hands over (queues its successor and
+    records it) only while it holds that lock and finds the record, so once the record is gone
+    no link queues another, and a successor queued before is in Slurm's queue by the time the
+    lock is ours, where the listing below finds it. A running link is cancelled too (it would
+    end by itself, finding no record, but not before remove returned); a link is a check,
+    and its record writes are atomic, so cancelling one in the middle loses nothing."""
     with home.chain_lock(name):
         home.chain_file(name).unlink(missing_ok=True)
     cancelled = []
     for job in home.queued_links(name):
-        if job.state == "PENDING":
+        if job.state in slurm.JOB_ACTIVE:
             slurm.cancel(job.job_id)
             cancelled.append(job.job_id)
+    deadline = time.monotonic() + wait
+    while cancelled and home.queued_links(name) and time.monotonic() < deadline:
+        time.sleep(0.5)
     return cancelled
 
 

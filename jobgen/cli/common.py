@@ -33,7 +33,23 @@ class Commands(click.Group):
     """The ``jobgen`` group (and any group under it). A damaged file that a command needs and
     did not handle itself (jobgen.base.safe_read.DamagedFile) ends the command with one line that
     names the file, exit status 1: never a traceback. Commands that can show the rest (the
-    listing of runs, compare) or that document another status (export) handle it first."""
+    listing of runs, compare) or that document another status (export) handle it first.
+
+    ``lazy``: commands built only when they are asked for (name -> a function that builds one):
+    ``jobgen status`` runs every few minutes in the watchdogs' jobs, and need not import the
+    dev cluster's, the watchdogs' or the server's command groups to do so."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy: dict[str, Callable[[], click.Command]] = {}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy and name not in self.commands:
+            self.add_command(self.lazy[name](), name)
+        return super().get_command(ctx, name)
 
     def invoke(self, ctx: click.Context) -> Any:
         from jobgen.base.safe_read import DamagedFile

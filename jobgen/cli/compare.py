@@ -40,7 +40,7 @@ def compare_command(refs: tuple[str, ...], output: Path | None, as_json: bool) -
     from jobgen.report.compare import CompareError, compare, draw
 
     try:
-        rows = compare(list(refs), default_runs_root())
+        rows = compare(list(refs), default_runs_root(), curves=output is not None)
         click.echo(json.dumps([row.to_json() for row in rows], indent=2) if as_json else format_table(rows))
         if output is not None:
             # With --json, stdout is the JSON alone: a script parses it as it is.

@@ -451,20 +451,37 @@ def _export_for_serve(run, checkpoint: str | None, target: Path) -> str:
         raise ServeError(f"cannot export a checkpoint of {run.path}: {exc}") from None
 
 
-def _register_groups() -> None:
+def _compare() -> click.Command:
     from jobgen.cli.compare import compare_command
-    from jobgen.cli.serve import chat, serve_command
+
+    return compare_command
+
+
+def _serve() -> click.Command:
+    from jobgen.cli.serve import serve_command
+
+    return serve_command(_export_for_serve)
+
+
+def _chat() -> click.Command:
+    from jobgen.cli.serve import chat
+
+    return chat
+
+
+def _cluster() -> click.Command:
     from jobgen.devcluster.cli import cluster
+
+    return cluster
+
+
+def _watchdog() -> click.Command:
     from watchdogs.cli import watchdog
 
-    main.add_command(cluster)
-    main.add_command(watchdog)
-    main.add_command(serve_command(_export_for_serve))
-    main.add_command(chat)
-    main.add_command(compare_command)
+    return watchdog
 
 
-_register_groups()
+main.lazy.update(cluster=_cluster, watchdog=_watchdog, serve=_serve, chat=_chat, compare=_compare)
 
 if __name__ == "__main__":
     main()

@@ -19,6 +19,7 @@ from jobgen.report.status import (
     RunStatus,
     WatchdogAlerts,
     queue_for,
+    remembered_for,
     run_status,
     unreadable,
     unreadable_status,
@@ -82,17 +83,20 @@ def _statuses(
     readable = [r for r in runs if not problems[r]]
     queue: list[slurm.QueueEntry] | Exception
     conf: dict[str, str] | Exception | None = None
+    remembered: list[slurm.JobRecord] | None = None
     try:
         queue = queue_for(readable)
         # One configuration for every run: the listing asks about ended jobs as one run's view
-        # does (ended=True), so both tell a task's state, and the run's, the same way.
+        # does (ended=True), so both tell a task's state, and the run's, the same way; and
+        # once for all of them (one sacct), not once per run.
         conf = slurm.config() if any(r.jobs() for r in readable) else None
+        remembered = remembered_for(readable, queue, conf) if len(readable) > 1 else None
     except slurm.SlurmUnavailable as exc:
         queue = exc  # each run says so in its notes
     return [
         unreadable_status(r, problems[r])
         if problems[r]
-        else run_status(r, alerts, queue=queue, details=details, ended=True, conf=conf)
+        else run_status(r, alerts, queue=queue, details=details, ended=True, conf=conf, remembered=remembered)
         for r in runs
     ]
 

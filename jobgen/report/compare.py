@@ -28,13 +28,11 @@ from typing import Any
 from jobgen.base.atomic import write_bytes_atomic
 from jobgen.base.safe_read import DamagedFile, read_best
 from jobgen.base.visible import visible
-from jobgen.program.trainer_records import trainer_history
-from jobgen.report.status import eval_progress, queue_for, run_status, unreadable
-from jobgen.runs.goodput import read_metrics
+from jobgen.report.plot import read_metrics_warned
+from jobgen.report.status import eval_progress, queue_for, remembered_for, run_status, unreadable
 from jobgen.runs.rundir import RunDir, RunDirError, find_run
 from jobgen.runs.sweep_files import SWEEP_INDEX
 from jobgen.runs.sweep_runs import SweepError, find_point, find_sweep, read_sweep, sweep_of
-from jobgen.runtime.records import is_eval_line, training_lines
 from jobgen.slurm import client as slurm
 
 # A row's state is jobgen status's (running, pending, finished, failed, stopped, unknown), and:
@@ -160,9 +158,10 @@ def sweep_points(directory: Path) -> list[Target]:
 # ---------------------------------------------------------------- reading
 
 
-def read_row(target: Target, warn: Callable[[str], None] = _warn, state: str = "unknown") -> Row:
+def read_row(target: Target, warn: Callable[[str], None] = _warn, state: str = "unknown", curves: bool = False) -> Row:
     """One run's row, in ``state`` (:func:`run_states`): empty values and state ``pending``
-    for a point with no run directory."""
+    for a point with no run directory. ``curves``: also the loss curves :func:`draw` draws
+    (the table needs only the newest values, which the summary holds without its series)."""
     run = RunDir(target.path)
     row = Row(target.name, str(target.path), target.sweep, PENDING, dict(target.overrides))
     if not run.exists():
@@ -170,17 +169,14 @@ def read_row(target: Target, warn: Callable[[str], None] = _warn, state: str = "
     row.state = state
     # An unreadable spec.json was named once already, by run_states.
     row.max_steps = _max_steps(run, warn if state != UNREADABLE else lambda message: None)
-    lines = read_metrics(run.path / "metrics.jsonl")
-    if lines.warning():
-        warn(lines.warning())
-    if not any(x.get("loss") is not None for x in lines):
-        # A Trainer run without jobgen's callback: its checkpoint's history is the record (as plot reads it).
-        lines.extend(trainer_history(run.checkpoints))
-    steps = training_lines(lines)
-    row.step = steps[-1]["step"] if steps else None
-    row.train_curve = _curve(steps, "loss")
-    row.final_loss = row.train_curve[-1][1] if row.train_curve else None  # the last logged
-    row.eval_curve = _curve([x for x in lines if is_eval_line(x)], "eval_loss")
+    # The summary of metrics.jsonl (a Trainer run without jobgen's callback: its checkpoint's
+    # history, as plot reads it), never the whole history.
+    lines = read_metrics_warned(run, warn)
+    row.step = lines.last_training["step"] if lines.last_training else None
+    row.final_loss = lines.last_loss[1] if lines.last_loss else None  # the last logged
+    if curves:
+        row.train_curve = lines.curve("loss")
+        row.eval_curve = lines.curve("eval_loss")
     _, best = eval_progress(lines, _best(run, warn))
     if best is not None:
         row.best_eval_loss, row.best_eval_step = best["eval_loss"], best["step"]
@@ -206,20 +202,6 @@ def _max_steps(run: RunDir, warn: Callable[[str], None]) -> int | None:
     return spec.run.train.max_steps if spec.run.job.kind.trains else None
 
 
-def _curve(lines: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
-    """(step, value) of the lines the run went on from, in step order. A task that resumed
-    from an older checkpoint logs steps again: its values replace those of the steps it
-    redid and of any later ones the killed task had logged, which the run no longer has."""
-    points: list[tuple[int, float]] = []
-    for line in lines:
-        if line.get(key) is None or line.get("step") is None:
-            continue
-        while points and points[-1][0] >= line["step"]:
-            points.pop()
-        points.append((line["step"], float(line[key])))
-    return points
-
-
 def run_states(runs: list[RunDir], warn: Callable[[str], None] = _warn) -> dict[Path, str]:
     """The state ``jobgen status`` shows of each run that has a directory: its run_status,
     from one ``squeue`` (and one look at Slurm's configuration) for all of them, as the
@@ -231,9 +213,11 @@ def run_states(runs: list[RunDir], warn: Callable[[str], None] = _warn) -> dict[
     readable = [run for run in present if not problems[run.path]]
     queue: list[slurm.QueueEntry] | Exception
     conf: dict[str, str] | Exception | None = None
+    remembered: list[slurm.JobRecord] | None = None
     try:
         queue = queue_for(readable)
         conf = slurm.config() if any(r.jobs() for r in readable) else None
+        remembered = remembered_for(readable, queue, conf) if len(readable) > 1 else None
     except slurm.SlurmUnavailable as exc:
         queue = exc  # each run's state from its directory, as jobgen status says then
         why = ((exc.stderr or str(exc)).strip().splitlines() or ["no answer"])[-1]
@@ -244,7 +228,9 @@ def run_states(runs: list[RunDir], warn: Callable[[str], None] = _warn) -> dict[
             warn(problem)
             states[path] = UNREADABLE
     for run in readable:
-        states[run.path] = run_status(run, queue=queue, details=False, ended=True, conf=conf).state
+        states[run.path] = run_status(
+            run, queue=queue, details=False, ended=True, conf=conf, remembered=remembered
+        ).state
     return states
 
 
@@ -257,14 +243,17 @@ def sort_key(row: Row) -> tuple[int, float]:
     return 2, 0.0
 
 
-def compare(refs: list[str], runs_root: Path | None, warn: Callable[[str], None] = _warn) -> list[Row]:
+def compare(
+    refs: list[str], runs_root: Path | None, warn: Callable[[str], None] = _warn, curves: bool = False
+) -> list[Row]:
     """The rows of every run the references name, best first (sorting is stable: ties and
-    runs with no loss keep the order they were named in). Raises CompareError."""
+    runs with no loss keep the order they were named in); ``curves`` for :func:`draw`. Raises
+    CompareError."""
     targets = resolve(refs, runs_root)
     if not targets:
         raise CompareError(f"no runs to compare: {', '.join(refs)} list(s) no points")
     states = run_states([RunDir(t.path) for t in targets], warn)
-    return sorted((read_row(t, warn, states.get(t.path, PENDING)) for t in targets), key=sort_key)
+    return sorted((read_row(t, warn, states.get(t.path, PENDING), curves) for t in targets), key=sort_key)
 
 
 def override_keys(rows: list[Row]) -> list[str]:

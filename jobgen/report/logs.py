@@ -36,7 +36,7 @@ from pathlib import Path
 from jobgen.base.safe_read import DamagedFile, as_int, is_int, open_regular, read_object
 from jobgen.base.visible import visible
 from jobgen.report.task_table import read_task_records
-from jobgen.runs.goodput import read_tasks
+from jobgen.runs.jsonl_records import read_tasks
 from jobgen.runs.rundir import RunDir
 
 # torchrun's --tee prefix on the ranks' lines in the batch log: "[default0]:".

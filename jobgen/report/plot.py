@@ -16,7 +16,9 @@ callback, which writes none, the newest checkpoint's ``trainer_state.json`` hist
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -27,8 +29,10 @@ from typing import Any
 from jobgen.base.visible import visible
 from jobgen.program.trainer_records import trainer_history
 from jobgen.report.task_table import read_task_records
-from jobgen.runs.goodput import read_metrics, read_tasks
+from jobgen.runs.jsonl_records import read_tasks
+from jobgen.runs.metrics_summary import PLOTTED, MetricsSummary
 from jobgen.runs.rundir import RunDir
+from jobgen.runs.summary_cache import summarize
 
 
 class PlotError(RuntimeError):
@@ -37,21 +41,27 @@ class PlotError(RuntimeError):
 
 @dataclass
 class Series:
-    steps: list[int]
-    times: list[float]
-    values: list[float]
-    tasks: list[tuple[str, int]]  # (job id, restart) of each point: a line never joins two jobs
+    """One metric's points as the summary keeps them (decimated per step bucket, with each
+    bucket's first, lowest, highest and last point: jobgen.runs.metrics_summary), one part per
+    job in turn: a line never joins two jobs."""
+
+    parts: list[tuple[list[int], list[float], list[float]]]  # (steps, times, values) of each job
 
     def segments(self) -> list[tuple[list[int], list[float], list[float]]]:
         """The points of each job in turn (steps, times, values)."""
-        out: list[tuple[list[int], list[float], list[float]]] = []
-        for i, task in enumerate(self.tasks):
-            if i == 0 or task != self.tasks[i - 1]:
-                out.append(([], [], []))
-            out[-1][0].append(self.steps[i])
-            out[-1][1].append(self.times[i])
-            out[-1][2].append(self.values[i])
-        return out
+        return self.parts
+
+    @property
+    def steps(self) -> list[int]:
+        return [step for steps, _, _ in self.parts for step in steps]
+
+    @property
+    def times(self) -> list[float]:
+        return [at for _, times, _ in self.parts for at in times]
+
+    @property
+    def values(self) -> list[float]:
+        return [value for _, _, values in self.parts for value in values]
 
 
 @dataclass
@@ -73,45 +83,45 @@ def _warn(message: str) -> None:
     print(f"jobgen plot: warning: {visible(message)}", file=sys.stderr)  # it quotes a file
 
 
+def run_metrics(run: RunDir) -> MetricsSummary:
+    """The run's metrics.jsonl, summarised (jobgen.runs.summary_cache); for a Trainer run
+    without jobgen's callback, which logs no loss, with the Trainer's own history folded in
+    (the newest checkpoint's ``trainer_state.json``)."""
+    metrics = summarize(run.metrics)
+    if not metrics.has_loss:
+        history = trainer_history(run.checkpoints)
+        if history:
+            metrics = copy.deepcopy(metrics)
+            for record in history:
+                metrics.add_record(record)
+    return metrics
+
+
 def read_plot_data(run: RunDir, warn: Callable[[str], None] = _warn) -> PlotData:
     """What the plot shows. Lines of metrics.jsonl and tasks.jsonl that are no records are
-    left out, and ``warn`` is told once per file how many."""
-    lines = read_metrics(run.path / "metrics.jsonl")
-    tasks = read_tasks(run.path / "tasks.jsonl")
-    for records in (lines, tasks):
-        if records.warning():
-            warn(records.warning())
-    if not any(x.get("loss") is not None for x in lines):
-        # A Trainer run without jobgen's callback: the Trainer's own history is the record.
-        lines.extend(trainer_history(run.checkpoints))
-    if not lines:
+    left out, and ``warn`` is told once per file how many. Reads the summary of metrics.jsonl,
+    never its whole history: a week's run plots as fast as an hour's."""
+    lines = read_metrics_warned(run, warn)
+    tasks = read_tasks(run.task_lines)
+    if tasks.warning():
+        warn(tasks.warning())
+    if not lines.records:
         raise PlotError(
-            f"{run.path / 'metrics.jsonl'}: no logged steps yet, nothing to plot (nor a Trainer's history: "
+            f"{run.metrics}: no logged steps yet, nothing to plot (nor a Trainer's history: "
             "no checkpoint with a readable trainer_state.json)"
         )
-    metrics = {}
-    for key in ("loss", "lr", "tokens_per_s", "eval_loss"):
-        rows = [x for x in lines if _value(x, key) is not None and x.get("step") is not None and x.get("time")]
-        metrics[key] = Series(
-            [x["step"] for x in rows],
-            [x["time"] for x in rows],
-            [_value(x, key) for x in rows],
-            [(str(x.get("job_id")), int(x.get("restart") or 0)) for x in rows],
-        )
+    metrics = {key: Series([(s, t, v) for _, s, t, v in lines.segments(key)]) for key in PLOTTED}
     firsts = [r for r in tasks if r.get("event") == "first_step"]
     resumes = [(int(r["start_step"]), float(r["time"])) for r in firsts if r.get("start_step")]
     return PlotData(run.path.name, metrics, sorted(resumes), _waits(run, lines, tasks))
 
 
-def _value(line: dict[str, Any], key: str) -> float | None:
-    """A line's value of ``key``; tokens/s from ``step_tokens`` and ``step_seconds`` where a
-    program logs those instead."""
-    value = line.get(key)
-    if value is None and key == "tokens_per_s":
-        tokens, seconds = line.get("step_tokens"), line.get("step_seconds")
-        if isinstance(tokens, (int, float)) and isinstance(seconds, (int, float)) and seconds > 0:
-            return tokens / seconds
-    return value
+def read_metrics_warned(run: RunDir, warn: Callable[[str], None]) -> MetricsSummary:
+    """:func:`run_metrics`, with ``warn`` told of the lines of metrics.jsonl that are no records."""
+    metrics = run_metrics(run)
+    if metrics.warning():
+        warn(metrics.warning())
+    return metrics
 
 
 # What an empty panel says: a program that does not log a value is no run without progress.
@@ -127,7 +137,7 @@ def empty_panels(data: PlotData) -> dict[str, str]:
     return {key: words for key, words in EMPTY_PANEL.items() if not data.metrics[key].steps}
 
 
-def _waits(run: RunDir, lines: list[dict[str, Any]], tasks: list[dict[str, Any]]) -> list[tuple[float, float]]:
+def _waits(run: RunDir, lines: MetricsSummary, tasks: list[dict[str, Any]]) -> list[tuple[float, float]]:
     """Spans with no job of the run running: submission to the first start, and each gap
     between one job's end and the next one's start. A job's end is the batch script's
     record of it, else the trainer's exit record, else its last logged step (killed)."""
@@ -136,9 +146,7 @@ def _waits(run: RunDir, lines: list[dict[str, Any]], tasks: list[dict[str, Any]]
         if record.get("job_start") and record.get("end"):
             key = (str(record.get("job_id")), int(record.get("restart") or 0))
             ends[key] = (float(record["job_start"]), float(record["end"]))
-    last_line: dict[tuple[str, int], float] = {}
-    for line in lines:
-        last_line[(str(line.get("job_id")), int(line.get("restart") or 0))] = float(line["time"])
+    last_line = {key: task.last_time for key, task in lines.tasks.items()}
     for record in tasks:
         key = (str(record.get("job_id")), int(record.get("restart") or 0))
         if key in ends or not record.get("job_start"):
@@ -215,29 +223,59 @@ def draw(data: PlotData, output: Path) -> Path:
     return output
 
 
+def _joined(series: Series) -> tuple[list[float], list[float], list[float]]:
+    """(steps, times as dates, values) of every job's points, a NaN between two jobs: one line
+    per panel, broken where a job ends, however many jobs a week of time limits made (an
+    artist per job made a plot of 500 jobs take seconds)."""
+    from matplotlib.dates import date2num
+
+    steps: list[float] = []
+    times: list[float] = []
+    values: list[float] = []
+    for part_steps, part_times, part_values in series.segments():
+        if steps:
+            steps.append(math.nan)
+            times.append(math.nan)
+            values.append(math.nan)
+        steps.extend(part_steps)
+        times.extend(date2num([dt.datetime.fromtimestamp(t) for t in part_times]))
+        values.extend(part_values)
+    return steps, times, values
+
+
 def _draw_row(data: PlotData, key: str, by_step, by_time) -> None:
     """One metric's row: against the step (``by_step``) and against wall time (``by_time``),
     with the resumes marked and the time without a running job shaded."""
-    for steps, times, values in data.metrics[key].segments():
-        by_step.plot(steps, values, lw=1.2, color="C0")
-        by_time.plot([dt.datetime.fromtimestamp(t) for t in times], values, lw=1.2, color="C0")
+    from matplotlib.dates import date2num
+
+    steps, times, values = _joined(data.metrics[key])
+    by_step.plot(steps, values, lw=1.2, color="C0")
+    by_time.plot(times, values, lw=1.2, color="C0")
+    by_time.xaxis_date()
     if key == "loss" and data.metrics["eval_loss"].steps:
         # Each job's evaluations as points joined by a line, like its training loss.
-        for i, (steps, times, values) in enumerate(data.metrics["eval_loss"].segments()):
-            by_step.plot(steps, values, "o-", ms=4, lw=1, color="C1", label=None if i else "eval loss")
-            by_time.plot([dt.datetime.fromtimestamp(t) for t in times], values, "o-", ms=4, lw=1, color="C1")
+        steps, times, values = _joined(data.metrics["eval_loss"])
+        by_step.plot(steps, values, "o-", ms=4, lw=1, color="C1", label="eval loss")
+        by_time.plot(times, values, "o-", ms=4, lw=1, color="C1")
         by_step.plot([], [], lw=1.2, color="C0", label="training loss")
         by_step.legend(loc="upper right", fontsize=8)
     by_step.set_ylabel(LABELS[key])
     for ax in (by_step, by_time):
         ax.ticklabel_format(axis="y", useOffset=False, style="sci" if key == "lr" else "plain", scilimits=(-3, 4))
-    for step, at in data.resumes:
-        by_step.axvline(step, color="C3", ls=":", lw=1)
-        by_time.axvline(dt.datetime.fromtimestamp(at), color="C3", ls=":", lw=1)
-    for start, end in data.waits:
-        by_time.axvspan(dt.datetime.fromtimestamp(start), dt.datetime.fromtimestamp(end), color="0.85", lw=0)
+    if data.resumes:  # one collection per axis, not a line per resume
+        by_step.vlines([s for s, _ in data.resumes], 0, 1, transform=by_step.get_xaxis_transform(), **RESUME)
+        at = date2num([dt.datetime.fromtimestamp(t) for _, t in data.resumes])
+        by_time.vlines(at, 0, 1, transform=by_time.get_xaxis_transform(), **RESUME)
+    if data.waits:
+        starts = date2num([dt.datetime.fromtimestamp(start) for start, _ in data.waits])
+        ends = date2num([dt.datetime.fromtimestamp(end) for _, end in data.waits])
+        spans = [(a, b - a) for a, b in zip(starts, ends, strict=True)]
+        by_time.broken_barh(spans, (0, 1), transform=by_time.get_xaxis_transform(), color="0.85", lw=0, zorder=0)
     for ax in (by_step, by_time):
         ax.grid(alpha=0.3)
+
+
+RESUME = {"color": "C3", "linestyles": ":", "lw": 1}
 
 
 def _summary(data: PlotData) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from jobgen.base.safe_read import is_int
 from jobgen.base.visible import visible
-from jobgen.runs.goodput import read_records
+from jobgen.runs.jsonl_records import read_records
 from jobgen.runs.rundir import RunDir
 
 

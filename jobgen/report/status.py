@@ -32,14 +32,15 @@ from jobgen.report.status_facts import RunRecords, SlurmFacts, ask_kill_window, 
 
 # Gathered in jobgen.report.status_facts; the watchdogs and jobgen.report.first_step import these from here.
 from jobgen.report.status_facts import queue_for as queue_for
+from jobgen.report.status_facts import remembered_for as remembered_for
 from jobgen.report.status_facts import slurm_may_know as slurm_may_know
 from jobgen.report.stop_requests import ended_attempts, stale_requests
 from jobgen.report.task_table import TaskStatus, build_tasks
 from jobgen.runs import quarantine
 from jobgen.runs.goodput import KillWindow, goodput, kill_window_warning, lead_time_warning
+from jobgen.runs.metrics_summary import MetricsSummary
 from jobgen.runs.rundir import RunDir
 from jobgen.runs.sweep_runs import point_open, point_problem, slurm_view
-from jobgen.runtime.records import is_eval_line, training_lines
 from jobgen.slurm import client as slurm
 from jobgen.spec.resolved import ResolvedSpec
 
@@ -137,6 +138,7 @@ def run_status(
     details: bool = True,
     ended: bool | None = None,
     conf: dict[str, str] | Exception | None = None,
+    remembered: list[slurm.JobRecord] | None = None,
 ) -> RunStatus:
     """Slurm's view of the run's jobs and what its directory records. ``watchdog_alerts``
     (see the module docstring) adds the watchdogs' active alerts to the warnings.
@@ -147,7 +149,8 @@ def run_status(
     can change a task's state (TIMEOUT, CANCELLED, NODE_FAIL) and so the run's: the listing of
     runs asks too, so that it and one run's view agree; pollers that only wait for a change of
     pending/running leave it out. ``conf``: ``slurm.config()`` (or what it raised) when the
-    caller asked once for many runs.
+    caller asked once for many runs; ``remembered``: what Slurm remembers of the ended jobs of
+    many runs, asked once for all of them (:func:`remembered_for`).
 
     Gather, then decide: the run directory's records (:func:`read_run_records`), Slurm's
     facts (:func:`ask_slurm`, then the kill window), the watchdogs' alerts; then
@@ -155,7 +158,7 @@ def run_status(
     """
     found = read_run_records(run)
     job = found.spec.run.job
-    asked = ask_slurm(run, found.task_records, queue, details if ended is None else ended, conf)
+    asked = ask_slurm(run, found.task_records, queue, details if ended is None else ended, conf, remembered)
     name, only = slurm_view(run, job.name)
     tasks = build_tasks(
         run,
@@ -198,8 +201,7 @@ def decide_status(
 ) -> RunStatus:
     """The status :func:`run_status` reports, from what it gathered; reads and asks nothing."""
     job = found.spec.run.job
-    lines = training_lines(found.metrics)
-    last = lines[-1] if lines else {}
+    last = found.metrics.last_training or {}
     status = RunStatus(
         run_dir=run_dir,
         name=job.name,
@@ -216,7 +218,7 @@ def decide_status(
         loss=last.get("loss"),
         tokens_per_s=last.get("tokens_per_s"),
     )
-    _progress(status, found, lines)
+    _progress(status, found)
     _switches(status, found, tasks if asked.unreachable is None else [])
     status.eval_last, status.eval_best = eval_progress(found.metrics, found.best)
     status.warnings = _warnings(found, window, alerts)
@@ -294,10 +296,9 @@ def _deciding_states(tasks: list[TaskStatus]) -> set[str]:
 
 
 # The recent steps an ETA is taken from: long enough to smooth a save, short enough to follow a change.
-ETA_WINDOW = 20
 
 
-def _progress(status: RunStatus, found: RunRecords, lines: list[dict[str, Any]]) -> None:
+def _progress(status: RunStatus, found: RunRecords) -> None:
     """The newest checkpoint's step, name and age, the step (never behind what is saved), and
     the ETA from the recent step time."""
     if found.saved:
@@ -305,23 +306,22 @@ def _progress(status: RunStatus, found: RunRecords, lines: list[dict[str, Any]])
         status.step = max(status.step if status.step is not None else -1, status.saved_step)
         status.last_checkpoint = path.name
         status.last_checkpoint_age_seconds = found.saved_age_seconds
-    seconds = [float(x["step_seconds"]) for x in lines[-ETA_WINDOW:] if x.get("step_seconds")]
+    seconds = found.metrics.eta_step_seconds()  # of the newest training lines
     if status.max_steps and status.step is not None and seconds:
         status.eta_seconds = max(0, status.max_steps - status.step) * sorted(seconds)[len(seconds) // 2]
 
 
 def eval_progress(
-    lines: list[dict[str, Any]], best: dict[str, Any] | None
+    metrics: MetricsSummary, best: dict[str, Any] | None
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(the newest evaluation, the best one) as {step, eval_loss[, eval_ppl]}: the best is the
     checkpoint ``best.json`` names, else the lowest eval loss logged."""
-    evals = [x for x in lines if is_eval_line(x) and x.get("eval_loss") is not None and x.get("step") is not None]
-    if not evals:
+    if metrics.eval_last is None or metrics.eval_lowest is None:
         return None, None
-    last = {"step": evals[-1]["step"], "eval_loss": evals[-1]["eval_loss"], "eval_ppl": evals[-1].get("eval_ppl")}
+    last = dict(metrics.eval_last)
     if best is not None and best.get("eval_loss") is not None:
         return last, {"step": best.get("step"), "eval_loss": best["eval_loss"], "checkpoint": best.get("checkpoint")}
-    lowest = min(evals, key=lambda x: x["eval_loss"])
+    lowest = metrics.eval_lowest
     return last, {"step": lowest["step"], "eval_loss": lowest["eval_loss"], "checkpoint": None}
 
 

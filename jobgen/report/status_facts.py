@@ -16,8 +16,11 @@ from jobgen.launch.preflight import kill_window
 from jobgen.program.trainer_records import trainer_checkpoints
 from jobgen.report.task_table import read_task_records, unexplained_submissions
 from jobgen.runs import quarantine
-from jobgen.runs.goodput import KillWindow, Records, TaskReport, read_metrics, read_tasks, run_reports
+from jobgen.runs.goodput import KillWindow, TaskReport, run_reports
+from jobgen.runs.jsonl_records import Records, read_tasks
+from jobgen.runs.metrics_summary import MetricsSummary
 from jobgen.runs.rundir import RunDir
+from jobgen.runs.summary_cache import summarize
 from jobgen.runs.sweep_runs import slurm_view, sweep_jobs
 from jobgen.slurm import client as slurm
 from jobgen.spec.resolved import ResolvedSpec
@@ -59,7 +62,7 @@ class RunRecords:
     before anything is decided."""
 
     spec: ResolvedSpec
-    metrics: Records  # metrics.jsonl: training steps and evaluations
+    metrics: MetricsSummary  # metrics.jsonl: training steps and evaluations, summarised
     task_lines: Records  # tasks.jsonl, for its warning (run_reports reads it into the reports)
     switches: list[str]
     stop_requests: list[tuple[Path, str, int | None]]  # RunDir.stop_requests
@@ -97,14 +100,15 @@ def read_run_records(run: RunDir) -> RunRecords:
         saved = sorted(saved + trainer_checkpoints(run.checkpoints))
     held, held_problem = _read_quarantine(run)
     best, best_problem = _read_best(run)
+    metrics = summarize(run.metrics)
     return RunRecords(
         spec=spec,
-        metrics=read_metrics(run.path / "metrics.jsonl"),
+        metrics=metrics,
         task_lines=read_tasks(run.path / "tasks.jsonl"),
         switches=sorted(p.name for p in run.switches.iterdir()) if run.switches.is_dir() else [],
         stop_requests=run.stop_requests(),
         task_records=read_task_records(run),
-        reports=run_reports(run.path, job.time),
+        reports=run_reports(run.path, job.time, metrics),
         best=best,
         best_problem=best_problem,
         saved=saved,
@@ -154,18 +158,32 @@ def _read_quarantine(run: RunDir) -> tuple[dict[str, quarantine.Quarantined], st
         return {}, f"{run.quarantine} is unreadable ({exc})"
 
 
+def remembered_for(
+    runs: list[RunDir], queue: list[slurm.QueueEntry], conf: dict[str, str] | None
+) -> list[slurm.JobRecord]:
+    """What Slurm remembers of the ended jobs of all these runs, asked once for all of them
+    (one ``sacct``, or without accounting one ``scontrol show job``): a listing of a thousand
+    runs costs one call, not one per run. :func:`ask_slurm` takes each run's share of it."""
+    if conf is None:
+        return []
+    ids = sorted({i for run in runs if run.jobs() for i in slurm_may_know(run, queue, read_task_records(run), conf)})
+    return slurm.ended_jobs(ids, accounting=slurm.accounting_enabled(conf)) if ids else []
+
+
 def ask_slurm(
     run: RunDir,
     task_records: dict,
     queue: list[slurm.QueueEntry] | Exception | None,
     ended: bool,
     conf: dict[str, str] | Exception | None = None,
+    remembered: list[slurm.JobRecord] | None = None,
 ) -> SlurmFacts:
     """Slurm's queue (``queue`` when the caller asked for many runs at once) and, with
     ``ended``, its configuration (``conf`` when the caller asked once for many runs) and what
-    it remembers of the run's ended jobs. Slurm out of reach is a fact too: an empty queue
+    it remembers of the run's ended jobs (taken from ``remembered`` when the caller asked once
+    for many runs: :func:`remembered_for`). Slurm out of reach is a fact too: an empty queue
     and the note that says so."""
-    remembered: list[slurm.JobRecord] = []
+    known: list[slurm.JobRecord] = []
     try:
         if queue is None:
             queue = queue_for([run])
@@ -176,15 +194,18 @@ def ask_slurm(
         if ended and run.jobs():
             conf = conf if conf is not None else slurm.config()
             ask = slurm_may_know(run, queue, task_records, conf)
-            if ask:
-                remembered = slurm.ended_jobs(ask, accounting=slurm.accounting_enabled(conf))
+            if ask and remembered is not None:
+                asked = set(ask)
+                known = [r for r in remembered if r.job_id in asked or r.array_job_id in asked]
+            elif ask:
+                known = slurm.ended_jobs(ask, accounting=slurm.accounting_enabled(conf))
     except slurm.SlurmUnavailable as exc:
         unreachable = (
             f"Slurm not reachable ({exc.stderr.splitlines()[-1] if exc.stderr else exc}): "
             "showing what the run directory records"
         )
-        return SlurmFacts([], remembered, None, unreachable)
-    return SlurmFacts(queue, remembered, conf if isinstance(conf, dict) else None, None)
+        return SlurmFacts([], known, None, unreachable)
+    return SlurmFacts(queue, known, conf if isinstance(conf, dict) else None, None)
 
 
 def ask_kill_window(spec: ResolvedSpec, conf: dict[str, str]) -> KillWindow | None:

@@ -19,13 +19,12 @@ loss) leaves no exit record; its last metrics line stands in. From these:
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from jobgen.base.safe_read import LINES_FILE, DamagedFile, is_int, is_number, is_time, read_bytes
+from jobgen.runs.jsonl_records import TaskKey, read_tasks, task_key
+from jobgen.runs.metrics_summary import MetricsSummary, TaskMetrics, summarize_records
 
 # exit_grace must be at least this many times (slowest step + slowest save) ...
 LEAD_FACTOR = 2.0
@@ -63,192 +62,9 @@ class TaskReport:
         return asdict(self)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete line; a line cut by a crash mid-write is skipped."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
-# --------------------------------------------------------------------------- typed records
-#
-# metrics.jsonl and tasks.jsonl are appended by the trainer or a user's program (through
-# jobgen.runtime) and may be edited by hand; every reader computes with their fields (int(),
-# float(), a date from a time). A line that is JSON but not a record would raise in each of
-# them, so lines are checked once, here, as they are read. A hand-written check rather than a
-# pydantic model per line: the files reach 100k lines and status reads them on every call.
-# Only the fields the readers use are checked; the others (a program's own metrics) pass.
-
-
-def _int(value: Any) -> bool:
-    return is_int(value)  # bounded: a step of 10**400 overflows every float computed from it
-
-
-def _number(value: Any) -> bool:
-    # NaN and infinity stay allowed in values: a diverged loss is logged as it was.
-    return is_number(value)
-
-
-def _finite(value: Any) -> bool:
-    # Times become dates and plot axes; 1e400 parses as infinity, 1e300 is no date: both overflow.
-    return is_time(value)
-
-
-def _job_id(value: Any) -> bool:
-    return isinstance(value, str) or _int(value)
-
-
-def _numbers(value: Any) -> bool:
-    return isinstance(value, list) and all(_number(v) for v in value)
-
-
-_Check = tuple[Callable[[Any], bool], str]
-_INT: _Check = (_int, "an integer")
-_NUMBER: _Check = (_number, "a number")
-_FINITE: _Check = (_finite, "a time (seconds since 1970)")
-_JOB_ID: _Check = (_job_id, "a job id (string or integer)")
-
-# (required fields, optional fields: None is allowed for those)
-METRICS_FIELDS: tuple[dict[str, _Check], dict[str, _Check]] = (
-    {"time": _FINITE, "step": _INT},
-    {
-        "job_id": _JOB_ID,
-        "restart": _INT,
-        "event": (lambda v: isinstance(v, str), "a string"),
-        **dict.fromkeys(("loss", "lr", "tokens_per_s", "step_seconds", "eval_loss", "eval_ppl"), _NUMBER),
-        "host_used_percent": _NUMBER,
-    },
-)
-TASKS_FIELDS: tuple[dict[str, _Check], dict[str, _Check]] = (
-    {"time": _FINITE},
-    {
-        "job_id": _JOB_ID,
-        "restart": _INT,
-        "event": (lambda v: isinstance(v, str), "a string"),
-        "array_job_id": _JOB_ID,
-        "array_task": _JOB_ID,
-        "step": _INT,
-        "start_step": _INT,
-        "end_step": _INT,
-        "exit_code": _INT,
-        "job_start": _FINITE,
-        "exit_reason": (lambda v: isinstance(v, str), "a string"),
-        **dict.fromkeys(("world_size", "global_batch"), _INT),
-        **dict.fromkeys(
-            ("seconds_to_first_step", "step_seconds_total", "step_seconds_max", "eval_round_seconds_max"), _NUMBER
-        ),
-        "save_seconds": (_numbers, "a list of numbers"),
-    },
-)
-
-
-def record_problem(record: Any, fields: tuple[dict[str, _Check], dict[str, _Check]]) -> str | None:
-    """What makes one decoded line no record of its file, or None when it is one."""
-    if not isinstance(record, dict):
-        return f"a JSON {type(record).__name__}, not an object"
-    required, optional = fields
-    for key, (ok, what) in required.items():
-        if key not in record:
-            return f"no {key!r}"
-        if not ok(record[key]):
-            return f"{key!r} is {record[key]!r}, not {what}"
-    for key, (ok, what) in optional.items():
-        value = record.get(key)
-        if value is not None and not ok(value):
-            return f"{key!r} is {value!r}, not {what}"
-    return None
-
-
-class Records(list):
-    """The records of one JSONL file, with how many lines were skipped as not records and
-    why the first of them was."""
-
-    def __init__(self, path: Path, kind: str):
-        super().__init__()
-        self.path = path
-        self.kind = kind
-        self.skipped = 0
-        self.first_problem = ""
-        self.unreadable: str | None = None  # why the file as a whole could not be read
-
-    def skip(self, number: int, problem: str) -> None:
-        if not self.skipped:
-            self.first_problem = f"line {number}: {problem}"
-        self.skipped += 1
-
-    def warning(self) -> str | None:
-        """One line for the tools to show, naming the file and what was wrong; None when
-        every line was a record."""
-        if self.unreadable is not None:
-            return f"{self.path}: {self.unreadable}: no {self.kind} records read from it"
-        if not self.skipped:
-            return None
-        return (
-            f"{self.path}: skipped {self.skipped} line(s) that are not {self.kind} records "
-            f"(first at {self.first_problem})"
-        )
-
-
-def read_records(path: Path, fields: tuple[dict[str, _Check], dict[str, _Check]], kind: str) -> Records:
-    """The lines of ``path`` that are records (checked against ``fields``); the others are
-    skipped and counted. A last line that is no JSON is a write cut by a crash, not a bad
-    record: skipped without counting, as :func:`read_jsonl` does. A file that cannot be read
-    at all (a link, a directory, too large: jobgen.base.safe_read.read_bytes) has no records, and
-    ``warning()`` says why."""
-    out = Records(path, kind)
-    try:
-        text = read_bytes(path, LINES_FILE).decode(errors="replace")
-    except FileNotFoundError:
-        return out
-    except DamagedFile as exc:
-        out.unreadable = exc.problem
-        return out
-    # Lines end at "\n" only: a record may hold U+2028 or U+0085, which splitlines() breaks at.
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError; an int of 5000 digits
-            if number < len(lines) and line.strip():
-                out.skip(number, f"not JSON ({getattr(exc, 'msg', 'nested too deep')})")
-            continue
-        problem = record_problem(record, fields)
-        if problem is None:
-            out.append(record)
-        else:
-            out.skip(number, problem)
-    return out
-
-
-def read_metrics(path: Path) -> Records:
-    """``metrics.jsonl``: training steps and evaluations (``event = "eval"``), each with a
-    time and a step."""
-    return read_records(path, METRICS_FIELDS, "metrics")
-
-
-def read_tasks(path: Path) -> Records:
-    """``tasks.jsonl``: the trainer's first-step and exit records."""
-    return read_records(path, TASKS_FIELDS, "task")
-
-
-TaskKey = tuple[str, int]  # (job id, Slurm restart count): one run of one job
-
-
-def _task_key(record: dict[str, Any]) -> TaskKey:
-    return str(record.get("job_id")), int(record.get("restart") or 0)
-
-
 def task_reports(
     tasks: list[dict[str, Any]],
-    metrics: list[dict[str, Any]],
+    metrics: MetricsSummary | list[dict[str, Any]],
     *,
     time_limit: float | None = None,
     now: float | None = None,
@@ -264,8 +80,9 @@ def task_reports(
     its last metrics line. ``saved_step`` (the newest complete checkpoint) bounds what the
     last job kept when it was killed: its steps after that are lost.
     """
+    summary = metrics if isinstance(metrics, MetricsSummary) else summarize_records(metrics)
     reports, job_starts = _reports_from_task_records(tasks)
-    _fill_in_killed_jobs(reports, job_starts, _metrics_by_task(metrics))
+    _fill_in_killed_jobs(reports, job_starts, summary.tasks)
     ordered = list(reports.values())
     if time_limit is not None:
         _allocation_of_killed_jobs(ordered, job_starts, time_limit, now)
@@ -293,7 +110,7 @@ def _reports_from_task_records(tasks: list[dict[str, Any]]) -> tuple[dict[TaskKe
     reports: dict[TaskKey, TaskReport] = {}
     job_starts: dict[TaskKey, float] = {}
     for record in tasks:
-        key = _task_key(record)
+        key = task_key(record)
         report = reports.setdefault(key, TaskReport(job_id=key[0], restart=key[1]))
         event = record.get("event")
         if record.get("array_task"):
@@ -332,31 +149,22 @@ def _apply_exit(report: TaskReport, record: dict[str, Any]) -> None:
         report.allocated_seconds = round(float(record["time"]) - float(record["job_start"]), 3)
 
 
-def _metrics_by_task(metrics: list[dict[str, Any]]) -> dict[TaskKey, list[dict[str, Any]]]:
-    by_task: dict[TaskKey, list[dict[str, Any]]] = {}
-    for line in metrics:
-        by_task.setdefault(_task_key(line), []).append(line)
-    return by_task
-
-
 def _fill_in_killed_jobs(
-    reports: dict[TaskKey, TaskReport],
-    job_starts: dict[TaskKey, float],
-    metrics_by_task: dict[TaskKey, list[dict[str, Any]]],
+    reports: dict[TaskKey, TaskReport], job_starts: dict[TaskKey, float], by_task: dict[TaskKey, TaskMetrics]
 ) -> None:
     """Jobs that died without an exit record: their last metrics line is the best we know."""
     for key, report in reports.items():
-        lines = metrics_by_task.get(key, [])
-        if report.end_step is not None or not lines:
+        lines = by_task.get(key)
+        if report.end_step is not None or lines is None:
             continue
-        report.end_step = max(int(line["step"]) for line in lines)
+        report.end_step = lines.max_step
         report.exit_reason = report.exit_reason or "ended without an exit record (killed?)"
-        seconds = [float(line["step_seconds"]) for line in lines if "step_seconds" in line]
-        if seconds and report.start_step is not None:
-            report.step_seconds_max = max(seconds)
-            report.step_seconds_total = round(sum(seconds) / len(seconds) * (report.end_step - report.start_step), 3)
+        mean = lines.mean_step_seconds
+        if mean is not None and report.start_step is not None:
+            report.step_seconds_max = lines.seconds_max
+            report.step_seconds_total = round(mean * (report.end_step - report.start_step), 3)
         if key in job_starts:
-            report.allocated_seconds = round(max(float(line["time"]) for line in lines) - job_starts[key], 3)
+            report.allocated_seconds = round(lines.max_time - job_starts[key], 3)
 
 
 def _count_recomputed_steps(reports: list[TaskReport]) -> None:
@@ -457,16 +265,20 @@ def kill_window_warning(window: KillWindow | None, reports: list[TaskReport]) ->
     return None
 
 
-def run_reports(run_dir: Path, time_limit: float | None = None) -> list[TaskReport]:
-    """The reports of the run in ``run_dir``; ``time_limit`` is its jobs' (job.time, seconds)."""
+def run_reports(
+    run_dir: Path, time_limit: float | None = None, metrics: MetricsSummary | None = None
+) -> list[TaskReport]:
+    """The reports of the run in ``run_dir``; ``time_limit`` is its jobs' (job.time, seconds);
+    ``metrics`` the summary of its metrics.jsonl when the caller has it already."""
     import time
 
     from jobgen.runs.rundir import RunDir, complete_checkpoints_in
+    from jobgen.runs.summary_cache import summarize
 
     saved = complete_checkpoints_in(RunDir(run_dir).checkpoints)
     return task_reports(
         read_tasks(run_dir / "tasks.jsonl"),
-        read_metrics(run_dir / "metrics.jsonl"),
+        metrics if metrics is not None else summarize(run_dir / "metrics.jsonl"),
         time_limit=time_limit,
         now=time.time(),
         saved_step=saved[-1][0] if saved else None,

@@ -110,6 +110,11 @@ class RunDirTaken(RunDirError):
         )
 
 
+# Specs read by this process (RunDir.load_spec), by file, with the stat they were read at.
+_SPECS: dict[Path, tuple[tuple[int, int, int, int], ResolvedSpec]] = {}
+_SPECS_KEPT = 4096
+
+
 @dataclass(frozen=True)
 class RunDir:
     path: Path
@@ -129,6 +134,17 @@ class RunDir:
     @property
     def logs(self) -> Path:
         return self.path / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        """A line per logging step and per evaluation (jobgen.runs.jsonl_records); its summary,
+        ``metrics.summary.json``, is a cache beside it (jobgen.runs.summary_cache)."""
+        return self.path / "metrics.jsonl"
+
+    @property
+    def task_lines(self) -> Path:
+        """Each task's first step and exit, from the trainer or a program (jobgen.runs.jsonl_records)."""
+        return self.path / "tasks.jsonl"
 
     @property
     def checkpoints(self) -> Path:
@@ -340,10 +356,25 @@ class RunDir:
         return self.spec_file.is_file()
 
     def load_spec(self) -> ResolvedSpec:
-        """spec.json (jobgen.spec.spec_json.read_spec: DamagedFile naming the file and key)."""
+        """spec.json (jobgen.spec.spec_json.read_spec: DamagedFile naming the file and key),
+        validated once per process while the file stays as it was (its inode, size and
+        modification time): a listing reads each run's spec several times, a thousand runs' of it."""
         from jobgen.spec.spec_json import read_spec  # (pydantic: see TYPE_CHECKING above)
 
-        return read_spec(self.spec_file)
+        try:
+            st = os.stat(self.spec_file, follow_symlinks=False)
+            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            key = None
+        kept = _SPECS.get(self.spec_file)
+        if key is not None and kept is not None and kept[0] == key:
+            return kept[1]
+        spec = read_spec(self.spec_file)
+        if key is not None:
+            if len(_SPECS) >= _SPECS_KEPT:
+                _SPECS.clear()
+            _SPECS[self.spec_file] = (key, spec)
+        return spec
 
     def script(self, program: str) -> Path:
         return self.path / f"{program}.sbatch"

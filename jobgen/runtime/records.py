@@ -14,6 +14,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,11 +24,7 @@ from typing import Any
 from jobgen.base.atomic import write_json_atomic, write_text_atomic
 from jobgen.base.exit_codes import ExitCode
 from jobgen.runs.rundir import RunDir
-
-# ``metrics.jsonl`` holds training steps and, with ``[eval]``, evaluations: an evaluation's
-# line has ``event = "eval"`` (and eval_loss, eval_ppl, eval_tokens, eval_seconds), a step's none.
-EVAL_EVENT = "eval"
-
+from jobgen.runs.summary_cache import summarize
 
 # The fields of a ``metrics.jsonl`` line that jobgen itself writes and its readers trust
 # (status, plot, goodput, the hang watchdog, the eval split): a user's metric never
@@ -47,15 +45,6 @@ def user_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     for key in SYSTEM_FIELDS & numeric.keys():
         kept.setdefault(USER_PREFIX + key, numeric[key])  # an explicit user/<name> wins
     return kept
-
-
-def is_eval_line(line: dict[str, Any]) -> bool:
-    return line.get("event") == EVAL_EVENT
-
-
-def training_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The training steps' lines of ``metrics.jsonl``, evaluations left out."""
-    return [line for line in lines if not is_eval_line(line)]
 
 
 # Bytes the exit record keeps from a job's start (reserve_exit_code): on a full disk the
@@ -251,10 +240,18 @@ def crash_reason(exc: BaseException, run_dir: str | os.PathLike[str] | None = No
     return f"crashed: {type(exc).__name__}: {str(exc)[:300]}"
 
 
+# How often the writer brings the summary of metrics.jsonl up to date itself
+# (jobgen.runs.summary_cache): a run nobody looked at for a week still answers status at once,
+# since the readers then fold only the lines of the last minutes.
+SUMMARY_EVERY_SECONDS = 600.0
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir = run_dir
         self.enabled = enabled
+        self._summarized = time.monotonic()
+        self._summarizing: threading.Thread | None = None
         self.job_id = os.environ.get("SLURM_JOB_ID")
         # A requeued job keeps its id; the restart count tells its runs apart.
         self.restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
@@ -277,6 +274,22 @@ class MetricsWriter:
         self._append(
             "metrics.jsonl", {**record, "time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart}
         )
+        if self.enabled and time.monotonic() - self._summarized >= SUMMARY_EVERY_SECONDS:
+            self.refresh_summary()
+
+    def refresh_summary(self, wait: bool = False) -> None:
+        """Bring the summary of metrics.jsonl up to date, in a thread of its own: a summary
+        nobody kept yet means one read of the whole file, which must not hold up a step (not a
+        daemon: an exit waits for it rather than leave its temporary file). A summary is a
+        cache: one that cannot be written or read costs a reader time, never the run (its
+        failure is one line on stderr)."""
+        self._summarized = time.monotonic()
+        if self._summarizing is not None and self._summarizing.is_alive():
+            return
+        self._summarizing = threading.Thread(target=_refresh, args=(self.run_dir,), name="metrics-summary")
+        self._summarizing.start()
+        if wait:
+            self._summarizing.join()
 
     def log_task(self, record: dict[str, Any]) -> None:
         self._append(
@@ -289,3 +302,10 @@ class MetricsWriter:
             write_json_atomic(
                 self.run_dir / "metrics.json", {"job_id": self.job_id, "restart": self.restart, **summary}
             )
+
+
+def _refresh(run_dir: Path) -> None:
+    try:
+        summarize(RunDir(run_dir).metrics)
+    except Exception as exc:  # noqa: BLE001 - a cache's failure must not end a week-long run
+        print(f"jobgen: warning: could not bring the summary of metrics.jsonl up to date: {exc!r}", file=sys.stderr)

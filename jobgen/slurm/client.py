@@ -337,14 +337,18 @@ def ended_jobs(job_ids: list[int], *, accounting: bool) -> list[JobRecord]:
         ids = ",".join(str(j) for j in job_ids)
         proc = run(["sacct", "--noheader", "--parsable2", "--duplicates", f"--jobs={ids}", f"--format={SACCT_FIELDS}"])
         return parse_sacct(proc.stdout)
+    if len(job_ids) > 1:  # every job the controller still holds, in one call, for a listing's many
+        asked = set(job_ids)
+        every = (job_record(r) for r in show_job(None))
+        return [r for r in every if r is not None and (r.job_id in asked or r.array_job_id in asked)]
     records = (job_record(r) for job_id in job_ids for r in show_job(job_id))
     return [r for r in records if r is not None]
 
 
-def show_job(job_id: int) -> list[dict[str, str]]:
+def show_job(job_id: int | None) -> list[dict[str, str]]:
     """``scontrol show job`` records (one per array task); empty once Slurm forgot the job
-    (MinJobAge after it ended)."""
-    proc = run(["scontrol", "show", "job", "--oneliner", str(job_id)], check=False)
+    (MinJobAge after it ended). ``None``: every job the controller holds."""
+    proc = run(["scontrol", "show", "job", "--oneliner", *([] if job_id is None else [str(job_id)])], check=False)
     if proc.returncode != 0:
         return []
     return parse_records(proc.stdout)

@@ -125,9 +125,12 @@ def parse_sacct(text: str) -> list[JobRecord]:
     """``sacct --parsable2 --noheader --format=SACCT_FIELDS``: one line per job and one per
     step (``5.batch``, ``5.0``); only the jobs' lines are kept. The comment, last, may hold
     the separator. With ``--duplicates`` a requeued job has one line per start, oldest first
-    (``REQUEUED``, ...): each line's ``restarts`` counts the lines of that job before it."""
+    (``REQUEUED``, ...): each line's ``restarts`` counts the lines of that job before it. A
+    job is its id and its name: ids are unique for one controller's lifetime only, and the
+    accounting database keeps the jobs of earlier lifetimes, so a recycled id also returns
+    another job's line, which is no earlier start of this one."""
     out = []
-    starts: dict[int, int] = {}
+    starts: dict[tuple[int, str], int] = {}
     for line in text.splitlines():
         parts = line.split("|", SACCT_FIELDS.count(","))
         if len(parts) != SACCT_FIELDS.count(",") + 1 or not parts[0].isdigit():
@@ -151,10 +154,10 @@ def parse_sacct(text: str) -> list[JobRecord]:
                 # Minutes; "Partition_Limit" for a job that asked for none, "UNLIMITED".
                 time_limit=int(limit_minutes) * 60 if limit_minutes.isdigit() else None,
                 comment=comment,
-                restarts=starts.get(int(raw), 0),
+                restarts=starts.get((int(raw), name), 0),
             )
         )
-        starts[int(raw)] = starts.get(int(raw), 0) + 1
+        starts[(int(raw), name)] = starts.get((int(raw), name), 0) + 1
     return out
 
 

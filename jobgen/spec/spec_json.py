@@ -34,9 +34,10 @@ def read_spec(path: Path) -> ResolvedSpec:
     for key in ("spec_file", "site_file"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise DamagedFile(path, f"{key}: not a path")
+    validated = {}
     for part, model in (("run", RunSpec), ("site", SiteProfile)):
         try:
-            model.model_validate(data[part])
+            validated[part] = model.model_validate(data[part])
         except ValidationError as exc:
             first, more = exc.errors()[0], len(exc.errors()) - 1
             where = ".".join(filter(None, (part, key_path(first["loc"]))))
@@ -44,7 +45,10 @@ def read_spec(path: Path) -> ResolvedSpec:
             raise DamagedFile(path, f"{where}: {message}" + (f" (and {more} more)" if more else "")) from None
         except RecursionError:
             raise DamagedFile(path, f"{part}: nested too deep to read") from None
-    return ResolvedSpec.from_json(data)
+    # Validated once: a listing of a thousand runs reads a thousand specs.
+    return ResolvedSpec(
+        run=validated["run"], site=validated["site"], spec_file=data.get("spec_file"), site_file=data.get("site_file")
+    )
 
 
 def _huge_integer(value: Any, where: str = "") -> str | None:

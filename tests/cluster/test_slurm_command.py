@@ -29,7 +29,7 @@ from helpers import (
     wait_until_gone,
 )
 from jobgen.base.exit_codes import ExitCode
-from jobgen.runs.goodput import read_jsonl
+from jobgen.runs.jsonl_records import read_jsonl
 from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]

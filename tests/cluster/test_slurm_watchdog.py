@@ -22,6 +22,7 @@ import pytest
 
 from helpers import (
     DATA,
+    VENV_BIN,
     jobgen,
     local_receivers,
     run_spec,
@@ -31,6 +32,7 @@ from helpers import (
     wait_until_gone,
 )
 from jobgen.slurm import client as slurm
+from watchdogs.notify import locked
 from watchdogs.probe import rank_processes
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
@@ -238,18 +240,32 @@ def test_the_chain_runs_the_checks_every_minute_and_alerts_reach_email_and_webho
     assert f"ALERT memory {watched['name']}" in (watched["home"] / "watchdog.log").read_text()
 
 
-def test_remove_ends_the_chains(watched):
-    out = jobgen("watchdog", "remove", str(watched["run"]), check=True).stdout
-    assert "chain 1m stopped" in out, out
-    # A link running right now finds no chain record and does not resubmit.
-    wait_for(
-        lambda: not any(chain_jobs(watched["home"], i) for i in ("1m", "hourly", "daily")),
-        90,
-        "every chain gone from the queue",
-        interval=2,
-    )
-    assert not list((watched["home"] / "chains").glob("*.json"))
-    assert not list((watched["home"] / "cron.1m").iterdir())
+def test_remove_during_a_hand_over_leaves_nothing_queued(watched):
+    """Remove while a link of the 1-minute chain hands over: the test holds the chain's lock
+    until the next link runs and waits for it, then starts remove and lets go. Whichever
+    takes the lock first, the link queueing its successor or remove forgetting the chain,
+    nothing of any chain is left in Slurm's queue when remove returns (it once left the running
+    link and the successor it had just queued)."""
+    home = watched["home"]
+    with locked(home / "chains" / "1m.lock"):  # the next link starts and waits here, mid-hand-over
+        wait_for(
+            lambda: any(j.state == "RUNNING" for j in chain_jobs(home, "1m")),
+            150,
+            "the next link of the 1m chain to start",
+            interval=2,
+        )
+        remover = subprocess.Popen(
+            [str(VENV_BIN / "jobgen"), "watchdog", "remove", str(watched["run"])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    out, _ = remover.communicate(timeout=300)
+    assert remover.returncode == 0 and "chain 1m stopped" in out, out
+    left = {i: chain_jobs(home, i) for i in ("1m", "hourly", "daily")}
+    assert not any(left.values()), left
+    assert not list((home / "chains").glob("*.json"))
+    assert not list((home / "cron.1m").iterdir())
 
 
 def test_remove_without_a_run_stops_the_chains_of_every_home(watched):
@@ -260,9 +276,5 @@ def test_remove_without_a_run_stops_the_chains_of_every_home(watched):
     for home in homes:
         assert f"home {home}" in out, out
     assert "removed" in out and "runs-root.sweep" in out, out
-    wait_for(
-        lambda: not any(chain_jobs(home, i) for home in homes for i in ("1m", "10m", "hourly", "daily")),
-        90,
-        "every chain of every home gone from the queue",
-        interval=2,
-    )
+    left = [j for home in homes for i in ("1m", "10m", "hourly", "daily") for j in chain_jobs(home, i)]
+    assert not left, left  # nothing queued once remove returned

@@ -29,7 +29,7 @@ from helpers import (
 from helpers import status as run_status
 from jobgen.base.exit_codes import ExitCode
 from jobgen.runs import quarantine
-from jobgen.runs.goodput import read_jsonl
+from jobgen.runs.jsonl_records import read_jsonl
 from jobgen.runs.rundir import RunDir
 from jobgen.slurm import client as slurm
 

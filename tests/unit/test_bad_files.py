@@ -118,7 +118,7 @@ def test_bad_jsonl_lines_are_skipped_and_counted(run, name, bad, problem):
 
 
 def test_reader_keeps_every_record_and_only_counts_bad_lines(tmp_path):
-    from jobgen.runs.goodput import read_metrics, read_tasks
+    from jobgen.runs.jsonl_records import read_metrics, read_tasks
 
     path = tmp_path / "metrics.jsonl"
     _write_lines(path, GOOD_METRICS, "[1, 2, 3]")

@@ -97,7 +97,7 @@ def test_a_resumed_run_goes_on_from_the_steps_it_redid(tmp_path, spec_json):
     again = [{"time": 2000.0 + s, "step": s, "loss": 1.9, "job_id": "6"} for s in (21, 22)]
     with (run / "metrics.jsonl").open("a") as fh:
         fh.writelines(json.dumps(x) + "\n" for x in again)
-    (row,) = compare([str(run)], None)
+    (row,) = compare([str(run)], None, curves=True)
     assert row.train_curve == [(10, 3.0), (20, 2.0), (21, 1.9), (22, 1.9)] and (row.step, row.final_loss) == (22, 1.9)
 
 

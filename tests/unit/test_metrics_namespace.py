@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from jobgen.runs.goodput import read_jsonl
+from jobgen.runs.jsonl_records import read_jsonl, training_lines
 from jobgen.runtime import Job, lifecycle
-from jobgen.runtime.records import MetricsWriter, training_lines
+from jobgen.runtime.records import MetricsWriter
 from run_dirs import command_run, job_environ
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import REPO
 from jobgen.base.exit_codes import ExitCode
-from jobgen.runs.goodput import read_jsonl
+from jobgen.runs.jsonl_records import read_jsonl
 from jobgen.runs.quarantine import read_rank_ends
 from jobgen.runtime import Action, Job, NotUnderJobgen, lifecycle
 from run_dirs import command_run, job_environ

@@ -130,6 +130,17 @@ SACCT_CAPTURED = """\
 """
 
 
+def test_a_recycled_job_id_is_no_earlier_start_of_the_job():
+    """Ids are unique for one controller's lifetime: with --duplicates, sacct also returns the
+    job an earlier lifetime ran under the same id (another name), which is no requeue of this one."""
+    text = (
+        "51|51|allocation|COMPLETED|0:0|None|node1|2026-11-20T01:16:38|2026-11-20T01:16:39|60|\n"
+        "51|51|r0|REQUEUED|0:0|None|node1|2026-11-28T01:16:38|2026-11-28T01:16:40|1440|\n"
+        "51|51|r0|COMPLETED|0:0|None|node1|2026-11-28T01:18:38|2026-11-28T01:19:40|1440|\n"
+    )
+    assert [(r.name, r.restarts) for r in parse_sacct(text)] == [("allocation", 0), ("r0", 0), ("r0", 1)]
+
+
 def test_sacct_as_slurmdbd_prints_it():
     records = parse_sacct(SACCT_CAPTURED)
     rows = [(r.job_id, r.array_job_id, r.array_task, r.state, r.exit_code, r.restarts) for r in records]

@@ -11,6 +11,7 @@ import email
 import email.policy
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -119,6 +120,8 @@ def test_disk_check_fires_on_bytes_then_on_inodes(small_fs: Path):
     result = json.loads(inodes.stdout)
     assert inodes.returncode == 1 and "inodes free" in result["summary"] and "min_free_inodes 10%" in result["summary"]
     assert result["data"]["filesystems"][0]["total_inodes"] == 64
+    # What the check cost is part of its result, and of the line its scheduler logs.
+    assert result["data"]["cost"]["seconds"] > 0 and 0 < result["data"]["cost"]["peak_rss_mib"] < 1024
     # The same through python -m, as a job file runs it.
     proc = subprocess.run(
         [str(REPO / ".venv/bin/python"), "-m", "watchdogs.disk", "--path", str(small_fs), "--min-free-inodes", "2"],
@@ -126,6 +129,7 @@ def test_disk_check_fires_on_bytes_then_on_inodes(small_fs: Path):
         text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^watchdogs\.disk: checked in \d+\.\d\d s, peak RSS \d+ MiB$", proc.stdout, re.M), proc.stdout
 
 
 def test_usage_errors_exit_2_and_options_may_come_before_run(tmp_path: Path):

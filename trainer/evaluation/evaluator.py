@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from jobgen.runtime.records import EVAL_EVENT
+from jobgen.runs.jsonl_records import EVAL_EVENT
 from jobgen.runtime.stopping import Action, StopMonitor
 from trainer.data.eval_set import EvalSet
 from trainer.data.packing import count_targets
