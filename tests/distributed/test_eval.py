@@ -1,6 +1,8 @@
 """Held-out evaluation in the trainer, under torchrun on gloo: it leaves the training as it
 was, resumes exactly, gives the same loss at every world size, keeps the best checkpoint,
-is abandoned for a stop, and names ``eval.path`` when the file is unusable.
+is abandoned for a stop, and names ``eval.path`` when the file is unusable. The runs that
+tests only start from are trained by one torchrun for all of them (:func:`trained`,
+tests/run_many.py).
 
 Early stopping on the dev cluster (2 nodes, COMPLETED with the reason as the comment) is
 in tests/cluster/test_slurm_eval.py.
@@ -26,6 +28,7 @@ from helpers import (
     stopped_by_kill_switch,
     summary,
     torchrun,
+    torchrun_many,
     wait_for,
 )
 from jobgen.base.exit_codes import ExitCode
@@ -47,15 +50,67 @@ def _ok(proc) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
-def test_evaluation_leaves_training_unchanged_keeps_the_best_and_resumes_exactly(tmp_path, tiny_model):
-    settings = {"parallelism": "fsdp", "max_steps": 10, "data": {"packing": True}, "keep_checkpoints": 1}
-    valid = _eval_file(tmp_path, 48)
-    with_eval = {"path": str(valid), "every_steps": 2, "micro_batch_size": 3}
+SETTINGS = {"parallelism": "fsdp", "max_steps": 10, "data": {"packing": True}, "keep_checkpoints": 1}
 
-    plain = make_run(tmp_path / "plain", tiny_model, **settings)
-    _ok(torchrun(plain))
-    evaluated = make_run(tmp_path / "eval", tiny_model, eval=with_eval, **settings)
-    _ok(torchrun(evaluated))
+
+def _with_eval(directory: Path) -> dict:
+    return {"path": str(_eval_file(directory, 48)), "every_steps": 2, "micro_batch_size": 3}
+
+
+def _samples_run(directory: Path, tiny_model: Path) -> Path:
+    prompts_file = directory / "prompts.jsonl"
+    directory.mkdir(parents=True, exist_ok=True)
+    prompts_file.write_text(json.dumps({"prompt": "Give me a | pipe and\na newline."}) + "\n")
+    return make_run(
+        directory,
+        tiny_model,
+        parallelism="fsdp",
+        max_steps=4,
+        lr=1e-6,  # near the random start, the model answers with tokens, not the end of turn at once
+        model={"dtype": "float32"},  # the export below is then the very weights that answered
+        report_to=["tensorboard"],
+        eval={
+            "split": 0.05,
+            "every_steps": 2,
+            "prompts": ["Name three colors.", "What is 2+2?"],
+            "prompts_file": str(prompts_file),
+            "max_new_tokens": 8,
+        },
+    )
+
+
+def _ranks_run(directory: Path, tiny_model: Path, ranks: int) -> Path:
+    # One global batch of 8 rows per step on every world size, so the weights evaluated agree
+    # too; padded rows (no packing) make the batches' padding differ as little as it can.
+    return make_run(
+        directory / f"w{ranks}",
+        tiny_model,
+        max_steps=2,
+        micro_batch_size=2,
+        grad_accum=4 // ranks,
+        eval={"split": 0.1, "every_steps": 2},
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny_model):
+    """Runs of 2 ranks trained to their end in one torchrun, each for the test named after it."""
+    root = tmp_path_factory.mktemp("trained")
+    runs = {
+        "plain": make_run(root / "plain", tiny_model, **SETTINGS),
+        "evaluated": make_run(root / "eval", tiny_model, eval=_with_eval(root), **SETTINGS),
+        "two ranks": _ranks_run(root, tiny_model, 2),
+        "samples": _samples_run(root / "samples", tiny_model),
+        "broken best": make_run(
+            root / "best", tiny_model, max_steps=6, keep_checkpoints=2, eval={"split": 0.1, "every_steps": 2}
+        ),
+    }
+    _ok(torchrun_many(list(runs.values())))
+    return runs
+
+
+def test_evaluation_leaves_training_unchanged_keeps_the_best_and_resumes_exactly(trained, tmp_path, tiny_model):
+    plain, evaluated = trained["plain"], trained["evaluated"]
 
     # The same training, step by step, with or without evaluations (and the saves of new bests).
     assert losses(evaluated) == pytest.approx(losses(plain), abs=1e-6)
@@ -75,7 +130,7 @@ def test_evaluation_leaves_training_unchanged_keeps_the_best_and_resumes_exactly
     assert summary(evaluated)["eval_seconds"] and summary(evaluated)["eval_round_seconds_max"] > 0
 
     # Stopped by the kill switch and resumed: the same training and evaluation losses.
-    resumed = make_run(tmp_path / "resumed", tiny_model, eval=with_eval, **settings)
+    resumed = make_run(tmp_path / "resumed", tiny_model, eval=_with_eval(tmp_path), **SETTINGS)
     stopped, out = stopped_by_kill_switch(resumed, 3)
     assert stopped["exit_code"] == ExitCode.KILL_SWITCH, out
     stopped_at = stopped["end_step"]
@@ -87,20 +142,14 @@ def test_evaluation_leaves_training_unchanged_keeps_the_best_and_resumes_exactly
     assert json.loads((resumed / "checkpoints" / "best.json").read_text())["step"] == best_step
 
 
-def test_eval_loss_is_the_same_on_one_two_and_four_ranks(tmp_path, tiny_model):
-    # One global batch of 8 rows per step on every world size, so the weights evaluated agree
-    # too; padded rows (no packing) make the batches' padding differ as little as it can.
+def test_eval_loss_is_the_same_on_one_two_and_four_ranks(trained, tmp_path, tiny_model):
     results = {}
     for ranks in (1, 2, 4):
-        run = make_run(
-            tmp_path / f"w{ranks}",
-            tiny_model,
-            max_steps=2,
-            micro_batch_size=2,
-            grad_accum=4 // ranks,
-            eval={"split": 0.1, "every_steps": 2},
-        )
-        _ok(torchrun(run, nproc=ranks))
+        if ranks == 2:
+            run = trained["two ranks"]
+        else:
+            run = _ranks_run(tmp_path, tiny_model, ranks)
+            _ok(torchrun(run, nproc=ranks))
         (record,) = [r for r in read_jsonl(run / "metrics.jsonl") if r.get("event") == "eval"]
         results[ranks] = record
     assert {r["eval_tokens"] for r in results.values()} == {results[1]["eval_tokens"]}
@@ -144,28 +193,10 @@ def test_an_unusable_validation_file_is_named_at_the_trainers_start(tmp_path, ti
     assert time.monotonic() - started < 120
 
 
-def test_samples_answer_the_prompts_as_generate_would_and_reach_jobgen_samples(tmp_path, tiny_model):
+def test_samples_answer_the_prompts_as_generate_would_and_reach_jobgen_samples(trained, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    prompts_file = tmp_path / "prompts.jsonl"
-    prompts_file.write_text(json.dumps({"prompt": "Give me a | pipe and\na newline."}) + "\n")
-    run = make_run(
-        tmp_path,
-        tiny_model,
-        parallelism="fsdp",
-        max_steps=4,
-        lr=1e-6,  # near the random start, the model answers with tokens, not the end of turn at once
-        model={"dtype": "float32"},  # the export below is then the very weights that answered
-        report_to=["tensorboard"],
-        eval={
-            "split": 0.05,
-            "every_steps": 2,
-            "prompts": ["Name three colors.", "What is 2+2?"],
-            "prompts_file": str(prompts_file),
-            "max_new_tokens": 8,
-        },
-    )
-    _ok(torchrun(run))
+    run = trained["samples"]
     lines = read_jsonl(run / "samples.jsonl")
     prompts = ["Name three colors.", "What is 2+2?", "Give me a | pipe and\na newline."]
     assert [(x["step"], x["prompt"]) for x in lines] == [(s, p) for s in (2, 4) for p in prompts]
@@ -204,9 +235,8 @@ def test_samples_answer_the_prompts_as_generate_would_and_reach_jobgen_samples(t
     assert "pipe and<br>a newline" in texts[-1].tensor_proto.string_val[0].decode()
 
 
-def test_a_broken_best_checkpoint_is_set_aside_and_the_best_named_again(tmp_path, tiny_model):
-    run = make_run(tmp_path, tiny_model, max_steps=6, keep_checkpoints=2, eval={"split": 0.1, "every_steps": 2})
-    _ok(torchrun(run))
+def test_a_broken_best_checkpoint_is_set_aside_and_the_best_named_again(trained):
+    run = trained["broken best"]
     curve = eval_losses(run)
     assert curve[6] < curve[4] < curve[2], curve  # every evaluation a new best: step 6 is the best
     best = run / "checkpoints" / "best.json"

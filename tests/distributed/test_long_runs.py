@@ -34,6 +34,7 @@ from helpers import (
     status,
     summary,
     torchrun,
+    torchrun_many,
     wait_for_step,
 )
 from jobgen.base.exit_codes import ExitCode
@@ -111,9 +112,23 @@ def _truncate_a_shard(checkpoint: Path, keep: float = 1 / 3) -> None:
     shard.write_bytes(shard.read_bytes()[: int(shard.stat().st_size * keep)])
 
 
-def test_a_checkpoint_that_fails_to_load_is_set_aside_and_never_trusted_again(tmp_path, tiny_model):
-    run = make_run(tmp_path, tiny_model, max_steps=6, save_every_steps=2, keep_checkpoints=3)
-    assert torchrun(run).returncode == 0
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny_model):
+    """The finished runs the checkpoint tests below damage, trained in one torchrun
+    (tests/run_many.py), each for the test named after it."""
+    root = tmp_path_factory.mktemp("trained")
+    runs = {
+        "set aside": make_run(root / "aside", tiny_model, max_steps=6, save_every_steps=2, keep_checkpoints=3),
+        "export": make_run(root / "export", tiny_model, max_steps=4, save_every_steps=2, keep_checkpoints=3),
+        "rng": make_run(root / "rng", tiny_model, max_steps=2, save_every_steps=1, keep_checkpoints=3),
+    }
+    proc = torchrun_many(list(runs.values()))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return runs
+
+
+def test_a_checkpoint_that_fails_to_load_is_set_aside_and_never_trusted_again(trained, tmp_path):
+    run = trained["set aside"]
     (run / "done").unlink()
     _truncate_a_shard(run / "checkpoints" / "step-00000006")
     # The same max_steps: the run resumes from step 4 and must save step 6 anew, not
@@ -134,9 +149,8 @@ def test_a_checkpoint_that_fails_to_load_is_set_aside_and_never_trusted_again(tm
     assert any(aside.name in w for w in view["warnings"]), view
 
 
-def test_export_takes_the_newest_checkpoint_that_loads_and_says_why(tmp_path, tiny_model):
-    run = make_run(tmp_path, tiny_model, max_steps=4, save_every_steps=2, keep_checkpoints=3)
-    assert torchrun(run).returncode == 0
+def test_export_takes_the_newest_checkpoint_that_loads_and_says_why(trained, tmp_path):
+    run = trained["export"]
     # Cut to almost nothing: the model's tensors, not only the optimizer's, are gone.
     _truncate_a_shard(run / "checkpoints" / "step-00000004", keep=0.01)
     target = tmp_path / "exported"
@@ -150,10 +164,9 @@ def test_export_takes_the_newest_checkpoint_that_loads_and_says_why(tmp_path, ti
     assert "step-00000004" in named.stderr and "could not be loaded" in named.stderr
 
 
-def test_rng_files_are_not_unpickled(tmp_path, tiny_model):
+def test_rng_files_are_not_unpickled(trained, tmp_path):
     """A planted pickle in a checkpoint must not run code when the run resumes."""
-    run = make_run(tmp_path, tiny_model, max_steps=2, save_every_steps=1, keep_checkpoints=3)
-    assert torchrun(run).returncode == 0
+    run = trained["rng"]
     (run / "done").unlink()
     marker = tmp_path / "pwned"
 

@@ -2,7 +2,9 @@
 
 Each test builds a run directory the way ``jobgen submit`` does and launches
 ``torchrun --standalone --nproc-per-node=2 -m trainer``: the same entry point the
-rendered script runs on every node.
+rendered script runs on every node. The runs that several tests only start from (a finished
+run to look at, a reference curve, a run to damage and resume) are trained by one torchrun
+for all of them (:func:`trained`, tests/run_many.py: the trainer's own ``train()`` for each).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from helpers import (
     stopped_by_kill_switch,
     summary,
     torchrun,
+    torchrun_many,
     wait_for,
     wait_for_step,
 )
@@ -34,17 +37,39 @@ from jobgen.base.exit_codes import ExitCode
 pytestmark = pytest.mark.torch
 
 
-@pytest.mark.parametrize("parallelism, packing", [("ddp", False), ("fsdp", True)])
-def test_two_process_run_reduces_loss(tmp_path, tiny_model, parallelism, packing):
-    run = make_run(tmp_path, tiny_model, parallelism=parallelism, max_steps=25, data={"packing": packing})
-    proc = torchrun(run)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny_model):
+    """Runs trained to their end in one torchrun, each for the test named after it."""
+    root = tmp_path_factory.mktemp("trained")
+    runs = {
+        "fsdp": make_run(root / "fsdp", tiny_model, parallelism="fsdp", max_steps=25, data={"packing": True}),
+        "reference": make_run(root / "reference", tiny_model, parallelism="fsdp", max_steps=14),
+        "finished": make_run(root / "finished", tiny_model, max_steps=3),
+        "truncated": make_run(root / "truncated", tiny_model, max_steps=6, save_every_steps=2, keep_checkpoints=3),
+        "async": make_run(
+            root / "async",
+            tiny_model,
+            max_steps=40,
+            optimizer="adafactor",
+            async_save=True,
+            save_every="1s",
+            keep_checkpoints=50,
+        ),
+        "export": make_run(root / "export", tiny_model, max_steps=4),
+    }
+    proc = torchrun_many(list(runs.values()))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return runs
+
+
+def reduced_loss_to_the_end(run, packing: bool) -> None:
     curve = losses(run)
     assert sorted(curve) == list(range(1, 26))
     first, last = sum(curve[s] for s in (1, 2, 3)) / 3, sum(curve[s] for s in (23, 24, 25)) / 3
     assert last < first * 0.8, curve
     info = summary(run)
     assert info["exit_code"] == 0 and info["world_size"] == 2 and info["end_step"] == 25
+    assert info["exit_reason"] == "reached step 25 of 25: finished", info
     assert len(info["tokens_per_s_per_rank"]) == 2 and all(t > 0 for t in info["tokens_per_s_per_rank"])
     assert json.loads((run / "done").read_text())["step"] == 25
     assert checkpoints(run) == ["step-00000025"]
@@ -52,19 +77,33 @@ def test_two_process_run_reduces_loss(tmp_path, tiny_model, parallelism, packing
     record = read_jsonl(run / "metrics.jsonl")[-1]
     for key in ("loss", "lr", "grad_norm", "tokens", "target_tokens", "tokens_per_s", "rss_mib", "job_id"):
         assert key in record, key
-    assert "exit 0: reached step 25 of 25: finished" in proc.stdout + proc.stderr
-    assert "seed 7" in proc.stdout + proc.stderr
     assert info["data_stats"]["packing"] is packing
     if packing:  # several examples per row: fewer rows than examples
         assert info["data_stats"]["rows"] < info["data_stats"]["kept"]
 
 
+def test_two_process_run_reduces_loss(tmp_path, tiny_model):
+    run = make_run(tmp_path, tiny_model, parallelism="ddp", max_steps=25, data={"packing": False})
+    proc = torchrun(run)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reduced_loss_to_the_end(run, packing=False)
+    assert "exit 0: reached step 25 of 25: finished" in proc.stdout + proc.stderr
+    assert "seed 7" in proc.stdout + proc.stderr
+
+
+def test_fsdp_with_packing_reduces_loss(trained):
+    reduced_loss_to_the_end(trained["fsdp"], packing=True)
+
+
 # DDP's resume is also exercised by the quick soak in CI; its own run here is in the full suite.
 @pytest.mark.parametrize("parallelism", [pytest.param("ddp", marks=pytest.mark.full), "fsdp"])
-def test_resume_after_kill_switch_is_exact(tmp_path, tiny_model, parallelism):
-    reference = make_run(tmp_path / "a", tiny_model, parallelism=parallelism, max_steps=14)
-    assert torchrun(reference).returncode == 0
-    expected = losses(reference)
+def test_resume_after_kill_switch_is_exact(tmp_path, tiny_model, parallelism, request):
+    if parallelism == "fsdp":  # the uninterrupted run's curve
+        expected = losses(request.getfixturevalue("trained")["reference"])
+    else:
+        reference = make_run(tmp_path / "a", tiny_model, parallelism=parallelism, max_steps=14)
+        assert torchrun(reference).returncode == 0
+        expected = losses(reference)
 
     run = make_run(tmp_path / "b", tiny_model, parallelism=parallelism, max_steps=14)
     stopped, out = stopped_by_kill_switch(run, 2)
@@ -188,17 +227,15 @@ def test_memory_guard_saves_and_exits(tmp_path, tiny_model):
     assert "memory guard" in proc.stdout + proc.stderr
 
 
-def test_finished_run_exits_at_once(tmp_path, tiny_model):
-    run = make_run(tmp_path, tiny_model, max_steps=3)
-    assert torchrun(run).returncode == 0
+def test_finished_run_exits_at_once(trained):
+    run = trained["finished"]
     again = torchrun(run)
     assert again.returncode == 0 and "run already finished" in again.stdout + again.stderr
     assert summary(run)["end_step"] == 3
 
 
-def test_truncated_newest_checkpoint_falls_back(tmp_path, tiny_model):
-    run = make_run(tmp_path, tiny_model, max_steps=6, save_every_steps=2, keep_checkpoints=3)
-    assert torchrun(run).returncode == 0
+def test_truncated_newest_checkpoint_falls_back(trained):
+    run = trained["truncated"]
     assert checkpoints(run) == ["step-00000002", "step-00000004", "step-00000006"]
     cut_short_and_extend(run, "step-00000006", max_steps=8)
     proc = torchrun(run)
@@ -256,12 +293,8 @@ assert diff > 1e-4 and same < 1e-2, (float(diff), float(same))
     python_checks(code)
 
 
-def test_async_saves_and_time_interval_with_adafactor(tmp_path, tiny_model):
-    run = make_run(
-        tmp_path, tiny_model, max_steps=40, optimizer="adafactor", async_save=True, save_every="1s", keep_checkpoints=50
-    )
-    proc = torchrun(run)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_async_saves_and_time_interval_with_adafactor(trained):
+    run = trained["async"]
     saved = checkpoints(run)
     assert saved[-1] == "step-00000040" and len(saved) >= 2, saved  # saves by wall time, then the final one
     assert not list((run / "checkpoints").glob(".tmp-*"))
@@ -271,9 +304,8 @@ def test_async_saves_and_time_interval_with_adafactor(tmp_path, tiny_model):
     assert curve[40] < curve[1]
 
 
-def test_export_loads_and_generates(tmp_path, tiny_model):
-    run = make_run(tmp_path, tiny_model, max_steps=4)
-    assert torchrun(run).returncode == 0
+def test_export_loads_and_generates(trained, tmp_path, tiny_model):
+    run = trained["export"]
     out = tmp_path / "exported"
     jobgen("export", str(run), "--to", str(out), check=True)
     code = f"""
