@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jobgen.base.safe_read import is_number
 from jobgen.runs.jsonl_records import METRICS_FIELDS, TaskKey, is_eval_line, record_problem, task_key
 
 VERSION = 3
@@ -48,13 +49,14 @@ class DamagedSummary(ValueError):
 
 def plotted_value(record: dict[str, Any], key: str) -> float | None:
     """A record's value of ``key``; tokens/s from ``step_tokens`` and ``step_seconds`` where a
-    program logs those instead."""
+    program logs those instead. ``step_tokens`` is no field the records are checked for, so
+    it is checked here as every number is (an integer of 400 digits overflows the division)."""
     value = record.get(key)
     if value is None and key == "tokens_per_s":
         tokens, seconds = record.get("step_tokens"), record.get("step_seconds")
-        if _real(tokens) and _real(seconds) and seconds > 0:
+        if is_number(tokens) and is_number(seconds) and seconds > 0:
             return tokens / seconds
-    return float(value) if _real(value) else None
+    return float(value) if is_number(value) else None
 
 
 _NUMBERS = (int, float)

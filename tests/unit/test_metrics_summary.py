@@ -365,6 +365,17 @@ def test_a_summary_that_is_a_link_or_fifo_is_not_read(tmp_path: Path):
     assert summarize(path).records == 2  # and it did not wait on the FIFO
 
 
+def test_a_step_tokens_no_float_can_hold_is_no_throughput(tmp_path: Path):
+    """``step_tokens`` (a program's own field, which the records' check does not know) of 400
+    digits: every read-side command reads this line, and the division by step_seconds
+    overflowed in each of them."""
+    huge = json.dumps({"time": T0, "step": 1, "loss": 1.0, "step_tokens": 10**400, "step_seconds": 1.0})
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(huge + "\n")
+    summary = summarize(path)
+    assert summary.records == 1 and not summary.segments("tokens_per_s") and summary.last_loss == [1, 1.0]
+
+
 def test_summarize_text_of_an_empty_file_has_no_records(tmp_path: Path):
     assert summarize_text(tmp_path / "metrics.jsonl", b"").records == 0
     assert summarize(tmp_path / "absent.jsonl").records == 0
