@@ -240,9 +240,8 @@ class MetricsSummary:
         self.recent: deque[list[Any]] = deque(maxlen=RECENT)  # [step, time] of the last RECENT records
         self.eval_last: dict[str, Any] | None = None  # {step, eval_loss, eval_ppl}
         self.eval_lowest: dict[str, Any] | None = None
-        self.task_keys: list[TaskKey] = []
-        self.task_index: dict[TaskKey, int] = {}
-        self.tasks: dict[TaskKey, TaskMetrics] = {}
+        self.tasks: dict[TaskKey, TaskMetrics] = {}  # in the order they first logged
+        self.task_index: dict[TaskKey, int] = {}  # each task's place in that order (the series name it so)
         # Each plotted metric, decimated; read from the kept summary only when asked for (a
         # plot, a comparison, or lines to fold in): status and the listings never parse it.
         self._series: dict[str, Decimated] | None = {key: Decimated() for key in PLOTTED}
@@ -259,7 +258,7 @@ class MetricsSummary:
         try:
             data = json.loads(self._series_text or b"")
             _check(isinstance(data, dict) and sorted(data) == sorted(PLOTTED), "the plotted series")
-            return {key: Decimated.from_json(data[key], len(self.task_keys)) for key in PLOTTED}
+            return {key: Decimated.from_json(data[key], len(self.tasks)) for key in PLOTTED}
         except (KeyError, TypeError, ValueError, RecursionError) as exc:
             raise DamagedSummary(f"its series: {exc}") from None
 
@@ -301,8 +300,7 @@ class MetricsSummary:
         task = self.tasks.get(key)
         if task is None:
             task = self.tasks[key] = TaskMetrics()
-            self.task_index[key] = len(self.task_keys)
-            self.task_keys.append(key)
+            self.task_index[key] = len(self.task_index)
         task.add(record, number)
         self.has_loss = self.has_loss or record.get("loss") is not None
         self.recent.append([record["step"], record["time"]])
@@ -363,10 +361,11 @@ class MetricsSummary:
     def segments(self, key: str) -> list[tuple[TaskKey, list[int], list[float], list[float]]]:
         """A plotted metric's kept points, one segment per task in turn: (task, steps, times, values)."""
         out: list[tuple[TaskKey, list[int], list[float], list[float]]] = []
+        keys = list(self.tasks)
         previous = None
         for task, (_, step, at, value) in self.series[key].points():
             if task != previous:
-                out.append((self.task_keys[task], [], [], []))
+                out.append((keys[task], [], [], []))
                 previous = task
             out[-1][1].append(step)
             out[-1][2].append(at)
@@ -402,7 +401,7 @@ class MetricsSummary:
                 "recent": list(self.recent),
                 "eval_last": self.eval_last,
                 "eval_lowest": self.eval_lowest,
-                "tasks": [[job, restart, self.tasks[(job, restart)].to_json()] for job, restart in self.task_keys],
+                "tasks": [[job, restart, task.to_json()] for (job, restart), task in self.tasks.items()],
             },
         }
 
@@ -438,8 +437,7 @@ class MetricsSummary:
             out.recent.extend(state["recent"])
             for job, restart, task in state["tasks"]:
                 _check(isinstance(job, str) and isinstance(restart, int) and (job, restart) not in out.tasks, "a task")
-                out.task_index[(job, restart)] = len(out.task_keys)
-                out.task_keys.append((job, restart))
+                out.task_index[(job, restart)] = len(out.task_index)
                 out.tasks[(job, restart)] = TaskMetrics.from_json(task)
             if series is not None:
                 out._series, out._series_text = None, series
