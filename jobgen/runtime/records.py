@@ -277,7 +277,7 @@ class MetricsWriter:
         if self.enabled and time.monotonic() - self._summarized >= SUMMARY_EVERY_SECONDS:
             self.refresh_summary()
 
-    def refresh_summary(self, wait: bool = False) -> None:
+    def refresh_summary(self) -> None:
         """Bring the summary of metrics.jsonl up to date, in a thread of its own: a summary
         nobody kept yet means one read of the whole file, which must not hold up a step (not a
         daemon: an exit waits for it rather than leave its temporary file). A summary is a
@@ -288,8 +288,6 @@ class MetricsWriter:
             return
         self._summarizing = threading.Thread(target=_refresh, args=(self.run_dir,), name="metrics-summary")
         self._summarizing.start()
-        if wait:
-            self._summarizing.join()
 
     def log_task(self, record: dict[str, Any]) -> None:
         self._append(
