@@ -223,12 +223,18 @@ def draw(data: PlotData, output: Path) -> Path:
     return output
 
 
+def _dates(seconds: list[float]) -> list[float]:
+    """Times (seconds since 1970) as matplotlib's dates, in this machine's local time as
+    ``datetime.fromtimestamp`` gives it."""
+    from matplotlib.dates import date2num
+
+    return list(date2num([dt.datetime.fromtimestamp(t) for t in seconds]))
+
+
 def _joined(series: Series) -> tuple[list[float], list[float], list[float]]:
     """(steps, times as dates, values) of every job's points, a NaN between two jobs: one line
     per panel, broken where a job ends, however many jobs a week of time limits made (an
     artist per job made a plot of 500 jobs take seconds)."""
-    from matplotlib.dates import date2num
-
     steps: list[float] = []
     times: list[float] = []
     values: list[float] = []
@@ -238,7 +244,7 @@ def _joined(series: Series) -> tuple[list[float], list[float], list[float]]:
             times.append(math.nan)
             values.append(math.nan)
         steps.extend(part_steps)
-        times.extend(date2num([dt.datetime.fromtimestamp(t) for t in part_times]))
+        times.extend(_dates(part_times))
         values.extend(part_values)
     return steps, times, values
 
@@ -246,8 +252,6 @@ def _joined(series: Series) -> tuple[list[float], list[float], list[float]]:
 def _draw_row(data: PlotData, key: str, by_step, by_time) -> None:
     """One metric's row: against the step (``by_step``) and against wall time (``by_time``),
     with the resumes marked and the time without a running job shaded."""
-    from matplotlib.dates import date2num
-
     steps, times, values = _joined(data.metrics[key])
     by_step.plot(steps, values, lw=1.2, color="C0")
     by_time.plot(times, values, lw=1.2, color="C0")
@@ -264,11 +268,10 @@ def _draw_row(data: PlotData, key: str, by_step, by_time) -> None:
         ax.ticklabel_format(axis="y", useOffset=False, style="sci" if key == "lr" else "plain", scilimits=(-3, 4))
     if data.resumes:  # one collection per axis, not a line per resume
         by_step.vlines([s for s, _ in data.resumes], 0, 1, transform=by_step.get_xaxis_transform(), **RESUME)
-        at = date2num([dt.datetime.fromtimestamp(t) for _, t in data.resumes])
+        at = _dates([t for _, t in data.resumes])
         by_time.vlines(at, 0, 1, transform=by_time.get_xaxis_transform(), **RESUME)
     if data.waits:
-        starts = date2num([dt.datetime.fromtimestamp(start) for start, _ in data.waits])
-        ends = date2num([dt.datetime.fromtimestamp(end) for _, end in data.waits])
+        starts, ends = _dates([start for start, _ in data.waits]), _dates([end for _, end in data.waits])
         spans = [(a, b - a) for a, b in zip(starts, ends, strict=True)]
         by_time.broken_barh(spans, (0, 1), transform=by_time.get_xaxis_transform(), color="0.85", lw=0, zorder=0)
     for ax in (by_step, by_time):
