@@ -7,7 +7,8 @@ median of three runs:
 
 1. **One run, 10k / 100k / 1M logged steps** (a task of 2,000 steps each, an evaluation every
    500, a checkpoint or two): ``jobgen status RUN``, ``status RUN --json``, the watchdog checks
-   ``running``, ``hang``, ``memory``, ``disk``, ``jobgen plot RUN -o``, ``jobgen compare RUN -o``.
+   ``running``, ``hang``, ``memory``, ``disk``, ``jobgen plot RUN -o``, ``jobgen compare RUN -o``,
+   ``jobgen logs RUN`` (its last 1000 lines) and ``jobgen samples RUN`` (the last 10 evaluations).
    ``status RUN`` is timed *first* (no summary kept yet: it reads the whole file once and keeps
    the summary beside it, as the first look after an upgrade would); then every command, each
    after 1,000 more lines were appended (as a run goes on between two looks: the summary is
@@ -94,6 +95,7 @@ def make_run(work: Path, root: Path, name: str, steps: int, job_base: int = 5000
                             "job_start": start - 30, "world_size": 8, "global_batch": 64}) + "\n"
             )  # fmt: skip
             metrics.writelines(_lines(job, first, last))
+            _write_logs(run, name, job_base * 1000 + task + 1, first, last)
             end = T0 + last * STEP_SECONDS
             task_lines.write(
                 json.dumps({"time": end + 5, "event": "exit", "job_id": job, "restart": 0, "start_step": first - 1,
@@ -106,6 +108,27 @@ def make_run(work: Path, root: Path, name: str, steps: int, job_base: int = 5000
         checkpoint.mkdir(parents=True, exist_ok=True)
         (checkpoint / "trainer_state.json").write_text("{}")
     return run
+
+
+def _write_logs(run: RunDir, name: str, job_id: int, first: int, last: int) -> None:
+    """A task's batch log (jobgen's lines, torchrun's teed copies of rank 0's) and rank 0's own
+    log, a line per step; with [eval] prompts, samples.jsonl's lines of each evaluation."""
+    stamp = lambda at: time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at))  # noqa: E731
+    steps = [(step, T0 + step * STEP_SECONDS) for step in range(first, last + 1)]
+    lines = [f"{stamp(at)} trainer[0] INFO step {step} loss 2.5 lr 1e-4 tok/s 51234\n" for step, at in steps]
+    begin, end = stamp(T0 + first * STEP_SECONDS - 30), stamp(T0 + last * STEP_SECONDS + 5)
+    with open(run.batch_log(name, job_id), "w") as fh:
+        fh.write(f"{begin} jobgen: job {job_id} on node[1-2]\n")
+        fh.writelines(f"[default0]:{line}" for line in lines)
+        fh.write(f"{end} jobgen: program exited with status 0\n")
+    rank = run.rank_logs(job_id, "node1") / f"{job_id}_x" / "attempt_0" / "0"
+    rank.mkdir(parents=True)
+    (rank / "stdout.log").write_text("".join(lines))
+    (rank / "stderr.log").write_text("")
+    with open(run.samples, "a") as fh:
+        for step, _ in steps[EVAL_EVERY - first % EVAL_EVERY :: EVAL_EVERY]:
+            for prompt in ("Name three colors.", "What is 2+2?", "Write a haiku about Slurm."):
+                fh.write(json.dumps({"step": step, "prompt": prompt, "completion": "red, green, blue " * 4}) + "\n")
 
 
 def _lines(job: str, first: int, last: int):
@@ -154,6 +177,8 @@ def run_commands(run: RunDir, out: Path) -> dict[str, list[str]]:
         "watchdog disk": [jobgen, "watchdog", "run", "disk", str(run.path)],
         "plot -o": [jobgen, "plot", str(run.path), "-o", str(out / "plot.png")],
         "compare -o": [jobgen, "compare", str(run.path), "-o", str(out / "compare.png")],
+        "logs": [jobgen, "logs", str(run.path)],
+        "samples": [jobgen, "samples", str(run.path)],
     }
 
 

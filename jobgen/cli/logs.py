@@ -2,6 +2,7 @@
 every point's of a sweep, each line prefixed with its point.
 
     jobgen logs RUN -f --rank 0
+    jobgen logs RUN --all                 # every line, not only the last 1000
     jobgen logs lr-sweep --grep 'ERROR|time limit'
 """
 
@@ -18,7 +19,7 @@ import click
 from jobgen.base.safe_read import DamagedFile
 from jobgen.base.visible import visible
 from jobgen.cli.common import fail, find_run
-from jobgen.report.logs import Filters, Source, find_sources, merged, unknown_ranks
+from jobgen.report.logs import Filters, Source, find_sources, merged, tail, unknown_ranks
 from jobgen.report.logs import follow as follow_logs
 
 # Ask Slurm at most this often, while following, whether anything is still queued or running.
@@ -84,8 +85,16 @@ def _what_to_read(run_ref: str) -> tuple[Sources, Callable[[], bool]]:
 
 
 def logs_command(
-    run_ref: str, *, follow: bool, task: str | None, node: str | None, rank: int | None, pattern: str | None
+    run_ref: str,
+    *,
+    follow: bool,
+    task: str | None,
+    node: str | None,
+    rank: int | None,
+    pattern: str | None,
+    last: int | None,
 ) -> None:
+    """``last``: only the newest lines (read from the files' ends), None for every line."""
     try:
         grep = re.compile(pattern) if pattern else None
     except (re.error, OverflowError, RecursionError) as exc:  # 'a{99999999999}' overflows; '((((...' recurses
@@ -95,11 +104,18 @@ def logs_command(
     if rank is not None:  # ranks --rank cannot find: say where they are instead of printing nothing
         for where in unknown_ranks(sources(Filters(task=task, node=node))):
             click.echo(f"jobgen logs: {where}: global ranks unknown (no rank map); --node shows them", err=True)
-    if not follow:
+    if not follow and last is None:
         for line in merged(sources(filters), filters):
             click.echo(line)
         return
+    if not follow:
+        newest = tail(sources(filters), filters, last)
+        for line in newest.lines:
+            click.echo(line)
+        if newest.left_out:
+            click.echo(f"jobgen logs: the last {last} lines; --tail N for more, --all for every line", err=True)
+        return
     try:
-        follow_logs(lambda: sources(filters), filters, click.echo, until=_finished(over))
+        follow_logs(lambda: sources(filters), filters, click.echo, until=_finished(over), last=last)
     except KeyboardInterrupt:
         pass

@@ -29,7 +29,7 @@ import heapq
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,18 +254,126 @@ def merged(sources: list[Source], filters: Filters, *, partial_lines: bool = Tru
     line still without its newline (not when following: the rest of it is still to come)."""
 
     def lines_of(order: int, source: Source) -> Iterator[tuple[float, int, int, str]]:
-        last, year = 0.0, _year(source.path)
         lines = _read_new(source)
         if partial_lines and source.partial:
             lines.append(source.partial)
             source.partial = ""
-        for i, line in enumerate(lines):
-            last = _stamp(line, year) or last
-            if _keep(source, line, filters):
-                yield last, order, i, f"{source.prefix} | {line}"
+        yield from _stamped(order, source, lines, filters, 0.0)
 
     for *_, text in heapq.merge(*(lines_of(i, s) for i, s in enumerate(sources))):
         yield text
+
+
+Stamped = tuple[float, int, int, str]  # (time, source's order, line's order, prefixed line): merge order
+
+
+def _stamped(order: int, source: Source, lines: list[str], filters: Filters, last: float) -> Iterator[Stamped]:
+    """The lines the filters keep, prefixed, each with its time: its own stamp, else the one
+    before it (``last``: the time of the line before the first)."""
+    year = _year(source.path)
+    for i, line in enumerate(lines):
+        last = _stamp(line, year) or last
+        if _keep(source, line, filters):
+            yield last, order, i, f"{source.prefix} | {line}"
+
+
+@dataclass
+class Tail:
+    lines: list[str]  # the newest lines of the merged stream, prefixed, oldest first
+    left_out: bool  # whether older lines exist that were not read
+
+
+# Clocks of nodes and file servers disagree by this much at most: a file last written this long
+# before the oldest line kept may still hold a newer line, and is read.
+CLOCK_SKEW_S = 60.0
+_BLOCK = 1 << 16
+
+
+def tail(sources: list[Source], filters: Filters, count: int, *, partial_lines: bool = True) -> Tail:
+    """The last ``count`` lines of :func:`merged`'s stream, read from the files' ends: the
+    cost grows with ``count`` and the number of files, not with how long the run has been
+    logging. Files are read newest first, and one last written before the ``count``-th newest
+    line kept so far (less :data:`CLOCK_SKEW_S`) is not read at all. Each source's offset is
+    left at its end, so that :func:`follow` goes on from there."""
+    newest: list[Stamped] = []  # a heap of at most `count`, oldest on top
+    left_out = False
+    by_age = sorted(enumerate(sources), key=lambda pair: _mtime(pair[1].path), reverse=True)
+    for order, source in by_age:
+        if len(newest) >= count and _mtime(source.path) < newest[0][0] - CLOCK_SKEW_S:
+            left_out |= _skip_to_end(source)
+            continue
+        lines, before, cut = _read_tail(source, count, filters, partial_lines)
+        left_out |= cut
+        for item in _stamped(order, source, lines, filters, before):
+            if len(newest) < count:
+                heapq.heappush(newest, item)
+            else:
+                left_out = True
+                heapq.heappushpop(newest, item)
+    return Tail([text for *_, text in sorted(newest)], left_out)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _skip_to_end(source: Source) -> bool:
+    """Mark a source read to its end without reading it; whether it held anything."""
+    try:
+        source.offset = os.lstat(source.path).st_size
+    except OSError:
+        return False
+    return source.offset > 0
+
+
+def _read_tail(source: Source, count: int, filters: Filters, partial_lines: bool) -> tuple[list[str], float, bool]:
+    """The source's last lines, read backwards a block at a time until they hold ``count``
+    lines the filters keep and a stamped line before them (the time of their unstamped
+    lines): (the lines, the time of the line before them, whether older lines were left)."""
+    try:
+        fd = open_regular(source.path)
+    except (OSError, DamagedFile):
+        return [], 0.0, False
+    year = _year(source.path)
+    with os.fdopen(fd, "rb") as fh:
+        end = start = os.fstat(fd).st_size
+        head, partial = b"", None
+        chunks: list[list[str]] = []  # the complete lines read, a block's at a time, newest first
+        kept_in_chunks = 0
+        chosen: list[str] | None = None  # the last `count` kept lines and what follows them
+        before: float | None = None
+        left = False
+        while start > 0 and before is None:
+            block = max(0, start - _BLOCK)
+            fh.seek(block)
+            pieces = (fh.read(start - block) + head).split(b"\n")
+            start = block
+            if partial is None:  # the text after the last newline: a line still being written
+                if len(pieces) == 1 and start > 0:
+                    head = pieces[0]
+                    continue
+                partial = pieces.pop().decode(errors="replace")
+            head = pieces.pop(0) if start > 0 else b""  # may begin mid-line: the next block completes it
+            new = [piece.decode(errors="replace") for piece in pieces]
+            if chosen is None:
+                chunks.append(new)
+                kept_in_chunks += sum(_keep(source, line, filters) for line in new)
+                if kept_in_chunks < count:
+                    continue
+                read = [line for chunk in reversed(chunks) for line in chunk]
+                first = [i for i, line in enumerate(read) if _keep(source, line, filters)][-count]
+                chosen, new = read[first:], read[:first]
+                left = bool(new) or start > 0
+            before = next((t for t in (_stamp(line, year) for line in reversed(new)) if t), None)
+    lines = [line for chunk in reversed(chunks) for line in chunk] if chosen is None else chosen
+    source.offset, source.partial = end, partial or ""
+    if partial_lines and partial:
+        lines.append(partial)
+        source.partial = ""
+    return lines, before or 0.0, left
 
 
 # While following, a rank's file waits this long for the rank map (written once every rank
@@ -284,14 +392,19 @@ def follow(
     *,
     interval: float = 0.5,
     until: Callable[[], bool] = lambda: False,
+    last: int | None = None,
 ) -> None:
-    """Print what exists, then new lines as they are written, from the sources ``discover``
-    finds now and later, until ``until()`` says so (or Ctrl-C)."""
+    """Print what exists (its ``last`` lines, when given), then new lines as they are written,
+    from the sources ``discover`` finds now and later, until ``until()`` says so (or Ctrl-C)."""
     known: dict[Path, Source] = {}
     sources = discover()
     now = time.time()
     ready = [s for s in sources if not _waiting_for_rank(s, now)]
-    for line in merged(ready, filters, partial_lines=False):
+    if last is None:
+        lines: Iterable[str] = merged(ready, filters, partial_lines=False)
+    else:
+        lines = tail(ready, filters, last, partial_lines=False).lines
+    for line in lines:
         echo(line)
     known.update((s.path, s) for s in sources)
     while not until():

@@ -13,12 +13,20 @@ from typing import Any
 
 from jobgen.base.safe_read import is_int
 from jobgen.base.visible import visible
-from jobgen.runs.jsonl_records import read_records
+from jobgen.runs.jsonl_records import read_newest_records, read_records
 from jobgen.runs.rundir import RunDir
 
 
 class NoSamples(RuntimeError):
     """The run has no samples (yet), or none at the step asked for."""
+
+
+class Samples(dict):
+    """prompt -> step -> completion, and whether older evaluations were left out."""
+
+    def __init__(self, table: dict[str, dict[int, str]], left_out: bool = False):
+        super().__init__(table)
+        self.left_out = left_out
 
 
 # The fields of a line of samples.jsonl that jobgen shows (jobgen.runs.goodput.read_records).
@@ -29,23 +37,35 @@ SAMPLE_FIELDS = (
 
 
 def read_samples(
-    run: RunDir, step: int | None = None, warn: Callable[[str], None] = lambda _: None
-) -> dict[str, dict[int, str]]:
-    """prompt -> step -> completion, prompts in the order first answered, steps ascending.
-    Lines that are no samples are skipped, and ``warn`` is told once how many and why."""
-    lines = read_records(run.samples, SAMPLE_FIELDS, "sample")
+    run: RunDir, step: int | None = None, warn: Callable[[str], None] = lambda _: None, last: int | None = None
+) -> Samples:
+    """prompt -> step -> completion, prompts in the order first answered, steps ascending:
+    every step's, ``step``'s alone, or (``last``) the last evaluations', read from the
+    file's end. Lines that are no samples are skipped, and ``warn`` is told once how many and
+    why."""
+    if step is None and last is not None:
+
+        def enough(newest_first: list[dict[str, Any]]) -> bool:  # a step older than the last ones began
+            return len({x["step"] for x in newest_first}) > last
+
+        lines, left_out = read_newest_records(run.samples, SAMPLE_FIELDS, "sample", enough)
+    else:
+        lines, left_out = read_records(run.samples, SAMPLE_FIELDS, "sample"), False
     if lines.warning():
         warn(lines.warning())
     if not lines:
         raise NoSamples(f"{run.samples}: no samples yet (they come with [eval] prompts, at each evaluation)")
+    if last is not None and step is None:
+        newest = list(dict.fromkeys(x["step"] for x in reversed(lines)))  # in the order written, newest first
+        keep, left_out = set(newest[:last]), left_out or len(newest) > last
     table: dict[str, dict[int, str]] = {}
     for line in lines:
-        if step is None or line["step"] == step:
+        if (step is None or line["step"] == step) and (last is None or step is not None or line["step"] in keep):
             table.setdefault(line["prompt"], {})[line["step"]] = line.get("completion") or ""
     if not table:
         steps = sorted({x["step"] for x in lines})
         raise NoSamples(f"{run.samples}: no samples at step {step} (steps with samples: {steps})")
-    return {prompt: dict(sorted(by_step.items())) for prompt, by_step in table.items()}
+    return Samples({prompt: dict(sorted(by_step.items())) for prompt, by_step in table.items()}, left_out)
 
 
 def format_samples(table: dict[str, dict[int, str]], width: int = 100) -> str:

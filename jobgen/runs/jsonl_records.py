@@ -12,11 +12,12 @@ each line as :func:`read_records` does.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jobgen.base.safe_read import LINES_FILE, DamagedFile, is_int, is_number, is_time, read_bytes
+from jobgen.base.safe_read import LINES_FILE, DamagedFile, is_int, is_number, is_time, open_regular, read_bytes
 
 # ``metrics.jsonl`` holds training steps and, with ``[eval]``, evaluations: an evaluation's
 # line has ``event = "eval"`` (and eval_loss, eval_ppl, eval_tokens, eval_seconds), a step's none.
@@ -137,7 +138,7 @@ class Records(list):
         self.first_problem = ""
         self.unreadable: str | None = None  # why the file as a whole could not be read
 
-    def skip(self, number: int, problem: str) -> None:
+    def skip(self, number: int | str, problem: str) -> None:
         if not self.skipped:
             self.first_problem = f"line {number}: {problem}"
         self.skipped += 1
@@ -186,6 +187,74 @@ def read_records(path: Path, fields: tuple[dict[str, _Check], dict[str, _Check]]
         else:
             out.skip(number, problem)
     return out
+
+
+def read_newest_records(
+    path: Path,
+    fields: tuple[dict[str, _Check], dict[str, _Check]],
+    kind: str,
+    enough: Callable[[list[dict[str, Any]]], bool],
+) -> tuple[Records, bool]:
+    """The newest records of ``path``, read from its end a block at a time until ``enough``
+    (given the records read so far, newest first) says so: (those records in the file's
+    order, whether older lines were left unread). Lines are checked and skipped as
+    :func:`read_records` does; a skipped line is named by its number when the read reached
+    the file's start, else by its place from the end."""
+    out = Records(path, kind)
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        return out, False
+    except DamagedFile as exc:
+        out.unreadable = exc.problem
+        return out, False
+    newest_first: list[dict[str, Any]] = []
+    skipped: list[tuple[int, str]] = []  # (place from the end, 1 = the last line; problem), newest first
+    with os.fdopen(fd, "rb") as fh:
+        start = os.fstat(fd).st_size
+        head, from_end, last_line = b"", 0, True
+        while start > 0 and not enough(newest_first):
+            block = max(0, start - _BLOCK)
+            fh.seek(block)
+            pieces = (fh.read(start - block) + head).split(b"\n")
+            start = block
+            head = pieces.pop(0) if start > 0 else b""  # may begin mid-line: the next block completes it
+            if last_line and pieces and pieces[-1] == b"":
+                pieces.pop()  # the file ends with a newline: nothing after it
+            for piece in reversed(pieces):
+                from_end += 1
+                _read_line(piece, last_line, newest_first, skipped, from_end, fields)
+                last_line = False
+    for place, problem in reversed(skipped):  # the first in the file's order is the one named
+        out.skip(from_end - place + 1 if start == 0 else f"{place} from the end", problem)
+    out.extend(reversed(newest_first))
+    return out, start > 0
+
+
+def _read_line(
+    piece: bytes,
+    last_line: bool,
+    into: list[dict[str, Any]],
+    skipped: list[tuple[int, str]],
+    place: int,
+    fields: tuple[dict[str, _Check], dict[str, _Check]],
+) -> None:
+    line = piece.decode(errors="replace")
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        if not last_line and line.strip():  # a last line that is no JSON: a write cut short
+            skipped.append((place, f"not JSON ({getattr(exc, 'msg', 'nested too deep')})"))
+        return
+    problem = record_problem(record, fields)
+    if problem is None:
+        into.append(record)
+    else:
+        skipped.append((place, problem))
+
+
+# What read_newest_records reads at a time, from the end.
+_BLOCK = 1 << 16
 
 
 def read_metrics(path: Path) -> Records:

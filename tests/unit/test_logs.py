@@ -4,17 +4,25 @@ it (the dev-cluster test in tests/cluster/test_slurm_status.py follows a live 2-
 from __future__ import annotations
 
 import json
+import os
+import random
 import re
 import threading
 import time
+from pathlib import Path
 
-from jobgen.report.logs import Filters, find_sources, follow, merged
+import pytest
+
+from helpers import jobgen
+from jobgen.report import logs as logs_module
+from jobgen.report.logs import Filters, find_sources, follow, merged, tail
 from jobgen.runs.rundir import RunDir
+from run_dirs import JOB_HEAD, recorded_run
 
 
-def lay_out(tmp_path) -> RunDir:
-    run = RunDir(tmp_path / "demo")
-    run.logs.mkdir(parents=True)
+def lay_out(tmp_path, run: RunDir | None = None) -> RunDir:
+    run = run or RunDir(tmp_path / "demo")
+    run.logs.mkdir(parents=True, exist_ok=True)
     run.batch_log("demo", 7).write_text(
         "2026-11-22T10:00:00 jobgen: job 7 (array task 2) on node[1-2]\n"
         "[default0]:2026-11-22T10:00:09 trainer[0] INFO teed copy, shown from the rank's file\n"
@@ -156,3 +164,94 @@ def test_without_the_ranks_own_records_a_node_keeps_its_local_ranks_apart(tmp_pa
         json.dumps({"job_id": "7", "array_job_id": "5", "array_task": "2", "nodes": "node1"})
     )
     assert {line.split(" | ")[0] for line in lines(run, rank=1, node="node1")} == {"5_2 node1 r1"}
+
+
+# ---------------------------------------------------------------- the last lines, read from the ends
+
+
+def random_layout(tmp_path, rng: random.Random) -> RunDir:
+    """A run of 1-3 jobs on two nodes with random logs: stamped and unstamped lines (an
+    unstamped one takes its predecessor's time), torchrun's teed copies in the batch logs,
+    lines as long as a read block, a last line without its newline; each file's time is
+    its last stamp's, as a writer on that clock leaves it."""
+    run = RunDir(tmp_path / "demo")
+    run.logs.mkdir(parents=True)
+    clock = 1_795_000_000.0  # 2026-11-19: stamps of one run, days long
+    for job in range(7, 7 + rng.randint(1, 3)):
+        files = [run.batch_log("demo", job)]
+        for node in ("node1", "node2"):
+            launch = run.rank_logs(job, node) / f"{job}_a" / "attempt_0" / "0"
+            launch.mkdir(parents=True)
+            files += [launch / "stdout.log", launch / "stderr.log"]
+        times = dict.fromkeys(files, clock)
+        texts: dict[Path, list[str]] = {f: [] for f in files}
+        for _ in range(rng.choice([0, 5, 300, 1500])):
+            path = rng.choice(files)
+            times[path] += rng.choice([0.0, 0.5, 30.0, 4000.0])
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(times[path]))
+            kind = rng.random()
+            if kind < 0.15:
+                line = "  unstamped traceback line"
+            elif kind < 0.25 and path == files[0]:
+                line = f"[default0]:{stamp} trainer[0] INFO a teed copy"
+            elif kind < 0.27:
+                line = f"{stamp} trainer[0] INFO {'x' * rng.choice([70_000, 140_000])}"
+            else:
+                line = f"{stamp} trainer[0] INFO step {len(texts[path])}"
+            texts[path].append(line)
+        for path, lines_of in texts.items():
+            ending = rng.choice(["\n", "", f"\n{time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(times[path]))} half"])
+            path.write_text("\n".join(lines_of) + (ending if lines_of else ""))
+            os.utime(path, (times[path], times[path]))
+        clock = max(times.values()) + 60
+    return run
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_the_tail_read_from_the_ends_equals_the_last_lines_of_the_whole_stream(tmp_path, seed):
+    rng = random.Random(seed)
+    run = random_layout(tmp_path, rng)
+    for filters in (Filters(), Filters(grep=re.compile("step [0-9]*7$")), Filters(node="node2")):
+        everything = list(merged(find_sources(run, "demo", filters), filters))
+        for count in (1, 3, 50, 1000):
+            got = tail(find_sources(run, "demo", filters), filters, count)
+            assert got.lines == everything[-count:], (seed, filters, count)
+            assert got.left_out == (len(everything) > count), (seed, filters, count)
+
+
+def test_a_tail_reads_from_the_ends_and_skips_files_older_than_its_lines(tmp_path, monkeypatch):
+    """A week of one rank's lines (40 MB) and 200 older tasks' logs: the last 10 lines read
+    a few blocks of the newest file and open no file last written before them."""
+    run = RunDir(tmp_path / "demo")
+    run.logs.mkdir(parents=True)
+    day = 86_400.0
+    start = 1_795_000_000.0
+    for job in range(1, 201):
+        path = run.batch_log("demo", job)
+        path.write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(start + job))} jobgen: job {job}\n")
+        os.utime(path, (start + job, start + job))
+    newest = run.batch_log("demo", 201)
+    line = "{} trainer[0] INFO step {} loss 1.0 " + "x" * 60 + "\n"
+    with newest.open("w") as fh:
+        for step in range(500_000):
+            at = start + 7 * day * step / 500_000
+            fh.write(line.format(time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at)), step))
+    opened: list[Path] = []
+    real_open = logs_module.open_regular
+    monkeypatch.setattr(logs_module, "open_regular", lambda p: opened.append(p) or real_open(p))
+    got = tail(find_sources(run, "demo", Filters()), Filters(), 10)
+    assert [x.split(" step ")[1].split()[0] for x in got.lines] == [str(s) for s in range(499_990, 500_000)]
+    assert got.left_out and opened == [newest], opened
+
+
+def test_jobgen_logs_shows_the_last_lines_and_says_what_it_left_out(tmp_path):
+    run = lay_out(tmp_path, recorded_run(tmp_path, JOB_HEAD.replace('"stat"', '"demo"') + 'program = "doctor"\n'))
+    out = jobgen("logs", str(run.path), "--tail", "3")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == lines(run)[-3:]
+    assert "the last 3 lines; --tail N for more, --all for every line" in out.stderr
+    for every in (["--all"], ["--tail", "10"], []):
+        out = jobgen("logs", str(run.path), *every)
+        assert out.stdout.splitlines() == lines(run) and out.stderr == "", (every, out.stderr)
+    refused = jobgen("logs", str(run.path), "--all", "--tail", "3")
+    assert refused.returncode == 2 and "--all and --tail" in refused.stderr
