@@ -148,12 +148,18 @@ def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("deep") / "model", layers=4)
 
 
+# The dev cluster's fake GPUs, node by node (`jobgen cluster up --gpus 3,1,2`): unequal machines
+# for the GPU-site tests (tests/cluster/test_slurm_gpus.py); CPU sites ask for none.
+CLUSTER_GPUS = [3, 1, 2]
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """The dev cluster in --netns mode with 3 nodes, one per pytest worker: the first worker's
     in the default state dir (reused if one is already up), another worker's in a state dir of
     its own, reached through SLURM_CONF (jobgen.devcluster.instances). Its node names are
-    ``cluster.nodes`` (node1..3 for the first; node101..103 for the second)."""
+    ``cluster.nodes`` (node1..3 for the first; node101..103 for the second), with 3, 1 and 2
+    fake GPUs."""
     if shutil.which("slurmctld") is None and os.geteuid() != 0:
         pytest.skip("the dev cluster needs root to install and start Slurm")
     from jobgen import devcluster
@@ -162,13 +168,14 @@ def cluster():
     state_dir = None if worker == "gw0" else f"{devcluster.DEFAULT_STATE_DIR}-{worker}"
     info = devcluster.status(state_dir)
     started = False
-    if info is not None and (not info.netns or len(info.nodes) != 3 or info.cpus_per_node < 4):
+    gpus = [info.gpus.get(n, 0) for n in info.nodes] if info is not None else None
+    if info is not None and (not info.netns or len(info.nodes) != 3 or info.cpus_per_node < 4 or gpus != CLUSTER_GPUS):
         # e.g. the 2-node cluster examples/quickstart.sh leaves running: replace it with the
         # shape these tests are written for.
         devcluster.down(state_dir)
         info = None
     if info is None:
-        info = devcluster.up(nodes=3, cpus_per_node=4, netns=True, state_dir=state_dir)
+        info = devcluster.up(nodes=3, cpus_per_node=4, netns=True, state_dir=state_dir, gpus=CLUSTER_GPUS)
         started = True
     # This process and everything it starts (jobgen, sbatch, the jobs) talk to this cluster.
     os.environ["SLURM_CONF"] = info.slurm_conf

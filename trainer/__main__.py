@@ -75,13 +75,21 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s", allocator)
 
     from jobgen.base.lease import WriterLease
+    from jobgen.runtime.devices import MissingGpu
     from trainer import distributed
     from trainer.metrics import StartupClock
 
     startup = StartupClock(started)
     startup.mark("imports")
     attempt = Attempt.from_environ()
-    env = distributed.init_distributed(spec.run.train.collective_timeout, None)
+    try:
+        env = distributed.init_distributed(spec.run.train.collective_timeout, None, use_gpu=spec.site.slurm.gpu_compute)
+    except MissingGpu as exc:  # the start probe refuses such a node first; this rank says why too
+        from jobgen.runtime.records import record_failure
+
+        log.error("%s", exc)
+        record_failure(run, attempt.job_id or None, attempt.restart, ExitCode.LAUNCH_ERROR, str(exc))
+        return int(ExitCode.LAUNCH_ERROR)
     record_ranks(run, attempt, env)
     if env.is_main and attempt.job_id:
         from jobgen.runtime.records import reserve_exit_code
@@ -172,6 +180,16 @@ def record_start(run, attempt: Attempt) -> bool:
     return True
 
 
+def _gpu_words(env) -> str:
+    """This rank's GPU for its start line: the one it computes on, or would on a site whose
+    ranks compute on the CPU (slurm.gpu_compute = false)."""
+    if env.gpu is None:
+        return ""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    how = "" if env.device.type == "cuda" else ", not used: the site computes on the CPU"
+    return f", GPU {env.gpu} of CUDA_VISIBLE_DEVICES={visible}{how}"
+
+
 def record_ranks(run, attempt: Attempt, env) -> None:
     """Where each global rank runs (node, local rank), for ``jobgen logs --rank``: torchrun's
     per-rank log directories name only the node and the local rank."""
@@ -179,12 +197,16 @@ def record_ranks(run, attempt: Attempt, env) -> None:
 
     from jobgen.base.atomic import write_json_atomic
 
-    mine = {"node": os.environ.get("SLURMD_NODENAME") or "local", "local_rank": int(os.environ.get("LOCAL_RANK", 0))}
+    mine = {
+        "node": os.environ.get("SLURMD_NODENAME") or "local",
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "gpu": env.gpu,
+    }
     # One line from every rank (the others log only warnings): where each one runs, in its own log.
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     print(
         f"{stamp} trainer[{env.rank}] INFO rank {env.rank} of {env.world_size} on {mine['node']} "
-        f"(local rank {mine['local_rank']}), pid {os.getpid()}",
+        f"(local rank {mine['local_rank']}{_gpu_words(env)}), pid {os.getpid()}",
         flush=True,
     )
     if not attempt.job_id:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from jobgen.runtime.devices import rank_gpu
+
 
 class WorldSizeError(RuntimeError):
     """torchrun formed a world of another size than the spec's (its processes summed over its nodes)."""
@@ -32,15 +34,22 @@ class DistEnv:
     # Processes on this node (torchrun's LOCAL_WORLD_SIZE: job.procs_per_node, or this node's
     # entry of the list, in a batch script), which HSDP's shard groups default to.
     local_world_size: int = 1
+    # The GPU Slurm gave this rank (its node's CUDA_VISIBLE_DEVICES entry for LOCAL_RANK), which
+    # it computes on, or would where the site computes on the CPU; None without GPUs.
+    gpu: str | None = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def init_distributed(timeout_seconds: int, expected_world_size: int | None) -> DistEnv:
+def init_distributed(timeout_seconds: int, expected_world_size: int | None, *, use_gpu: bool = True) -> DistEnv:
+    """The process group, NCCL on this rank's GPU where there is one and ``use_gpu`` (the
+    site's slurm.gpu_compute), else gloo on the CPU. Raises MissingGpu when Slurm gave this
+    node fewer GPUs than its ranks."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    gpu = rank_gpu()
+    if use_gpu and torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         backend = "cpu:gloo,cuda:nccl"  # gloo for CPU-side collectives (async checkpoint staging)
@@ -50,7 +59,7 @@ def init_distributed(timeout_seconds: int, expected_world_size: int | None) -> D
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=dt.timedelta(seconds=timeout_seconds))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, local_world_size)
+    env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, local_world_size, gpu)
     mark_progress()  # the rendezvous may have waited long for the other nodes
     if expected_world_size is not None and env.world_size != expected_world_size:
         raise WorldSizeError(

@@ -4,6 +4,7 @@ slurmdbd on a MariaDB server of its own (accounting: ``sacct``).
 From the shell::
 
     jobgen cluster up --nodes 2 [--netns]     # idempotent; restarts dead daemons
+    jobgen cluster up --nodes 2 --gpus 3,1    # fake GPUs (GRES gpu) Slurm schedules
     jobgen cluster status                     # exit 1 when not up
     jobgen cluster down                       # undoes exactly what `up` did
 

@@ -1,6 +1,6 @@
 """``jobgen cluster up|down|status``: the click group the main CLI registers.
 
-    jobgen cluster up --nodes 2 --cpus-per-node 4 [--netns] [--state-dir DIR]
+    jobgen cluster up --nodes 2 --cpus-per-node 4 [--netns] [--gpus 3,1] [--state-dir DIR]
     jobgen cluster status [--json]
     jobgen cluster down
 
@@ -48,6 +48,11 @@ def cluster() -> None:
     help="RealMemory (MB) each node declares; memory is not a consumable.",
 )
 @click.option(
+    "--gpus",
+    metavar="N[,N...]",
+    help="Fake GPUs (GRES gpu) per node: one count for every node (2) or one per node (3,1).",
+)
+@click.option(
     "--netns/--no-netns",
     default=False,
     show_default=True,
@@ -62,9 +67,19 @@ def cluster() -> None:
 )
 @_state_dir_option
 def up_cmd(
-    nodes: int, cpus_per_node: int, mem_per_node_mb: int, netns: bool, timeout: float, state_dir: str | None
+    nodes: int,
+    cpus_per_node: int,
+    mem_per_node_mb: int,
+    gpus: str | None,
+    netns: bool,
+    timeout: float,
+    state_dir: str | None,
 ) -> None:
     """Start the cluster (installing slurm-wlm, munge, slurmdbd and mariadb-server if missing); idempotent."""
+    try:
+        counts = [int(n) for n in gpus.split(",")] if gpus else None
+    except ValueError:
+        raise click.BadParameter(f"{gpus!r}: GPU counts separated by commas (2, or 3,1)", param_hint="--gpus") from None
     try:
         info = up(
             nodes=nodes,
@@ -73,6 +88,7 @@ def up_cmd(
             state_dir=state_dir,
             mem_per_node_mb=mem_per_node_mb,
             timeout=timeout,
+            gpus=counts,
         )
     except ClusterError as exc:
         raise click.ClickException(str(exc)) from None
@@ -123,7 +139,7 @@ def _print_status(info: ClusterInfo) -> None:
         f"partitions:  {DEFAULT_PARTITION} (default, MaxTime {DEBUG_MAX_TIME}), short (MaxTime {SHORT_MAX_TIME})"
     )
     _print_daemons(info)
-    rows = [("NODE", "ADDR", "PORT", "CPUS", "STATE", "SLURMD")]
+    rows = [("NODE", "ADDR", "PORT", "CPUS", "GPUS", "STATE", "SLURMD")]
     for node in info.nodes:
         pid = info.daemons.get(f"slurmd:{node}")
         rows.append(
@@ -132,6 +148,7 @@ def _print_status(info: ClusterInfo) -> None:
                 info.node_addrs.get(node, "?"),
                 str(info.slurmd_ports.get(node, "?")),
                 str(info.cpus_per_node),
+                str(info.gpus.get(node, 0)),
                 info.node_states.get(node, "?"),
                 f"pid {pid}" if pid else "not running",
             )

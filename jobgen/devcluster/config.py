@@ -8,6 +8,8 @@ real core count, and timings that make failure tests finish in seconds.
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +47,19 @@ class Layout:
     @property
     def log_dir(self) -> Path:
         return self.root / "log"
+
+    @property
+    def gres_conf(self) -> Path:
+        """Read by every slurmd from slurm.conf's directory: each node's GPUs and their files."""
+        return self.root / "gres.conf"
+
+    @property
+    def gpu_dir(self) -> Path:
+        """The nodes' fake GPU device files (:func:`make_gpu_files`)."""
+        return self.root / "gpus"
+
+    def gpu_files(self, node: str, count: int) -> list[Path]:
+        return [self.gpu_dir / node / f"nvidia{i}" for i in range(count)]
 
     @property
     def run_dir(self) -> Path:
@@ -183,6 +198,7 @@ def render_slurm_conf(
     slurmdbd_port: int,
     slurmctld_port: int = SLURMCTLD_PORT,
     slurmd_ports: dict[str, int] | None = None,
+    gpus: dict[str, int] | None = None,
 ) -> str:
     """The slurm.conf text for the nodes of ``node_addrs`` (node1..nodeN for instance 0).
 
@@ -197,8 +213,14 @@ def render_slurm_conf(
     node_lines = [
         f"NodeName={name} NodeHostname={hostname} NodeAddr={addr} "
         f"Port={ports[name]} CPUs={cpus_per_node} "
-        f"RealMemory={mem_per_node_mb} State=UNKNOWN"
+        f"RealMemory={mem_per_node_mb}{_gres(name, gpus or {})} State=UNKNOWN"
         for name, addr in node_addrs.items()
+    ]
+    gres_types = [
+        "# GPUs (GRES) on the nodes that have them: gres.conf names their files; accounting counts them.",
+        "GresTypes=gpu",
+        "AccountingStorageTRES=gres/gpu",
+        "",
     ]
     return "\n".join(
         [
@@ -208,6 +230,7 @@ def render_slurm_conf(
             f"SlurmctldHost={hostname}({controller_addr})",
             f"SlurmctldPort={slurmctld_port}",
             *_SETTINGS,
+            *(gres_types if any((gpus or {}).values()) else []),
             "AccountingStorageType=accounting_storage/slurmdbd",
             f"AccountingStorageHost={controller_addr}",
             f"AccountingStoragePort={slurmdbd_port}",
@@ -226,6 +249,32 @@ def render_slurm_conf(
             "",
         ]
     )
+
+
+def _gres(node: str, gpus: dict[str, int]) -> str:
+    return f" Gres=gpu:{gpus[node]}" if gpus.get(node) else ""
+
+
+def render_gres_conf(layout: Layout, gpus: dict[str, int]) -> str:
+    """gres.conf: each node's GPUs as device files (:func:`make_gpu_files`), as Slurm's own test
+    suite fakes them. Slurm sets CUDA_VISIBLE_DEVICES from the GPUs a job step is given."""
+    lines = ["# Written by `jobgen cluster up --gpus`; fake GPUs, one device file each.", "AutoDetect=off"]
+    for node, count in gpus.items():
+        if count:
+            files = layout.gpu_files(node, count)
+            name = files[0].name if count == 1 else f"nvidia[0-{count - 1}]"
+            lines.append(f"NodeName={node} Name=gpu File={files[0].parent}/{name}")
+    return "\n".join(lines) + "\n"
+
+
+def make_gpu_files(layout: Layout, gpus: dict[str, int]) -> None:
+    """Each node's fake GPUs: character devices with /dev/null's numbers (slurmd takes a GPU's
+    file for a device, reads its major and minor, and never opens it)."""
+    for node, count in gpus.items():
+        for path in layout.gpu_files(node, count):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.exists():
+                os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
 
 
 def _file_lines(layout: Layout) -> list[str]:

@@ -35,6 +35,8 @@ from .config import (
     SLURMD_BASE_PORT,
     SLURMDBD_PORT,
     Layout,
+    make_gpu_files,
+    render_gres_conf,
     render_slurm_conf,
 )
 from .daemons import log
@@ -54,8 +56,8 @@ SYSTEM_SLURM_CONF = Path("/etc/slurm/slurm.conf")
 DEFAULT_TIMEOUT = 120.0
 # What a state dir may hold; anything else means the directory is not ours to wipe.
 OUR_ENTRIES = {
-    *("state.json", "slurm.conf", "slurmdbd.conf", ".slurmdbd.conf.tmp"),
-    *("log", "run", "slurmctld", "spool", "mariadb"),
+    *("state.json", "slurm.conf", "slurmdbd.conf", ".slurmdbd.conf.tmp", "gres.conf"),
+    *("log", "run", "slurmctld", "spool", "mariadb", "gpus"),
 }
 
 
@@ -98,10 +100,12 @@ def up(
     *,
     mem_per_node_mb: int = 4096,
     timeout: float = DEFAULT_TIMEOUT,
+    gpus: list[int] | None = None,
 ) -> ClusterInfo:
     """Start (or repair) the dev cluster and return its status once every node answers.
 
-    ``jobgen cluster up --nodes N --cpus-per-node C [--netns] [--state-dir DIR]``.
+    ``jobgen cluster up --nodes N --cpus-per-node C [--netns] [--gpus 3,1] [--state-dir DIR]``.
+    ``gpus``: fake GPUs (GRES) node by node, one count for every node or one per node.
     Same shape as a running cluster: restart dead daemons, else do nothing.
     Other shape: ClusterError (run ``down`` first).  A record whose daemons
     are all dead is torn down first.  Installs slurm-wlm, munge, slurmdbd and
@@ -111,7 +115,14 @@ def up(
     if nodes < 1 or cpus_per_node < 1 or mem_per_node_mb < 64:
         raise ClusterError("need nodes >= 1, cpus_per_node >= 1 and mem_per_node_mb >= 64")
     root = resolve_state_dir(state_dir)
-    wanted = {"nodes": nodes, "cpus_per_node": cpus_per_node, "mem_per_node_mb": mem_per_node_mb, "netns": netns}
+    per_node = gpu_counts(gpus, nodes)
+    wanted = {
+        "nodes": nodes,
+        "cpus_per_node": cpus_per_node,
+        "mem_per_node_mb": mem_per_node_mb,
+        "netns": netns,
+        "gpus": per_node,
+    }
     with global_lock():
         existing = load_state(root)
         if existing is not None:
@@ -133,11 +144,24 @@ def up(
         _check_system_conf(root)
         instance = instances.claim(root, alive=_alive)
         _check_port_free(instance.port(SLURMCTLD_PORT))
-        _fresh_up(root, instance, nodes, cpus_per_node, netns, mem_per_node_mb, timeout)
+        _fresh_up(root, instance, nodes, cpus_per_node, netns, mem_per_node_mb, timeout, per_node)
     info = status(root)
     if info is None:
         raise ClusterError(f"the dev cluster in {root} went away right after starting")
     return info
+
+
+def gpu_counts(gpus: list[int] | None, nodes: int) -> list[int]:
+    """``--gpus``, node by node: one count is every node's, else one count per node."""
+    if not gpus:
+        return [0] * nodes
+    if any(count < 0 for count in gpus):
+        raise ClusterError(f"--gpus {','.join(map(str, gpus))}: a node cannot have fewer than 0 GPUs")
+    if len(gpus) == 1:
+        return gpus * nodes
+    if len(gpus) != nodes:
+        raise ClusterError(f"--gpus {','.join(map(str, gpus))}: one count, or one per node ({nodes})")
+    return list(gpus)
 
 
 def _alive(state_dir: Path) -> bool:
@@ -148,7 +172,9 @@ def _alive(state_dir: Path) -> bool:
 
 def _describe(shape: dict[str, object]) -> str:
     mode = "netns" if shape["netns"] else "loopback"
-    return f"{shape['nodes']} nodes x {shape['cpus_per_node']} CPUs, {shape['mem_per_node_mb']} MB, {mode}"
+    gpus = shape.get("gpus") or []
+    gpu_text = f", GPUs {','.join(map(str, gpus))}" if any(gpus) else ""
+    return f"{shape['nodes']} nodes x {shape['cpus_per_node']} CPUs, {shape['mem_per_node_mb']} MB{gpu_text}, {mode}"
 
 
 def _check_system_conf(root: Path) -> None:
@@ -188,7 +214,14 @@ def _check_port_free(port: int) -> None:
 
 
 def _fresh_up(
-    root: Path, instance: instances.Instance, nodes: int, cpus: int, use_netns: bool, mem_mb: int, timeout: float
+    root: Path,
+    instance: instances.Instance,
+    nodes: int,
+    cpus: int,
+    use_netns: bool,
+    mem_mb: int,
+    timeout: float,
+    gpus: list[int],
 ) -> None:
     """A new cluster from nothing: packages, state dir, record, network, slurm.conf, daemons
     (MariaDB and slurmdbd before slurmctld, which reports every job to slurmdbd).
@@ -203,6 +236,7 @@ def _fresh_up(
     layout = Layout(root)
     layout.mkdirs(names)
     state = State(info=_new_cluster_info(layout, instance, names, net_plan, cpus, mem_mb))
+    state.info.gpus = {name: count for name, count in zip(names, gpus) if count}
     state.info.slurmdbd_port = accounting.pick_port(instance.port(SLURMDBD_PORT), "slurmdbd")
     state.info.mariadb_port = accounting.pick_port(instance.port(MARIADB_PORT), "the cluster's MariaDB")
     state.resources.apt_installed = apt_installed
@@ -333,9 +367,14 @@ def _write_slurm_conf(state: State, layout: Layout) -> None:
             slurmdbd_port=info.slurmdbd_port,
             slurmctld_port=info.slurmctld_port,
             slurmd_ports=info.slurmd_ports,
+            gpus=info.gpus,
         )
     )
     layout.slurm_conf.chmod(0o644)
+    if info.gpus:
+        make_gpu_files(layout, info.gpus)
+        layout.gres_conf.write_text(render_gres_conf(layout, info.gpus))
+        layout.gres_conf.chmod(0o644)
     if not os.path.lexists(SYSTEM_SLURM_CONF):
         SYSTEM_SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
         SYSTEM_SLURM_CONF.symlink_to(layout.slurm_conf)

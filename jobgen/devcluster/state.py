@@ -85,6 +85,8 @@ class ClusterInfo:
     instance: int = 0
     log_dir: str = ""
     created_at: float = 0.0
+    # Fake GPUs (GRES gpu) per node, `cluster up --gpus`; none on a node not named.
+    gpus: dict[str, int] = field(default_factory=dict)
     node_states: dict[str, str] = field(default_factory=dict)
     daemons: dict[str, int] = field(default_factory=dict)
 
@@ -96,6 +98,7 @@ class ClusterInfo:
             "cpus_per_node": self.cpus_per_node,
             "mem_per_node_mb": self.mem_per_node_mb,
             "netns": self.netns,
+            "gpus": [self.gpus.get(node, 0) for node in self.nodes],
         }
 
     def to_dict(self) -> dict[str, Any]:

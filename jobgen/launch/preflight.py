@@ -184,7 +184,7 @@ def _node_resource_findings(
                 f"only {len(fitting)} node(s) of partition '{name}' have that many (largest: {most})",
             )
         )
-    if slurm_site.gpus_per_node:
+    if slurm_site.gpus_per_node and not job.unequal_nodes:  # unequal nodes: _node_procs_findings
         with_gpus = [
             n for n in candidates if _gres_count(n.get("Gres", ""), slurm_site.gres_name) >= slurm_site.gpus_per_node
         ]
@@ -193,8 +193,9 @@ def _node_resource_findings(
                 Finding(
                     "error",
                     "site.slurm.gpus_per_node",
-                    f"{slurm_site.gpus_per_node} x gres '{slurm_site.gres_name}' per node "
-                    f"requested; {len(with_gpus)} node(s) of partition '{name}' have that",
+                    f"{slurm_site.gpus_per_node} x gres '{slurm_site.gres_name}' per node requested for "
+                    f"{fewest} node(s); {len(with_gpus)} node(s) of partition '{name}' have that "
+                    f"({_gpu_counts(candidates, slurm_site.gres_name)})",
                 )
             )
     usable = [n for n in candidates if not (set(n.get("State", "").split("+")) & slurm.NODE_UNUSABLE)]
@@ -232,6 +233,8 @@ def _node_procs_findings(spec: ResolvedSpec, facts: _ClusterFacts) -> list[Findi
     if not spec.run.job.unequal_nodes:
         return []
     counts = spec.node_procs
+    if spec.site.slurm.gpus_per_node:
+        return _unequal_gpu_findings(spec, facts)
     if len(facts.wanted) == len(counts):
         ordered = [name for name in facts.nodes if name in facts.wanted]
         pairs = ", ".join(f"{name} {count}" for name, count in zip(ordered, counts))
@@ -244,6 +247,33 @@ def _node_procs_findings(spec: ResolvedSpec, facts: _ClusterFacts) -> list[Findi
             "set job.nodelist to the nodes meant for them",
         )
     ]
+
+
+def _unequal_gpu_findings(spec: ResolvedSpec, facts: _ClusterFacts) -> list[Finding]:
+    """Unequal nodes on a GPU site: one request of a GPU per process (--gpus), which Slurm
+    splits over job.nodelist's nodes by what each has. Placed only where each node, in the
+    allocation's order, has exactly its entry's GPUs: with more on a node, Slurm may split the
+    request another way (3 + 1 asked of nodes with 4 and 2 may come as 2 + 2)."""
+    counts, gres = spec.node_procs, spec.site.slurm.gres_name
+    ordered = [name for name in facts.nodes if name in facts.wanted]
+    has = {name: _gres_count(facts.nodes[name].get("Gres", ""), gres) for name in ordered}
+    pairs = ", ".join(f"{name} {has[name]}" for name in ordered)
+    if len(ordered) != len(counts) or any(has[name] != count for name, count in zip(ordered, counts)):
+        return [
+            Finding(
+                "error",
+                "job.procs_per_node",
+                f"{' + '.join(map(str, counts))} processes cannot be placed one per GPU on job.nodelist "
+                f"({pairs or 'no such nodes'}, gres '{gres}', in Slurm's order): each node needs exactly its "
+                "entry's GPUs, or Slurm may split the job's --gpus another way",
+            )
+        ]
+    return [Finding("info", "job.procs_per_node", f"processes and GPUs per node, node by node: {pairs}")]
+
+
+def _gpu_counts(nodes: list[dict[str, str]], gres: str) -> str:
+    """``node1 3, node2 1``: each node's GPUs of gres ``gres``."""
+    return ", ".join(f"{n.get('NodeName', '?')} {_gres_count(n.get('Gres', ''), gres)}" for n in nodes) or "no nodes"
 
 
 def check_cluster(spec: ResolvedSpec, quarantined: list[str] = ()) -> list[Finding]:

@@ -142,10 +142,8 @@ def sbatch_directives(spec: ResolvedSpec) -> list[Trusted]:
     directives += [
         option("cpus-per-task", slurm.cpus_per_node),
     ]
-    gpus = slurm.gpus_per_node
-    if gpus:
-        gpu_request = f"--gres={slurm.gres_name}:{gpus}" if slurm.gpu_request == "gres" else f"--gpus-per-node={gpus}"
-        directives.append(sbatch_arg(gpu_request))
+    if slurm.gpus_per_node:
+        directives.append(sbatch_arg(gpu_request(spec)))
     if slurm.mem:
         directives.append(option("mem", slurm.mem))
     directives.append(option("time", format_slurm(job.time)))
@@ -181,6 +179,21 @@ def sbatch_directives(spec: ResolvedSpec) -> list[Trusted]:
     ]
     directives += [sbatch_arg(extra) for extra in slurm.extra_sbatch]
     return directives
+
+
+def gpu_request(spec: ResolvedSpec) -> str:
+    """The job's GPU request. Equal nodes: the site's GPUs on every node (--gres or
+    --gpus-per-node). Unequal nodes (job.procs_per_node as a list): one GPU per process for
+    the whole job (--gpus=N, typed as gres_name is), which Slurm splits over job.nodelist's
+    nodes by what each has: a per-node request would ask every node for the most any needs.
+    Preflight checks that the nodes leave Slurm one way to split them (measured on 22.05:
+    --gpus=4 on nodes of 3 and 1 GPUs gives each node all of its own)."""
+    slurm = spec.site.slurm
+    if spec.run.job.unequal_nodes:
+        typed = slurm.gres_name.split(":")[1:]  # "gpu:h100" -> h100
+        return f"--gpus={':'.join([*typed, str(sum(spec.node_procs))])}"
+    gpus = slurm.gpus_per_node
+    return f"--gres={slurm.gres_name}:{gpus}" if slurm.gpu_request == "gres" else f"--gpus-per-node={gpus}"
 
 
 # The batch shell's spelling of what RunDir's names take as arguments: this job, this
@@ -346,6 +359,8 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
         "probe": bool(site.health_check or slurm.gpus_per_node),
         "health_check": site.health_check,
         "probe_gpus": slurm.gpus_per_node,
+        # Where ranks compute on the GPUs, the probe also asks the driver (nvidia-smi) what it sees.
+        "probe_driver": slurm.computes_on_gpu,
         "probe_timeout_seconds": PROBE_TIMEOUT_SECONDS,
         # How Slurm records each code (jobgen.base.exit_codes): planned stops exit 0 (COMPLETED).
         "planned_exit_codes": Trusted(" ".join(str(int(code)) for code in ExitCode if code.planned)),

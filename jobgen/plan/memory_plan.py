@@ -309,7 +309,7 @@ def inputs_for(spec: Any, model_info: ModelInfo | None = None) -> PlanInputs:
     except GlobalBatchError:  # the loader refuses such a spec; plan with the key as written
         grad_accum = train.grad_accum
     return PlanInputs(
-        device="cuda" if spec.site.slurm.gpus_per_node > 0 else "cpu",
+        device="cuda" if spec.site.slurm.computes_on_gpu else "cpu",
         dtype=model.dtype,
         parallelism=train.parallelism,
         world_size=spec.world_size,
@@ -318,7 +318,7 @@ def inputs_for(spec: Any, model_info: ModelInfo | None = None) -> PlanInputs:
         micro_batch_size=train.micro_batch_size,
         seq_len=share_of_row(data.max_length, train.context_parallel),
         context_parallel=train.context_parallel,
-        attn_implementation=_attention(model.attention, spec.site.slurm.gpus_per_node > 0, data.packing, model_info),
+        attn_implementation=_attention(model.attention, spec.site.slurm.computes_on_gpu, data.packing, model_info),
         grad_accum=grad_accum,
         optimizer=train.optimizer,
         gradient_checkpointing=model.gradient_checkpointing,
@@ -385,7 +385,7 @@ def budget_for(spec: Any) -> tuple[int | None, str]:
     if given:
         return parse_size(given), f"slurm.device_memory = {given}"
     per_node = _node_memory(slurm.mem)
-    if slurm.gpus_per_node == 0 and per_node:
+    if not slurm.computes_on_gpu and per_node:
         # With unequal nodes, the node with the most processes has the least memory for each.
         most = "the most on one node" if spec.run.job.unequal_nodes else "per node"
         return per_node // max(1, spec.procs_per_node), f"slurm.mem {slurm.mem} / {spec.procs_per_node} {most}"
@@ -421,7 +421,7 @@ def plan_run(spec: Any) -> MemoryPlan:
     (ModelFileError) and a local model whose size cannot be worked out (UnsizedModel) raise,
     for the caller to report as it sees fit."""
     run = spec.run
-    device = "cuda" if spec.site.slurm.gpus_per_node > 0 else "cpu"
+    device = "cuda" if spec.site.slurm.computes_on_gpu else "cpu"
     path = run.model.path if run.model else ""
     plan = MemoryPlan(model_path=path, device=device, world_size=spec.world_size)
     if run.model is None or run.data is None:

@@ -29,6 +29,7 @@ from jobgen.base.atomic import write_json_atomic
 from jobgen.base.exit_codes import ExitCode
 from jobgen.launch.command_plan import CommandPlan, PlanError, read_plan
 from jobgen.runs.rundir import RunDir
+from jobgen.runtime.devices import MissingGpu, rank_gpu
 from jobgen.runtime.records import record_failure
 
 
@@ -62,6 +63,11 @@ def record_rank_identity(run: RunDir, job_id: str, restart: int, environ: Mappin
     node = env.get("SLURMD_NODENAME") or "local"
     path = run.rank_identity(job_id, node, restart, env.get("LOCAL_RANK", "0"))
     record = {"rank": int(env.get("RANK") or 0), "group_rank": int(env.get("GROUP_RANK") or 0)}
+    try:
+        record["gpu"] = rank_gpu(env)  # the program picks cuda:LOCAL_RANK of the node's list
+    except MissingGpu as exc:
+        record["gpu"] = None
+        print(f"jobgen: {exc}", file=sys.stderr)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, record)

@@ -434,8 +434,39 @@ def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIs
         if ppn is not None and ppn > cpus:
             message = f"{ppn} processes per node but only {cpus} CPUs per node (site slurm.cpus_per_node)"
             issues.append(SpecIssue(run_label, "job.procs_per_node" + index, message))
+    if gpus and run.job.unequal_nodes:
+        issues.extend(_check_unequal_gpu_nodes(run, site, run_label))
     if run.job.kind.trains:
         issues.extend(_check_world_sizes(run, site, run_label))
+    return issues
+
+
+def _check_unequal_gpu_nodes(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:
+    """Unequal nodes on a GPU site ask for one GPU per process in all (--gpus), which Slurm
+    splits over the nodes by what each has: only nodes named in job.nodelist, with exactly
+    their entry's GPUs, leave it one way to split them (preflight compares the counts)."""
+    counts = run.job.node_procs(site.slurm.default_procs_per_node)
+    issues = []
+    if not run.job.nodelist:
+        issues.append(
+            SpecIssue(
+                run_label,
+                "job.nodelist",
+                f"job.procs_per_node {list(counts)} on a GPU site needs the {len(counts)} nodes named (job.nodelist), "
+                f"in the order of the entries: one request of {sum(counts)} GPUs (--gpus) is split by Slurm over "
+                "whichever nodes it picks, and only nodes with exactly "
+                f"{' and '.join(map(str, counts))} GPUs leave it one way to split them",
+            )
+        )
+    if site.slurm.gres_name.split(":")[0] != "gpu":
+        issues.append(
+            SpecIssue(
+                run_label,
+                "site.slurm.gres_name",
+                f"job.procs_per_node {list(counts)} asks for GPUs with --gpus, which counts gres 'gpu' only, "
+                f"not '{site.slurm.gres_name}'",
+            )
+        )
     return issues
 
 
@@ -445,12 +476,13 @@ def _check_world_sizes(run: RunSpec, site: SiteProfile, run_label: str) -> list[
     train = run.train
     default_ppn = site.slurm.default_procs_per_node
     issues: list[SpecIssue] = []
-    if train.cpu_offload and not site.slurm.gpus_per_node:
+    if train.cpu_offload and not site.slurm.computes_on_gpu:
         issues.append(
             SpecIssue(
                 run_label,
                 "train.cpu_offload",
-                f"site '{site.name}' has no GPUs (slurm.gpus_per_node): on CPU the states are in host memory "
+                f"site '{site.name}' computes on no GPU (slurm.gpus_per_node, slurm.gpu_compute): on CPU the states "
+                "are in host memory "
                 "already, and FSDP's CPU offload would only add copies",
             )
         )

@@ -127,10 +127,23 @@ def test_preflight_refuses_before_queueing(cluster, tmp_path: Path, case: str):
     assert not (tmp_path / "runs" / "pre").exists()
 
 
-def test_preflight_refuses_gres_the_cluster_lacks(cluster, tmp_path: Path):
-    spec = doctor_spec(tmp_path, "gpus", site={"profile": "local", "slurm": {"gpus_per_node": 2}}, procs_per_node=2)
-    proc = jobgen("submit", str(spec))
-    assert proc.returncode == 2 and "site.slurm.gpus_per_node: 2 x gres 'gpu' per node" in proc.stderr
+def test_preflight_refuses_gpus_the_cluster_lacks_naming_each_nodes(cluster, tmp_path: Path):
+    """The dev cluster's nodes have 3, 1 and 2 GPUs: 4 per node are nowhere, and 3 + 1 processes
+    on the nodes of 3 and 2 GPUs could be split 2 + 2 by Slurm. Both are refused before anything
+    is queued, with each node's count."""
+    site = {"profile": "local-gpu", "slurm": {"gpus_per_node": 4}}
+    proc = jobgen("submit", str(doctor_spec(tmp_path, "gpus", site=site, procs_per_node=1, nodes=2)))
+    counts = f"{node(1)} 3, {node(2)} 1, {node(3)} 2"
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "site.slurm.gpus_per_node: 4 x gres 'gpu' per node requested for 2 node(s)" in proc.stderr
+    assert f"0 node(s) of partition 'debug' have that ({counts})" in proc.stderr, proc.stderr
+    site = {"profile": "local-gpu", "slurm": {"gpus_per_node": 3, "cpus_per_node": 4}}
+    unequal = doctor_spec(tmp_path, "gpus-uneq", site=site, nodes=2, procs_per_node=[3, 1], nodelist=[node(1), node(3)])
+    proc = jobgen("submit", str(unequal))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"3 + 1 processes cannot be placed one per GPU on job.nodelist ({node(1)} 3, {node(3)} 2" in proc.stderr
+    assert not (tmp_path / "runs" / "gpus").exists() and not (tmp_path / "runs" / "gpus-uneq").exists()
+    assert not slurm.jobs_named("gpus") and not slurm.jobs_named("gpus-uneq")
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,10 @@
-"""Unequal processes per node on the dev cluster (``job.procs_per_node = [3, 1]``): one
-allocation of 2 nodes, each node's torchrun started with its own count, 4 ranks numbered node
-by node (ranks 0-2 on the first node of the allocation, 3 on the second, as the rank logs and
-the rank map say), DDP with each rank its own data shard.
+"""Unequal machines on the dev cluster (``job.procs_per_node = [3, 1]``) as a GPU site sees
+them: nodes with 3 and 1 fake GPUs (``cluster up --gpus 3,1,2``, site ``local-gpu``), one
+allocation of 2 nodes asking for 4 GPUs in all (``--gpus=4``), which Slurm splits 3 + 1; each
+node's torchrun started with its own count, 4 ranks numbered node by node (ranks 0-2 on the
+first node of the allocation, 3 on the second, as the rank logs and the rank map say), each
+rank on its own GPU of its node's CUDA_VISIBLE_DEVICES (recorded: the ranks compute on the
+CPU), DDP with each rank its own data shard.
 
 The run is stopped by Slurm's lead-time signal (sent by hand, as a time limit sends it) after
 step 4; its next array task resumes from the checkpoint and finishes, and both tasks end
@@ -28,25 +31,29 @@ from helpers import (
     wait_for,
 )
 from helpers import status as run_status
+from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 MAX_STEPS = 12
 STOP_AFTER = 4
-# The dev cluster's nodes have 4 CPUs: enough for 3 processes (the local profile asks for 2).
-SITE = {"profile": "local", "slurm": {"cpus_per_node": 4}}
+# The dev cluster's nodes have 4 CPUs: enough for 3 processes (the local profiles ask for 2),
+# and 3, 1 and 2 fake GPUs. The reference computes alike without asking for GPUs.
+SITE = {"profile": "local-gpu", "slurm": {"cpus_per_node": 4, "gpus_per_node": 3}}
+REFERENCE_SITE = {"profile": "local", "slurm": {"cpus_per_node": 4}}
 TRAIN = {"parallelism": "ddp", "micro_batch_size": 2, "max_steps": MAX_STEPS}
-# "trainer[3] INFO rank 3 of 4 on node2 (local rank 0), pid 123": each rank's first line.
-RANK_LINE = re.compile(r"trainer\[(\d+)\] INFO rank \d+ of (\d+) on (\S+) \(local rank (\d+)\)")
+# "trainer[3] INFO rank 3 of 4 on node2 (local rank 0, GPU 0 of CUDA_VISIBLE_DEVICES=0, not used:
+# the site computes on the CPU), pid 123": each rank's first line.
+RANK_LINE = re.compile(r"trainer\[(\d+)\] INFO rank \d+ of (\d+) on (\S+) \(local rank (\d+), GPU (\d+) of ")
 
 
-def rank_places(run: Path, job_id: int) -> dict[int, tuple[str, int]]:
-    """Global rank -> (node, local rank), from the rank logs of one task."""
+def rank_places(run: Path, job_id: int) -> dict[int, tuple[str, int, str]]:
+    """Global rank -> (node, local rank, GPU), from the rank logs of one task."""
     places = {}
     for log in (run / "logs" / "ranks" / str(job_id)).rglob("*.log"):
-        for rank, world, host, local in RANK_LINE.findall(log.read_text(errors="replace")):
+        for rank, world, host, local, gpu in RANK_LINE.findall(log.read_text(errors="replace")):
             assert world == "4", log
-            places[int(rank)] = (host, int(local))
+            places[int(rank)] = (host, int(local), gpu)
     return places
 
 
@@ -56,20 +63,23 @@ def test_three_and_one_processes_train_resume_exactly_and_complete(cluster, clus
         "uneq", nodes=2, procs_per_node=[3, 1], array=2, site=SITE, job={"nodelist": [node_range(1, 2)]}, **TRAIN
     )
     job = submit(run.spec)
-    reference = cluster_run("uneq-ref", procs_per_node=4, site=SITE, job={"nodelist": [node(3)]}, **TRAIN)
+    reference = cluster_run("uneq-ref", procs_per_node=4, site=REFERENCE_SITE, job={"nodelist": [node(3)]}, **TRAIN)
     submit(reference.spec)
 
     first = stopped_at_lead_time_then_finished(run.path, job, STOP_AFTER, MAX_STEPS)
     wait_for(lambda: (reference.path / "done").exists(), 300, "the uninterrupted run to finish")
 
-    # Ranks 0-2 on the first node of the allocation, 3 on the second, in both tasks.
+    # Ranks 0-2 on the first node of the allocation, 3 on the second, in both tasks, each on a GPU of its own.
     tasks = run_status(run.path)["tasks"]
     assert [t["state"] for t in tasks] == ["COMPLETED", "COMPLETED"], tasks
-    expected = {0: (node(1), 0), 1: (node(1), 1), 2: (node(1), 2), 3: (node(2), 0)}
+    expected = {0: (node(1), 0, "0"), 1: (node(1), 1, "1"), 2: (node(1), 2, "2"), 3: (node(2), 0, "0")}
     for entry in tasks:
         assert rank_places(run.path, entry["job_id"]) == expected, entry
         rank_map = json.loads((run.path / "logs" / "ranks" / str(entry["job_id"]) / "ranks.0.json").read_text())
-        assert {int(r): (v["node"], v["local_rank"]) for r, v in rank_map.items()} == expected
+        assert {int(r): (v["node"], v["local_rank"], v["gpu"]) for r, v in rank_map.items()} == expected
+        # Slurm gave the job the 4 GPUs, 3 on the first node and 1 on the second.
+        (record,) = slurm.show_job(int(entry["job_id"]))
+        assert "gres/gpu=4" in record.get("AllocTRES", ""), record
 
     # Resumed exactly: the second task starts where the first saved, nothing redone, and every
     # step's loss is the uninterrupted run's.

@@ -4,6 +4,8 @@ clusters themselves run in tests/cluster/test_devcluster.py, beside the session'
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,47 @@ def test_slurm_conf_names_the_instances_ports_and_nodes(tmp_path: Path):
     assert f"SlurmctldPort={SLURMCTLD_PORT + 20}" in text
     assert f"NodeName=node101 NodeHostname=host NodeAddr=127.0.0.1 Port={SLURMD_BASE_PORT + 20} " in text
     assert "PartitionName=debug Nodes=node101,node102 " in text
+
+
+def test_fake_gpus_are_gres_with_a_device_file_each(tmp_path: Path):
+    """`cluster up --gpus 3,0,1`: GRES gpu on the nodes that have GPUs, gres.conf naming one
+    character device per GPU (slurmd reads its numbers); a cluster without GPUs has none of it."""
+    from jobgen.devcluster.config import make_gpu_files, render_gres_conf
+    from jobgen.devcluster.lifecycle import gpu_counts
+    from jobgen.devcluster.state import ClusterError
+
+    names = Instance(0).node_names(3)
+    gpus = dict(zip(names, gpu_counts([3, 0, 1], 3)))
+    layout = Layout(tmp_path)
+
+    def conf(gpus: dict[str, int]) -> str:
+        return render_slurm_conf(
+            layout=layout,
+            hostname="host",
+            controller_addr="10.0.0.1",
+            node_addrs={n: "127.0.0.1" for n in names},
+            cpus_per_node=4,
+            mem_per_node_mb=1024,
+            slurmdbd_port=16839,
+            gpus=gpus,
+        )
+
+    text = conf(gpus)
+    assert "GresTypes=gpu" in text and "AccountingStorageTRES=gres/gpu" in text
+    assert "RealMemory=1024 Gres=gpu:3 State" in text and "RealMemory=1024 Gres=gpu:1 State" in text
+    assert text.count("Gres=gpu") == 2  # node2 has none
+    assert "Gres" not in conf({}) and "GresTypes" not in conf({n: 0 for n in names})
+    assert render_gres_conf(layout, gpus).splitlines()[1:] == [
+        "AutoDetect=off",
+        f"NodeName=node1 Name=gpu File={tmp_path}/gpus/node1/nvidia[0-2]",
+        f"NodeName=node3 Name=gpu File={tmp_path}/gpus/node3/nvidia0",
+    ]
+    if os.geteuid() == 0:  # mknod of a character device needs root, as `cluster up` has
+        make_gpu_files(layout, gpus)
+        files = sorted(p.name for p in (tmp_path / "gpus" / "node1").iterdir())
+        assert files == ["nvidia0", "nvidia1", "nvidia2"]
+        assert stat.S_ISCHR((tmp_path / "gpus" / "node3" / "nvidia0").stat().st_mode)
+    assert gpu_counts([2], 3) == [2, 2, 2] and gpu_counts(None, 2) == [0, 0]
+    for bad in ([1, 2], [-1]):
+        with pytest.raises(ClusterError, match="--gpus"):
+            gpu_counts(bad, 3)

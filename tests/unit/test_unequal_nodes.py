@@ -77,7 +77,7 @@ def test_a_list_that_does_not_fit_is_refused_naming_the_key(tmp_path, job, key, 
 
 def test_an_entry_above_the_sites_gpus_is_named_by_its_index(tmp_path):
     site = {"profile": "local", "slurm": {"cpus_per_node": 8, "gpus_per_node": 2}}
-    issues = spec_issues(spec(tmp_path, job={"procs_per_node": [2, 3]}, site=site))
+    issues = spec_issues(spec(tmp_path, job={"procs_per_node": [2, 3], "nodelist": ["n1", "n2"]}, site=site))
     assert issues == {"job.procs_per_node[1]": "3 processes per node but the site has 2 GPUs per node"}
 
 
@@ -179,7 +179,7 @@ def test_each_node_runs_torchrun_with_its_own_count(tmp_path, node_id, nproc, th
 def test_the_node_scripts_pass_shellcheck(tmp_path):
     """shellcheck sees a here-document as text: the node and probe scripts are checked alone."""
     site = {"profile": "local", "slurm": {"cpus_per_node": 4, "gpus_per_node": 4}}
-    text = render(load_run(spec(tmp_path, site=site)))
+    text = render(load_run(spec(tmp_path, site=site, job={"nodelist": ["n1", "n2"]})))
     for delimiter in ("NODE", "PROBE"):
         check_shell("#!/bin/bash\nipv4_on() { :; }\n" + heredoc(text, delimiter) + "\n", tmp_path, f"{delimiter}.sh")
     assert "NPROC=${NODE_PROCS[$SLURM_NODEID]}" in heredoc(text, "PROBE")

@@ -137,7 +137,7 @@ def configure(spec) -> str:
     if os.environ.get(ENV_OVERRIDE):
         return f"{ENV_OVERRIDE} is set in the environment: glibc's threshold left as configured"
     setting = spec.run.train.host_allocator
-    on_gpu = spec.site.slurm.gpus_per_node > 0
+    on_gpu = spec.site.slurm.computes_on_gpu
     peak = per_process = None
     if setting == "auto" and not on_gpu:
         from jobgen.plan.memory_plan import plan_run

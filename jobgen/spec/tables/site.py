@@ -101,6 +101,15 @@ class SlurmSettings(SpecModel):
         "gpu",
         description="Gres name, optionally typed, e.g. 'gpu' or 'gpu:h100'.",
     )
+    gpu_compute: bool = Field(
+        True,
+        description=(
+            "Whether ranks compute on the GPUs Slurm gives them. false: Slurm schedules the GPUs as on a GPU "
+            "site (the request, CUDA_VISIBLE_DEVICES, the start probe's count) while the ranks compute on the "
+            "CPU over gloo and record the GPU each would have used; the dev cluster's fake GPUs "
+            "(`jobgen cluster up --gpus`, site 'local-gpu')."
+        ),
+    )
     cpus_per_node: int = Field(2, ge=1, le=1024, description="CPUs for the one task per node (--cpus-per-task).")
     mem: SlurmMemory | None = Field(
         None, description="Memory per node (--mem): '0' for all of it, or e.g. '480G'. Empty to omit."
@@ -123,6 +132,11 @@ class SlurmSettings(SpecModel):
             "['--gpu-bind=none', '--comment=my run']; values are passed verbatim (quoted for sbatch)."
         ),
     )
+
+    @property
+    def computes_on_gpu(self) -> bool:
+        """Whether the ranks compute on GPUs (NCCL, CUDA memory): GPUs asked for and used."""
+        return self.gpus_per_node > 0 and self.gpu_compute
 
     @property
     def default_procs_per_node(self) -> int:
