@@ -254,6 +254,8 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         "cpus_per_task": slurm.cpus_per_node,
         "omp_threads": _omp_threads(spec, procs),
         "gpus_per_node": slurm.gpus_per_node,
+        # GPUs asked for the whole job (--gpus, unequal nodes: gpu_request), not per node.
+        "job_wide_gpus": bool(slurm.gpus_per_node) and unequal,
         "time_seconds": job.time,
         "exit_grace_seconds": job.exit_grace,
         # On SIGTERM torchrun's agent gives its workers this long to save before SIGKILL
