@@ -32,6 +32,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from jobgen.base.atomic import write_json_atomic
 from jobgen.base.exit_codes import ExitCode
+from jobgen.model.pipeline_split import NodeMemory
 from jobgen.runs.rundir import RunDir
 from jobgen.runtime.stopping import Action, StopMonitor
 from jobgen.spec.global_batch import BatchShape, check_resume, shape_for
@@ -106,7 +107,10 @@ class Trainer:
         model_spec, data_spec, env = self.spec.run.model, self.spec.run.data, self.env
         assert model_spec is not None and data_spec is not None
         context = context_parallel_for(self.cfg, env)  # train.context_parallel's group, or None
-        model = build_model(model_spec, self.cfg, env, packing=data_spec.packing, context=context)
+        job = self.spec.run.job
+        memory = job.node_memory()
+        nodes = NodeMemory(self.spec.node_procs, memory) if memory else None
+        model = build_model(model_spec, self.cfg, env, packing=data_spec.packing, context=context, nodes=nodes)
         target_only = self.cfg.target_logits_only and context is None  # shares keep every position
         return StepParts(
             model=model,

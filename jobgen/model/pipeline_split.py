@@ -18,8 +18,12 @@ trainer (trainer/parallel/pipeline.py) read the same rules.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from jobgen.model.mesh import Mesh
 
 STAGES_KEY = "train.pipeline.stages"
 LAYERS_KEY = "train.pipeline.layers_per_stage"
@@ -134,6 +138,34 @@ def stage_indices(schedule_name: str, pp_rank: int, pp_size: int, stages: int) -
     if chosen.placement == "v":
         return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return list(range(pp_rank, stages, pp_size))
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """job.device_memory with each node's ranks, node by node: what :func:`stage_capacities` reads."""
+
+    node_procs: tuple[int, ...]
+    memory: tuple[int, ...]  # bytes
+
+
+def stage_capacities(mesh: Mesh, schedule_name: str, stages: int, nodes: NodeMemory) -> list[float]:
+    """Each stage's share of device memory, for :func:`stage_layers`' ``capacities``: the least
+    memory among the ranks that hold it (a position's replicas all hold its stages), each rank's
+    that of its node (ranks numbered node by node), relative to the largest. The trainer's split
+    and ``jobgen plan``'s both come from here."""
+    rank_memory = [memory for procs, memory in zip(nodes.node_procs, nodes.memory) for _ in range(procs)]
+    if len(rank_memory) != mesh.world:
+        raise PipelineSplitError(
+            f"device memory for {len(rank_memory)} ranks (job.device_memory over job.procs_per_node), "
+            f"the world is {mesh.world}"
+        )
+    least = [math.inf] * stages
+    for rank, memory in enumerate(rank_memory):
+        position, _ = mesh.position(rank)
+        for stage in stage_indices(schedule_name, position, mesh.pp, stages):
+            least[stage] = min(least[stage], memory)
+    largest = max(least)
+    return [memory / largest for memory in least]
 
 
 def stage_layers(

@@ -49,6 +49,8 @@ class PlanInputs:
     nodes: int = 1
     # job.procs_per_node as a list: each node's ranks; empty: world_size / nodes on each.
     node_procs: tuple[int, ...] = ()
+    # job.device_memory in bytes, node by node; empty: the site's device_memory on every node.
+    node_memory: tuple[int, ...] = ()
     micro_batch_size: int = 1
     seq_len: int = 1024
     grad_accum: int = 1
@@ -84,6 +86,11 @@ class PlanInputs:
     def ranks_per_node(self) -> int:
         """The most ranks on one node: the node whose host memory fills first."""
         return max(self.node_procs) if self.node_procs else max(1, self.world_size // max(1, self.nodes))
+
+    @property
+    def procs_of_nodes(self) -> tuple[int, ...]:
+        """Each node's ranks, node by node: the list, else world_size / nodes on each."""
+        return self.node_procs or (self.world_size // max(1, self.nodes),) * self.nodes
 
     @property
     def strategy(self) -> Parallelism:

@@ -22,15 +22,22 @@ from pathlib import Path
 from typing import Any
 
 from jobgen.base.safe_read import DamagedFile, read_json
-from jobgen.base.sizes import MIB, format_bytes, parse_size
+from jobgen.base.sizes import MIB, format_bytes
 from jobgen.model.files import ModelFileError, ModelInfo, PlanError, UnsizedModel, read_model
 from jobgen.model.lora_targets import adapted, weight_modules
 from jobgen.model.parallelism import STRATEGIES
+from jobgen.plan.budget import budget_for, host_budget_for, tightest_position
 from jobgen.plan.context_parallel import share_of_row
 from jobgen.plan.estimate import FRAGMENTATION_MARGIN, headroom, host_bytes_per_node
 from jobgen.plan.inputs import PipelineInputs, PlanInputs
 from jobgen.plan.nccl import settings_from
-from jobgen.plan.pipeline import Layout, PipelineEstimate, PipelineLayoutError, PositionEstimate, estimate_run
+from jobgen.plan.pipeline import (
+    Layout,
+    PipelineEstimate,
+    PipelineLayoutError,
+    PositionEstimate,
+    estimate_run,
+)
 from jobgen.plan.suggestions import (
     TIGHT_FRACTION,
     Budgets,
@@ -78,6 +85,10 @@ class MemoryPlan:
     host_budget_source: str = ""
     pipeline: Layout | None = None  # a pipeline's layout, and each position's estimate
     positions: list[PositionEstimate] = field(default_factory=list)
+    # job.device_memory: each position's budget (its nodes' least) and the tightest position,
+    # whose figures and budget the verdict is about; None otherwise (the busiest's figures).
+    position_budgets: list[int] | None = None
+    tightest: int | None = None
     network_suggestions: list[Suggestion] = field(default_factory=list)  # Ethernet: a pipeline, whatever the verdict
 
     @property
@@ -161,8 +172,13 @@ class MemoryPlan:
         busiest = max(self.positions, key=lambda p: p.estimate.peak).position
         lines = ["per pipeline position (peak; what it holds):"]
         for p in self.positions:
-            mark = "  <- the busiest: the figures above" if p.position == busiest else ""
-            lines.append(f"  {p.line(self.pipeline.pieces)}{mark}")
+            if self.tightest is not None and self.position_budgets is not None:
+                share = p.estimate.peak / max(1, self.position_budgets[p.position])
+                budget = f" [{share:.0%} of its nodes' {format_bytes(self.position_budgets[p.position])}]"
+                mark = "  <- the tightest: the figures above" if p.position == self.tightest else ""
+            else:
+                budget, mark = "", "  <- the busiest: the figures above" if p.position == busiest else ""
+            lines.append(f"  {p.line(self.pipeline.pieces)}{budget}{mark}")
         return lines
 
     def _network_lines(self) -> list[str]:
@@ -315,6 +331,7 @@ def inputs_for(spec: Any, model_info: ModelInfo | None = None) -> PlanInputs:
         world_size=spec.world_size,
         nodes=run.job.nodes,
         node_procs=spec.node_procs if run.job.unequal_nodes else (),
+        node_memory=run.job.node_memory() or (),
         micro_batch_size=train.micro_batch_size,
         seq_len=share_of_row(data.max_length, train.context_parallel),
         context_parallel=train.context_parallel,
@@ -370,39 +387,6 @@ def job_environment(spec: Any) -> dict[str, str]:
     return {**spec.site.env, **spec.site.network.env, **spec.run.env}
 
 
-def _node_memory(mem: str | None) -> int | None:
-    """Bytes of a Slurm --mem (MiB without a unit); None for unset or '0' (a whole node)."""
-    if not mem or mem == "0":
-        return None
-    return parse_size(mem if mem[-1].isalpha() else mem + "M")
-
-
-def budget_for(spec: Any) -> tuple[int | None, str]:
-    """Memory one rank may use: site slurm.device_memory, else on CPU sites slurm.mem divided
-    by the processes per node; (None, why) when neither says."""
-    slurm = spec.site.slurm
-    given = getattr(slurm, "device_memory", None)
-    if given:
-        return parse_size(given), f"slurm.device_memory = {given}"
-    per_node = _node_memory(slurm.mem)
-    if not slurm.computes_on_gpu and per_node:
-        # With unequal nodes, the node with the most processes has the least memory for each.
-        most = "the most on one node" if spec.run.job.unequal_nodes else "per node"
-        return per_node // max(1, spec.procs_per_node), f"slurm.mem {slurm.mem} / {spec.procs_per_node} {most}"
-    return None, "no slurm.device_memory in the site"
-
-
-def host_budget_for(spec: Any) -> tuple[int | None, str]:
-    """A node's host memory, for what a GPU run pins there: site slurm.mem; (None, why) when
-    the job takes a whole node ('0') or the site does not say."""
-    mem = spec.site.slurm.mem
-    per_node = _node_memory(mem)
-    if per_node:
-        return per_node, f"slurm.mem = {mem}"
-    what = "slurm.mem = 0 (a whole node, of a size the site does not say)" if mem == "0" else "no slurm.mem"
-    return None, f"{what}: check that the nodes have it"
-
-
 def read_measured(run_dir: Path) -> dict[str, Any] | None:
     """The peaks a run measured (metrics.json's ``memory_peaks``), or None when there are none
     that can be read: they are shown beside the plan, never needed by it. Read as any file of
@@ -453,6 +437,13 @@ def plan_run(spec: Any) -> MemoryPlan:
     plan.host_per_node = host_bytes_per_node(est, inputs)
     plan.host_budget, plan.host_budget_source = host_budget_for(spec)
     plan.budget, plan.budget_source = budget_for(spec)
+    tightest = tightest_position(plan.positions, inputs)
+    if tightest is not None:  # job.device_memory: the verdict is the tightest position's
+        position, plan.position_budgets = tightest
+        plan.tightest, chosen = position.position, position.estimate
+        plan.components, plan.phases, plan.peak = chosen.components, chosen.phases, chosen.peak
+        plan.budget = plan.position_budgets[position.position]
+        plan.budget_source = f"job.device_memory: pipeline position {position.position}'s nodes, the tightest"
     plan.measured = read_measured(spec.run_dir)
     budgets = Budgets(plan.budget, plan.host_budget) if plan.budget is not None else None
     # What the run has on that a parallelism may refuse, [eval] among them, which the inputs

@@ -61,7 +61,13 @@ from jobgen.base.sizes import format_bytes
 from jobgen.model.files import _LAYER as BLOCK_NAME
 from jobgen.model.files import ModelInfo
 from jobgen.model.parallelism import STRATEGIES
-from jobgen.model.pipeline_split import PipelineSplitError, stage_indices, stage_layers
+from jobgen.model.pipeline_split import (
+    NodeMemory,
+    PipelineSplitError,
+    stage_capacities,
+    stage_indices,
+    stage_layers,
+)
 from jobgen.plan.context_parallel import with_context_parallel
 from jobgen.plan.estimate import (
     LOAD_TRANSIENT,
@@ -212,7 +218,18 @@ def layout_of(model: ModelInfo, inputs: PlanInputs) -> Layout:
     embed, head = embed_and_head_weights(model)
     try:
         layers = settings["layers_per_stage"]
-        ranges = stage_layers(model.num_layers, stages, layers_per_stage=layers, embed_weight=embed, head_weight=head)
+        capacities = None
+        if inputs.node_memory and layers is None:  # the trainer's split, from the same numbers
+            nodes = NodeMemory(inputs.procs_of_nodes, inputs.node_memory)
+            capacities = stage_capacities(mesh, spec.schedule, stages, nodes)
+        ranges = stage_layers(
+            model.num_layers,
+            stages,
+            layers_per_stage=layers,
+            embed_weight=embed,
+            head_weight=head,
+            capacities=capacities,
+        )
     except PipelineSplitError as exc:
         raise PipelineLayoutError(str(exc)) from None
     micro = spec.microbatch_count(inputs.micro_batch_size)
@@ -226,6 +243,17 @@ def layout_of(model: ModelInfo, inputs: PlanInputs) -> Layout:
         rows=inputs.micro_batch_size // micro,
         ranges=tuple(ranges),
     )
+
+
+def position_budgets(inputs: PlanInputs) -> list[int] | None:
+    """Each pipeline position's device memory with job.device_memory: the least among its
+    ranks' nodes (its replicas hold the same stages); None without per-node memory."""
+    if not inputs.node_memory:
+        return None
+    mesh = inputs.mesh
+    rank_memory = [m for procs, m in zip(inputs.procs_of_nodes, inputs.node_memory) for _ in range(procs)]
+    budgets = [min(rank_memory[p * mesh.dp : (p + 1) * mesh.dp]) for p in range(mesh.pp)]
+    return budgets if len(rank_memory) == mesh.world else None
 
 
 def pipeline_problem(model: ModelInfo, inputs: PlanInputs, held: frozenset[str] = frozenset()) -> str | None:

@@ -275,3 +275,58 @@ def test_a_pipeline_that_does_not_fit_is_offered_only_what_a_pipeline_runs(tmp_p
     assert not [c for c in changes if any(key in c for key in refused)], changes
     assert all("(without [train.pipeline])" in c for c in changes if "fsdp" in c), changes
     assert plan.network_suggestions == []  # already a pipeline
+
+
+# --------------------------------------------------------------------------- unequal cards
+
+
+def unequal_cards(tmp_path: Path, memory: list[str], **job) -> Path:
+    """A pipeline of 2 positions over 2 GPU nodes of one rank each whose cards differ."""
+    return run_spec(
+        tmp_path,
+        "cards",
+        site={"profile": "h100-ib", "slurm": {"gpus_per_node": 1}},
+        job={"time": "1h", "runs_root": str(tmp_path / "runs"), "nodes": 2, "procs_per_node": 1,
+             "device_memory": memory, **job},
+        model={"path": fake_model(tmp_path / "m")},
+        data={"path": DATA, "max_length": 512},
+        train={"micro_batch_size": 4, "parallelism": "pipeline", "pipeline": {"size": 2}},
+    )  # fmt: skip
+
+
+def test_a_larger_card_gets_more_blocks_in_the_plan_and_the_trainer_alike(tmp_path: Path, model: ModelInfo):
+    """24 and 80 GB cards: the 80 GB node's stage takes more of the 24 blocks, the plan's split
+    is the one the trainer computes (the same stage_capacities and stage_layers), and the
+    verdict is about the tightest position against its own card."""
+    from jobgen.model.pipeline_split import NodeMemory, stage_capacities
+
+    spec = load_run(unequal_cards(tmp_path / "a", ["24GB", "80GB"]))
+    plan = plan_run(spec)
+    first, last = (p.blocks[0] for p in plan.positions)
+    assert len(last) > 2 * len(first), (first, last)
+    # The trainer's split (trainer/parallel/pipeline_steps.py): its mesh, the nodes' memory, its weights.
+    train = spec.run.train
+    capacities = stage_capacities(
+        train.mesh(2, 1), train.pipeline.schedule, 2, NodeMemory(spec.node_procs, spec.run.job.node_memory())
+    )
+    assert capacities == pytest.approx([0.3, 1.0])
+    embed, head = embed_and_head_weights(model)
+    assert [first, last] == stage_layers(24, 2, embed_weight=embed, head_weight=head, capacities=capacities)
+    assert plan.position_budgets == [24 * 10**9, 80 * 10**9] and plan.tightest is not None
+    chosen = plan.positions[plan.tightest]
+    assert plan.peak == chosen.estimate.peak and plan.budget == plan.position_budgets[plan.tightest]
+    assert "<- the tightest" in plan.format() and "job.device_memory: pipeline position" in plan.summary()
+    # Equal cards split as without the key; the order of the entries is the nodes'.
+    equal = plan_run(load_run(unequal_cards(tmp_path / "b", ["80GB", "80GB"])))
+    assert [p.blocks for p in equal.positions] == [p.blocks for p in estimate_pipeline(model, pipeline(2)).positions]
+    swapped = plan_run(load_run(unequal_cards(tmp_path / "c", ["80GB", "24GB"])))
+    assert len(swapped.positions[0].blocks[0]) > len(swapped.positions[1].blocks[0])
+
+
+def test_device_memory_needs_one_entry_per_node_and_every_node(tmp_path: Path):
+    from helpers import spec_issues
+
+    issues = spec_issues(unequal_cards(tmp_path / "a", ["24GB"]))
+    assert "one entry per node" in issues["job"], issues
+    issues = spec_issues(unequal_cards(tmp_path / "b", ["24GB", "80GB"], min_nodes=1))
+    assert "job.min_nodes = 1" in issues["job"], issues

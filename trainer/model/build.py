@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from jobgen.model.pipeline_split import NodeMemory
 from jobgen.spec.tables.model import ModelSpec
 from jobgen.spec.tables.run import TrainSpec
 from trainer.distributed import DistEnv
@@ -48,7 +49,13 @@ def load_model(spec: ModelSpec, device: torch.device, attention: str = "sdpa") -
 
 
 def build_model(
-    spec: ModelSpec, train: TrainSpec, env: DistEnv, *, packing: bool = False, context: Any = None
+    spec: ModelSpec,
+    train: TrainSpec,
+    env: DistEnv,
+    *,
+    packing: bool = False,
+    context: Any = None,
+    nodes: NodeMemory | None = None,
 ) -> torch.nn.Module:
     """The model ready to train, as ``train.parallelism``'s entry in trainer.parallel.strategies says.
     DDP: loaded whole and replicated. FSDP and HSDP: built on the meta device, sharded, and
@@ -58,12 +65,13 @@ def build_model(
     in this process (CPU offload without a GPU, an HSDP shard size that does not divide this
     world) is refused before anything is loaded (the Trainer has asked before reading the data).
     ``context``: a trainer.parallel.context_parallel.ContextParallel whose attention the model runs
-    (installed after the spec's preparation, before wrapping)."""
+    (installed after the spec's preparation, before wrapping). ``nodes``: each node's device
+    memory (job.device_memory), which a pipeline's stages follow."""
     chosen = strategy(train.parallelism)
     chosen.check(train, env)
     refuse_unsupported(spec, train)
     if chosen.build is not None:
-        return chosen.build(spec, train, env, packing)
+        return chosen.build(spec, train, env, packing, nodes)
     attention = attention_implementation(spec, env.device, packing)
     compile_blocks = compiles_blocks(train, env.device)
 

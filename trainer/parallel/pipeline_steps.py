@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from jobgen.model.pipeline_split import stage_indices, stage_layers
+from jobgen.model.pipeline_split import NodeMemory, stage_capacities, stage_indices, stage_layers
 from jobgen.spec.global_batch import grad_accum_for
 from jobgen.spec.tables.model import ModelSpec
 from jobgen.spec.tables.train import TrainSpec
@@ -87,9 +87,13 @@ def _embed_and_head_weights(config) -> tuple[float, float]:
     return table / block, (table + hidden) / block
 
 
-def build_pipeline_model(spec: ModelSpec, train: TrainSpec, env: DistEnv, packing: bool) -> StageModule:
+def build_pipeline_model(
+    spec: ModelSpec, train: TrainSpec, env: DistEnv, packing: bool, nodes: NodeMemory | None = None
+) -> StageModule:
     """This rank's stages, built on meta and filled from the safetensors (each rank reads only
-    its blocks), wrapped over the replicas; ``module.steps_state`` holds what a step needs."""
+    its blocks), wrapped over the replicas; ``module.steps_state`` holds what a step needs.
+    ``nodes``: each node's device memory (job.device_memory), which the stages' blocks follow
+    as ``jobgen plan`` splits them."""
     from transformers import AutoConfig
 
     assert train.pipeline is not None
@@ -97,12 +101,17 @@ def build_pipeline_model(spec: ModelSpec, train: TrainSpec, env: DistEnv, packin
     config = AutoConfig.from_pretrained(spec.path, trust_remote_code=False)  # no code from the model directory
     stages = train.pipeline.stage_count(env.world_size)
     embed, head = _embed_and_head_weights(config)
+    mesh_layout = train.mesh(env.world_size, env.local_world_size)
+    capacities = None
+    if nodes is not None and train.pipeline.layers_per_stage is None:
+        capacities = stage_capacities(mesh_layout, train.pipeline.schedule, stages, nodes)
     ranges = stage_layers(
         config.num_hidden_layers,
         stages,
         layers_per_stage=train.pipeline.layers_per_stage,
         embed_weight=embed,
         head_weight=head,
+        capacities=capacities,
     )
     mine = stage_indices(train.pipeline.schedule, layout.pp_rank, layout.pp_size, stages)
     mesh = _mesh(env.device.type, layout.pp_size, layout.dp_size)
@@ -128,12 +137,13 @@ def build_pipeline_model(spec: ModelSpec, train: TrainSpec, env: DistEnv, packin
     if env.is_main:
         split = ", ".join(f"{r.start}-{r.stop - 1}" for r in ranges)
         log.info(
-            "pipeline: %d stage(s) over %d rank(s) x %d replica(s), schedule %s, blocks per stage %s",
+            "pipeline: %d stage(s) over %d rank(s) x %d replica(s), schedule %s, blocks per stage %s%s",
             stages,
             layout.pp_size,
             layout.dp_size,
             train.pipeline.schedule,
             split,
+            f" (job.device_memory: stages' memory {[round(c, 2) for c in capacities]})" if capacities else "",
         )
     # All grad_accum micro-batches of a step go through one schedule step: FSDP2 under torch's
     # schedules (2.13) does not accumulate gradients over several (measured: the norm of a

@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from jobgen.model.mesh import mesh_of
 from jobgen.model.parallelism import STRATEGIES as PLANS
 from jobgen.model.parallelism import Parallelism, shard_size_problem
+from jobgen.model.pipeline_split import NodeMemory
 from jobgen.spec.tables.run import TrainSpec
 from trainer.distributed import DistEnv
 from trainer.model.errors import ModelError
@@ -76,7 +77,8 @@ class Strategy:
     norm_group: Callable[[list[torch.nn.Parameter]], dist.ProcessGroup | None]
     runner: Callable[[StepParts], StepRunner]  # given the Trainer's step parts (trainer.step_parts)
     data_shard: Callable[[TrainSpec, DistEnv], tuple[int, int]]
-    build: Callable[[ModelSpec, TrainSpec, DistEnv, bool], torch.nn.Module] | None = None
+    # Builds the model itself (the pipeline); the last argument is each node's device memory.
+    build: Callable[[ModelSpec, TrainSpec, DistEnv, bool, NodeMemory | None], torch.nn.Module] | None = None
 
     @property
     def name(self) -> str:
@@ -284,10 +286,12 @@ def _replica_rows(train: TrainSpec, env: DistEnv) -> tuple[int, int]:
     return data_shard(train, env)
 
 
-def _build_pipeline(spec: ModelSpec, train: TrainSpec, env: DistEnv, packing: bool) -> torch.nn.Module:
+def _build_pipeline(
+    spec: ModelSpec, train: TrainSpec, env: DistEnv, packing: bool, nodes: NodeMemory | None
+) -> torch.nn.Module:
     from trainer.parallel.pipeline_steps import build_pipeline_model
 
-    return build_pipeline_model(spec, train, env, packing)
+    return build_pipeline_model(spec, train, env, packing, nodes)
 
 
 def _no_wrap(model: torch.nn.Module, train: TrainSpec, env: DistEnv) -> torch.nn.Module:

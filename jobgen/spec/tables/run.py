@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from jobgen.base.durations import format_human
+from jobgen.base.sizes import parse_size
 from jobgen.model.mesh import context_parallel_problem
 from jobgen.model.parallelism import ACTIVATION_OFFLOADING, EVAL, LORA, SEVERAL_PROCESSES
 from jobgen.program.kinds import PROGRAMS, Program, ProgramName, owned_tables
@@ -33,6 +34,7 @@ from jobgen.spec.tables.data import DataSpec
 from jobgen.spec.tables.eval import EvalSpec
 from jobgen.spec.tables.model import ModelSpec
 from jobgen.spec.tables.serve import ServeSpec
+from jobgen.spec.tables.site import DeviceMemory
 from jobgen.spec.tables.sweep import SweepSpec
 from jobgen.spec.tables.train import TrainSpec
 from jobgen.spec.tables.watchdogs import WatchdogSettings
@@ -115,6 +117,16 @@ class JobSpec(SpecModel):
         default_factory=list, description="Nodes never to run on (--exclude), e.g. ['gpu017', 'gpu[20-22]']."
     )
     nodelist: list[HostList] = Field(default_factory=list, description="Nodes to run on (--nodelist).")
+    device_memory: list[DeviceMemory] | None = Field(
+        None,
+        description=(
+            "Each node's device memory, node by node in the allocation's order (as job.procs_per_node's "
+            "entries), for machines with different GPUs, e.g. ['24GB', '80GB']: a pipeline gives each stage "
+            "blocks in proportion to the least memory among the ranks that hold it, and `jobgen plan` checks "
+            "each pipeline position against its own nodes' memory and names the tightest. One entry per node; "
+            "replaces site.slurm.device_memory for this run. Empty: the site's, the same on every node."
+        ),
+    )
     pass_env: list[EnvName] = Field(
         default_factory=list,
         description=(
@@ -192,6 +204,28 @@ class JobSpec(SpecModel):
                 "leave job.min_nodes unset (or equal to job.nodes) with a list, or give one number for every node"
             )
         return self
+
+    @model_validator(mode="after")
+    def _one_memory_per_node(self) -> JobSpec:
+        memory = self.device_memory
+        if memory is None:
+            return self
+        if len(memory) != self.nodes:
+            raise ValueError(
+                f"job.device_memory = {memory} gives {len(memory)} node(s) their memory, job.nodes is "
+                f"{self.nodes}: give one entry per node"
+            )
+        if len(self.node_counts) > 1:
+            raise ValueError(
+                f"job.min_nodes = {self.min_nodes} lets a task run on fewer than job.nodes = {self.nodes} nodes, "
+                f"and job.device_memory = {memory} says nothing of which entries such a task keeps: leave "
+                "job.min_nodes unset (or equal to job.nodes) with it"
+            )
+        return self
+
+    def node_memory(self) -> tuple[int, ...] | None:
+        """job.device_memory in bytes, node by node; None when not given."""
+        return tuple(parse_size(m) for m in self.device_memory) if self.device_memory else None
 
     @property
     def node_counts(self) -> range:
