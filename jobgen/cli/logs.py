@@ -1,5 +1,6 @@
-"""``jobgen logs RUN|SWEEP`` (see jobgen.cli.main.logs): one run's logs merged into one stream, or
-every point's of a sweep, each line prefixed with its point.
+"""``jobgen logs RUN|SWEEP``: one run's logs merged into one stream, or every point's of a
+sweep, each line prefixed with its point (the command is built when asked for:
+jobgen.cli.main's ``lazy`` table).
 
     jobgen logs RUN -f --rank 0
     jobgen logs RUN --all                 # every line, not only the last 1000
@@ -119,3 +120,49 @@ def logs_command(
         follow_logs(lambda: sources(filters), filters, click.echo, until=_finished(over), last=last)
     except KeyboardInterrupt:
         pass
+
+
+# Lines `jobgen logs` shows unless asked for more (--tail N, --all, --grep).
+LOGS_TAIL = 1000
+
+
+@click.command()
+@click.argument("run_ref", metavar="RUN")
+@click.option("-f", "--follow", is_flag=True, help="keep printing as the logs grow, until Ctrl-C or the run ends")
+@click.option("--task", help="one task: its index in the array (3), Slurm's name (5_3) or its job id")
+@click.option("--node", help="one node's lines")
+@click.option("--rank", type=click.IntRange(0), help="one global rank's lines")
+@click.option("--grep", "pattern", help="only lines matching this regular expression (every match, unless --tail)")
+@click.option(
+    "-n",
+    "--tail",
+    "last",
+    type=click.IntRange(1),
+    help=f"only the last N lines, read from the files' ends [default: {LOGS_TAIL}, every match with --grep]",
+)
+@click.option("--all", "every_line", is_flag=True, help="every line since the run began (reads the whole history)")
+def logs(
+    run_ref: str,
+    follow: bool,
+    task: str | None,
+    node: str | None,
+    rank: int | None,
+    pattern: str | None,
+    last: int | None,
+    every_line: bool,
+) -> None:
+    """The run's logs merged into one stream: the batch logs and every rank's output, each
+    line prefixed with its task (ARRAYID_TASK), node and rank. A sweep: every point's, each
+    line prefixed with its point too. The last 1000 lines unless asked for more: a week's
+    logs are read from their ends, not from the start.
+
+    \b
+    jobgen logs RUN -f                     # follow a live job, all nodes and ranks
+    jobgen logs RUN --task 2 --rank 3      # one rank of one array task
+    jobgen logs RUN --grep 'loss|ERROR'    # every match since the run began
+    jobgen logs RUN --all                  # every line"""
+    if every_line and last is not None:
+        fail("jobgen logs: --all and --tail are two answers to one question: give one", 2)
+    if last is None and not every_line and pattern is None:
+        last = LOGS_TAIL
+    logs_command(run_ref, follow=follow, task=task, node=node, rank=rank, pattern=pattern, last=last)

@@ -24,7 +24,6 @@ wiring them into the subcommands. Every other jobgen module uses neither
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -233,56 +232,6 @@ _switch_command("save", "Save switch: save a checkpoint now and continue.")
 _switch_command("abort", "Abort switch: exit at once without saving.")
 
 
-# Lines `jobgen logs` shows unless asked for more (--tail N, --all, --grep).
-LOGS_TAIL = 1000
-# Evaluations `jobgen samples` shows unless asked for more (--last N, --all, --step).
-SAMPLES_LAST = 10
-
-
-@main.command()
-@click.argument("run_ref", metavar="RUN")
-@click.option("-f", "--follow", is_flag=True, help="keep printing as the logs grow, until Ctrl-C or the run ends")
-@click.option("--task", help="one task: its index in the array (3), Slurm's name (5_3) or its job id")
-@click.option("--node", help="one node's lines")
-@click.option("--rank", type=click.IntRange(0), help="one global rank's lines")
-@click.option("--grep", "pattern", help="only lines matching this regular expression (every match, unless --tail)")
-@click.option(
-    "-n",
-    "--tail",
-    "last",
-    type=click.IntRange(1),
-    help=f"only the last N lines, read from the files' ends [default: {LOGS_TAIL}, every match with --grep]",
-)
-@click.option("--all", "every_line", is_flag=True, help="every line since the run began (reads the whole history)")
-def logs(
-    run_ref: str,
-    follow: bool,
-    task: str | None,
-    node: str | None,
-    rank: int | None,
-    pattern: str | None,
-    last: int | None,
-    every_line: bool,
-) -> None:
-    """The run's logs merged into one stream: the batch logs and every rank's output, each
-    line prefixed with its task (ARRAYID_TASK), node and rank. A sweep: every point's, each
-    line prefixed with its point too. The last 1000 lines unless asked for more: a week's
-    logs are read from their ends, not from the start.
-
-    \b
-    jobgen logs RUN -f                     # follow a live job, all nodes and ranks
-    jobgen logs RUN --task 2 --rank 3      # one rank of one array task
-    jobgen logs RUN --grep 'loss|ERROR'    # every match since the run began
-    jobgen logs RUN --all                  # every line"""
-    from jobgen.cli.logs import logs_command
-
-    if every_line and last is not None:
-        _fail("jobgen logs: --all and --tail are two answers to one question: give one", 2)
-    if last is None and not every_line and pattern is None:
-        last = LOGS_TAIL
-    logs_command(run_ref, follow=follow, task=task, node=node, rank=rank, pattern=pattern, last=last)
-
-
 @main.command()
 @click.argument("run_ref", metavar="RUN")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="default RUN/plot.png")
@@ -418,39 +367,6 @@ def export(run_ref: str, target: str, checkpoint: str | None, best: bool, step: 
     click.echo(f"exported {source} of {run.path} to {target}")
 
 
-@main.command()
-@click.argument("run_ref", metavar="RUN")
-@click.option("--step", type=click.IntRange(0), help="only the samples of this step")
-@click.option(
-    "--last",
-    type=click.IntRange(1),
-    default=SAMPLES_LAST,
-    show_default=True,
-    help="only the last N evaluations' samples, read from the file's end",
-)
-@click.option("--all", "every_step", is_flag=True, help="every evaluation's samples (reads the whole history)")
-@click.option("--json", "as_json", is_flag=True, help="a JSON list: each prompt with its completions by step")
-def samples(run_ref: str, step: int | None, last: int, every_step: bool, as_json: bool) -> None:
-    """The answers to [eval] prompts at each evaluation, side by side across steps: the last
-    10 evaluations unless asked for more (--last N, --all) or for one step (--step)."""
-    from jobgen.base.visible import visible
-    from jobgen.report.samples import NoSamples, format_samples, read_samples, samples_json
-
-    run = _find_run(run_ref)
-
-    def warn(line: str) -> None:  # lines that are no samples: skipped, said once
-        click.echo(f"jobgen samples: warning: {visible(line)}", err=True)
-
-    try:
-        table = read_samples(run, step, warn, last=None if every_step else last)
-    except NoSamples as exc:
-        _fail(f"jobgen samples: {exc}")
-    width = shutil.get_terminal_size((100, 24)).columns
-    click.echo(json.dumps(samples_json(table), indent=2) if as_json else format_samples(table, width).rstrip("\n"))
-    if table.left_out:
-        click.echo(f"jobgen samples: the last {last} evaluations; --last N for more, --all for every one", err=True)
-
-
 def _export_checkpoint(run, target: Path, checkpoint: str | None, merge_lora: bool, who: str) -> str:
     """trainer.checkpoints.export with a progress bar on a terminal (only the composition root may use
     trainer/); returns the checkpoint's name. Raises trainer.checkpoints.export.ExportError."""
@@ -521,7 +437,21 @@ def _watchdog() -> click.Command:
     return watchdog
 
 
-main.lazy.update(cluster=_cluster, watchdog=_watchdog, serve=_serve, chat=_chat, compare=_compare)
+def _logs() -> click.Command:
+    from jobgen.cli.logs import logs
+
+    return logs
+
+
+def _samples() -> click.Command:
+    from jobgen.cli.samples import samples
+
+    return samples
+
+
+main.lazy.update(
+    cluster=_cluster, watchdog=_watchdog, serve=_serve, chat=_chat, compare=_compare, logs=_logs, samples=_samples
+)
 
 if __name__ == "__main__":
     main()

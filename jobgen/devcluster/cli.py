@@ -50,6 +50,7 @@ def cluster() -> None:
 @click.option(
     "--gpus",
     metavar="N[,N...]",
+    callback=lambda _ctx, _param, value: _gpu_counts(value),
     help="Fake GPUs (GRES gpu) per node: one count for every node (2) or one per node (3,1).",
 )
 @click.option(
@@ -70,29 +71,26 @@ def up_cmd(
     nodes: int,
     cpus_per_node: int,
     mem_per_node_mb: int,
-    gpus: str | None,
+    gpus: list[int] | None,
     netns: bool,
     timeout: float,
     state_dir: str | None,
 ) -> None:
     """Start the cluster (installing slurm-wlm, munge, slurmdbd and mariadb-server if missing); idempotent."""
+    shape = {"nodes": nodes, "cpus_per_node": cpus_per_node, "mem_per_node_mb": mem_per_node_mb, "netns": netns}
     try:
-        counts = [int(n) for n in gpus.split(",")] if gpus else None
-    except ValueError:
-        raise click.BadParameter(f"{gpus!r}: GPU counts separated by commas (2, or 3,1)", param_hint="--gpus") from None
-    try:
-        info = up(
-            nodes=nodes,
-            cpus_per_node=cpus_per_node,
-            netns=netns,
-            state_dir=state_dir,
-            mem_per_node_mb=mem_per_node_mb,
-            timeout=timeout,
-            gpus=counts,
-        )
+        info = up(**shape, state_dir=state_dir, timeout=timeout, gpus=gpus)
     except ClusterError as exc:
         raise click.ClickException(str(exc)) from None
     _print_status(info)
+
+
+def _gpu_counts(value: str | None) -> list[int] | None:
+    """--gpus 3,1 as counts; click names the option when it is no list of numbers."""
+    try:
+        return [int(n) for n in value.split(",")] if value else None
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: GPU counts separated by commas (2, or 3,1)") from None
 
 
 @cluster.command(name="down")

@@ -216,12 +216,6 @@ def render_slurm_conf(
         f"RealMemory={mem_per_node_mb}{_gres(name, gpus or {})} State=UNKNOWN"
         for name, addr in node_addrs.items()
     ]
-    gres_types = [
-        "# GPUs (GRES) on the nodes that have them: gres.conf names their files; accounting counts them.",
-        "GresTypes=gpu",
-        "AccountingStorageTRES=gres/gpu",
-        "",
-    ]
     return "\n".join(
         [
             "# Written by `jobgen cluster up`; removed by `jobgen cluster down`.",
@@ -230,7 +224,7 @@ def render_slurm_conf(
             f"SlurmctldHost={hostname}({controller_addr})",
             f"SlurmctldPort={slurmctld_port}",
             *_SETTINGS,
-            *(gres_types if any((gpus or {}).values()) else []),
+            *_gres_types(gpus or {}),
             "AccountingStorageType=accounting_storage/slurmdbd",
             f"AccountingStorageHost={controller_addr}",
             f"AccountingStoragePort={slurmdbd_port}",
@@ -249,6 +243,18 @@ def render_slurm_conf(
             "",
         ]
     )
+
+
+def _gres_types(gpus: dict[str, int]) -> list[str]:
+    """What slurm.conf says of GPUs when a node has any: none of it otherwise."""
+    if not any(gpus.values()):
+        return []
+    return [
+        "# GPUs (GRES) on the nodes that have them: gres.conf names their files; accounting counts them.",
+        "GresTypes=gpu",
+        "AccountingStorageTRES=gres/gpu",
+        "",
+    ]
 
 
 def _gres(node: str, gpus: dict[str, int]) -> str:

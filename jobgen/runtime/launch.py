@@ -62,12 +62,14 @@ def record_rank_identity(run: RunDir, job_id: str, restart: int, environ: Mappin
     env = os.environ if environ is None else environ
     node = env.get("SLURMD_NODENAME") or "local"
     path = run.rank_identity(job_id, node, restart, env.get("LOCAL_RANK", "0"))
-    record = {"rank": int(env.get("RANK") or 0), "group_rank": int(env.get("GROUP_RANK") or 0)}
+    record: dict[str, object] = {"rank": int(env.get("RANK") or 0), "group_rank": int(env.get("GROUP_RANK") or 0)}
     try:
-        record["gpu"] = rank_gpu(env)  # the program picks cuda:LOCAL_RANK of the node's list
+        gpu = rank_gpu(env)  # the program picks cuda:LOCAL_RANK of the node's list
     except MissingGpu as exc:
-        record["gpu"] = None
+        gpu = None
         print(f"jobgen: {exc}", file=sys.stderr)
+    if gpu is not None:
+        record["gpu"] = gpu
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, record)

@@ -107,7 +107,7 @@ SCRIPT_OWNED = frozenset(
     | {"POINT_LOG", "SERVE", "SERVE_PID", "PYTHONPATH"}
     # the scripts' lower-case working variables
     | {"status", "words", "tmp", "lead", "end", "task", "code", "slurm_exit", "s", "switch"}
-    | {"node", "gpus", "out", "probe_out", "probe_failed", "line", "why", "blamed"}
+    | {"node", "gpus", "given", "given_count", "out", "probe_out", "probe_failed", "line", "why", "blamed"}
     | {"trainer_status", "left", "deadline", "live", "tasks", "answer", "outcome", "throttle"}
 )
 # Settings the scripts export as defaults, which the site's network.env and the run's [env]

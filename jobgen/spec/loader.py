@@ -24,11 +24,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from jobgen.base.paths import SITE_CONFIGS_DIR
-from jobgen.model.parallelism import shard_size_problem
 from jobgen.program import placeholders
-from jobgen.spec.global_batch import GlobalBatchError, grad_accum_for
 from jobgen.spec.named_files import data_problems, model_problems
 from jobgen.spec.resolved import ResolvedSpec
+from jobgen.spec.site_fit import site_problems
 from jobgen.spec.tables.run import RunSpec
 from jobgen.spec.tables.site import SiteProfile
 from jobgen.spec.tables.watchdogs import WatchdogSettings
@@ -422,82 +421,5 @@ def _check_env_placeholders(run: RunSpec, run_label: str) -> list[SpecIssue]:
 
 
 def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:
-    issues: list[SpecIssue] = []
-    gpus, cpus = site.slurm.gpus_per_node, site.slurm.cpus_per_node
-    given = run.job.procs_per_node
-    # A list is checked entry by entry: every node is asked for the same CPUs and GPUs.
-    entries = [(f"[{i}]", n) for i, n in enumerate(given)] if isinstance(given, list) else [("", given)]
-    for index, ppn in entries:
-        if gpus and ppn is not None and ppn > gpus:
-            message = f"{ppn} processes per node but the site has {gpus} GPUs per node"
-            issues.append(SpecIssue(run_label, "job.procs_per_node" + index, message))
-        if ppn is not None and ppn > cpus:
-            message = f"{ppn} processes per node but only {cpus} CPUs per node (site slurm.cpus_per_node)"
-            issues.append(SpecIssue(run_label, "job.procs_per_node" + index, message))
-    if gpus and run.job.unequal_nodes:
-        issues.extend(_check_unequal_gpu_nodes(run, site, run_label))
-    if run.job.kind.trains:
-        issues.extend(_check_world_sizes(run, site, run_label))
-    return issues
-
-
-def _check_unequal_gpu_nodes(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:
-    """Unequal nodes on a GPU site ask for one GPU per process in all (--gpus), which Slurm
-    splits over the nodes by what each has: only nodes named in job.nodelist, with exactly
-    their entry's GPUs, leave it one way to split them (preflight compares the counts)."""
-    counts = run.job.node_procs(site.slurm.default_procs_per_node)
-    issues = []
-    if not run.job.nodelist:
-        issues.append(
-            SpecIssue(
-                run_label,
-                "job.nodelist",
-                f"job.procs_per_node {list(counts)} on a GPU site needs the {len(counts)} nodes named (job.nodelist), "
-                f"in the order of the entries: one request of {sum(counts)} GPUs (--gpus) is split by Slurm over "
-                "whichever nodes it picks, and only nodes with exactly "
-                f"{' and '.join(map(str, counts))} GPUs leave it one way to split them",
-            )
-        )
-    if site.slurm.gres_name.split(":")[0] != "gpu":
-        issues.append(
-            SpecIssue(
-                run_label,
-                "site.slurm.gres_name",
-                f"job.procs_per_node {list(counts)} asks for GPUs with --gpus, which counts gres 'gpu' only, "
-                f"not '{site.slurm.gres_name}'",
-            )
-        )
-    return issues
-
-
-def _check_world_sizes(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:
-    """The batch and the shard groups for every world size a task may get (job.min_nodes to
-    job.nodes): a task that would find out at its start wastes its queue wait."""
-    train = run.train
-    default_ppn = site.slurm.default_procs_per_node
-    issues: list[SpecIssue] = []
-    if train.cpu_offload and not site.slurm.computes_on_gpu:
-        issues.append(
-            SpecIssue(
-                run_label,
-                "train.cpu_offload",
-                f"site '{site.name}' computes on no GPU (slurm.gpus_per_node, slurm.gpu_compute): on CPU the states "
-                "are in host memory "
-                "already, and FSDP's CPU offload would only add copies",
-            )
-        )
-    for nodes in run.job.node_counts:
-        world = run.job.world_size(default_ppn, nodes)
-        try:
-            grad_accum_for(train, world)
-        except GlobalBatchError as exc:
-            issues.append(SpecIssue(run_label, "train.global_batch_size", f"on {nodes} node(s): {exc}"))
-            break
-        node_procs = run.job.node_procs(default_ppn, nodes)
-        problem = shard_size_problem(train.parallelism, world, node_procs, train.shard_size)
-        keyed = ("train.shard_size", problem) if problem else None
-        keyed = keyed or train.world_problem(world)
-        if keyed:
-            issues.append(SpecIssue(run_label, keyed[0], f"on {nodes} node(s): {keyed[1]}"))
-            break
-    return issues
+    """The run against its site (jobgen.spec.site_fit), each problem named by its key."""
+    return [SpecIssue(run_label, key, message) for key, message in site_problems(run, site)]

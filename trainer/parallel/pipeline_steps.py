@@ -87,6 +87,28 @@ def _embed_and_head_weights(config) -> tuple[float, float]:
     return table / block, (table + hidden) / block
 
 
+def _stage_ranges(
+    config, train: TrainSpec, env: DistEnv, stages: int, nodes: NodeMemory | None
+) -> tuple[list[range], list[float] | None]:
+    """Each stage's blocks, as ``jobgen plan`` splits them (jobgen.plan.pipeline.layout_of): by
+    parameters, or by the nodes' device memory too (job.device_memory); and those capacities."""
+    assert train.pipeline is not None
+    embed, head = _embed_and_head_weights(config)
+    capacities = None
+    if nodes is not None and train.pipeline.layers_per_stage is None:
+        mesh = train.mesh(env.world_size, env.local_world_size)
+        capacities = stage_capacities(mesh, train.pipeline.schedule, stages, nodes)
+    ranges = stage_layers(
+        config.num_hidden_layers,
+        stages,
+        layers_per_stage=train.pipeline.layers_per_stage,
+        embed_weight=embed,
+        head_weight=head,
+        capacities=capacities,
+    )
+    return ranges, capacities
+
+
 def build_pipeline_model(
     spec: ModelSpec, train: TrainSpec, env: DistEnv, packing: bool, nodes: NodeMemory | None = None
 ) -> StageModule:
@@ -100,19 +122,7 @@ def build_pipeline_model(
     layout = PipelineLayout.of(train, env)
     config = AutoConfig.from_pretrained(spec.path, trust_remote_code=False)  # no code from the model directory
     stages = train.pipeline.stage_count(env.world_size)
-    embed, head = _embed_and_head_weights(config)
-    mesh_layout = train.mesh(env.world_size, env.local_world_size)
-    capacities = None
-    if nodes is not None and train.pipeline.layers_per_stage is None:
-        capacities = stage_capacities(mesh_layout, train.pipeline.schedule, stages, nodes)
-    ranges = stage_layers(
-        config.num_hidden_layers,
-        stages,
-        layers_per_stage=train.pipeline.layers_per_stage,
-        embed_weight=embed,
-        head_weight=head,
-        capacities=capacities,
-    )
+    ranges, capacities = _stage_ranges(config, train, env, stages, nodes)
     mine = stage_indices(train.pipeline.schedule, layout.pp_rank, layout.pp_size, stages)
     mesh = _mesh(env.device.type, layout.pp_size, layout.dp_size)
     attention = attention_implementation(spec, env.device, packing)
