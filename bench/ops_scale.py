@@ -125,6 +125,9 @@ def _write_logs(run: RunDir, name: str, job_id: int, first: int, last: int) -> N
     rank.mkdir(parents=True)
     (rank / "stdout.log").write_text("".join(lines))
     (rank / "stderr.log").write_text("")
+    ended = T0 + last * STEP_SECONDS + 5
+    for path in (run.batch_log(name, job_id), rank / "stdout.log", rank / "stderr.log"):
+        os.utime(path, (ended, ended))  # each file last written when its task ended, as on a cluster
     with open(run.samples, "a") as fh:
         for step, _ in steps[EVAL_EVERY - first % EVAL_EVERY :: EVAL_EVERY]:
             for prompt in ("Name three colors.", "What is 2+2?", "Write a haiku about Slurm."):

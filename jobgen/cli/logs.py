@@ -56,9 +56,7 @@ Sources = Callable[[Filters], list[Source]]
 def _what_to_read(run_ref: str) -> tuple[Sources, Callable[[], bool]]:
     """Where RUN's (or SWEEP's) logs are, and whether nothing of it is queued or running."""
     from jobgen.cli.sweep import sweep_ref
-    from jobgen.report.status import run_status
     from jobgen.runs.sweep_runs import SweepError, read_sweep
-    from jobgen.sweep.status import sweep_status
 
     sweep = sweep_ref(run_ref)
     if sweep is not None:
@@ -70,7 +68,12 @@ def _what_to_read(run_ref: str) -> tuple[Sources, Callable[[], bool]]:
         def sweep_sources(filters: Filters) -> list[Source]:
             return _sweep_sources(sweep, filters)
 
-        return sweep_sources, lambda: sweep_status(sweep)["state"] not in ("pending", "running", "unknown")
+        def sweep_over() -> bool:  # asked only while following: the status modules load then
+            from jobgen.sweep.status import sweep_status
+
+            return sweep_status(sweep)["state"] not in ("pending", "running", "unknown")
+
+        return sweep_sources, sweep_over
     run = find_run(run_ref)
     try:
         name = run.load_spec().run.job.name
@@ -82,7 +85,12 @@ def _what_to_read(run_ref: str) -> tuple[Sources, Callable[[], bool]]:
     def run_sources(filters: Filters) -> list[Source]:
         return find_sources(run, name, filters)
 
-    return run_sources, lambda: run_status(run, details=False).state not in ("pending", "running", "unknown")
+    def run_over() -> bool:  # asked only while following: the status modules load then
+        from jobgen.report.status import run_status
+
+        return run_status(run, details=False).state not in ("pending", "running", "unknown")
+
+    return run_sources, run_over
 
 
 def logs_command(

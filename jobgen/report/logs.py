@@ -117,32 +117,32 @@ def _rank_maps(run: RunDir, job_id: str) -> dict[int, dict[tuple[str, int], int]
 def find_sources(run: RunDir, job_name: str, filters: Filters) -> list[Source]:
     """Every log of the run that the filters let through, in job order."""
     names = _slurm_names(run)
-    jobs = sorted(
-        {p.name.removeprefix(f"{job_name}-").removesuffix(".out").split("-")[0] for p in run.logs.glob("*.out")}
-        | {p.name for p in (run.logs / "ranks").glob("*") if p.is_dir()},
-        key=lambda j: (len(j), j),
-    )
+    # The logs directory listed once (a run of 500 tasks holds 1000 files): each job's batch log
+    # (NAME-JOB.out) and its nodes' launch logs (NAME-JOB-NODE.out; a job id has no "-").
+    by_job: dict[str, list[tuple[str | None, Path]]] = {}
+    for path in sorted(run.logs.glob("*.out")):
+        job, _, node = path.name.removeprefix(f"{job_name}-").removesuffix(".out").partition("-")
+        by_job.setdefault(job, []).append((node or None, path))
+    ranks = {p.name for p in (run.logs / "ranks").glob("*") if p.is_dir()}
     out = []
-    for job in jobs:
+    for job in sorted(by_job.keys() | ranks, key=lambda j: (len(j), j)):
         name = names.get(job, job)
         if filters.task and filters.task not in (job, name, name.partition("_")[2]):
             continue
         if filters.rank is None:
-            out += _batch_sources(run, job_name, job, name, filters)
+            out += _batch_sources(by_job.get(job, []), job, name, filters)
         out += _rank_sources(run, job, name, filters)
     return out
 
 
-def _batch_sources(run: RunDir, job_name: str, job: str, name: str, filters: Filters) -> list[Source]:
-    """A job's batch log and its nodes' launch logs."""
+def _batch_sources(logs: list[tuple[str | None, Path]], job: str, name: str, filters: Filters) -> list[Source]:
+    """A job's batch log and its nodes' launch logs: ``logs``, (node or None, path), its files."""
     out = []
-    batch = run.batch_log(job_name, job)
-    if batch.is_file() and filters.node is None:
-        out.append(Source(batch, job, name, batch=True))
-    for node_log in sorted(run.logs.glob(f"{job_name}-{job}-*.out")):
-        node = node_log.name.removeprefix(f"{job_name}-{job}-").removesuffix(".out")
-        if filters.node in (None, node):
-            out.append(Source(node_log, job, name, node=node, batch=True))
+    for node, path in sorted(logs, key=lambda pair: (pair[0] is not None, pair[1].name)):
+        if node is None and filters.node is None and path.is_file():
+            out.append(Source(path, job, name, batch=True))
+        elif node is not None and filters.node in (None, node):
+            out.append(Source(path, job, name, node=node, batch=True))
     return out
 
 
@@ -270,11 +270,11 @@ Stamped = tuple[float, int, int, str]  # (time, source's order, line's order, pr
 def _stamped(order: int, source: Source, lines: list[str], filters: Filters, last: float) -> Iterator[Stamped]:
     """The lines the filters keep, prefixed, each with its time: its own stamp, else the one
     before it (``last``: the time of the line before the first)."""
-    year = _year(source.path)
+    year, prefix = _year(source.path), source.prefix
     for i, line in enumerate(lines):
         last = _stamp(line, year) or last
         if _keep(source, line, filters):
-            yield last, order, i, f"{source.prefix} | {line}"
+            yield last, order, i, f"{prefix} | {line}"
 
 
 @dataclass
