@@ -93,43 +93,6 @@ def _what_to_read(run_ref: str) -> tuple[Sources, Callable[[], bool]]:
     return run_sources, run_over
 
 
-def logs_command(
-    run_ref: str,
-    *,
-    follow: bool,
-    task: str | None,
-    node: str | None,
-    rank: int | None,
-    pattern: str | None,
-    last: int | None,
-) -> None:
-    """``last``: only the newest lines (read from the files' ends), None for every line."""
-    try:
-        grep = re.compile(pattern) if pattern else None
-    except (re.error, OverflowError, RecursionError) as exc:  # 'a{99999999999}' overflows; '((((...' recurses
-        fail(f"jobgen logs: --grep {pattern!r} is no regular expression Python can use: {exc}", 2)
-    filters = Filters(task=task, node=node, rank=rank, grep=grep)
-    sources, over = _what_to_read(run_ref)
-    if rank is not None:  # ranks --rank cannot find: say where they are instead of printing nothing
-        for where in unknown_ranks(sources(Filters(task=task, node=node))):
-            click.echo(f"jobgen logs: {where}: global ranks unknown (no rank map); --node shows them", err=True)
-    if not follow and last is None:
-        for line in merged(sources(filters), filters):
-            click.echo(line)
-        return
-    if not follow:
-        newest = tail(sources(filters), filters, last)
-        for line in newest.lines:
-            click.echo(line)
-        if newest.left_out:
-            click.echo(f"jobgen logs: the last {last} lines; --tail N for more, --all for every line", err=True)
-        return
-    try:
-        follow_logs(lambda: sources(filters), filters, click.echo, until=_finished(over), last=last)
-    except KeyboardInterrupt:
-        pass
-
-
 # Lines `jobgen logs` shows unless asked for more (--tail N, --all, --grep).
 LOGS_TAIL = 1000
 
@@ -172,5 +135,33 @@ def logs(
     if every_line and last is not None:
         fail("jobgen logs: --all and --tail are two answers to one question: give one", 2)
     if last is None and not every_line and pattern is None:
-        last = LOGS_TAIL
-    logs_command(run_ref, follow=follow, task=task, node=node, rank=rank, pattern=pattern, last=last)
+        last = LOGS_TAIL  # else None: every line
+    try:
+        grep = re.compile(pattern) if pattern else None
+    except (re.error, OverflowError, RecursionError) as exc:  # 'a{99999999999}' overflows; '((((...' recurses
+        fail(f"jobgen logs: --grep {pattern!r} is no regular expression Python can use: {exc}", 2)
+    filters = Filters(task=task, node=node, rank=rank, grep=grep)
+    sources, over = _what_to_read(run_ref)
+    if rank is not None:  # ranks --rank cannot find: say where they are instead of printing nothing
+        for where in unknown_ranks(sources(Filters(task=task, node=node))):
+            click.echo(f"jobgen logs: {where}: global ranks unknown (no rank map); --node shows them", err=True)
+    _show(sources, over, filters, follow=follow, last=last)
+
+
+def _show(sources: Sources, over: Callable[[], bool], filters: Filters, *, follow: bool, last: int | None) -> None:
+    """Every line, or the ``last`` ones (read from the files' ends); then, following, new ones."""
+    if not follow and last is None:
+        for line in merged(sources(filters), filters):
+            click.echo(line)
+        return
+    if not follow:
+        newest = tail(sources(filters), filters, last)
+        for line in newest.lines:
+            click.echo(line)
+        if newest.left_out:
+            click.echo(f"jobgen logs: the last {last} lines; --tail N for more, --all for every line", err=True)
+        return
+    try:
+        follow_logs(lambda: sources(filters), filters, click.echo, until=_finished(over), last=last)
+    except KeyboardInterrupt:
+        pass

@@ -187,12 +187,24 @@ class JobSpec(SpecModel):
 
     @model_validator(mode="after")
     def _one_count_per_node(self) -> JobSpec:
-        counts = self.procs_per_node
-        if not isinstance(counts, list):
-            return self
-        if len(counts) != self.nodes:
+        if isinstance(self.procs_per_node, list):
+            advice = "leave job.min_nodes unset (or equal to job.nodes) with a list, or give one number for every node"
+            self._one_entry_per_node("job.procs_per_node", self.procs_per_node, "processes", advice)
+        return self
+
+    @model_validator(mode="after")
+    def _one_memory_per_node(self) -> JobSpec:
+        if self.device_memory is not None:
+            advice = "leave job.min_nodes unset (or equal to job.nodes) with it"
+            self._one_entry_per_node("job.device_memory", self.device_memory, "memory", advice)
+        return self
+
+    def _one_entry_per_node(self, key: str, entries: list, what: str, advice: str) -> None:
+        """A list of ``key`` gives node N of the allocation its entry N: one per node, and never
+        with fewer nodes possible."""
+        if len(entries) != self.nodes:
             raise ValueError(
-                f"job.procs_per_node = {counts} gives {len(counts)} node(s) their processes, job.nodes is "
+                f"{key} = {entries} gives {len(entries)} node(s) their {what}, job.nodes is "
                 f"{self.nodes}: give one entry per node"
             )
         if len(self.node_counts) > 1:
@@ -200,28 +212,8 @@ class JobSpec(SpecModel):
             # nodes Slurm leaves out are not known before the task starts.
             raise ValueError(
                 f"job.min_nodes = {self.min_nodes} lets a task run on fewer than job.nodes = {self.nodes} nodes, "
-                f"and job.procs_per_node = {counts} says nothing of which entries such a task keeps: "
-                "leave job.min_nodes unset (or equal to job.nodes) with a list, or give one number for every node"
+                f"and {key} = {entries} says nothing of which entries such a task keeps: {advice}"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _one_memory_per_node(self) -> JobSpec:
-        memory = self.device_memory
-        if memory is None:
-            return self
-        if len(memory) != self.nodes:
-            raise ValueError(
-                f"job.device_memory = {memory} gives {len(memory)} node(s) their memory, job.nodes is "
-                f"{self.nodes}: give one entry per node"
-            )
-        if len(self.node_counts) > 1:
-            raise ValueError(
-                f"job.min_nodes = {self.min_nodes} lets a task run on fewer than job.nodes = {self.nodes} nodes, "
-                f"and job.device_memory = {memory} says nothing of which entries such a task keeps: leave "
-                "job.min_nodes unset (or equal to job.nodes) with it"
-            )
-        return self
 
     def node_memory(self) -> tuple[int, ...] | None:
         """job.device_memory in bytes, node by node; None when not given."""
