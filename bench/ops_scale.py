@@ -195,7 +195,11 @@ def main() -> int:
     work = args.work.absolute()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # Timed as installed: Python's cached bytecode, not a recompile of ~60 modules per command
+    # (PYTHONDONTWRITEBYTECODE in the caller's environment made every figure ~0.08 s higher).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"HF_HUB_OFFLINE": "1"}
+    package = Path(__file__).resolve().parents[1] / "jobgen"
+    subprocess.run([str(VENV_BIN / "python"), "-m", "compileall", "-q", str(package)], env=env, check=True)
     results: list[dict] = []
 
     def record(what: str, size: str, phase: str, argv: list[str], env: dict[str, str] = env) -> None:
