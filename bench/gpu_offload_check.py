@@ -21,7 +21,9 @@ without it (the parameter, gradient and optimizer-state shards are in host memor
 runs' losses agree within 2 % step by step (the optimizer steps on the CPU instead of the
 GPU: rounding only). The plan is printed, not checked. Exit status 0 when every check holds,
 1 otherwise. ``--help`` works without a GPU; the runs need one (the trainer refuses
-``cpu_offload`` on a CPU).
+``cpu_offload`` on a CPU). ``--smoke`` checks the script where there is none: a 4-layer model
+of hidden 256 on 512-token rows, the run without offload only, on the CPU. ``--json FILE``
+writes the figures and checks (bench/gpu_proofs.py reads them).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from bench_run import random_bf16_model
 GIB = 2**30
 # jobgen.cli.tinymodel.make_tiny_model's keywords: TinyLlama-1.1B's shape.
 LLAMA_1B = {"hidden_size": 2048, "layers": 22, "intermediate_size": 5632, "heads": 32, "kv_heads": 4}
+SMALL = {"hidden_size": 256, "layers": 4, "intermediate_size": 704, "heads": 4, "kv_heads": 2}
 OFFLOAD_PEAK_RATIO = 0.5
 LOSS_TOLERANCE = 0.02
 
@@ -52,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--procs", type=int, default=1, help="processes (GPUs) per run")
     parser.add_argument("--parallelism", choices=("fsdp", "hsdp"), default="fsdp")
     parser.add_argument("--shard-size", type=int, default=None, help="train.shard_size with --parallelism hsdp")
+    parser.add_argument("--smoke", action="store_true", help="CPU, a small model, no offload: checks the script")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures and checks here")
     return parser.parse_args(argv)
 
 
@@ -95,9 +100,11 @@ def one_run(args: argparse.Namespace, work: Path, model: Path, offload: bool) ->
         work,
         name,
         procs=args.procs,
-        site={"profile": "local", "slurm": {"gpus_per_node": args.procs, "cpus_per_node": 16}},
+        site="local"
+        if args.smoke
+        else {"profile": "local", "slurm": {"gpus_per_node": args.procs, "cpus_per_node": 16}},
         model={"path": model, "dtype": "bfloat16", "gradient_checkpointing": True},
-        data={"path": DATA, "max_length": 2048, "packing": True},
+        data={"path": DATA, "max_length": 512 if args.smoke else 2048, "packing": True},
         train=train_keys(args, offload),
     )
     plan = planned_peak(spec_file)
@@ -148,20 +155,41 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    if torch.cuda.device_count() < args.procs:
+    if torch.cuda.device_count() < args.procs and not args.smoke:
         print(f"needs {args.procs} GPU(s), this machine has {torch.cuda.device_count()}")
+        write_json(args.json, {"error": "no GPU", "checks": {}})
         return 1
     work = args.work or Path(tempfile.mkdtemp(prefix="jobgen-offload-"))
-    model = work / "llama-1b-random"
-    random_bf16_model(model, LLAMA_1B, max_positions=2048, max_shard_size="1GB")
+    model = work / ("model-small" if args.smoke else "llama-1b-random")
+    random_bf16_model(model, SMALL if args.smoke else LLAMA_1B, max_positions=2048, max_shard_size="1GB")
     plain = one_run(args, work, model, offload=False)
     report(plain)
+    if args.smoke:  # the trainer refuses cpu_offload on a CPU: the script ran, nothing is checked
+        write_json(args.json, {"figures": figures(plain, None), "checks": {}})
+        return 0 if plain["steps"] == args.steps else 1
     offload = one_run(args, work, model, offload=True)
     report(offload)
     results = checks(args, plain, offload)
     for what, ok in results.items():
         print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    write_json(args.json, {"figures": figures(plain, offload), "checks": results})
     return 0 if all(results.values()) else 1
+
+
+def figures(plain: dict, offload: dict | None) -> dict[str, float | None]:
+    """The table's figures: each run's GPU peak, plan and seconds per step."""
+    out: dict[str, float | None] = {}
+    for key, result in (("on_gpu", plain), ("offload", offload)):
+        if result is not None:
+            out[f"{key}_peak_gib"] = round(result["gpu_gib"], 2)
+            out[f"{key}_plan_gib"] = round(result["planned_gib"], 2) if result["planned_gib"] else None
+            out[f"{key}_s_per_step"] = round(result["seconds_per_step"], 2)
+    return out
+
+
+def write_json(path: Path | None, result: dict) -> None:
+    if path is not None:
+        path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ jobgen >= 1.5x B in useful tokens/s):
     .venv/bin/python bench/throughput_gpu.py --work DIR [--only jobgen hf-longest]
 
 ``--smoke`` runs the whole script on CPU with a small model and a few steps (no MFU), to
-check it where there is no GPU. Writes ``DIR/throughput_gpu.json``.
+check it where there is no GPU. Writes ``DIR/throughput_gpu.json``; ``--json FILE`` also writes
+the headline figures and the targets as checks (bench/gpu_proofs.py reads them).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ SHAPE = {
     "model_vocab_size": 128256,
     "max_position_embeddings": 8192,
 }
+MFU_TARGET, RATIO_TARGET = 0.45, 1.5
 PEAK_TFLOPS = {"H200": 989, "H100 PCIe": 756, "H100": 989, "A100": 312, "L40S": 362}
 RUNS = {
     "jobgen": {},
@@ -165,6 +167,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--only", nargs="*", default=None, help=f"a subset of: hf-longest {' '.join(RUNS)}")
     parser.add_argument("--smoke", action="store_true", help="CPU, a small model, 3 steps: checks the script")
+    parser.add_argument("--json", type=Path, default=None, help="write the headline figures and checks here")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.examples, args.max_length = 3, 1, 200, 512
@@ -214,12 +217,32 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)",
         "peak_tflops": peak / 1e12 if peak else None,
         "shape": SMOKE_SHAPE if args.smoke else SHAPE,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("work", "only")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("work", "only", "json")},
         "mean_square_length_per_token": round(square, 1),
         "results": results,
     }
     (work / "throughput_gpu.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"written {work / 'throughput_gpu.json'}")
+    if args.json:
+        args.json.write_text(json.dumps(headline(results, args.smoke), indent=2) + "\n")
+
+
+def headline(results: dict[str, dict], smoke: bool) -> dict:
+    """jobgen against baseline B: the figures and, on a GPU, the targets as checks."""
+    ours, base = results.get("jobgen"), results.get("hf-longest")
+    figures = {
+        "jobgen_useful_tok_s": ours and ours["useful_tokens_per_s"],
+        "hf_useful_tok_s": base and base["useful_tokens_per_s"],
+        "ratio": ours and ours.get("vs_hf_longest"),
+        "jobgen_mfu": ours and ours["mfu"],
+        "hf_mfu": base and base["mfu"],
+        "jobgen_peak_gpu_mib": ours and ours.get("peak_gpu_mib"),
+    }
+    checks = {} if smoke or not (ours and base) else {
+        f"MFU at least {MFU_TARGET:.0%}": (ours["mfu"] or 0) >= MFU_TARGET,
+        f"at least {RATIO_TARGET}x baseline B": ours["vs_hf_longest"] >= RATIO_TARGET,
+    }  # fmt: skip
+    return {"figures": figures, "checks": checks}
 
 
 if __name__ == "__main__":

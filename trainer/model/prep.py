@@ -86,8 +86,10 @@ def compile_decoder_blocks(model: torch.nn.Module) -> torch.nn.Module:
     small graph per block, reused by every block of the same shape, and the blocks stay the
     modules FSDP2 shards and checkpointing wraps. The output layer and the loss head stay
     eager: they are swapped and hooked at run time (trainer.memory.chunked_loss)."""
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    for layer in layers:
         layer.compile()
+    log.info("compiled decoder blocks: %d (train.compile)", len(layers))
     return model
 
 
