@@ -99,8 +99,11 @@ def _gpu_counts(value: str | None) -> list[int] | None:
 def down_cmd(state_dir: str | None, every: bool) -> None:
     """Stop the cluster and remove everything `up` created; fine when nothing is up."""
     try:
-        for one in [None, *instances.registered()] if every else [state_dir]:
-            down(state_dir=one)
+        if not every:
+            down(state_dir=state_dir)
+        # A list, not a generator: every cluster is taken down, not just up to the first one up.
+        elif not any([down(state_dir=one, quiet=True) for one in [None, *instances.registered()]]):
+            click.echo("[jobgen cluster] no dev cluster is up on this machine; nothing to do", err=True)
     except ClusterError as exc:
         raise click.ClickException(str(exc)) from None
 

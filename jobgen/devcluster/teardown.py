@@ -24,8 +24,9 @@ from .daemons import log
 from .state import ClusterError, State, global_lock, load_state, require_root, resolve_state_dir
 
 
-def down(state_dir: str | os.PathLike[str] | None = None) -> bool:
-    """Stop what ``up`` started and remove what it created; False when nothing was up.
+def down(state_dir: str | os.PathLike[str] | None = None, *, quiet: bool = False) -> bool:
+    """Stop what ``up`` started and remove what it created; False when nothing was up (said
+    unless ``quiet``: ``--all`` says it once for all clusters).
 
     ``jobgen cluster down [--state-dir DIR]``.  Packages installed by ``up``
     stay installed.
@@ -35,7 +36,8 @@ def down(state_dir: str | os.PathLike[str] | None = None) -> bool:
     with global_lock():
         state = load_state(root)
         if state is None:
-            log(f"no dev cluster recorded in {root}; nothing to do")
+            if not quiet:
+                log(f"no dev cluster recorded in {root}; nothing to do")
             return False
         started = time.monotonic()
         errors = teardown(state)
