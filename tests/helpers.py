@@ -615,11 +615,25 @@ def stopped_at_lead_time_then_finished(run: Path, job: int, stop_after: int, max
     from jobgen.slurm import client as slurm
 
     task = running_task(job, 1, timeout=240)
-    wait_for(lambda: last_step(run, task) >= stop_after, 240, f"step {stop_after}", interval=0.1)
     # The workers wait (SIGSTOP) while the signal travels (scancel, slurmctld, slurmd, the batch
     # shell's trap, its stop request): a tiny model's remaining steps take less than that trip
-    # on an idle machine (the CI of 9b09b09 saw HSDP finish all 12 steps first).
-    paused = worker_pids(run)
+    # on an idle machine (the CI of 9b09b09 saw HSDP finish all 12 steps first). They are found
+    # before the step is reached, so that nothing but the signal lies between: a loaded machine
+    # took longer over pgrep than the last five steps of a context-parallel run.
+    paused: list[int] = []
+    found_training = [False]
+
+    def reached() -> bool:
+        step = last_step(run, task)
+        if step < 1 or not found_training[0]:  # every rank exists once one step is done
+            paused[:] = worker_pids(run)
+            found_training[0] = step >= 1
+        return step >= stop_after
+
+    wait_for(reached, 240, f"step {stop_after}", interval=0.05)
+    for pid in paused:
+        os.kill(pid, signal.SIGSTOP)
+    paused += [pid for pid in worker_pids(run) if pid not in paused]  # none, unless a rank restarted
     for pid in paused:
         os.kill(pid, signal.SIGSTOP)
     try:

@@ -22,7 +22,7 @@ from helpers import (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
-MAX_STEPS = 8
+MAX_STEPS = 12
 STOP_AFTER = 3
 PACKED = {"packing": True}
 
