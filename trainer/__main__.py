@@ -135,16 +135,19 @@ def run_attempt(spec, run, env, attempt: Attempt, startup, lease, expected_world
 @dataclass(frozen=True)
 class Attempt:
     """Which run of which job this process belongs to: a requeued job keeps its id and
-    only the restart count tells its attempts apart."""
+    only the restart count tells its attempts apart; inside one, the batch script counts
+    its relaunches of the program (job.in_job_restarts)."""
 
     job_id: str | None
     restart: int
     array_job_id: str | None = None  # one submission's tasks share it
+    launch: int = 0  # the batch script's relaunch of the program inside this attempt: 0 is the first
 
     @classmethod
     def from_environ(cls) -> Attempt:
         restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-        return cls(os.environ.get("SLURM_JOB_ID"), restart, os.environ.get("SLURM_ARRAY_JOB_ID"))
+        launch = int(os.environ.get("JOBGEN_LAUNCH") or 0)
+        return cls(os.environ.get("SLURM_JOB_ID"), restart, os.environ.get("SLURM_ARRAY_JOB_ID"), launch)
 
 
 @dataclass
@@ -173,7 +176,7 @@ def record_start(run, attempt: Attempt) -> bool:
     if not attempt.job_id:
         return False
     try:
-        attempt_started(run, attempt.job_id, attempt.restart, attempt.array_job_id)
+        attempt_started(run, attempt.job_id, attempt.restart, attempt.array_job_id, attempt.launch)
     except OSError as exc:  # bookkeeping for the repeat rule: never a reason not to train
         logging.getLogger("trainer").warning("could not record this attempt's start: %s", exc)
         return False
@@ -389,7 +392,9 @@ def record_exit(run, attempt: Attempt, code: ExitCode, reason: str, progress: Pr
     repeated = None
     if progress.started and attempt.job_id:
         try:
-            repeated = attempt_ended(run, attempt.job_id, attempt.restart, attempt.array_job_id, progress.crash)
+            repeated = attempt_ended(
+                run, attempt.job_id, attempt.restart, attempt.array_job_id, progress.crash, attempt.launch
+            )
         except OSError as exc:
             logging.getLogger("trainer").warning("could not record how this attempt ended: %s", exc)
     if progress.repeats_at_once and repeated is None:

@@ -31,13 +31,16 @@ class StartupClock:
 
     Each ``mark(phase)`` ends ``phase`` at the current time (a phase marked twice adds up);
     the first phase began at ``job_start``: the allocation's start, which the batch script
-    exports as JOBGEN_JOB_START, else this process's. Wall-clock seconds (``time.time``), as
-    the job's start was taken by another process."""
+    exports as JOBGEN_JOB_START (a relaunch's, JOBGEN_LAUNCH_START), else this process's.
+    Wall-clock seconds (``time.time``), as the job's start was taken by another process."""
 
     def __init__(self, process_started: float | None = None):
         process_started = process_started or time.time()
         self.process_started = process_started
-        self.job_start = float(os.environ.get("JOBGEN_JOB_START") or process_started)
+        # A relaunch inside the task (job.in_job_restarts) starts its clock when the batch
+        # script relaunched it: its time to the first step is what the relaunch cost.
+        started = os.environ.get("JOBGEN_LAUNCH_START") or os.environ.get("JOBGEN_JOB_START")
+        self.job_start = float(started or process_started)
         self._last = self.job_start
         self.seconds: dict[str, float] = {}
         # Scheduler, srun, torchrun and the interpreter, up to this process's main().

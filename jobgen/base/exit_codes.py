@@ -62,6 +62,14 @@ class ExitCode(IntEnum):
         return self in _PLANNED
 
     @property
+    def relaunches(self) -> bool:
+        """May a relaunch inside the same task get past it (job.in_job_restarts)? A crash may
+        be of the moment (a rank killed, a collective that timed out, a flaky device); every
+        other code is a planned stop, a decision, or a failure the relaunch would meet again.
+        A status that is no code of jobgen's (a launch killed before it wrote one) relaunches too."""
+        return self is ExitCode.CRASHED
+
+    @property
     def repeats(self) -> bool:
         """Would the next array task fail the same way? Then the run stops (the trainer
         writes ``failed``) instead of letting every queued task allocate nodes, load and

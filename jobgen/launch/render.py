@@ -264,6 +264,7 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         "signal": slurm.signal,
         "graceful_stop": job.graceful_stop,
         "array": job.array,
+        "in_job_restarts": spec.in_job_restarts,
     }
 
 
@@ -366,6 +367,8 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
         "probe_timeout_seconds": PROBE_TIMEOUT_SECONDS,
         # How Slurm records each code (jobgen.base.exit_codes): planned stops exit 0 (COMPLETED).
         "planned_exit_codes": Trusted(" ".join(str(int(code)) for code in ExitCode if code.planned)),
+        "jobgen_exit_codes": Trusted(" ".join(str(int(code)) for code in ExitCode)),
+        "relaunch_exit_codes": Trusted(" ".join(str(int(code)) for code in ExitCode if code.relaunches)),
         "exit_words": [(int(code), code.reason) for code in ExitCode],
     }
 

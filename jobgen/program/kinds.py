@@ -38,6 +38,9 @@ class Program:
     planned: bool  # each attempt planned on the head node; [env] and [command] hold placeholders
     own_checkpoints: bool  # saves by its own rules (a Hugging Face Trainer's checkpoint-N/ count)
     checks_nodes: bool  # ends with a health verdict per node, which status shows
+    # job.in_job_restarts: the batch script may start it again inside the task after a failure,
+    # and it resumes from its newest state, telling its launches apart (JOBGEN_LAUNCH).
+    relaunches: bool
 
     def missing(self, present: dict[str, bool]) -> str | None:
         """What the spec's message says this program lacks, given which tables are present;
@@ -60,6 +63,7 @@ PROGRAMS: dict[str, Program] = {
         planned=False,
         own_checkpoints=False,
         checks_nodes=False,
+        relaunches=True,
     ),
     "doctor": Program(
         "doctor",
@@ -72,6 +76,7 @@ PROGRAMS: dict[str, Program] = {
         planned=False,
         own_checkpoints=False,
         checks_nodes=True,
+        relaunches=False,
     ),
     "command": Program(
         "command",
@@ -84,6 +89,8 @@ PROGRAMS: dict[str, Program] = {
         planned=True,
         own_checkpoints=True,
         checks_nodes=False,
+        # Not yet: a relaunch would need the head node's plan again (the newest checkpoint).
+        relaunches=False,
     ),
 }
 assert tuple(PROGRAMS) == ProgramName.__args__, "one entry per job.program, in the order of ProgramName"

@@ -29,7 +29,7 @@ from typing import Any
 from jobgen.base.visible import visible
 from jobgen.program.trainer_records import trainer_history
 from jobgen.report.task_table import read_task_records
-from jobgen.runs.jsonl_records import read_tasks
+from jobgen.runs.jsonl_records import TaskKey, read_tasks, task_key
 from jobgen.runs.metrics_summary import PLOTTED, MetricsSummary
 from jobgen.runs.rundir import RunDir
 from jobgen.runs.summary_cache import summarize
@@ -141,14 +141,14 @@ def _waits(run: RunDir, lines: MetricsSummary, tasks: list[dict[str, Any]]) -> l
     """Spans with no job of the run running: submission to the first start, and each gap
     between one job's end and the next one's start. A job's end is the batch script's
     record of it, else the trainer's exit record, else its last logged step (killed)."""
-    ends: dict[tuple[str, int], tuple[float, float]] = {}
+    ends: dict[TaskKey, tuple[float, float]] = {}
     for record in read_task_records(run).values():
         if record.get("job_start") and record.get("end"):
-            key = (str(record.get("job_id")), int(record.get("restart") or 0))
+            key = task_key(record)
             ends[key] = (float(record["job_start"]), float(record["end"]))
     last_line = {key: task.last_time for key, task in lines.tasks.items()}
     for record in tasks:
-        key = (str(record.get("job_id")), int(record.get("restart") or 0))
+        key = task_key(record)
         if key in ends or not record.get("job_start"):
             continue
         start = float(record["job_start"])

@@ -12,7 +12,7 @@ import time
 from jobgen.base.durations import format_human
 from jobgen.base.visible import visible
 from jobgen.report.status import RunStatus
-from jobgen.report.task_table import TaskStatus
+from jobgen.report.task_table import Relaunch, TaskStatus
 from jobgen.slurm import client as slurm
 from jobgen.spec.tables.run import layout_text
 
@@ -66,7 +66,21 @@ def task_lines(tasks: list[TaskStatus]) -> list[str]:
             f"{name:<12} {visible(t.state):<10} {nodes:<14} {_clock(t.start_time):<11}  {elapsed:>15}  "
             f"{steps:<11} {redone:>6} {first:>8} {shape:>11}  {_why(t)}".rstrip()
         )
+        lines += [_relaunch_line(r) for r in t.relaunches]
     return lines
+
+
+def _relaunch_line(r: Relaunch) -> str:
+    """A relaunch inside the task above it: when, after what, and what it cost."""
+    after = f"exit {r.after_exit}" if r.after_exit is not None else "a failure"
+    line = f"  relaunch {r.launch} {_clock(r.time)} after {after}"
+    line += f" ({visible(r.reason)})" if r.reason else ""
+    if r.start_step is not None:
+        line += f": resumed at step {r.start_step}"
+        line += f", {r.recomputed_steps} redone" if r.recomputed_steps is not None else ""
+        if r.seconds_to_first_step is not None:
+            line += f", first step {r.seconds_to_first_step:.0f}s after the relaunch"
+    return line
 
 
 def format_status(status: RunStatus) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from jobgen.report.task_table import TaskStatus, read_task_records
-from jobgen.runs.goodput import TaskReport, run_reports
+from jobgen.runs.goodput import TaskReport, last_launches, run_reports
 from jobgen.runs.rundir import RunDir
 from jobgen.slurm import client as slurm
 
@@ -37,7 +37,7 @@ def ended_attempts(
 ) -> tuple[set[Attempt], set[str]]:
     """(the attempts some record shows ended, the job ids with an attempt Slurm still holds)."""
     ended = {(str(job), restart) for (job, restart), r in task_records.items() if r.get("exit_code") is not None}
-    ended |= {(r.job_id, r.restart) for r in reports if r.exit_code is not None}
+    ended |= {attempt for attempt, r in last_launches(reports).items() if r.exit_code is not None}
     active = set()
     for task in tasks:
         if task.state in slurm.JOB_ACTIVE:

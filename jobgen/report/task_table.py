@@ -14,20 +14,22 @@ Sources, each read once:
   at its limit or with its node).
 
 A task is one attempt of one job: a requeued job runs again under the same id, and the
-restart count tells the attempts apart.
+restart count tells the attempts apart. Inside one attempt the program may have been launched
+again after a failure (job.in_job_restarts): the task's row holds each relaunch, with the
+batch script's reason and the trainer's time to its first step (what the relaunch cost).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from jobgen.base.durations import parse_slurm_limit
 from jobgen.base.exit_codes import ExitCode
 from jobgen.base.safe_read import DamagedFile, as_int, is_int, is_time, read_json
 from jobgen.base.visible import visible
-from jobgen.runs.goodput import TaskReport
+from jobgen.runs.goodput import TaskReport, last_launches
 from jobgen.runs.rundir import RunDir
 from jobgen.slurm import client as slurm
 
@@ -48,6 +50,22 @@ _SLURM_ENDS = {
     "PREEMPTED": "preempted",
     "DEADLINE": "past its --deadline",
 }
+
+
+@dataclass
+class Relaunch:
+    """One relaunch of the program inside a task (job.in_job_restarts)."""
+
+    launch: int  # 1 for the first relaunch
+    time: float | None = None  # when the batch script started it (epoch seconds)
+    after_exit: int | None = None  # how the launch before it ended (jobgen's code, or the launcher's status)
+    reason: str | None = None  # the batch script's words for that
+    start_step: int | None = None  # the step it resumed at
+    seconds_to_first_step: float | None = None  # from the relaunch to its first step: what it cost
+    recomputed_steps: int | None = None  # steps the launch before it had done beyond start_step
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
@@ -73,6 +91,7 @@ class TaskStatus:
     comment: str | None = None  # Slurm's comment, which the batch script sets as it exits
     world_size: int | None = None  # ranks the trainer ran on (may differ between tasks)
     global_batch: int | None = None  # sequences per optimizer step over all ranks
+    relaunches: list[Relaunch] = field(default_factory=list)  # the program's, inside this task
 
     @property
     def slurm_id(self) -> str:
@@ -90,6 +109,7 @@ _RECORD_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "exit_code": (is_int, "an exit code"),
     "slurm_exit": (is_int, "an exit code"),
     "reason": (lambda v: isinstance(v, str), "words"),
+    "restarts": (lambda v: isinstance(v, list), "a list"),
 }
 
 
@@ -205,7 +225,9 @@ def build_tasks(
     _apply_queue(rows, row, [e for e in ours if e not in waiting], time_limit)
     _mark_requeued(rows)
     # A run by hand outside Slurm has no job id ("None" in its records): it has no row either.
-    program_ended = {(_int(r.job_id, -1), r.restart) for r in reports if r.exit_code is not None}
+    program_ended = {
+        (_int(r.job_id, -1), r.restart) for r in last_launches(reports).values() if r.exit_code is not None
+    }
     _name_time_limit_kills(rows, program_ended)
     tasks = list(rows.values())
     if slurm_answered:
@@ -221,6 +243,7 @@ def _apply_records(row, records: dict[tuple[int, int], dict[str, Any]]) -> None:
         task = row(job_id, restart, _int(record.get("array_job_id"), job_id), array_task)
         task.nodes = record.get("nodes") or None
         task.start_time = record.get("job_start")
+        task.relaunches = _recorded_relaunches(record.get("restarts") or [])
         if record.get("exit_code") is None:
             continue  # started, no end recorded: running, or killed before it could say
         task.jobgen_exit = _int(record.get("exit_code"), -1)
@@ -230,24 +253,63 @@ def _apply_records(row, records: dict[tuple[int, int], dict[str, Any]]) -> None:
             task.elapsed_seconds = float(record["end"]) - float(record["job_start"])
 
 
+def _recorded_relaunches(entries: list[Any]) -> list[Relaunch]:
+    """The batch script's relaunches of a task (its record's ``restarts``); an entry that is no
+    such thing (an edited record) is left out."""
+    out = []
+    for entry in entries:
+        if not isinstance(entry, dict) or not is_int(entry.get("launch")) or entry["launch"] < 1:
+            continue
+        when, code, words = entry.get("time"), entry.get("after_exit"), entry.get("reason")
+        out.append(
+            Relaunch(
+                entry["launch"],
+                time=when if is_time(when) else None,
+                after_exit=code if is_int(code) else None,
+                reason=words if isinstance(words, str) else None,
+            )
+        )
+    return out
+
+
 def _apply_reports(row, reports: list[TaskReport]) -> None:
-    """The trainer's reports: steps, and its own words on how the attempt ended."""
+    """The trainer's reports: steps, and its own words on how the attempt ended. An attempt's
+    first launch gives where it began; its newest, where it got and how it ended; each
+    relaunch, what it cost."""
+    attempts: dict[tuple[int, int], list[TaskReport]] = {}
     for report in reports:
         job_id = as_int(report.job_id)
-        if job_id is None:
-            continue  # a run by hand outside Slurm
-        task = row(job_id, report.restart, _int(report.array_job_id, job_id), report.array_task)
-        task.start_step, task.end_step = report.start_step, report.end_step
-        task.recomputed_steps = report.recomputed_steps
-        task.seconds_to_first_step = report.seconds_to_first_step
-        task.world_size, task.global_batch = report.world_size, report.global_batch
+        if job_id is not None:  # None: a run by hand outside Slurm
+            attempts.setdefault((job_id, report.restart), []).append(report)
+    for (job_id, restart), launches in attempts.items():
+        launches.sort(key=lambda r: r.launch)
+        first, last = launches[0], launches[-1]
+        task = row(job_id, restart, _int(last.array_job_id, job_id), last.array_task)
+        task.start_step, task.end_step = first.start_step, last.end_step
+        task.recomputed_steps = sum(r.recomputed_steps for r in launches)
+        task.seconds_to_first_step = first.seconds_to_first_step
+        task.world_size, task.global_batch = last.world_size, last.global_batch
+        _apply_relaunches(task, [r for r in launches if r.launch > 0])
         # The program's own words win, but not goodput's guess for a program that left no
         # exit record ("killed?") over what the batch script recorded (a node failure, ...).
-        if report.exit_reason and (report.exit_code is not None or not task.exit_reason):
-            task.exit_reason = report.exit_reason
-        if report.exit_code is not None and (task.jobgen_exit is None):
-            task.jobgen_exit = report.exit_code
-            task.state = "COMPLETED" if ExitCode(report.exit_code).planned else "FAILED"
+        if last.exit_reason and (last.exit_code is not None or not task.exit_reason):
+            task.exit_reason = last.exit_reason
+        if last.exit_code is not None and (task.jobgen_exit is None):
+            task.jobgen_exit = last.exit_code
+            task.state = "COMPLETED" if ExitCode(last.exit_code).planned else "FAILED"
+
+
+def _apply_relaunches(task: TaskStatus, relaunched: list[TaskReport]) -> None:
+    """The trainer's side of each relaunch (where it resumed, what it cost) beside the batch
+    script's (when and why); a relaunch the script's record does not hold yet still counts."""
+    recorded = {r.launch: r for r in task.relaunches}
+    for report in relaunched:
+        relaunch = recorded.get(report.launch) or Relaunch(report.launch)
+        relaunch.start_step = report.start_step
+        relaunch.seconds_to_first_step = report.seconds_to_first_step
+        relaunch.recomputed_steps = report.recomputed_steps
+        recorded[report.launch] = relaunch
+    task.relaunches = [recorded[launch] for launch in sorted(recorded)]
 
 
 def _name_time_limit_kills(rows: dict[tuple[int, int], TaskStatus], program_ended: set[tuple[int, int]]) -> None:

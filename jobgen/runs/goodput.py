@@ -19,6 +19,7 @@ loss) leaves no exit record; its last metrics line stands in. From these:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ LEAD_SLACK_SECONDS = 10.0
 class TaskReport:
     job_id: str
     restart: int = 0  # Slurm's restart count: a requeued job runs again under the same id
+    launch: int = 0  # the program's relaunch inside the task (job.in_job_restarts): 0 is its first
     start_step: int | None = None
     end_step: int | None = None
     recomputed_steps: int = 0
@@ -58,8 +60,23 @@ class TaskReport:
     world_size: int | None = None
     global_batch: int | None = None
 
+    @property
+    def key(self) -> TaskKey:
+        return self.job_id, self.restart, self.launch
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def last_launches(reports: list[TaskReport] | Iterable[TaskReport]) -> dict[tuple[str, int], TaskReport]:
+    """Each attempt's (job id, restart) newest launch: the one that says how the attempt ended
+    or is going (an earlier launch's exit is the failure the batch script relaunched after)."""
+    last: dict[tuple[str, int], TaskReport] = {}
+    for report in reports:
+        held = last.get((report.job_id, report.restart))
+        if held is None or report.launch >= held.launch:
+            last[(report.job_id, report.restart)] = report
+    return last
 
 
 def task_reports(
@@ -95,10 +112,10 @@ def _allocation_of_killed_jobs(
     reports: list[TaskReport], job_starts: dict[TaskKey, float], time_limit: float, now: float | None
 ) -> None:
     for i, report in enumerate(reports):
-        start = job_starts.get((report.job_id, report.restart))
+        start = job_starts.get(report.key)
         if report.exit_code is not None or start is None or report.allocated_seconds is None:
             continue
-        later = [job_starts.get((r.job_id, r.restart)) for r in reports[i + 1 :]]
+        later = [job_starts.get(r.key) for r in reports[i + 1 :]]
         next_start = min((t for t in later if t is not None and t > start), default=None)
         end = min(t for t in (start + time_limit, next_start, now) if t is not None)
         report.allocated_seconds = round(max(report.allocated_seconds, end - start), 3)
@@ -111,7 +128,7 @@ def _reports_from_task_records(tasks: list[dict[str, Any]]) -> tuple[dict[TaskKe
     job_starts: dict[TaskKey, float] = {}
     for record in tasks:
         key = task_key(record)
-        report = reports.setdefault(key, TaskReport(job_id=key[0], restart=key[1]))
+        report = reports.setdefault(key, TaskReport(job_id=key[0], restart=key[1], launch=key[2]))
         event = record.get("event")
         if record.get("array_task"):
             report.array_job_id, report.array_task = str(record.get("array_job_id")), str(record["array_task"])

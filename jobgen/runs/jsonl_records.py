@@ -79,6 +79,7 @@ METRICS_FIELDS: tuple[dict[str, _Check], dict[str, _Check]] = (
     {
         "job_id": _JOB_ID,
         "restart": _INT,
+        "launch": _INT,
         "event": (lambda v: isinstance(v, str), "a string"),
         **dict.fromkeys(("loss", "lr", "tokens_per_s", "step_seconds", "eval_loss", "eval_ppl"), _NUMBER),
         "host_used_percent": _NUMBER,
@@ -89,6 +90,7 @@ TASKS_FIELDS: tuple[dict[str, _Check], dict[str, _Check]] = (
     {
         "job_id": _JOB_ID,
         "restart": _INT,
+        "launch": _INT,
         "event": (lambda v: isinstance(v, str), "a string"),
         "array_job_id": _JOB_ID,
         "array_task": _JOB_ID,
@@ -268,8 +270,11 @@ def read_tasks(path: Path) -> Records:
     return read_records(path, TASKS_FIELDS, "task")
 
 
-TaskKey = tuple[str, int]  # (job id, Slurm restart count): one run of one job
+# (job id, Slurm's restart count, the launch inside the task): one run of the program. A
+# requeued job keeps its id and Slurm counts its restarts; the batch script counts the
+# program's relaunches inside one allocation (job.in_job_restarts; records before it have none).
+TaskKey = tuple[str, int, int]
 
 
 def task_key(record: dict[str, Any]) -> TaskKey:
-    return str(record.get("job_id")), int(record.get("restart") or 0)
+    return str(record.get("job_id")), int(record.get("restart") or 0), int(record.get("launch") or 0)

@@ -31,7 +31,7 @@ from typing import Any
 from jobgen.base.safe_read import is_number
 from jobgen.runs.jsonl_records import METRICS_FIELDS, TaskKey, is_eval_line, record_problem, task_key
 
-VERSION = 3
+VERSION = 4  # 4: a task is (job id, restart, launch)
 # Training lines whose median step time gives status's ETA.
 ETA_WINDOW = 20
 # Records whose (step, time) give the disk watchdog's step rate.
@@ -349,7 +349,7 @@ class MetricsSummary:
         """(host_used_percent, whether it was logged) of the job's newest training line, over
         every restart of the job; None when it logged none."""
         newest = None
-        for (job, _), task in self.tasks.items():
+        for (job, *_), task in self.tasks.items():
             if (
                 job == str(job_id)
                 and task.last_train is not None
@@ -401,7 +401,7 @@ class MetricsSummary:
                 "recent": list(self.recent),
                 "eval_last": self.eval_last,
                 "eval_lowest": self.eval_lowest,
-                "tasks": [[job, restart, task.to_json()] for (job, restart), task in self.tasks.items()],
+                "tasks": [[*key, task.to_json()] for key, task in self.tasks.items()],
             },
         }
 
@@ -435,10 +435,12 @@ class MetricsSummary:
             _check(isinstance(state["recent"], list) and len(state["recent"]) <= RECENT, "recent records")
             _check(all(isinstance(r, list) and len(r) == 2 for r in state["recent"]), "recent records")
             out.recent.extend(state["recent"])
-            for job, restart, task in state["tasks"]:
-                _check(isinstance(job, str) and isinstance(restart, int) and (job, restart) not in out.tasks, "a task")
-                out.task_index[(job, restart)] = len(out.task_index)
-                out.tasks[(job, restart)] = TaskMetrics.from_json(task)
+            for job, restart, launch, task in state["tasks"]:
+                key = (job, restart, launch)
+                _check(isinstance(job, str) and isinstance(restart, int) and isinstance(launch, int), "a task")
+                _check(key not in out.tasks, "a task once")
+                out.task_index[key] = len(out.task_index)
+                out.tasks[key] = TaskMetrics.from_json(task)
             if series is not None:
                 out._series, out._series_text = None, series
         except (KeyError, TypeError, ValueError) as exc:

@@ -168,29 +168,39 @@ def _last_attempt(run: RunDir) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def attempt_started(run: RunDir, job_id: str, restart: int, array_job_id: str | None) -> None:
+def attempt_started(run: RunDir, job_id: str, restart: int, array_job_id: str | None, launch: int = 0) -> None:
     """Rank 0 of a program that is about to run (past its start checks, holding the writer
     lease): this attempt started, and the crash it would repeat: the previous attempt's, when
-    that one ended in a crash, was another task (a requeued job keeps its id: an earlier
-    attempt of this job does not count) and belongs to this submission (the same array job,
-    so a resubmission starts afresh). An attempt that never ended (killed) leaves none."""
+    that one ended in a crash and was either another task of this submission (the same array
+    job, so a resubmission starts afresh; a requeued job keeps its id: an earlier attempt of
+    this job does not count) or an earlier launch of this very attempt, which the batch script
+    relaunched inside the task (``launch``, job.in_job_restarts). An attempt that never ended
+    (killed) leaves none."""
     last = _last_attempt(run)
     other_task = last.get("job_id") not in (None, job_id) and last.get("array_job_id") == array_job_id
-    previous = last.get("crash") if last.get("ended") is True and other_task else None
-    record = {"job_id": job_id, "restart": restart, "array_job_id": array_job_id, "ended": False}
+    earlier_launch = (last.get("job_id"), last.get("restart")) == (job_id, restart) and _launch(last) < launch
+    previous = last.get("crash") if last.get("ended") is True and (other_task or earlier_launch) else None
+    record = {"job_id": job_id, "restart": restart, "launch": launch, "array_job_id": array_job_id, "ended": False}
     write_json_atomic(_attempt_file(run), {**record, "previous_crash": previous})
 
 
+def _launch(record: dict[str, Any]) -> int:
+    """The launch an attempt record names (0 in records written before launches were counted)."""
+    launch = record.get("launch", 0)
+    return launch if isinstance(launch, int) and not isinstance(launch, bool) else 0
+
+
 def attempt_ended(
-    run: RunDir, job_id: str, restart: int, array_job_id: str | None, crash: CrashSignature | None
+    run: RunDir, job_id: str, restart: int, array_job_id: str | None, crash: CrashSignature | None, launch: int = 0
 ) -> CrashSignature | None:
     """Rank 0, as an attempt that :func:`attempt_started` ends, crashed (``crash``) or not:
     records how, and returns ``crash`` when the previous task of the run crashed exactly so (the
     run must stop: at most one more task was spent on it), else None."""
     last = _last_attempt(run)
-    mine = last.get("job_id") == job_id and last.get("restart") == restart and last.get("ended") is False
+    mine = (last.get("job_id"), last.get("restart"), _launch(last)) == (job_id, restart, launch)
+    mine = mine and last.get("ended") is False
     repeated = crash is not None and mine and CrashSignature.from_json(last.get("previous_crash")) == crash
-    record = {"job_id": job_id, "restart": restart, "array_job_id": array_job_id, "ended": True}
+    record = {"job_id": job_id, "restart": restart, "launch": launch, "array_job_id": array_job_id, "ended": True}
     write_json_atomic(_attempt_file(run), {**record, "crash": asdict(crash) if crash else None})
     return crash if repeated else None
 
@@ -253,8 +263,13 @@ class MetricsWriter:
         self._summarized = time.monotonic()
         self._summarizing: threading.Thread | None = None
         self.job_id = os.environ.get("SLURM_JOB_ID")
-        # A requeued job keeps its id; the restart count tells its runs apart.
+        # A requeued job keeps its id; the restart count tells its runs apart, and the batch
+        # script's launch count its relaunches inside one run (job.in_job_restarts).
         self.restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        self.launch = int(os.environ.get("JOBGEN_LAUNCH") or 0)
+        # Records name the launch only when there was a relaunch: a task's first launch reads
+        # as it always did.
+        self.stamp = {"job_id": self.job_id, "restart": self.restart} | ({"launch": self.launch} if self.launch else {})
         # Slurm's name of the task (ARRAY_TASK), for status after Slurm forgot the job.
         self.array = {
             "array_job_id": os.environ.get("SLURM_ARRAY_JOB_ID"),
@@ -271,9 +286,7 @@ class MetricsWriter:
 
     def log_step(self, record: dict[str, Any]) -> None:
         # The stamp comes last: whatever ``record`` holds, these are the writer's own.
-        self._append(
-            "metrics.jsonl", {**record, "time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart}
-        )
+        self._append("metrics.jsonl", {**record, "time": round(time.time(), 3), **self.stamp})
         if self.enabled and time.monotonic() - self._summarized >= SUMMARY_EVERY_SECONDS:
             self.refresh_summary()
 
@@ -292,14 +305,12 @@ class MetricsWriter:
     def log_task(self, record: dict[str, Any]) -> None:
         self._append(
             "tasks.jsonl",
-            {"time": round(time.time(), 3), "job_id": self.job_id, "restart": self.restart, **self.array, **record},
+            {"time": round(time.time(), 3), **self.stamp, **self.array, **record},
         )
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.enabled:
-            write_json_atomic(
-                self.run_dir / "metrics.json", {"job_id": self.job_id, "restart": self.restart, **summary}
-            )
+            write_json_atomic(self.run_dir / "metrics.json", {**self.stamp, **summary})
 
 
 def _refresh(run_dir: Path) -> None:

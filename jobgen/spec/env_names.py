@@ -105,10 +105,11 @@ SCRIPT_OWNED = frozenset(
     | {"NODE_LAUNCH", "NODE_PROCS", "NODE_THREADS", "NPROC", "NODE_ADDR", "IS_HOST", "STOP_REQUEST"}
     | {"CAUGHT", "FORWARDED", "LAUNCH_PID", "EXIT_CODE_FILE", "SWEEP_DIR", "POINT_DIR", "POINT_SCRIPT"}
     | {"POINT_LOG", "SERVE", "SERVE_PID", "PYTHONPATH"}
+    | {"RESTARTS", "IN_JOB_RESTARTS", "JOBGEN_EXIT_CODES", "RELAUNCH_EXIT_CODES", "LAUNCH", "STOP_CAUGHT"}
     # the scripts' lower-case working variables
     | {"status", "words", "tmp", "lead", "end", "task", "code", "slurm_exit", "s", "switch"}
     | {"node", "gpus", "given", "given_count", "out", "probe_out", "probe_failed", "line", "why", "blamed"}
-    | {"trainer_status", "left", "deadline", "live", "tasks", "answer", "outcome", "throttle"}
+    | {"trainer_status", "left", "deadline", "live", "tasks", "answer", "outcome", "throttle", "restarted"}
 )
 # Settings the scripts export as defaults, which the site's network.env and the run's [env]
 # are there to change: they are exported after the script's own (docs/run-toml.md).

@@ -40,6 +40,14 @@ class ResolvedSpec:
     def constraint(self) -> str | None:
         return self.run.job.constraint or self.site.slurm.constraint
 
+    @property
+    def in_job_restarts(self) -> int:
+        """Relaunches inside one array task: the job's, else the site's (programs that relaunch only)."""
+        if not self.run.job.kind.relaunches:
+            return 0
+        job = self.run.job.in_job_restarts
+        return job if job is not None else self.site.slurm.default_in_job_restarts
+
     # The world's shape: JobSpec.node_procs with the site's default, nowhere else.
     @property
     def default_procs_per_node(self) -> int:

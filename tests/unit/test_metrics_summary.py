@@ -85,19 +85,27 @@ def history(rng: random.Random, size: int) -> tuple[bytes, list[dict[str, Any]]]
     """The bytes of a metrics.jsonl, and the tasks.jsonl records that go with it."""
     out: list[bytes] = []
     tasks: list[dict[str, Any]] = []
-    at, reached, job = T0, 0, 100
+    at, reached, job, restart, launch = T0, 0, 100, 0, 0
     while sum(map(len, out)) < size * 120:
-        job += rng.choice([1, 1, 1, 0])  # 0: the same job requeued (a restart)
-        restart = sum(1 for t in tasks if t["job_id"] == str(job) and t["event"] == "first_step")
+        kind = rng.choice(["next", "next", "next", "requeued", "relaunched"])
+        if kind == "relaunched" and tasks:  # the batch script started the program again in the task
+            launch += 1
+        else:  # the next task, or the same job requeued (a restart)
+            job += kind == "next"
+            restart = sum(
+                1 for t in tasks if t["job_id"] == str(job) and t["event"] == "first_step" and not t.get("launch")
+            )
+            launch = 0
+        stamp = {"launch": launch} if launch else {}  # as MetricsWriter writes it
         start = max(0, reached - rng.randint(0, 7))  # resumed from an older checkpoint
         world = rng.choice([1, 2, 4])
         tasks.append(
             {"time": at, "event": "first_step", "job_id": str(job), "restart": restart, "start_step": start,
-             "job_start": at - 5, "world_size": world}
+             "job_start": at - 5, "world_size": world, **stamp}
         )  # fmt: skip
         for step in range(start + 1, start + rng.randint(1, 40)):
             at += rng.uniform(0.5, 3)
-            line = json.dumps(_record(rng, str(job), restart, step, at, world)).encode()
+            line = json.dumps({**_record(rng, str(job), restart, step, at, world), **stamp}).encode()
             roll = rng.random()
             if roll < 0.04:
                 out.append(line[: rng.randint(1, len(line) - 1)])  # cut by a crash: the next append follows it
@@ -106,13 +114,13 @@ def history(rng: random.Random, size: int) -> tuple[bytes, list[dict[str, Any]]]
             if roll < 0.12:
                 out.append(rng.choice(DAMAGE) + b"\n")
             if roll > 0.85:
-                out.append(json.dumps(_evaluation(rng, str(job), restart, step, at)).encode() + b"\n")
+                out.append(json.dumps({**_evaluation(rng, str(job), restart, step, at), **stamp}).encode() + b"\n")
             reached = max(reached, step)
         if rng.random() < 0.6:
             tasks.append(
                 {"time": at + 1, "event": "exit", "job_id": str(job), "restart": restart, "start_step": start,
                  "end_step": reached, "exit_code": 0, "job_start": at - 30, "step_seconds_total": 12.0,
-                 "save_seconds": [1.5]}
+                 "save_seconds": [1.5], **stamp}
             )  # fmt: skip
     if rng.random() < 0.3:
         out.append(rng.choice(DAMAGE))  # the file ends in the middle of a line, or in a bad one
@@ -127,9 +135,13 @@ def reference(path: Path) -> dict[str, Any]:
     lines = read_metrics(path)
     steps = training_lines(lines)
     evals = [x for x in lines if is_eval_line(x) and x.get("eval_loss") is not None]
-    by_task: dict[tuple[str, int], list[dict[str, Any]]] = {}
+
+    def task_of(line: dict[str, Any]) -> tuple[str, int, int]:  # one launch of one attempt of one job
+        return str(line.get("job_id")), int(line.get("restart") or 0), int(line.get("launch") or 0)
+
+    by_task: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     for line in lines:
-        by_task.setdefault((str(line.get("job_id")), int(line.get("restart") or 0)), []).append(line)
+        by_task.setdefault(task_of(line), []).append(line)
     killed = {}
     for key, task in by_task.items():
         seconds = [float(x["step_seconds"]) for x in task if x.get("step_seconds") is not None]
@@ -150,7 +162,7 @@ def reference(path: Path) -> dict[str, Any]:
         rows = [x for x in (evals if key == "eval_loss" else steps) if plotted_value(x, key) is not None]
         parts: list[Any] = []
         for x in rows:
-            task = (str(x.get("job_id")), int(x.get("restart") or 0))
+            task = task_of(x)
             if not parts or parts[-1][0] != task:
                 parts.append((task, [], [], []))
             parts[-1][1].append(x["step"])
@@ -303,7 +315,7 @@ def test_a_long_history_is_decimated_and_keeps_every_spike(tmp_path: Path):
     assert same(whole(summary), whole(full_scan(path)))
     assert len(summary.series["loss"].buckets) <= MAX_BUCKETS
     parts = summary.segments("loss")
-    assert [task for task, *_ in parts] == [("0", 0), ("1", 0)]  # a line never joins two jobs
+    assert [task for task, *_ in parts] == [("0", 0, 0), ("1", 0, 0)]  # a line never joins two jobs
     assert max(v for _, _, _, values in parts for v in values) == 10.0  # the spike shows
     drawn = sum(len(steps) for _, steps, _, _ in parts)
     assert drawn <= 4 * MAX_BUCKETS < len(lines)

@@ -34,7 +34,7 @@ from jobgen.spec.tables.data import DataSpec
 from jobgen.spec.tables.eval import EvalSpec
 from jobgen.spec.tables.model import ModelSpec
 from jobgen.spec.tables.serve import ServeSpec
-from jobgen.spec.tables.site import DeviceMemory
+from jobgen.spec.tables.site import MAX_IN_JOB_RESTARTS, DeviceMemory
 from jobgen.spec.tables.sweep import SweepSpec
 from jobgen.spec.tables.train import TrainSpec
 from jobgen.spec.tables.watchdogs import WatchdogSettings
@@ -108,6 +108,20 @@ class JobSpec(SpecModel):
             "on demand, and to measure what graceful stops save (bench/goodput.py). Switch files still work."
         ),
     )
+    in_job_restarts: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_IN_JOB_RESTARTS,
+        description=(
+            "Relaunches of the program inside one array task: when it fails for a reason that may not repeat "
+            "(a rank crashed or was killed, a collective timed out), the batch script keeps the allocation and "
+            "starts it again on the same nodes, resuming from the newest checkpoint, instead of ending the task "
+            "and waiting in the queue for nodes again. A crash that repeats the previous launch's (same exception, "
+            "place and step), an error every launch would meet (data, model, settings), a node found at fault, a "
+            "planned stop, a switch or a signal from Slurm end the task as before. Default: the site's "
+            "slurm.in_job_restarts. The bundled trainer (program 'train') only."
+        ),
+    )
     runs_root: SafePath | None = Field(None, description="Overrides the site's paths.runs_root.")
     partition: SlurmName | None = Field(None, description="Overrides the site's slurm.partition.")
     account: SlurmName | None = Field(None, description="Overrides the site's slurm.account.")
@@ -178,6 +192,15 @@ class JobSpec(SpecModel):
             if not 1 <= count <= MAX_PROCS_PER_NODE:
                 raise ValueError(f"{where} must be from 1 to {MAX_PROCS_PER_NODE} processes")
         return value
+
+    @model_validator(mode="after")
+    def _restarts_need_a_resumable_program(self) -> JobSpec:
+        if self.in_job_restarts and not self.kind.relaunches:
+            raise ValueError(
+                f"job.in_job_restarts = {self.in_job_restarts}: program '{self.program}' is not relaunched inside "
+                "a task (the bundled trainer is); leave job.in_job_restarts unset or 0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _min_nodes_at_most_nodes(self) -> JobSpec:

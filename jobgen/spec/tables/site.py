@@ -72,6 +72,13 @@ SiteName = matching(
 )
 
 
+# Relaunches inside one array task: a few ride out a flaky rank; more only hide a broken run.
+MAX_IN_JOB_RESTARTS = 20
+# slurm.in_job_restarts unset: on sites whose ranks compute on GPUs (where a task's nodes are
+# hard to get back), this many; elsewhere none, so the task-to-task path stays the tested one.
+GPU_SITE_IN_JOB_RESTARTS = 2
+
+
 class SlurmSettings(SpecModel):
     """How jobs ask Slurm for resources on this cluster."""
 
@@ -125,6 +132,16 @@ class SlurmSettings(SpecModel):
         description="Signal Slurm sends the batch shell exit_grace before the time limit (--signal=B:SIG@T).",
     )
     requeue: bool = Field(True, description="Let Slurm requeue the job after preemption or node failure (--requeue).")
+    in_job_restarts: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_IN_JOB_RESTARTS,
+        description=(
+            "Default of job.in_job_restarts (relaunches of the program inside one array task after a failure "
+            f"that may not repeat). Unset: {GPU_SITE_IN_JOB_RESTARTS} where the ranks compute on GPUs, 0 "
+            "elsewhere (the dev cluster's sites)."
+        ),
+    )
     extra_sbatch: list[SbatchOption] = Field(
         default_factory=list,
         description=(
@@ -137,6 +154,13 @@ class SlurmSettings(SpecModel):
     def computes_on_gpu(self) -> bool:
         """Whether the ranks compute on GPUs (NCCL, CUDA memory): GPUs asked for and used."""
         return self.gpus_per_node > 0 and self.gpu_compute
+
+    @property
+    def default_in_job_restarts(self) -> int:
+        """slurm.in_job_restarts, or its default for this kind of site."""
+        if self.in_job_restarts is not None:
+            return self.in_job_restarts
+        return GPU_SITE_IN_JOB_RESTARTS if self.computes_on_gpu else 0
 
     @property
     def default_procs_per_node(self) -> int:

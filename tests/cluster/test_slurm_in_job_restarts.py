@@ -1,0 +1,142 @@
+"""The program relaunched inside its allocation (issue 35, ``job.in_job_restarts``), on the
+real dev cluster: a killed rank costs seconds and the steps since the newest checkpoint, not
+a new array task that waits in the queue for nodes; a crash that repeats in the relaunch
+stops the run at once with one reason.
+
+The dev sites default to no relaunch (the task-to-task path their other tests exercise);
+these runs ask for it in [job]."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import (
+    assert_same_training,
+    jobgen,
+    last_step,
+    losses,
+    read_jsonl,
+    running_task,
+    status,
+    submit,
+    submitted_job_id,
+    wait_for,
+    wait_until_gone,
+    worker_pids,
+)
+from jobgen.base.exit_codes import ExitCode
+from jobgen.slurm import client as slurm
+
+pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.lifecycle]
+
+MAX_STEPS = 40
+SAVE_EVERY = 5
+
+
+def relaunch_lines(run: Path, launch: int) -> list[dict]:
+    return [r for r in read_jsonl(run / "metrics.jsonl") if r.get("launch", 0) == launch and r.get("event") != "eval"]
+
+
+def test_a_killed_rank_is_relaunched_inside_the_same_task_and_trains_on_exactly(cluster_run):
+    reference = cluster_run("relaunch-ref", nodes=1, procs_per_node=2, max_steps=MAX_STEPS)
+    run = cluster_run(
+        "relaunch",
+        nodes=2,
+        procs_per_node=1,
+        array=2,
+        max_steps=MAX_STEPS,
+        save_every_steps=SAVE_EVERY,
+        job={"in_job_restarts": 2},
+    )
+    array = submit(run.spec)
+    task = running_task(array, 1)
+    submit(reference.spec)
+    wait_for(lambda: last_step(run.path, task) >= SAVE_EVERY + 3, 180, "task 1 past its first checkpoint")
+    victim = worker_pids(run.path)[-1]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+    reached = last_step(run.path, task)
+
+    # The same array task goes on: its relaunch logs a step within 30 s, and task 2 waits.
+    first = wait_for(lambda: next(iter(relaunch_lines(run.path, 1)), None), 120, "a step of the relaunch")
+    assert first["job_id"] == str(task), first
+    assert first["time"] - killed_at <= 30, f"first step {first['time'] - killed_at:.1f} s after the kill"
+    assert [e.state for e in slurm.queue([array]) if e.array_task == "2"] == ["PENDING"]
+    wait_for(lambda: (run.path / "done").exists(), 300, "the relaunched run to finish")
+    (resumed,) = [r for r in read_jsonl(run.path / "tasks.jsonl") if r["event"] == "first_step" and r.get("launch")]
+    redone = reached - resumed["start_step"]
+    assert resumed["job_id"] == str(task) and 0 <= redone <= SAVE_EVERY, (reached, resumed)
+
+    # Every loss either launch logged is the uninterrupted run's.
+    wait_for(lambda: (reference.path / "done").exists(), 300, "the reference run to finish")
+    assert_same_training(run.path, reference.path, MAX_STEPS)
+    expected = losses(reference.path)
+    for line in relaunch_lines(run.path, 0):
+        assert line["loss"] == pytest.approx(expected[line["step"]], rel=1e-4, abs=1e-5), line
+
+    # One task, with its relaunch, its reason and what it cost; the next task found the run done.
+    wait_until_gone([array], timeout=180)
+    (row,) = [t for t in status(run.path)["tasks"] if t["job_id"] == task]
+    (relaunch,) = row["relaunches"]
+    assert relaunch["launch"] == 1 and relaunch["after_exit"] not in (None, 0), relaunch
+    assert relaunch["start_step"] == resumed["start_step"] and relaunch["recomputed_steps"] == redone, relaunch
+    assert relaunch["seconds_to_first_step"] == pytest.approx(resumed["seconds_to_first_step"]), relaunch
+    assert row["jobgen_exit"] == ExitCode.OK, row
+    log = (run.path / "logs" / f"relaunch-{task}.out").read_text()
+    assert "relaunching the program inside this task (relaunch 1 of at most 2)" in log, log[-3000:]
+    print(
+        f"relaunch: rank killed at step {reached}, relaunch resumed at {resumed['start_step']} ({redone} redone), "
+        f"its first step {first['time'] - killed_at:.1f} s after the kill "
+        f"({resumed['seconds_to_first_step']:.1f} s after the relaunch)"
+    )
+
+
+# Every worker (torchrun sets RANK) crashes in its CRASH_AT-th optimizer step: with no checkpoint
+# each launch starts at step 0 and meets it at the same step.
+SITECUSTOMIZE = textwrap.dedent(
+    """
+    import os
+
+    if os.environ.get("RANK") is not None and os.environ.get("CRASH_AT"):
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        calls = []
+
+        def crash(optimizer, args, kwargs):
+            calls.append(1)
+            if len(calls) == int(os.environ["CRASH_AT"]):
+                raise ValueError("a planted crash")
+
+        register_optimizer_step_pre_hook(crash)
+    """
+)
+
+
+def test_a_crash_that_repeats_in_the_relaunch_stops_the_run_with_one_reason(cluster_run, tmp_path):
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    run = cluster_run("relaunch-repeat", nodes=1, procs_per_node=2, array=2, max_steps=20, job={"in_job_restarts": 3})
+    env = {"PYTHONPATH": str(plant), "CRASH_AT": "3"}  # sbatch exports the submitting environment
+    array = submitted_job_id(jobgen("submit", str(run.spec), env=env, check=True).stdout)
+    wait_until_gone([array], timeout=300)
+
+    marker = json.loads((run.path / "failed").read_text())
+    assert marker["reason"].startswith("crashed twice the same way at step 2 (ValueError at sitecustomize.py:"), marker
+    records = {json.loads(p.read_text())["array_task"]: json.loads(p.read_text()) for p in run.path.glob("logs/task.*")}
+    task1 = records["1"]
+    assert len(task1["restarts"]) == 1 and task1["restarts"][0]["after_exit"] == ExitCode.CRASHED, task1
+    assert task1["exit_code"] == ExitCode.CRASHED and task1["reason"].startswith("crashed twice the same way"), task1
+    assert records["2"]["reason"].startswith("not started: the run stopped after a failure"), records["2"]
+    # Both launches of task 1 took a first step (each from step 0: no checkpoint), then the same crash.
+    starts = [(r.get("launch", 0), r["start_step"]) for r in read_jsonl(run.path / "tasks.jsonl")]
+    assert starts == [(0, 0), (1, 0)], starts
+    log = (run.path / "logs" / f"relaunch-repeat-{task1['job_id']}.out").read_text()
+    assert "not relaunching the program: the run is marked failed" in log, log[-3000:]
