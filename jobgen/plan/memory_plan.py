@@ -432,8 +432,6 @@ def plan_run(spec: Any) -> MemoryPlan:
     plan.param_count, plan.trainable_params = model.param_count, est.trainable_params
     plan.param_source = model.counted_from
     plan.notes = est.notes
-    plan.headroom = headroom(est, inputs)
-    plan.reserve = sum(plan.headroom.values())
     plan.host_per_node = host_bytes_per_node(est, inputs)
     plan.host_budget, plan.host_budget_source = host_budget_for(spec)
     plan.budget, plan.budget_source = budget_for(spec)
@@ -444,6 +442,10 @@ def plan_run(spec: Any) -> MemoryPlan:
         plan.components, plan.phases, plan.peak = chosen.components, chosen.phases, chosen.peak
         plan.budget = plan.position_budgets[position.position]
         plan.budget_source = f"job.device_memory: pipeline position {position.position}'s nodes, the tightest"
+    # What the GPU needs beyond the peak, of the position the verdict is about (its NCCL
+    # buffers, its fragmentation): the tightest's with job.device_memory, else the busiest's.
+    plan.headroom = headroom(chosen if tightest is not None else est, inputs)
+    plan.reserve = sum(plan.headroom.values())
     plan.measured = read_measured(spec.run_dir)
     budgets = Budgets(plan.budget, plan.host_budget) if plan.budget is not None else None
     # What the run has on that a parallelism may refuse, [eval] among them, which the inputs

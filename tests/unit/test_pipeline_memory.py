@@ -13,7 +13,7 @@ from fake_models import fake_model
 from helpers import DATA, run_spec
 from jobgen.model.files import ModelInfo, read_model
 from jobgen.model.pipeline_split import SCHEDULES, stage_layers
-from jobgen.plan.estimate import estimate
+from jobgen.plan.estimate import FRAGMENTATION_MARGIN, estimate
 from jobgen.plan.inputs import PipelineInputs, PlanInputs
 from jobgen.plan.memory_plan import plan_run
 from jobgen.plan.pipeline import (
@@ -315,6 +315,11 @@ def test_a_larger_card_gets_more_blocks_in_the_plan_and_the_trainer_alike(tmp_pa
     assert plan.position_budgets == [24 * 10**9, 80 * 10**9] and plan.tightest is not None
     chosen = plan.positions[plan.tightest]
     assert plan.peak == chosen.estimate.peak and plan.budget == plan.position_budgets[plan.tightest]
+    # Its headroom too: the fragmentation margin is of the tightest position's peak, not the busiest's.
+    busiest = max(plan.positions, key=lambda p: p.estimate.peak)
+    assert busiest.position != plan.tightest, "the case needs a tightest position that is not the busiest"
+    assert plan.headroom["fragmentation"] == int(FRAGMENTATION_MARGIN * chosen.estimate.peak), plan.headroom
+    assert plan.reserve == sum(plan.headroom.values())
     assert "<- the tightest" in plan.format() and "job.device_memory: pipeline position" in plan.summary()
     # Equal cards split as without the key; the order of the entries is the nodes'.
     equal = plan_run(load_run(unequal_cards(tmp_path / "b", ["80GB", "80GB"])))
