@@ -32,8 +32,9 @@ import json
 import math
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from jobgen.base.visible import visible
 
@@ -118,6 +119,28 @@ def read_bytes(path: Path, limit: int = SMALL_FILE) -> bytes:
     if size > limit:
         raise DamagedFile(path, f"is larger than {limit >> 20} MiB, more than any such file jobgen writes")
     return b"".join(chunks)
+
+
+# What a reader from a file's end reads at a time.
+BACKWARD_BLOCK = 1 << 16
+
+
+def lines_backwards(fh: BinaryIO, size: int, block: int = BACKWARD_BLOCK) -> Iterator[tuple[list[bytes], bool]]:
+    """The first ``size`` bytes of ``fh`` as lines, read from the end a block at a time (the
+    newest lines of a long log or JSONL file without reading its history): for each block,
+    its lines in the file's order, without their newlines, and whether the file's start was
+    reached. The first list's last item is what follows the last newline (b"" when the file
+    ends with one; else a line still being written or cut short). A line longer than a block
+    comes whole, with the block that holds its start."""
+    start, head = size, b""
+    while start > 0:
+        begin = max(0, start - block)
+        fh.seek(begin)
+        pieces = (fh.read(start - begin) + head).split(b"\n")
+        start = begin
+        head = pieces.pop(0) if start > 0 else b""  # may begin mid-line: the next block completes it
+        if pieces:
+            yield pieces, start == 0
 
 
 def parse_json(path: Path, data: bytes | str) -> Any:

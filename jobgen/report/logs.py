@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobgen.base.safe_read import DamagedFile, as_int, is_int, open_regular, read_object
+from jobgen.base.safe_read import DamagedFile, as_int, is_int, lines_backwards, open_regular, read_object
 from jobgen.base.visible import visible
 from jobgen.report.task_table import read_task_records
 from jobgen.runs.jsonl_records import read_tasks
@@ -286,7 +286,6 @@ class Tail:
 # Clocks of nodes and file servers disagree by this much at most: a file last written this long
 # before the oldest line kept may still hold a newer line, and is read.
 CLOCK_SKEW_S = 60.0
-_BLOCK = 1 << 16
 
 
 def tail(sources: list[Source], filters: Filters, count: int, *, partial_lines: bool = True) -> Tail:
@@ -339,24 +338,16 @@ def _read_tail(source: Source, count: int, filters: Filters, partial_lines: bool
         return [], 0.0, False
     year = _year(source.path)
     with os.fdopen(fd, "rb") as fh:
-        end = start = os.fstat(fd).st_size
-        head, partial = b"", None
+        end = os.fstat(fd).st_size
+        partial = None
         chunks: list[list[str]] = []  # the complete lines read, a block's at a time, newest first
         kept_in_chunks = 0
         chosen: list[str] | None = None  # the last `count` kept lines and what follows them
         before: float | None = None
         left = False
-        while start > 0 and before is None:
-            block = max(0, start - _BLOCK)
-            fh.seek(block)
-            pieces = (fh.read(start - block) + head).split(b"\n")
-            start = block
+        for pieces, at_start in lines_backwards(fh, end):
             if partial is None:  # the text after the last newline: a line still being written
-                if len(pieces) == 1 and start > 0:
-                    head = pieces[0]
-                    continue
                 partial = pieces.pop().decode(errors="replace")
-            head = pieces.pop(0) if start > 0 else b""  # may begin mid-line: the next block completes it
             new = [piece.decode(errors="replace") for piece in pieces]
             if chosen is None:
                 chunks.append(new)
@@ -366,8 +357,10 @@ def _read_tail(source: Source, count: int, filters: Filters, partial_lines: bool
                 read = [line for chunk in reversed(chunks) for line in chunk]
                 first = [i for i, line in enumerate(read) if _keep(source, line, filters)][-count]
                 chosen, new = read[first:], read[:first]
-                left = bool(new) or start > 0
+                left = bool(new) or not at_start
             before = next((t for t in (_stamp(line, year) for line in reversed(new)) if t), None)
+            if before is not None:
+                break
     lines = [line for chunk in reversed(chunks) for line in chunk] if chosen is None else chosen
     source.offset, source.partial = end, partial or ""
     if partial_lines and partial:

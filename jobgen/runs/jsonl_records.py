@@ -17,7 +17,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jobgen.base.safe_read import LINES_FILE, DamagedFile, is_int, is_number, is_time, open_regular, read_bytes
+from jobgen.base.safe_read import (
+    LINES_FILE,
+    DamagedFile,
+    is_int,
+    is_number,
+    is_time,
+    lines_backwards,
+    open_regular,
+    read_bytes,
+)
 
 # ``metrics.jsonl`` holds training steps and, with ``[eval]``, evaluations: an evaluation's
 # line has ``event = "eval"`` (and eval_loss, eval_ppl, eval_tokens, eval_seconds), a step's none.
@@ -213,14 +222,11 @@ def read_newest_records(
     newest_first: list[dict[str, Any]] = []
     skipped: list[tuple[int, str]] = []  # (place from the end, 1 = the last line; problem), newest first
     with os.fdopen(fd, "rb") as fh:
-        start = os.fstat(fd).st_size
-        head, from_end, last_line = b"", 0, True
-        while start > 0 and not enough(newest_first):
-            block = max(0, start - _BLOCK)
-            fh.seek(block)
-            pieces = (fh.read(start - block) + head).split(b"\n")
-            start = block
-            head = pieces.pop(0) if start > 0 else b""  # may begin mid-line: the next block completes it
+        blocks = lines_backwards(fh, os.fstat(fd).st_size)
+        from_end, last_line, left = 0, True, True
+        while left and not enough(newest_first):
+            pieces, at_start = next(blocks, ([], True))
+            left = not at_start
             if last_line and pieces and pieces[-1] == b"":
                 pieces.pop()  # the file ends with a newline: nothing after it
             for piece in reversed(pieces):
@@ -228,9 +234,9 @@ def read_newest_records(
                 _read_line(piece, last_line, newest_first, skipped, from_end, fields)
                 last_line = False
     for place, problem in reversed(skipped):  # the first in the file's order is the one named
-        out.skip(from_end - place + 1 if start == 0 else f"{place} from the end", problem)
+        out.skip(f"{place} from the end" if left else from_end - place + 1, problem)
     out.extend(reversed(newest_first))
-    return out, start > 0
+    return out, left
 
 
 def _read_line(
@@ -253,10 +259,6 @@ def _read_line(
         into.append(record)
     else:
         skipped.append((place, problem))
-
-
-# What read_newest_records reads at a time, from the end.
-_BLOCK = 1 << 16
 
 
 def read_metrics(path: Path) -> Records:
