@@ -233,7 +233,14 @@ def record_rank_end(run, attempt: Attempt, env, exc: BaseException) -> None:
 
     if attempt.job_id:
         record_rank_failure(
-            run, attempt.job_id, attempt.restart, env.rank, seconds_since_progress(), exc, first_signal_caught()
+            run,
+            attempt.job_id,
+            attempt.restart,
+            env.rank,
+            seconds_since_progress(),
+            exc,
+            first_signal_caught(),
+            attempt.launch,
         )
 
 

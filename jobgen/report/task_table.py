@@ -22,7 +22,7 @@ batch script's reason and the trainer's time to its first step (what the relaunc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from jobgen.base.durations import parse_slurm_limit
@@ -63,9 +63,6 @@ class Relaunch:
     start_step: int | None = None  # the step it resumed at
     seconds_to_first_step: float | None = None  # from the relaunch to its first step: what it cost
     recomputed_steps: int | None = None  # steps the launch before it had done beyond start_step
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

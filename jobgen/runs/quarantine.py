@@ -193,29 +193,31 @@ class RankEnd:
         itself (a rank woken by the teardown only learns that the others are gone)."""
         return self.signalled is None
 
-    def write(self, run: RunDir, job_id: str, restart: int | str) -> None:
-        path = run.rank_end(job_id, restart, self.rank)
+    def write(self, run: RunDir, job_id: str, restart: int | str, launch: int = 0) -> None:
+        path = run.rank_end(job_id, restart, self.rank, launch)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, asdict(self))
 
 
 def record_rank_failure(
     run: RunDir, job_id: str, restart: int | str, rank: int, waited_seconds: float, exc: BaseException,
-    signalled: str | None,
+    signalled: str | None, launch: int = 0,
 ) -> None:  # fmt: skip
     """What a rank leaves as an error reaches it (the bundled trainer's ranks and a program's
     under jobgen.runtime alike). A write that fails is logged, never raised: the run
     directory itself may be what failed, and the error on its way out matters more."""
     node = os.environ.get("SLURMD_NODENAME") or "local"
     try:
-        RankEnd(rank, node, round(waited_seconds, 1), type(exc).__name__, signalled).write(run, job_id, restart)
+        end = RankEnd(rank, node, round(waited_seconds, 1), type(exc).__name__, signalled)
+        end.write(run, job_id, restart, launch)
     except OSError as write_error:
         logging.getLogger("jobgen").warning("could not record how rank %d ended: %s", rank, write_error)
 
 
-def read_rank_ends(run: RunDir, job_id: str, restart: int | str) -> list[RankEnd]:
+def read_rank_ends(run: RunDir, job_id: str, restart: int | str, launch: int = 0) -> list[RankEnd]:
+    """How the ranks of one launch of one attempt ended (a launch before it is not evidence)."""
     ends = []
-    for path in sorted(run.rank_ends(job_id, restart)):
+    for path in sorted(run.rank_ends(job_id, restart, launch)):
         try:
             ends.append(_rank_end(read_object(path, "a rank's end") or {}))
         except (FileNotFoundError, ValueError, TypeError):  # DamagedFile is a ValueError
@@ -286,12 +288,13 @@ def unusable_nodes(nodes: list[str]) -> dict[str, str]:
 # --------------------------------------------------------------------------- entry point
 
 
-def after_task(run: RunDir, job_id: str, restart: str, nodelist: str) -> list[Quarantined]:
-    """A failed task: quarantine its nodes at fault, keep the pending jobs off them."""
+def after_task(run: RunDir, job_id: str, restart: str, nodelist: str, launch: int = 0) -> list[Quarantined]:
+    """A failed task (or one launch of its program inside it): quarantine its nodes at fault,
+    keep the pending jobs off them."""
     spec = run.load_spec()
     nodes = slurm.hostnames(nodelist)
     found = unusable_nodes(nodes)
-    ends = read_rank_ends(run, job_id, restart)
+    ends = read_rank_ends(run, job_id, restart, launch)
     for node, why in silent_nodes(rank_nodes(run, job_id, restart), ends, spec.run.train.collective_timeout).items():
         found.setdefault(node, why)
     return _quarantine(run, spec, found, job_id)
@@ -334,11 +337,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--job", required=True, help="SLURM_JOB_ID")
     after.add_argument("--restart", default="0", help="SLURM_RESTART_COUNT")
     after.add_argument("--nodes", required=True, help="SLURM_JOB_NODELIST")
+    after.add_argument("--launch", type=int, default=0, help="JOBGEN_LAUNCH: the program's launch inside the task")
     probe.add_argument("--failed", action="append", default=[], metavar="NODE=WHY", help="a node and what failed")
     args = parser.parse_args(argv)
     run = RunDir(args.run_dir.absolute())
     if args.command == "after-task":
-        entries = after_task(run, args.job, args.restart, args.nodes)
+        entries = after_task(run, args.job, args.restart, args.nodes, args.launch)
     else:
         failed = dict(item.split("=", 1) if "=" in item else (item, "no answer") for item in args.failed)
         entries = probe_failed(run, args.job, failed)

@@ -337,12 +337,16 @@ class RunDir:
     def rank_maps(self, job_id: str | int) -> list[Path]:
         return sorted((self.logs / "ranks" / str(job_id)).glob("ranks.*.json"))
 
-    def rank_end(self, job_id: str | int, restart: str | int, rank: int) -> Path:
-        """What one rank of one attempt left as it failed (jobgen.runs.quarantine.RankEnd)."""
-        return self.logs / "ranks" / str(job_id) / f"ends.{restart}" / f"rank{rank}.json"
+    def rank_end(self, job_id: str | int, restart: str | int, rank: int, launch: int = 0) -> Path:
+        """What one rank of one attempt left as it failed (jobgen.runs.quarantine.RankEnd); a
+        relaunch inside the attempt (job.in_job_restarts) keeps its own."""
+        return self._rank_ends_dir(job_id, restart, launch) / f"rank{rank}.json"
 
-    def rank_ends(self, job_id: str | int, restart: str | int) -> list[Path]:
-        return sorted((self.logs / "ranks" / str(job_id) / f"ends.{restart}").glob("rank*.json"))
+    def rank_ends(self, job_id: str | int, restart: str | int, launch: int = 0) -> list[Path]:
+        return sorted(self._rank_ends_dir(job_id, restart, launch).glob("rank*.json"))
+
+    def _rank_ends_dir(self, job_id: str | int, restart: str | int, launch: int) -> Path:
+        return self.logs / "ranks" / str(job_id) / (f"ends.{restart}.{launch}" if launch else f"ends.{restart}")
 
     def nccl_debug_log(self, job_id: str | int, host: str, pid: str) -> Path:
         """NCCL_DEBUG_FILE of one process, when the site's network.debug is on."""

@@ -16,6 +16,7 @@ from jobgen.report.status_format import task_lines
 from jobgen.report.stop_requests import ended_attempts
 from jobgen.report.task_table import build_tasks, read_task_records
 from jobgen.runs.goodput import task_reports
+from jobgen.runs.quarantine import RankEnd, read_rank_ends
 from jobgen.runs.rundir import RunDir
 from jobgen.runtime.records import CrashSignature, attempt_ended, attempt_started
 from jobgen.spec.loader import SpecError, load_run
@@ -154,3 +155,14 @@ def test_a_relaunch_the_record_does_not_hold_yet_still_shows(tmp_path):
     assert [(r.launch, r.after_exit, r.start_step) for r in row.relaunches] == [(1, None, 5)]
     assert (row.jobgen_exit, row.state, row.exit_reason) == (0, "COMPLETED", "exit 0")  # the newest launch says
     assert "relaunch 1  after a failure: resumed at step 5" in task_lines([row])[-1]
+
+
+def test_each_launch_keeps_its_own_rank_ends(tmp_path):
+    """The node check after a failed relaunch reads that launch's rank ends only: the ranks of
+    the launch before it ended their own way (nothing from an earlier launch is acted on)."""
+    run = RunDir(tmp_path)
+    RankEnd(0, "node1", 30.0, "DistBackendError").write(run, "41", 0)
+    RankEnd(1, "node2", 0.4, "ValueError").write(run, "41", 0, launch=1)
+    assert [e.rank for e in read_rank_ends(run, "41", 0)] == [0]
+    assert [e.rank for e in read_rank_ends(run, "41", 0, launch=1)] == [1]
+    assert read_rank_ends(run, "41", 0, launch=2) == []
