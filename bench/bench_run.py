@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,13 @@ def prepared_run(
     shutil.rmtree(spec.run_dir, ignore_errors=True)
     run, _ = materialize(spec, render(spec), spec_file.read_text())
     return run.path, spec_file
+
+
+def write_result(path: Path | None, result: dict) -> None:
+    """A GPU proof's ``--json FILE``: its figures and checks (or its error), which
+    bench/gpu_proofs.py turns into a row of its table; nothing without ``--json``."""
+    if path is not None:
+        path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def train(

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from bench_run import prepared_run, random_bf16_model
+from bench_run import prepared_run, random_bf16_model, write_result
 
 from helpers import DATA, VENV_BIN, torchrun
 
@@ -92,7 +92,7 @@ def main() -> int:
     if proc.returncode != 0:
         print(proc.stderr[-6000:], file=sys.stderr)
         print(f"FAILED: the trainer exited {proc.returncode}")
-        write_json(args.json, {"error": f"the trainer exited {proc.returncode}", "checks": {}})
+        write_result(args.json, {"error": f"the trainer exited {proc.returncode}", "checks": {}})
         return 1
     summary = json.loads((run / "metrics.json").read_text())
     peaks = summary["memory_peaks"]
@@ -113,13 +113,8 @@ def main() -> int:
     }  # fmt: skip
     for what, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {what}")
-    write_json(args.json, {"figures": figures, "checks": checks})
+    write_result(args.json, {"figures": figures, "checks": checks})
     return 0 if all(checks.values()) and steps == args.steps else 1
-
-
-def write_json(path: Path | None, result: dict) -> None:
-    if path is not None:
-        path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from bench_run import random_bf16_model
+from bench_run import random_bf16_model, write_result
 
 GIB = 2**30
 # jobgen.cli.tinymodel.make_tiny_model's keywords: TinyLlama-1.1B's shape.
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if torch.cuda.device_count() < args.procs and not args.smoke:
         print(f"needs {args.procs} GPU(s), this machine has {torch.cuda.device_count()}")
-        write_json(args.json, {"error": "no GPU", "checks": {}})
+        write_result(args.json, {"error": "no GPU", "checks": {}})
         return 1
     work = args.work or Path(tempfile.mkdtemp(prefix="jobgen-offload-"))
     model = work / ("model-small" if args.smoke else "llama-1b-random")
@@ -165,14 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     plain = one_run(args, work, model, offload=False)
     report(plain)
     if args.smoke:  # the trainer refuses cpu_offload on a CPU: the script ran, nothing is checked
-        write_json(args.json, {"figures": figures(plain, None), "checks": {}})
+        write_result(args.json, {"figures": figures(plain, None), "checks": {}})
         return 0 if plain["steps"] == args.steps else 1
     offload = one_run(args, work, model, offload=True)
     report(offload)
     results = checks(args, plain, offload)
     for what, ok in results.items():
         print(f"{'ok  ' if ok else 'FAIL'} {what}")
-    write_json(args.json, {"figures": figures(plain, offload), "checks": results})
+    write_result(args.json, {"figures": figures(plain, offload), "checks": results})
     return 0 if all(results.values()) else 1
 
 
@@ -185,11 +185,6 @@ def figures(plain: dict, offload: dict | None) -> dict[str, float | None]:
             out[f"{key}_plan_gib"] = round(result["planned_gib"], 2) if result["planned_gib"] else None
             out[f"{key}_s_per_step"] = round(result["seconds_per_step"], 2)
     return out
-
-
-def write_json(path: Path | None, result: dict) -> None:
-    if path is not None:
-        path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

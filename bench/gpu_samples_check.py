@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from bench_run import prepared_run, random_bf16_model
+from bench_run import prepared_run, random_bf16_model, write_result
 
 from helpers import DATA, torchrun
 
@@ -130,8 +130,7 @@ def main() -> int:
         "sdpa_ms_per_token": round(sdpa["seconds_per_token"] * 1000, 1) if ok and sdpa else None,
         "leading_agreement": agreement,
     }
-    if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "checks": checks}, indent=2) + "\n")
+    write_result(args.json, {"figures": figures, "checks": checks})
     return 0 if all(checks.values()) else 1
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_run import prepared_run, train
+from bench_run import prepared_run, train, write_result
 from throughput_cpu import make_data, single_token_words
 
 from helpers import REPO
@@ -224,8 +224,7 @@ def main() -> None:
     }
     (work / "throughput_gpu.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"written {work / 'throughput_gpu.json'}")
-    if args.json:
-        args.json.write_text(json.dumps(headline(results, args.smoke), indent=2) + "\n")
+    write_result(args.json, headline(results, args.smoke))
 
 
 def headline(results: dict[str, dict], smoke: bool) -> dict:
