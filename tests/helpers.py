@@ -756,3 +756,54 @@ def node_range(first: int, last: int) -> str:
     """Slurm's hostlist of nodes ``first..last`` of this worker's dev cluster: node[1-2]."""
     low, high = node(first).removeprefix("node"), node(last).removeprefix("node")
     return f"node[{low}-{high}]"
+
+
+# ---------------------------------------------------------------- planted faults
+
+
+def fault_dir(tmp_path: Path, code: str) -> Path:
+    """A ``sitecustomize`` that every Python process started with it on PYTHONPATH runs
+    first: how a test injects a fault into one rank without touching the trainer."""
+    directory = tmp_path / "fault"
+    directory.mkdir(exist_ok=True)
+    (directory / "sitecustomize.py").write_text(textwrap.dedent(code))
+    return directory
+
+
+# A sitecustomize (fault_dir) for the tests of crashes that repeat: every worker (torchrun sets
+# RANK; its agent has none) crashes in its CRASH_AT-th optimizer step (CRASH_KIND=key: another
+# exception), or while building the model with CRASH_BUILD (code: an error of the code; io: of
+# the world).
+PLANTED_CRASHES = textwrap.dedent(
+    """
+    import os
+
+    if os.environ.get("RANK") is not None and os.environ.get("CRASH_AT"):
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        calls = []
+
+        def crash(optimizer, args, kwargs):
+            calls.append(1)
+            if len(calls) == int(os.environ["CRASH_AT"]):
+                if os.environ.get("CRASH_KIND") == "key":
+                    raise KeyError("a planted crash of another kind")
+                raise ValueError("a planted crash")
+
+        register_optimizer_step_pre_hook(crash)
+
+    if os.environ.get("RANK") is not None and os.environ.get("CRASH_BUILD"):
+        # Building the model fails as GPT-2 under a pipeline did (an error of the code), or as a
+        # file system may (an error of the world).
+        import errno
+
+        import transformers
+
+        def load(*args, **kwargs):
+            if os.environ["CRASH_BUILD"] == "io":
+                raise OSError(errno.EIO, "a planted I/O error")
+            raise AttributeError("'GPT2Config' object has no attribute 'intermediate_size'")
+
+        transformers.AutoModelForCausalLM.from_pretrained = load
+    """
+)

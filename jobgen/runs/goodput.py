@@ -68,7 +68,7 @@ class TaskReport:
         return asdict(self)
 
 
-def last_launches(reports: list[TaskReport] | Iterable[TaskReport]) -> dict[tuple[str, int], TaskReport]:
+def last_launches(reports: Iterable[TaskReport]) -> dict[tuple[str, int], TaskReport]:
     """Each attempt's (job id, restart) newest launch: the one that says how the attempt ended
     or is going (an earlier launch's exit is the failure the batch script relaunched after)."""
     last: dict[tuple[str, int], TaskReport] = {}

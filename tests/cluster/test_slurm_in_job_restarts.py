@@ -11,14 +11,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
 from helpers import (
+    PLANTED_CRASHES,
     assert_same_training,
+    fault_dir,
     jobgen,
     last_step,
     losses,
@@ -98,31 +99,10 @@ def test_a_killed_rank_is_relaunched_inside_the_same_task_and_trains_on_exactly(
     )
 
 
-# Every worker (torchrun sets RANK) crashes in its CRASH_AT-th optimizer step: with no checkpoint
-# each launch starts at step 0 and meets it at the same step.
-SITECUSTOMIZE = textwrap.dedent(
-    """
-    import os
-
-    if os.environ.get("RANK") is not None and os.environ.get("CRASH_AT"):
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        calls = []
-
-        def crash(optimizer, args, kwargs):
-            calls.append(1)
-            if len(calls) == int(os.environ["CRASH_AT"]):
-                raise ValueError("a planted crash")
-
-        register_optimizer_step_pre_hook(crash)
-    """
-)
-
-
 def test_a_crash_that_repeats_in_the_relaunch_stops_the_run_with_one_reason(cluster_run, tmp_path):
-    plant = tmp_path / "plant"
-    plant.mkdir()
-    (plant / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    # Every worker crashes in its 3rd optimizer step: with no checkpoint each launch starts at
+    # step 0 and meets it at the same step.
+    plant = fault_dir(tmp_path, PLANTED_CRASHES)
     run = cluster_run("relaunch-repeat", nodes=1, procs_per_node=2, array=2, max_steps=20, job={"in_job_restarts": 3})
     env = {"PYTHONPATH": str(plant), "CRASH_AT": "3"}  # sbatch exports the submitting environment
     array = submitted_job_id(jobgen("submit", str(run.spec), env=env, check=True).stdout)

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from helpers import (
     REPO,
     VENV_BIN,
     checkpoints,
+    fault_dir,
     jobgen,
     losses,
     make_run,
@@ -40,15 +40,6 @@ from helpers import (
 from jobgen.base.exit_codes import ExitCode
 
 pytestmark = pytest.mark.torch
-
-
-def fault_dir(tmp_path: Path, code: str) -> Path:
-    """A ``sitecustomize`` that every Python process started with it on PYTHONPATH runs
-    first: how a test injects a fault into one rank without touching the trainer."""
-    directory = tmp_path / "fault"
-    directory.mkdir(exist_ok=True)
-    (directory / "sitecustomize.py").write_text(textwrap.dedent(code))
-    return directory
 
 
 def with_fault(directory: Path) -> dict[str, str]:

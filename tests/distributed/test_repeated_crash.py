@@ -9,50 +9,14 @@ their Slurm ids, as the batch script gives them."""
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, jobgen, make_run, torchrun
+from helpers import PLANTED_CRASHES, REPO, fault_dir, jobgen, make_run, torchrun
 from jobgen.base.exit_codes import ExitCode
 
 pytestmark = pytest.mark.torch
-
-# Every worker (torchrun sets RANK; its agent has none) crashes in its CRASH_AT-th optimizer step.
-SITECUSTOMIZE = textwrap.dedent(
-    """
-    import os
-
-    if os.environ.get("RANK") is not None and os.environ.get("CRASH_AT"):
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        calls = []
-
-        def crash(optimizer, args, kwargs):
-            calls.append(1)
-            if len(calls) == int(os.environ["CRASH_AT"]):
-                if os.environ.get("CRASH_KIND") == "key":
-                    raise KeyError("a planted crash of another kind")
-                raise ValueError("a planted crash")
-
-        register_optimizer_step_pre_hook(crash)
-
-    if os.environ.get("RANK") is not None and os.environ.get("CRASH_BUILD"):
-        # Building the model fails as GPT-2 under a pipeline did (an error of the code), or as a
-        # file system may (an error of the world).
-        import errno
-
-        import transformers
-
-        def load(*args, **kwargs):
-            if os.environ["CRASH_BUILD"] == "io":
-                raise OSError(errno.EIO, "a planted I/O error")
-            raise AttributeError("'GPT2Config' object has no attribute 'intermediate_size'")
-
-        transformers.AutoModelForCausalLM.from_pretrained = load
-    """
-)
 
 
 def task(run: Path, plant: Path, job_id: int, array_job_id: int = 500, **crash: str):
@@ -70,10 +34,7 @@ def task(run: Path, plant: Path, job_id: int, array_job_id: int = 500, **crash: 
 
 @pytest.fixture()
 def plant(tmp_path: Path) -> Path:
-    directory = tmp_path / "plant"
-    directory.mkdir()
-    (directory / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return directory
+    return fault_dir(tmp_path, PLANTED_CRASHES)
 
 
 def test_the_same_crash_in_two_tasks_in_a_row_stops_the_run(tmp_path: Path, tiny_model: Path, plant: Path):
