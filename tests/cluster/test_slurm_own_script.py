@@ -90,7 +90,13 @@ def hold(job_id: int) -> None:
     assert reasons and all(r == "JobHeldAdmin" for r in reasons), reasons
 
 
-def release(job_id: int) -> None:
+def release(job_id: int, tasks: int) -> None:
+    """Lets the held tasks from 3 on run, each with 5 minutes instead of 2: once --max_steps is
+    set a few steps past task 2's end, task 3 finishes whatever the machine's load (on CI's
+    shared cores a 2-node Trainer start once took the whole 70 s before the lead-time signal,
+    and the run ended in task 4). Tasks 1 and 2 have met their 2-minute limits by then."""
+    later = f"{job_id}_[3-{tasks}]"
+    subprocess.run(["scontrol", "update", f"JobId={later}", "TimeLimit=5"], capture_output=True, text=True, check=True)
     subprocess.run(["scontrol", "release", str(job_id)], capture_output=True, text=True, check=False)
 
 
@@ -156,8 +162,8 @@ def test_an_unedited_trainer_script_through_time_limits(cluster, tmp_path, tiny_
 
     # Tasks 1 and 2 of each meet their limits (--max_steps 1000000). While task 2 runs, the
     # array's next tasks are held; once it has ended, --max_steps is set a little past where it
-    # got, then they are released: each run ends in task 3 whatever the speed of a task (CI's
-    # other worker shares the 2 cores: tasks of one run have differed threefold in steps).
+    # got, then they are released with longer limits: each run ends in task 3 whatever the speed
+    # of a task (CI's other workers share the 2 cores: tasks of one run have differed threefold).
     running_task(hf, 2, timeout=300)
     hold(hf)
     running_task(rs, 2, timeout=300)
@@ -168,11 +174,11 @@ def test_an_unedited_trainer_script_through_time_limits(cluster, tmp_path, tiny_
     assert all(e["exit_reason"].startswith("time limit (USR1 ") for e in hf_exits), hf_exits
     total = hf_exits[-1]["end_step"] + 10
     set_max_steps(hf_run, total)
-    release(hf)
+    release(hf, hf_tasks)
     second_rs = wait_for(lambda: batch_record(rs_run, 2), 300, "the plain script's task 2 to be killed")
     rs_total = resumed_at(rs_run, second_rs["job_id"]) + steps_logged(rs_run, second_rs["job_id"]) + SAVE_STEPS // 2
     set_max_steps(rs_run, rs_total)
-    release(rs)
+    release(rs, rs_tasks)
 
     hf_end = wait_for(lambda: finished_in(hf_run, hf_tasks), 600, "the Trainer's run to finish")
     rs_end = wait_for(lambda: finished_in(rs_run, rs_tasks), 600, "the plain script's run to finish")
