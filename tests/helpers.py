@@ -770,10 +770,10 @@ def fault_dir(tmp_path: Path, code: str) -> Path:
     return directory
 
 
-# A sitecustomize (fault_dir) for the tests of crashes that repeat: every worker (torchrun sets
+# A sitecustomize (fault_dir) for the tests of failures that repeat: every worker (torchrun sets
 # RANK; its agent has none) crashes in its CRASH_AT-th optimizer step (CRASH_KIND=key: another
 # exception), or while building the model with CRASH_BUILD (code: an error of the code; io: of
-# the world).
+# the world); rank HANG_RANK (default 1) hangs in its HANG_AT-th optimizer step.
 PLANTED_CRASHES = textwrap.dedent(
     """
     import os
@@ -791,6 +791,22 @@ PLANTED_CRASHES = textwrap.dedent(
                 raise ValueError("a planted crash")
 
         register_optimizer_step_pre_hook(crash)
+
+    if os.environ.get("RANK") == os.environ.get("HANG_RANK", "1") and os.environ.get("HANG_AT"):
+        # Rank HANG_RANK stops answering in its HANG_AT-th optimizer step, in every launch: its
+        # peers wait in the next collective (a hang at the same step each time).
+        import time
+
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        hang_calls = []
+
+        def hang(optimizer, args, kwargs):
+            hang_calls.append(1)
+            if len(hang_calls) == int(os.environ["HANG_AT"]):
+                time.sleep(86400)
+
+        register_optimizer_step_pre_hook(hang)
 
     if os.environ.get("RANK") is not None and os.environ.get("CRASH_BUILD"):
         # Building the model fails as GPT-2 under a pipeline did (an error of the code), or as a

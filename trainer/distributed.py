@@ -12,11 +12,14 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from jobgen.runs.heartbeat import Heartbeat
 from jobgen.runtime.devices import rank_gpu
 
 
@@ -73,11 +76,43 @@ def init_distributed(timeout_seconds: int, expected_world_size: int | None, *, u
 # An error that reaches a rank after it went a whole collective timeout without progress
 # is one that waited for a silent peer: jobgen.runs.quarantine blames that peer's node.
 _last_progress = time.monotonic()
+# This rank's heartbeat file, from its first step while the batch script watches for hangs
+# (train.hang_timeout; jobgen.runs.heartbeat): every mark of progress is a beat.
+_heartbeat: Heartbeat | None = None
 
 
-def mark_progress() -> None:
+def mark_progress(step: int | None = None) -> None:
+    """This rank got something done (at ``step``, when a step)."""
     global _last_progress
     _last_progress = time.monotonic()
+    if _heartbeat is not None:
+        _heartbeat.beat(step)
+
+
+def start_heartbeat(env: DistEnv) -> None:
+    """Beat from now on, if the batch script watches this launch (else nothing). Called as
+    training starts: loading and resuming, however long, are never taken for a hang."""
+    global _heartbeat
+    stop_heartbeat()
+    _heartbeat = Heartbeat.from_env(env.rank)
+
+
+def stop_heartbeat() -> None:
+    """Training is over on this rank (what follows, a final save or export, is no step)."""
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.close()
+    _heartbeat = None
+
+
+@contextmanager
+def heartbeat_paused() -> Iterator[None]:
+    """No heartbeat to judge while a save runs: a checkpoint of a large model may take longer
+    than the hang timeout (a save that hangs meets the collective timeout). The next mark of
+    progress after it beats again."""
+    if _heartbeat is not None:
+        _heartbeat.pause()
+    yield
 
 
 def seconds_since_progress() -> float:

@@ -40,7 +40,15 @@ from jobgen.spec.resolved import ResolvedSpec
 from trainer.checkpoints.checkpointer import Checkpointer
 from trainer.data.batches import training_data
 from trainer.data.packing import count_targets
-from trainer.distributed import DistEnv, mark_progress, reduce_max, reduce_sum
+from trainer.distributed import (
+    DistEnv,
+    heartbeat_paused,
+    mark_progress,
+    reduce_max,
+    reduce_sum,
+    start_heartbeat,
+    stop_heartbeat,
+)
 from trainer.evaluation.in_training import RunEvaluation, build_run_evaluation
 from trainer.job_record import JobRecord
 from trainer.memory.activation_offload import make_offloader
@@ -203,9 +211,10 @@ class Trainer:
         return loaded[1] if loaded is not None else None
 
     def save(self, *, blocking: bool) -> Path:
-        return self.checkpointer.save(
-            self.step, self.model, self.checkpoint_optimizers, self.state_dict(), blocking=blocking
-        )
+        with heartbeat_paused():
+            return self.checkpointer.save(
+                self.step, self.model, self.checkpoint_optimizers, self.state_dict(), blocking=blocking
+            )
 
     # ------------------------------------------------------------------ one step
 
@@ -331,6 +340,7 @@ class Trainer:
                 return code, finished if code is ExitCode.OK else reason
             return self._train_until_stop()
         finally:
+            stop_heartbeat()
             self.checkpointer.close()
             saves = {
                 "save_seconds": self.checkpointer.save_seconds,
@@ -342,6 +352,7 @@ class Trainer:
         """Step, record, and act on the ranks' step-boundary decision, until max_steps or a stop."""
         max_steps = self.cfg.max_steps
         window = ThroughputWindow()
+        start_heartbeat(self.env)  # its first beat is the first step's end (jobgen.runs.heartbeat)
         if self.evaluation is not None and self.evaluation.missed(self.step):
             ended = self._evaluate_or_end()  # a stop came where this step's evaluation was due
             if ended:
@@ -373,7 +384,7 @@ class Trainer:
         step_metrics = self.train_step()
         self.step += 1
         self.record.step_taken(time.time() - step_started, self.step)
-        mark_progress()
+        mark_progress(self.step)
         return step_metrics
 
     def _stop(self, action: Action) -> tuple[ExitCode, str]:

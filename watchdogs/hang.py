@@ -54,7 +54,7 @@ def dump_stacks(run_dir: Path, job: RunningJob) -> tuple[Path, bool]:
     except slurm.SlurmError as exc:
         text, ok = f"srun failed: {exc}\n", False
     stamp = time.strftime("%Y%m%dT%H%M%S")
-    target = run_dir / "hangs" / f"{stamp}-job{job.job_id}.txt"
+    target = RunDir(run_dir).hang_stacks(stamp, job.job_id)
     target.parent.mkdir(exist_ok=True)
     header = f"# stacks of job {job.job_id} on {','.join(job.nodes)}, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
     write_text_atomic(target, header + text)

@@ -46,6 +46,9 @@ class ExitCode(IntEnum):
     # unsupported model, a loss head it lacks, a parallelism this world or device cannot run
     # (trainer.model.errors.ModelError and its kinds).
     MODEL_ERROR = 23
+    # No rank took a step for train.hang_timeout (heartbeats, jobgen.runs.heartbeat): the
+    # batch script took every rank's stacks and killed the launch (job.in_job_restarts).
+    HUNG = 24
 
     @property
     def reason(self) -> str:
@@ -66,8 +69,9 @@ class ExitCode(IntEnum):
         """May a relaunch inside the same task get past it (job.in_job_restarts)? A crash may
         be of the moment (a rank killed, a collective that timed out, a flaky device); every
         other code is a planned stop, a decision, or a failure the relaunch would meet again.
+        A hang the batch script ended (no step for train.hang_timeout) may be of the moment too.
         A status that is no code of jobgen's (a launch killed before it wrote one) relaunches too."""
-        return self is ExitCode.CRASHED
+        return self in (ExitCode.CRASHED, ExitCode.HUNG)
 
     @property
     def repeats(self) -> bool:
@@ -102,6 +106,7 @@ _REASONS = {
     ExitCode.PROGRAM_SETUP: "the program's setup does not fit its run (see the reason)",
     ExitCode.BATCH_CHANGED: "the global batch differs from the checkpoint's",
     ExitCode.MODEL_ERROR: "the model cannot be trained as the spec asks",
+    ExitCode.HUNG: "hung: no rank took a step for train.hang_timeout (stacks in hangs/)",
 }
 
 _PLANNED = frozenset({ExitCode.OK, ExitCode.KILL_SWITCH, ExitCode.SIGNALLED, ExitCode.DEADLINE, ExitCode.NOT_STARTED})

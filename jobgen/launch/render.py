@@ -29,6 +29,7 @@ from jobgen.base.durations import format_slurm
 from jobgen.base.exit_codes import ExitCode
 from jobgen.base.paths import PROJECT_ROOT, TEMPLATES_DIR
 from jobgen.program import placeholders
+from jobgen.runs.heartbeat import interval_for
 from jobgen.runs.rundir import STARTUP_SWITCHES, RunDir
 from jobgen.spec.resolved import ResolvedSpec
 
@@ -265,7 +266,17 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         "graceful_stop": job.graceful_stop,
         "array": job.array,
         "in_job_restarts": spec.in_job_restarts,
+        # The hang watch (train.hang_timeout) runs beside every launch of a task that relaunches.
+        "hang_timeout": _hang_timeout(spec),
+        "heartbeat_every": interval_for(_hang_timeout(spec) or 0),
     }
+
+
+def _hang_timeout(spec: ResolvedSpec) -> int | None:
+    """train.hang_timeout where the batch script watches for hangs: a task that relaunches the trainer."""
+    if not spec.in_job_restarts:
+        return None
+    return spec.run.train.effective_hang_timeout
 
 
 def _omp_threads(spec: ResolvedSpec, procs: int) -> int:
@@ -308,6 +319,11 @@ def _run_dir_context(spec: ResolvedSpec) -> dict[str, Any]:
         "node_log": _shell_path(
             "$RUN_DIR", run.path, run.node_log(slurm_filename_literal(spec.run.job.name), "%j", "%N")
         ),
+        "heartbeat_dir": _shell_path(
+            "$RUN_DIR", run.path, run.heartbeats(SHELL_JOB_ID, SHELL_RESTART, "$JOBGEN_LAUNCH")
+        ),
+        "hang_verdict": _shell_path("$RUN_DIR", run.path, run.hang_verdict(SHELL_JOB_ID, SHELL_RESTART)),
+        "hang_stacks": _shell_path("$RUN_DIR", run.path, run.hang_stacks("$stamp", SHELL_JOB_ID)),
         # In the node script srun runs on each node (only the environment reaches it).
         "rank_logs": _shell_path("$JOBGEN_RUN_DIR", run.path, run.rank_logs(SHELL_JOB_ID, SHELL_NODE)),
         # NCCL expands %h (host) and %p (pid), and reads '%%' as '%': a '%' in the run dir is doubled.

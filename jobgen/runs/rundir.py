@@ -17,7 +17,9 @@ Layout::
                      exit-code.<job>.<restart>, task.<job>.<restart>.json (how it ended),
                      command-plan.<job>.<restart>.json (what a command program's task runs),
                      ranks/<job>/<node>/ (torchrun's), ranks/<job>/ranks.<restart>.json
-                     (rank map), ranks/<job>/ends.<restart>/ (failed ranks), nccl-*.log
+                     (rank map), ranks/<job>/ends.<restart>/ (failed ranks), nccl-*.log,
+                     ranks/<job>/heartbeats.<restart>.<launch>/, hung.<job>.<restart>
+    hangs/           every rank's stacks of a hung job (<time>-job<job>.txt)
     checkpoints/     step-<step>/, .tmp-*, broken-* (see trainer.checkpoints.checkpointer)
     repro/<job>/ history/ failed done writer.lock
     quarantine.json  nodes kept off the run's later tasks (jobgen.runs.quarantine)
@@ -347,6 +349,25 @@ class RunDir:
 
     def _rank_ends_dir(self, job_id: str | int, restart: str | int, launch: int) -> Path:
         return self.logs / "ranks" / str(job_id) / (f"ends.{restart}.{launch}" if launch else f"ends.{restart}")
+
+    def heartbeats(self, job_id: str | int, restart: str | int, launch: str | int) -> Path:
+        """Where each rank of one launch keeps its heartbeat (jobgen.runs.heartbeat), which
+        the batch script watches for a hang (train.hang_timeout)."""
+        return self.logs / "ranks" / str(job_id) / f"heartbeats.{restart}.{launch}"
+
+    def hang_verdict(self, job_id: str | int, restart: str | int) -> Path:
+        """The batch script's word that it found the current launch hung and killed it: the
+        step and what it did (its watcher writes it, the launch's end reads and removes it)."""
+        return self.logs / f"hung.{job_id}.{restart}"
+
+    @property
+    def hangs(self) -> Path:
+        """Stack dumps of hung jobs: the batch script's (train.hang_timeout) and the hang watchdog's."""
+        return self.path / "hangs"
+
+    def hang_stacks(self, stamp: str, job_id: str | int) -> Path:
+        """Every rank's stacks when job ``job_id`` was found hung at ``stamp`` (%Y%m%dT%H%M%S)."""
+        return self.hangs / f"{stamp}-job{job_id}.txt"
 
     def nccl_debug_log(self, job_id: str | int, host: str, pid: str) -> Path:
         """NCCL_DEBUG_FILE of one process, when the site's network.debug is on."""

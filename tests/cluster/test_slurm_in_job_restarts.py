@@ -120,3 +120,71 @@ def test_a_crash_that_repeats_in_the_relaunch_stops_the_run_with_one_reason(clus
     assert starts == [(0, 0), (1, 0)], starts
     log = (run.path / "logs" / f"relaunch-repeat-{task1['job_id']}.out").read_text()
     assert "not relaunching the program: the run is marked failed" in log, log[-3000:]
+
+
+HANG_TIMEOUT = 20
+# The stopped rank's peers must be in a step, not in a save (a save is no step: its heartbeat
+# is paused, and a save that hangs meets the collective timeout): saves every 20 steps, and
+# the rank stopped a few steps past the first one.
+HANG_MAX_STEPS, HANG_SAVE_EVERY = 60, 20
+
+
+def log_time(line: str) -> float:
+    """When the batch script logged ``line`` (its log() stamps local time to the second)."""
+    return time.mktime(time.strptime(line.split(" jobgen: ")[0], "%Y-%m-%dT%H:%M:%S"))
+
+
+def test_a_stopped_rank_is_found_hung_its_stacks_taken_and_the_launch_relaunched(cluster_run):
+    reference = cluster_run("hang-ref", nodes=1, procs_per_node=2, max_steps=HANG_MAX_STEPS)
+    run = cluster_run(
+        "hang",
+        nodes=2,
+        procs_per_node=1,
+        array=2,
+        max_steps=HANG_MAX_STEPS,
+        save_every_steps=HANG_SAVE_EVERY,
+        hang_timeout=f"{HANG_TIMEOUT}s",
+        job={"in_job_restarts": 2},
+    )
+    array = submit(run.spec)
+    task = running_task(array, 1)
+    submit(reference.spec)
+    wait_for(lambda: last_step(run.path, task) >= HANG_SAVE_EVERY + 3, 180, "task 1 past its first checkpoint")
+    victim = worker_pids(run.path)[-1]
+    os.kill(victim, signal.SIGSTOP)  # alive, holding its sockets, answering nothing: a hang
+    stopped_at = time.time()
+    reached = last_step(run.path, task)
+
+    # Found hung within the timeout and a few seconds of looking, its stacks taken, the
+    # launch killed and relaunched in the same task (task 2 still waits).
+    first = wait_for(lambda: next(iter(relaunch_lines(run.path, 1)), None), 180, "a step of the relaunch")
+    assert first["job_id"] == str(task), first
+    assert [e.state for e in slurm.queue([array]) if e.array_task == "2"] == ["PENDING"]
+    log = (run.path / "logs" / f"hang-{task}.out").read_text()
+    (found,) = [line for line in log.splitlines() if "no rank has taken a step for" in line]
+    assert log_time(found) - stopped_at <= HANG_TIMEOUT + 10, (found, stopped_at)
+    (stacks,) = (run.path / "hangs").glob(f"*-job{task}.txt")
+    dump = stacks.read_text()
+    assert f"pid {victim} state T (stopped)" in dump, dump[:3000]
+    assert dump.count("=== node ") == 2 and "Thread " in dump, dump[:3000]  # py-spy's dump of each rank
+    assert f"stacks in {stacks}" in log, log[-3000:]
+
+    # The relaunch resumed from the newest checkpoint and trained on exactly.
+    wait_for(lambda: (run.path / "done").exists(), 300, "the relaunched run to finish")
+    (resumed,) = [r for r in read_jsonl(run.path / "tasks.jsonl") if r["event"] == "first_step" and r.get("launch")]
+    assert resumed["start_step"] == HANG_SAVE_EVERY and reached < 2 * HANG_SAVE_EVERY, (reached, resumed)
+    wait_for(lambda: (reference.path / "done").exists(), 300, "the reference run to finish")
+    assert_same_training(run.path, reference.path, HANG_MAX_STEPS)
+
+    # One task: its relaunch after the hang (exit HUNG, the reason), no node blamed for it.
+    wait_until_gone([array], timeout=180)
+    (row,) = [t for t in status(run.path)["tasks"] if t["job_id"] == task]
+    (relaunch,) = row["relaunches"]
+    assert relaunch["after_exit"] == ExitCode.HUNG and relaunch["reason"].startswith("hung: no rank took a step"), row
+    assert row["jobgen_exit"] == ExitCode.OK, row
+    assert not (run.path / "quarantine.json").exists()
+    print(
+        f"hang: rank stopped at step {reached}, found {log_time(found) - stopped_at:.0f} s later "
+        f"(hang_timeout {HANG_TIMEOUT} s), relaunch resumed at {resumed['start_step']}, "
+        f"its first step {first['time'] - stopped_at:.1f} s after the stop"
+    )

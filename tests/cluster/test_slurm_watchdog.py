@@ -31,9 +31,9 @@ from helpers import (
     wait_for,
     wait_until_gone,
 )
+from jobgen.runtime.stacks import rank_processes
 from jobgen.slurm import client as slurm
 from watchdogs.notify import locked
-from watchdogs.probe import rank_processes
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 

@@ -57,8 +57,9 @@ def test_a_program_that_is_not_relaunched_refuses_the_key(tmp_path):
         load_run(spec)
 
 
-def test_only_a_crash_is_a_failure_a_relaunch_can_get_past():
-    assert [code for code in ExitCode if code.relaunches] == [ExitCode.CRASHED]
+def test_only_a_crash_or_a_hang_is_a_failure_a_relaunch_can_get_past():
+    assert [code for code in ExitCode if code.relaunches] == [ExitCode.CRASHED, ExitCode.HUNG]
+    assert not ExitCode.HUNG.planned and not ExitCode.HUNG.repeats
 
 
 def test_the_same_crash_in_the_next_launch_repeats_and_a_requeue_starts_afresh(tmp_path):

@@ -28,6 +28,9 @@ from jobgen.spec.tables.pipeline import PipelineSpec
 # long long" on every rank), and 2**53 - 1 is the largest integer every JSON reader of
 # spec.json and metrics.json keeps exact. numpy is seeded from a hash of it (trainer.data.sampler).
 MAX_SEED = 2**53 - 1
+# The batch script looks at the heartbeats every few seconds: a shorter hang timeout would
+# mistake a slow step for a hang.
+MIN_HANG_TIMEOUT = 10
 # A collective that may wait a month is no timeout; torch's timedelta overflows near 2.7 million years.
 MAX_COLLECTIVE_TIMEOUT = 30 * 86400
 
@@ -208,6 +211,17 @@ class TrainSpec(SpecModel):
             f"{format_human(MAX_COLLECTIVE_TIMEOUT)} (torch keeps it as a timedelta)."
         ),
     )
+    hang_timeout: Duration | None = Field(
+        None,
+        description=(
+            "Where the task relaunches the trainer (job.in_job_restarts > 0): when no rank has taken a step "
+            "(or an evaluation batch) for this long, the batch script takes every rank's stacks with py-spy "
+            "(<run>/hangs/), kills the launch and relaunches it, so a hang costs this timeout and a restart "
+            "instead of the rest of the time limit. Checkpoint saves and the time before the first step do not "
+            "count. A hang at the same step as the previous launch's stops the run. At least 10s and shorter "
+            "than train.collective_timeout (a collective that times out first is a crash); default: half of it."
+        ),
+    )
     max_host_memory_percent: float = Field(
         95.0, gt=0, le=100, description="Save and exit when host memory use exceeds this percentage."
     )
@@ -235,6 +249,24 @@ class TrainSpec(SpecModel):
                 "timeout of 0 fails the rendezvous itself, and one over a month never ends a hung job"
             )
         return seconds
+
+    @model_validator(mode="after")
+    def _hang_timeout_in_range(self) -> TrainSpec:
+        if self.hang_timeout is not None and not MIN_HANG_TIMEOUT <= self.hang_timeout < self.collective_timeout:
+            raise ValueError(
+                f"train.hang_timeout = {format_human(self.hang_timeout)}: it must be at least "
+                f"{format_human(MIN_HANG_TIMEOUT)} (the batch script looks every few seconds) and shorter than "
+                f"train.collective_timeout ({format_human(self.collective_timeout)}), which would otherwise end "
+                "a hung collective first, as a crash"
+            )
+        return self
+
+    @property
+    def effective_hang_timeout(self) -> int:
+        """train.hang_timeout, or half of the collective timeout (at least MIN_HANG_TIMEOUT)."""
+        if self.hang_timeout is not None:
+            return self.hang_timeout
+        return max(MIN_HANG_TIMEOUT, self.collective_timeout // 2)
 
     @property
     def strategy(self) -> Parallelism:
