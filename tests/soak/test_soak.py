@@ -148,22 +148,41 @@ def inject(soak: Soak, kind: str, job: int) -> None:
             saved = [int(p.name.split("-")[1]) for p in (soak.run / "checkpoints").glob("step-*")]
             soak.newest_at_crash[str(job)] = max(saved, default=0)
             os.kill(random.choice(pids), signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
+        if pids and kind == "hang" and not IN_JOB_RESTARTS:
+            release_after_hang(soak)
+
+
+def quarantined(run: Path) -> list[str]:
+    path = run / "quarantine.json"
+    return sorted(json.loads(path.read_text()).get("nodes", {})) if path.exists() else []
+
+
+def release_after_hang(soak: Soak) -> None:
+    """Without the hang watch, the stopped rank's peer waits out the collective timeout and
+    the stopped rank's node is quarantined (it went silent). The node is not broken: as a
+    person would, the soak has the doctor check it and release it, so that a later hang
+    does not leave the run too few nodes."""
+    nodes = wait_for(lambda: quarantined(soak.run) or None, 120, "the silent rank's node to be quarantined")
+    print(f"soak: {time.strftime('%H:%M:%S')} releasing {nodes} with jobgen doctor --clear", flush=True)
+    jobgen("doctor", "--clear", str(soak.run), check=True, timeout=400)
+    assert not quarantined(soak.run), quarantined(soak.run)
 
 
 def attempts(run: Path) -> list[dict]:
-    """Every attempt that trained, in order: start and end step, exit code (None: killed)."""
-    out: dict[tuple[str, int], dict] = {}
+    """Every attempt (each launch of one, with job.in_job_restarts) that trained, in order:
+    start and end step, exit code (None: killed)."""
+    out: dict[tuple[str, int, int], dict] = {}
     for r in read_jsonl(run / "tasks.jsonl"):
-        key = (r["job_id"], r.get("restart", 0))
-        entry = out.setdefault(key, {"job_id": r["job_id"], "restart": key[1], "exit_code": None})
+        key = (r["job_id"], r.get("restart", 0), r.get("launch", 0))
+        entry = out.setdefault(key, {"job_id": r["job_id"], "restart": key[1], "launch": key[2], "exit_code": None})
         if r["event"] == "first_step":
             entry.update(start_step=r["start_step"], started=r["time"])
         elif r["event"] == "exit":
             entry.update(exit_code=r["exit_code"], end_step=r["end_step"])
             entry.setdefault("start_step", r.get("start_step"))
     lines = read_jsonl(run / "metrics.jsonl")
-    for (job, restart), entry in out.items():
-        mine = [m for m in lines if m["job_id"] == job and m.get("restart", 0) == restart]
+    for (job, restart, launch), entry in out.items():
+        mine = [m for m in lines if (m["job_id"], m.get("restart", 0), m.get("launch", 0)) == (job, restart, launch)]
         entry["lines"] = mine
         if entry.get("end_step") is None and mine:
             entry["end_step"] = max(m["step"] for m in mine)
@@ -234,6 +253,11 @@ print("ok")
 
 
 LONG_MINUTES = float(os.environ.get("JOBGEN_SOAK_MINUTES", "30"))
+# JOBGEN_SOAK_IN_JOB_RESTARTS=N: the same soak with job.in_job_restarts = N and hangs found
+# inside the job (train.hang_timeout, under the soak's collective timeout), to compare its
+# goodput with the requeue path's at the same seed (BENCHMARKS.md).
+IN_JOB_RESTARTS = int(os.environ.get("JOBGEN_SOAK_IN_JOB_RESTARTS", "0"))
+IN_JOB = {"job": {"in_job_restarts": IN_JOB_RESTARTS}, "hang_timeout": "12s"} if IN_JOB_RESTARTS else {}
 
 
 # The time limits: the faults' minutes plus the last task, the reference run and the checks.
@@ -263,6 +287,7 @@ def test_soak(cluster_run, tmp_path, tiny_model, minutes):
         grace="45s",
         array=array_size,
         **SETTINGS,
+        **IN_JOB,
     )
     label = "quick" if quick else f"{minutes} min"
     print(f"soak: {label}, seed {seed} (JOBGEN_SOAK_SEED={seed} replays it), faults {kinds}", flush=True)
@@ -330,6 +355,8 @@ def test_soak(cluster_run, tmp_path, tiny_model, minutes):
     report = {
         "minutes": label,
         "seed": seed,
+        "in_job_restarts": IN_JOB_RESTARTS,
+        "relaunches": sum(1 for a in tried if a["launch"]),
         "final_step": final,
         "attempts": len(tried),
         "faults": kinds_done,
