@@ -12,8 +12,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -105,14 +103,12 @@ def stop_heartbeat() -> None:
     _heartbeat = None
 
 
-@contextmanager
-def heartbeat_paused() -> Iterator[None]:
-    """No heartbeat to judge while a save runs: a checkpoint of a large model may take longer
-    than the hang timeout (a save that hangs meets the collective timeout). The next mark of
-    progress after it beats again."""
+def pause_heartbeat() -> None:
+    """No heartbeat to judge until the next mark of progress: called as a save begins, since a
+    checkpoint of a large model may take longer than the hang timeout (a save that hangs
+    meets the collective timeout)."""
     if _heartbeat is not None:
         _heartbeat.pause()
-    yield
 
 
 def seconds_since_progress() -> float:

@@ -42,8 +42,8 @@ from trainer.data.batches import training_data
 from trainer.data.packing import count_targets
 from trainer.distributed import (
     DistEnv,
-    heartbeat_paused,
     mark_progress,
+    pause_heartbeat,
     reduce_max,
     reduce_sum,
     start_heartbeat,
@@ -211,10 +211,10 @@ class Trainer:
         return loaded[1] if loaded is not None else None
 
     def save(self, *, blocking: bool) -> Path:
-        with heartbeat_paused():
-            return self.checkpointer.save(
-                self.step, self.model, self.checkpoint_optimizers, self.state_dict(), blocking=blocking
-            )
+        pause_heartbeat()  # the next step's mark of progress beats again
+        return self.checkpointer.save(
+            self.step, self.model, self.checkpoint_optimizers, self.state_dict(), blocking=blocking
+        )
 
     # ------------------------------------------------------------------ one step
 

@@ -222,6 +222,7 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
     and the numbers of its allocation."""
     job, slurm = spec.run.job, spec.site.slurm
     procs = spec.procs_per_node  # the most on one node: what every node's request covers
+    hang_timeout = _hang_timeout(spec)
     unequal = job.unequal_nodes
     return {
         "jobgen_version": __version__,
@@ -267,8 +268,8 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         "array": job.array,
         "in_job_restarts": spec.in_job_restarts,
         # The hang watch (train.hang_timeout) runs beside every launch of a task that relaunches.
-        "hang_timeout": _hang_timeout(spec),
-        "heartbeat_every": interval_for(_hang_timeout(spec) or 0),
+        "hang_timeout": hang_timeout,
+        "heartbeat_every": interval_for(hang_timeout) if hang_timeout else None,
     }
 
 

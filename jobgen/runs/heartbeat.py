@@ -112,18 +112,3 @@ class Heartbeat:
             except OSError:
                 return
             self._written = beats
-
-
-def read_steps(directory: Path) -> dict[int, int | None]:
-    """Each rank's last step as its heartbeat file holds it (for tests and reports)."""
-    found: dict[int, int | None] = {}
-    for path in directory.glob(f"{FILE_PREFIX}*"):
-        rank = path.name.removeprefix(FILE_PREFIX)
-        if not rank.isdecimal():
-            continue
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        found[int(rank)] = int(text) if text.isdecimal() else None
-    return found

@@ -45,21 +45,30 @@ def relaunch_lines(run: Path, launch: int) -> list[dict]:
     return [r for r in read_jsonl(run / "metrics.jsonl") if r.get("launch", 0) == launch and r.get("event") != "eval"]
 
 
-def test_a_killed_rank_is_relaunched_inside_the_same_task_and_trains_on_exactly(cluster_run):
-    reference = cluster_run("relaunch-ref", nodes=1, procs_per_node=2, max_steps=MAX_STEPS)
+def relaunching_run(cluster_run, name: str, max_steps: int, save_every: int, **train: object):
+    """A 2-node run that relaunches inside its task (2-task array) and an uninterrupted
+    reference (1 node x 2 processes), both submitted; returns them, the array and its task 1
+    once that task is a few steps past its first checkpoint."""
+    reference = cluster_run(f"{name}-ref", nodes=1, procs_per_node=2, max_steps=max_steps)
     run = cluster_run(
-        "relaunch",
+        name,
         nodes=2,
         procs_per_node=1,
         array=2,
-        max_steps=MAX_STEPS,
-        save_every_steps=SAVE_EVERY,
+        max_steps=max_steps,
+        save_every_steps=save_every,
         job={"in_job_restarts": 2},
+        **train,
     )
     array = submit(run.spec)
     task = running_task(array, 1)
     submit(reference.spec)
-    wait_for(lambda: last_step(run.path, task) >= SAVE_EVERY + 3, 180, "task 1 past its first checkpoint")
+    wait_for(lambda: last_step(run.path, task) >= save_every + 3, 180, "task 1 past its first checkpoint")
+    return run, reference, array, task
+
+
+def test_a_killed_rank_is_relaunched_inside_the_same_task_and_trains_on_exactly(cluster_run):
+    run, reference, array, task = relaunching_run(cluster_run, "relaunch", MAX_STEPS, SAVE_EVERY)
     victim = worker_pids(run.path)[-1]
     os.kill(victim, signal.SIGKILL)
     killed_at = time.time()
@@ -135,21 +144,9 @@ def log_time(line: str) -> float:
 
 
 def test_a_stopped_rank_is_found_hung_its_stacks_taken_and_the_launch_relaunched(cluster_run):
-    reference = cluster_run("hang-ref", nodes=1, procs_per_node=2, max_steps=HANG_MAX_STEPS)
-    run = cluster_run(
-        "hang",
-        nodes=2,
-        procs_per_node=1,
-        array=2,
-        max_steps=HANG_MAX_STEPS,
-        save_every_steps=HANG_SAVE_EVERY,
-        hang_timeout=f"{HANG_TIMEOUT}s",
-        job={"in_job_restarts": 2},
+    run, reference, array, task = relaunching_run(
+        cluster_run, "hang", HANG_MAX_STEPS, HANG_SAVE_EVERY, hang_timeout=f"{HANG_TIMEOUT}s"
     )
-    array = submit(run.spec)
-    task = running_task(array, 1)
-    submit(reference.spec)
-    wait_for(lambda: last_step(run.path, task) >= HANG_SAVE_EVERY + 3, 180, "task 1 past its first checkpoint")
     victim = worker_pids(run.path)[-1]
     os.kill(victim, signal.SIGSTOP)  # alive, holding its sockets, answering nothing: a hang
     stopped_at = time.time()

@@ -10,10 +10,15 @@ import pytest
 
 from helpers import DATA, run_spec
 from jobgen.launch.render import render
-from jobgen.runs.heartbeat import Heartbeat, interval_for, read_steps
+from jobgen.runs.heartbeat import Heartbeat, interval_for
 from jobgen.spec.loader import SpecError, load_run
 
 EVERY = 0.05
+
+
+def files(directory) -> dict[str, str]:
+    """Every heartbeat file there and what it holds (the step, as the watcher reads it)."""
+    return {path.name: path.read_text() for path in directory.glob("rank-*")}
 
 
 def settle() -> None:
@@ -33,11 +38,11 @@ def test_a_beat_is_written_with_the_newest_step_and_nothing_without_beats(heartb
     for step in range(1, 50):
         heartbeat.beat(step)
     settle()
-    assert read_steps(tmp_path / "beats") == {3: 49}
+    assert files(tmp_path / "beats") == {"rank-3": "49\n"}
     written = heartbeat.path.stat().st_mtime_ns
     heartbeat.beat()  # an evaluation batch: progress, the same step
     settle()
-    assert heartbeat.path.stat().st_mtime_ns > written and read_steps(tmp_path / "beats") == {3: 49}
+    assert heartbeat.path.stat().st_mtime_ns > written and files(tmp_path / "beats") == {"rank-3": "49\n"}
 
 
 def test_a_rank_that_stops_beating_leaves_its_file_unchanged(heartbeat):
@@ -56,7 +61,7 @@ def test_a_pause_removes_the_file_until_the_next_beat(heartbeat, tmp_path):
     assert not heartbeat.path.exists()  # however long the save takes, nothing is judged
     heartbeat.beat(5)
     settle()
-    assert read_steps(tmp_path / "beats") == {3: 5}
+    assert files(tmp_path / "beats") == {"rank-3": "5\n"}
     heartbeat.close()
     assert not heartbeat.path.exists()
 
