@@ -81,7 +81,7 @@ class LocalJob:
     """What running a batch script on this machine needs to know of its job."""
 
     name: str  # Slurm's job name (SLURM_JOB_NAME)
-    nodes: int  # nodes the spec asks for: --local has this one
+    nodes: int  # nodes the spec asks for, spares included: --local has this one
     cpus: int  # the CPUs the allocation would have (SLURM_CPUS_PER_TASK)
     container: bool  # a pyxis container: --local cannot start one
     without_container: str  # what to do instead, in the refusal

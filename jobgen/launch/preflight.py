@@ -131,11 +131,15 @@ def _limit_findings(job: JobSpec, name: str, part: dict[str, str], max_time: int
             )
         )
     max_nodes = part.get("MaxNodes", "UNLIMITED")
-    if max_nodes.isdigit() and job.nodes > int(max_nodes):
-        findings.append(
-            Finding("error", "job.nodes", f"{job.nodes} nodes exceeds partition '{name}' MaxNodes {max_nodes}")
-        )
+    if max_nodes.isdigit() and job.allocated_nodes > int(max_nodes):
+        findings.append(Finding("error", "job.nodes", f"{_asked(job)} exceeds partition '{name}' MaxNodes {max_nodes}"))
     return findings
+
+
+def _asked(job: JobSpec) -> str:
+    """The nodes each task asks for, in words."""
+    spares = f" (job.nodes {job.nodes} + job.spare_nodes {job.spare_nodes})" if job.spare_nodes else ""
+    return f"{job.allocated_nodes} nodes{spares}"
 
 
 def _nodelist_findings(name: str, facts: _ClusterFacts) -> list[Finding]:
@@ -149,10 +153,10 @@ def _node_count_findings(job: JobSpec, name: str, facts: _ClusterFacts) -> list[
     """Too few nodes left in the partition once the excluded ones are taken out (fewer than
     job.min_nodes, which a task may run on, when it is set)."""
     count = len(facts.candidates)
-    fewest = job.min_nodes or job.nodes
+    fewest = job.min_nodes or job.allocated_nodes
     gone = facts.excluded & facts.in_partition
     excluding = f" after excluding {', '.join(sorted(gone))}" if gone else ""
-    if count >= job.nodes:
+    if count >= job.allocated_nodes:
         return []
     if count >= fewest:
         return [
@@ -163,7 +167,7 @@ def _node_count_findings(job: JobSpec, name: str, facts: _ClusterFacts) -> list[
                 "until more are back",
             )
         ]
-    asked = f"{job.nodes} nodes requested" if fewest == job.nodes else f"at least {fewest} nodes (job.min_nodes)"
+    asked = f"{_asked(job)} requested" if fewest == job.allocated_nodes else f"at least {fewest} nodes (job.min_nodes)"
     return [Finding("error", "job.nodes", f"{asked} but partition '{name}' has {count}{excluding}")]
 
 
@@ -172,7 +176,7 @@ def _node_resource_findings(
 ) -> list[Finding]:
     """Enough candidate nodes with the CPUs and GPUs asked for, and up now."""
     findings = []
-    fewest = job.min_nodes or job.nodes  # what a task can start on
+    fewest = job.min_nodes or job.allocated_nodes  # what a task can start on
     fitting = [n for n in candidates if int(n.get("CPUTot", "0") or 0) >= slurm_site.cpus_per_node]
     if len(fitting) < fewest:
         most = max(int(n.get("CPUTot", "0") or 0) for n in candidates)

@@ -32,6 +32,7 @@ from jobgen.program import placeholders
 from jobgen.runs.heartbeat import interval_for
 from jobgen.runs.rundir import STARTUP_SWITCHES, RunDir
 from jobgen.spec.resolved import ResolvedSpec
+from jobgen.spec.tables.run import JobSpec
 
 # How long the start probe waits for every node's answer (site.health_check's budget).
 PROBE_TIMEOUT_SECONDS = 60
@@ -134,8 +135,10 @@ def sbatch_directives(spec: ResolvedSpec) -> list[Trusted]:
     directives = [
         option("job-name", job.name),
         # job.min_nodes: a range; Slurm gives as many as are free (with --exclusive, below).
-        option("nodes", job.nodes if len(job.node_counts) == 1 else f"{job.min_nodes}-{job.nodes}"),
+        option("nodes", job.allocated_nodes if len(job.node_counts) == 1 else f"{job.min_nodes}-{job.nodes}"),
     ]
+    # Spares: Slurm keeps the allocation when a node fails (and takes it out), the next launch uses a spare.
+    directives += [option("no-kill")] if job.spare_nodes else []
     # With --ntasks-per-node, Slurm 22.05 starts a node range on its minimum even with every
     # node free (measured on the dev cluster); the script's sruns name their tasks themselves.
     if len(job.node_counts) == 1:
@@ -267,9 +270,27 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         "graceful_stop": job.graceful_stop,
         "array": job.array,
         "in_job_restarts": spec.in_job_restarts,
+        **_launch_nodes_context(job),
         # The hang watch (train.hang_timeout) runs beside every launch of a task that relaunches.
         "hang_timeout": hang_timeout,
         "heartbeat_every": interval_for(hang_timeout) if hang_timeout else None,
+    }
+
+
+def _launch_nodes_context(job: JobSpec) -> dict[str, Any]:
+    """Which nodes a launch trains on. With job.spare_nodes the task holds allocated_nodes and
+    each launch trains on job.nodes of them, chosen as it starts ($LAUNCH_NODES); else every
+    launch is on the whole allocation."""
+    spares = job.spare_nodes
+    return {
+        "spare_nodes": spares,
+        "allocated_nodes": job.allocated_nodes,
+        "launch_nodes": Trusted(
+            f'--nodes={job.nodes} --ntasks={job.nodes} --nodelist="$LAUNCH_NODES"'
+            if spares
+            else '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES"'
+        ),
+        "launch_nodelist": Trusted('"$LAUNCH_NODES"' if spares else '"$SLURM_JOB_NODELIST"'),
     }
 
 
@@ -288,8 +309,9 @@ def _omp_threads(spec: ResolvedSpec, procs: int) -> int:
 def task_world_size(spec: ResolvedSpec, nodes_var: str) -> Trusted:
     """The task's world size as the script knows it: the nodes Slurm gave (``$nodes_var``,
     which job.min_nodes lets vary) x procs_per_node; a list's world is its sum (a list
-    forbids job.min_nodes, so the nodes are job.nodes)."""
-    if spec.run.job.unequal_nodes:
+    forbids job.min_nodes, so the nodes are job.nodes; so do spares, which the allocation's
+    count includes)."""
+    if spec.run.job.unequal_nodes or spec.run.job.spare_nodes:
         return Trusted(str(spec.world_size))
     return Trusted(f"$(({nodes_var} * {spec.procs_per_node}))")
 
@@ -385,9 +407,15 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
         # How Slurm records each code (jobgen.base.exit_codes): planned stops exit 0 (COMPLETED).
         "planned_exit_codes": Trusted(" ".join(str(int(code)) for code in ExitCode if code.planned)),
         "jobgen_exit_codes": Trusted(" ".join(str(int(code)) for code in ExitCode)),
-        "relaunch_exit_codes": Trusted(" ".join(str(int(code)) for code in ExitCode if code.relaunches)),
+        "relaunch_exit_codes": Trusted(" ".join(str(int(code)) for code in relaunch_codes(spec))),
         "exit_words": [(int(code), code.reason) for code in ExitCode],
     }
+
+
+def relaunch_codes(spec: ResolvedSpec) -> list[ExitCode]:
+    """The launch's ends a relaunch inside the task may get past: a crash or a hang, and, while
+    job.spare_nodes leaves enough usable nodes, a node failure (the relaunch trains without it)."""
+    return [c for c in ExitCode if c.relaunches or (c is ExitCode.NODE_FAILURE and spec.run.job.spare_nodes)]
 
 
 def _run_env(spec: ResolvedSpec) -> tuple[dict[str, str], list[str]]:

@@ -190,7 +190,7 @@ def local_job(spec: ResolvedSpec) -> LocalJob:
     run = RunDir(spec.run_dir)
     return LocalJob(
         name=spec.run.job.name,
-        nodes=spec.run.job.nodes,
+        nodes=spec.run.job.allocated_nodes,
         cpus=spec.site.slurm.cpus_per_node,
         container=spec.site.python.kind == "container",
         without_container="use a venv or modules site",

@@ -75,6 +75,7 @@ def _relaunch_line(r: Relaunch) -> str:
     after = f"exit {r.after_exit}" if r.after_exit is not None else "a failure"
     line = f"  relaunch {r.launch} {_clock(r.time)} after {after}"
     line += f" ({visible(r.reason)})" if r.reason else ""
+    line += f" on {visible(r.nodes)}" if r.nodes else ""
     if r.start_step is not None:
         line += f": resumed at step {r.start_step}"
         line += f", {r.recomputed_steps} redone" if r.recomputed_steps is not None else ""

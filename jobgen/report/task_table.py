@@ -63,6 +63,7 @@ class Relaunch:
     start_step: int | None = None  # the step it resumed at
     seconds_to_first_step: float | None = None  # from the relaunch to its first step: what it cost
     recomputed_steps: int | None = None  # steps the launch before it had done beyond start_step
+    nodes: str | None = None  # the nodes it trained on, where the task holds spares (job.spare_nodes)
 
 
 @dataclass
@@ -257,13 +258,14 @@ def _recorded_relaunches(entries: list[Any]) -> list[Relaunch]:
     for entry in entries:
         if not isinstance(entry, dict) or not is_int(entry.get("launch")) or entry["launch"] < 1:
             continue
-        when, code, words = entry.get("time"), entry.get("after_exit"), entry.get("reason")
+        when, code, words, nodes = entry.get("time"), entry.get("after_exit"), entry.get("reason"), entry.get("nodes")
         out.append(
             Relaunch(
                 entry["launch"],
                 time=when if is_time(when) else None,
                 after_exit=code if is_int(code) else None,
                 reason=words if isinstance(words, str) else None,
+                nodes=nodes if isinstance(nodes, str) else None,
             )
         )
     return out

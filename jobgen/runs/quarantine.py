@@ -9,6 +9,11 @@ and by the start probe for the nodes that failed it::
 
     python -m jobgen.runs.quarantine probe-failed --run-dir RUN --job 42 --failed node2=WHY
 
+and, where a task holds spare nodes (``job.spare_nodes``), before each launch for the nodes it
+trains on::
+
+    python -m jobgen.runs.quarantine launch-nodes --run-dir RUN --job 42 --count 2
+
 A node is quarantined when
 
 - a rank on it went silent: another rank of the task waited out a whole collective timeout
@@ -300,6 +305,28 @@ def after_task(run: RunDir, job_id: str, restart: str, nodelist: str, launch: in
     return _quarantine(run, spec, found, job_id)
 
 
+class TooFewNodes(Exception):
+    """Fewer usable nodes are left in the allocation than a launch trains on (job.spare_nodes)."""
+
+
+def launch_nodes(run: RunDir, job_id: str, count: int) -> list[str]:
+    """The ``count`` nodes the next launch inside a task with spares trains on: the allocation's
+    nodes as Slurm has them now (with --no-kill a failed node leaves the job's NodeList, while
+    SLURM_JOB_NODELIST keeps naming it), less those Slurm marks unusable and those this run
+    quarantined, in the allocation's order; :class:`TooFewNodes` names each one left out."""
+    records = slurm.show_job(int(job_id))
+    allocation = slurm.hostnames(records[0].get("NodeList", "")) if records else []
+    left_out = {node: f"quarantined ({q.reason})" for node, q in read(run).items() if node in allocation}
+    for node, why in unusable_nodes(allocation).items():
+        left_out.setdefault(node, why)
+    usable = [node for node in allocation if node not in left_out]
+    if len(usable) < count:
+        held = f"the allocation holds {', '.join(allocation)}" if allocation else f"Slurm shows no job {job_id}"
+        out = "".join(f"; {node} {why}" for node, why in sorted(left_out.items()))
+        raise TooFewNodes(f"{len(usable)} usable node(s) left, the run trains on {count}: {held}{out}")
+    return usable[:count]
+
+
 def probe_failed(run: RunDir, job_id: str, failed: dict[str, str]) -> list[Quarantined]:
     spec = run.load_spec()
     return _quarantine(run, spec, {n: f"failed the start probe: {why}" for n, why in failed.items()}, job_id)
@@ -339,8 +366,20 @@ def main(argv: list[str] | None = None) -> int:
     after.add_argument("--nodes", required=True, help="SLURM_JOB_NODELIST")
     after.add_argument("--launch", type=int, default=0, help="JOBGEN_LAUNCH: the program's launch inside the task")
     probe.add_argument("--failed", action="append", default=[], metavar="NODE=WHY", help="a node and what failed")
+    choose = sub.add_parser("launch-nodes", help="the nodes the next launch trains on (job.spare_nodes)")
+    choose.add_argument("--run-dir", type=Path, required=True)
+    choose.add_argument("--job", required=True, help="SLURM_JOB_ID")
+    choose.add_argument("--count", type=int, required=True, help="job.nodes")
     args = parser.parse_args(argv)
     run = RunDir(args.run_dir.absolute())
+    if args.command == "launch-nodes":
+        # stdout: the nodes, comma-separated (srun --nodelist); stderr and exit 1: why there are too few.
+        try:
+            print(",".join(launch_nodes(run, args.job, args.count)))
+        except (TooFewNodes, QuarantineError) as exc:
+            print(f"jobgen: {exc}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "after-task":
         entries = after_task(run, args.job, args.restart, args.nodes, args.launch)
     else:

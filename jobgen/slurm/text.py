@@ -128,9 +128,15 @@ def parse_sacct(text: str) -> list[JobRecord]:
     (``REQUEUED``, ...): each line's ``restarts`` counts the lines of that job before it. A
     job is its id and its name: ids are unique for one controller's lifetime only, and the
     accounting database keeps the jobs of earlier lifetimes, so a recycled id also returns
-    another job's line, which is no earlier start of this one."""
+    another job's line, which is no earlier start of this one.
+
+    A job that lost a node and kept running (``--no-kill``, job.spare_nodes) is resized:
+    its line until then is ``RESIZING`` and a new line of the same job goes on from the
+    resize with the nodes left (measured on the dev cluster). That is one start: the
+    ``RESIZING`` line is dropped and its start given to the line after it."""
     out = []
     starts: dict[tuple[int, str], int] = {}
+    resized_from: dict[tuple[int, str], str] = {}  # the start of a job's line before its resize
     for line in text.splitlines():
         parts = line.split("|", SACCT_FIELDS.count(","))
         if len(parts) != SACCT_FIELDS.count(",") + 1 or not parts[0].isdigit():
@@ -139,6 +145,10 @@ def parse_sacct(text: str) -> list[JobRecord]:
         array_job, in_array, task = job_id.partition("_")
         if in_array and not task.isdigit():
             continue  # an array's pending rest (2_[3-4%1]): squeue's business
+        if state == "RESIZING":
+            resized_from.setdefault((int(raw), name), start)
+            continue
+        start = resized_from.pop((int(raw), name), start)
         out.append(
             JobRecord(
                 job_id=int(raw),

@@ -106,12 +106,12 @@ SCRIPT_OWNED = frozenset(
     | {"CAUGHT", "FORWARDED", "LAUNCH_PID", "EXIT_CODE_FILE", "SWEEP_DIR", "POINT_DIR", "POINT_SCRIPT"}
     | {"POINT_LOG", "SERVE", "SERVE_PID", "PYTHONPATH"}
     | {"RESTARTS", "IN_JOB_RESTARTS", "JOBGEN_EXIT_CODES", "RELAUNCH_EXIT_CODES", "LAUNCH", "STOP_CAUGHT"}
-    | {"HANG_TIMEOUT", "HANG_VERDICT", "LAST_HANG_STEP", "WATCHER_PID"}
+    | {"HANG_TIMEOUT", "HANG_VERDICT", "LAST_HANG_STEP", "WATCHER_PID", "LAUNCH_NODES"}
     # the scripts' lower-case working variables
     | {"status", "words", "tmp", "lead", "end", "task", "code", "slurm_exit", "s", "switch"}
     | {"node", "gpus", "given", "given_count", "out", "probe_out", "probe_failed", "line", "why", "blamed"}
     | {"trainer_status", "left", "deadline", "live", "tasks", "answer", "outcome", "throttle", "restarted"}
-    | {"hung_step", "newest", "now", "stacks", "stamp", "step", "target"}
+    | {"hung_step", "newest", "now", "stacks", "stamp", "step", "target", "chosen"}
 )
 # Settings the scripts export as defaults, which the site's network.env and the run's [env]
 # are there to change: they are exported after the script's own (docs/run-toml.md).

@@ -32,6 +32,12 @@ def site_problems(run: RunSpec, site: SiteProfile) -> list[Problem]:
             issues.append(("job.procs_per_node" + index, message))
     if gpus and run.job.unequal_nodes:
         issues.extend(_unequal_gpu_nodes(run, site))
+    if run.job.spare_nodes and run.job.in_job_restarts is None and not site.slurm.default_in_job_restarts:
+        message = (
+            f"{run.job.spare_nodes} spare node(s) are used by a relaunch inside the task, and this site relaunches "
+            "none by default (slurm.in_job_restarts): set job.in_job_restarts to 1 or more"
+        )
+        issues.append(("job.spare_nodes", message))
     if run.job.kind.trains:
         issues.extend(_world_sizes(run, site))
     return issues

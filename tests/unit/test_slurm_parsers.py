@@ -141,6 +141,28 @@ def test_a_recycled_job_id_is_no_earlier_start_of_the_job():
     assert [(r.name, r.restarts) for r in parse_sacct(text)] == [("allocation", 0), ("r0", 0), ("r0", 1)]
 
 
+# Captured on the dev cluster (Slurm 22.05): a 3-node --no-kill array task that lost node3,
+# resized, went on and ended; task 2 started after it.
+SACCT_RESIZED = """\
+2|1_1|nk4.sh|RESIZING|0:0|None|node[1-3]|2026-12-01T20:52:53|2026-12-01T20:53:19|3|
+2.batch|1_1.batch|batch|RESIZING|0:0||node1|2026-12-01T20:52:53|2026-12-01T20:53:19||
+2.0|1_1.0|bash|RESIZING|0:0||node[1-3]|2026-12-01T20:52:53|2026-12-01T20:53:19||
+1|1_2|nk4.sh|RUNNING|0:0|JobArrayTaskLimit|node[1-3]|2026-12-01T20:53:35|Unknown|3|
+1.batch|1_2.batch|batch|RUNNING|0:0||node1|2026-12-01T20:53:35|Unknown||
+2|1_1|nk4.sh|COMPLETED|0:0|None|node[1-2]|2026-12-01T20:53:19|2026-12-01T20:53:19|3|
+2.1|1_1.1|hostname|COMPLETED|0:0||node[1-2]|2026-12-01T20:53:19|2026-12-01T20:53:19||
+"""
+
+
+def test_a_job_resized_by_a_lost_node_is_one_start_from_its_first_line():
+    """--no-kill (job.spare_nodes): the resize is no requeue; status showed the task twice."""
+    records = parse_sacct(SACCT_RESIZED)
+    rows = [(r.job_id, r.array_task, r.state, r.nodes, r.restarts) for r in records]
+    assert rows == [(1, "2", "RUNNING", "node[1-3]", 0), (2, "1", "COMPLETED", "node[1-2]", 0)]
+    (task1,) = [r for r in records if r.job_id == 2]
+    assert task1.end - task1.start == 26  # from the job's start, not the resize
+
+
 def test_sacct_as_slurmdbd_prints_it():
     records = parse_sacct(SACCT_CAPTURED)
     rows = [(r.job_id, r.array_job_id, r.array_task, r.state, r.exit_code, r.restarts) for r in records]

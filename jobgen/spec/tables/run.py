@@ -39,6 +39,7 @@ from jobgen.spec.tables.sweep import SweepSpec
 from jobgen.spec.tables.train import TrainSpec
 from jobgen.spec.tables.watchdogs import WatchdogSettings
 
+MAX_SPARE_NODES = 64
 # Slurm's default MaxArraySize is 1001, so the highest index is 1000.
 MAX_ARRAY = 1000
 # Processes on one node.
@@ -122,6 +123,22 @@ class JobSpec(SpecModel):
             "slurm.in_job_restarts. The bundled trainer (program 'train') only."
         ),
     )
+    spare_nodes: int = Field(
+        0,
+        ge=0,
+        le=MAX_SPARE_NODES,
+        description=(
+            "Nodes held beside job.nodes for a relaunch inside the task to use (job.in_job_restarts): each task "
+            "asks Slurm for job.nodes + spare_nodes nodes with --no-kill (Slurm keeps the allocation when one of "
+            "them fails and takes that node out of it) and trains on job.nodes of them. When a node is lost or "
+            "found at fault, the next launch trains on the healthy ones, a spare among them, with the same world "
+            "size and global batch; once no spare is left, a node failure ends the task as without spares. The "
+            "spares idle meanwhile (you are charged for them). Losing the first node, where the batch script runs, "
+            "ends the allocation: the next array task takes over. Needs job.in_job_restarts of at least 1; not with "
+            "job.min_nodes below job.nodes, nor with per-node lists (job.procs_per_node, job.device_memory), "
+            "which name no spare."
+        ),
+    )
     runs_root: SafePath | None = Field(None, description="Overrides the site's paths.runs_root.")
     partition: SlurmName | None = Field(None, description="Overrides the site's slurm.partition.")
     account: SlurmName | None = Field(None, description="Overrides the site's slurm.account.")
@@ -203,6 +220,38 @@ class JobSpec(SpecModel):
         return self
 
     @model_validator(mode="after")
+    def _spares_replace_equal_nodes(self) -> JobSpec:
+        """A spare takes a lost node's place with the world unchanged: only where every node
+        is alike and the world has one size."""
+        if not self.spare_nodes:
+            return self
+        key = f"job.spare_nodes = {self.spare_nodes}"
+        if not self.kind.relaunches:
+            raise ValueError(
+                f"{key}: program '{self.program}' is not relaunched inside a task, so no launch would use a spare "
+                "(the bundled trainer is); leave job.spare_nodes unset or 0"
+            )
+        if self.in_job_restarts == 0:
+            raise ValueError(f"{key}: a spare is used by a relaunch inside the task, and job.in_job_restarts is 0")
+        if len(self.node_counts) > 1:
+            raise ValueError(
+                f"{key} with job.min_nodes = {self.min_nodes} below job.nodes = {self.nodes}: a spare keeps the "
+                "world at job.nodes; choose one (spares keep the world size, min_nodes lets it shrink)"
+            )
+        for name, value, fix in (
+            ("job.procs_per_node", self.procs_per_node, "give one number for every node"),
+            ("job.device_memory", self.device_memory, "leave it unset (slurm.device_memory is every node's)"),
+        ):
+            if isinstance(value, list):
+                raise ValueError(
+                    f"{key} with {name} = {value}: the list gives node N of the allocation its entry, and a spare "
+                    f"taking a lost node's place would take another node's entry; {fix}"
+                )
+        if self.nodes + self.spare_nodes > 4096:
+            raise ValueError(f"{key}: job.nodes + job.spare_nodes is {self.nodes + self.spare_nodes}, above 4096")
+        return self
+
+    @model_validator(mode="after")
     def _min_nodes_at_most_nodes(self) -> JobSpec:
         if self.min_nodes is not None and self.min_nodes > self.nodes:
             raise ValueError(f"job.min_nodes ({self.min_nodes}) must be at most job.nodes ({self.nodes})")
@@ -246,6 +295,11 @@ class JobSpec(SpecModel):
     def node_counts(self) -> range:
         """The node counts a task may get: min_nodes to nodes."""
         return range(self.min_nodes or self.nodes, self.nodes + 1)
+
+    @property
+    def allocated_nodes(self) -> int:
+        """The most nodes a task asks Slurm for: job.nodes, and the spares beside them."""
+        return self.nodes + self.spare_nodes
 
     @property
     def unequal_nodes(self) -> bool:
