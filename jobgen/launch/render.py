@@ -295,8 +295,9 @@ def _launch_nodes_context(job: JobSpec) -> dict[str, Any]:
 
 
 def _hang_timeout(spec: ResolvedSpec) -> int | None:
-    """train.hang_timeout where the batch script watches for hangs: a task that relaunches the trainer."""
-    if not spec.in_job_restarts:
+    """train.hang_timeout where the batch script watches for hangs: a task that relaunches the
+    trainer, whose ranks keep the heartbeats (your own program keeps none)."""
+    if not spec.in_job_restarts or not spec.run.job.kind.trains:
         return None
     return spec.run.train.effective_hang_timeout
 

@@ -89,8 +89,8 @@ PROGRAMS: dict[str, Program] = {
         planned=True,
         own_checkpoints=True,
         checks_nodes=False,
-        # Not yet: a relaunch would need the head node's plan again (the newest checkpoint).
-        relaunches=False,
+        # The batch script writes the plan again before each relaunch: the newest checkpoint.
+        relaunches=True,
     ),
 }
 assert tuple(PROGRAMS) == ProgramName.__args__, "one entry per job.program, in the order of ProgramName"

@@ -205,7 +205,8 @@ def plan_block(text: str) -> list[str]:
     """The batch script's plan step, as rendered."""
     lines = text.splitlines()
     first = lines.index("# --- Your program's plan for this task ---")
-    return lines[first : lines.index("fi", first) + 1]
+    last = next(i for i in range(first, len(lines)) if lines[i].startswith("write_command_plan ||"))
+    return lines[first : last + 1]
 
 
 def test_the_batch_script_writes_the_plan_before_the_launch_or_fails_the_task(tmp_path: Path):

@@ -118,9 +118,12 @@ class JobSpec(SpecModel):
             "(a rank crashed or was killed, a collective timed out), the batch script keeps the allocation and "
             "starts it again on the same nodes, resuming from the newest checkpoint, instead of ending the task "
             "and waiting in the queue for nodes again. A crash that repeats the previous launch's (same exception, "
-            "place and step), an error every launch would meet (data, model, settings), a node found at fault, a "
+            "place and step), an error every launch would meet (data, model, settings), a node found at fault (but "
+            "for a spare: job.spare_nodes), a "
             "planned stop, a switch or a signal from Slurm end the task as before. Default: the site's "
-            "slurm.in_job_restarts. The bundled trainer (program 'train') only."
+            "slurm.in_job_restarts. The bundled trainer, and your own program (program 'command'), whose plan is "
+            "made again before each relaunch so that it resumes from the newest checkpoint ({latest_checkpoint}); "
+            "not the doctor."
         ),
     )
     spare_nodes: int = Field(
