@@ -778,7 +778,9 @@ PLANTED_CRASHES = textwrap.dedent(
     """
     import os
 
-    if os.environ.get("RANK") is not None and os.environ.get("CRASH_AT"):
+    # CRASH_LAUNCH: only in that launch inside the task (JOBGEN_LAUNCH); unset, in every one.
+    in_launch = os.environ.get("CRASH_LAUNCH") in (None, os.environ.get("JOBGEN_LAUNCH", "0"))
+    if os.environ.get("RANK") is not None and os.environ.get("CRASH_AT") and in_launch:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         calls = []

@@ -33,11 +33,12 @@ from torch.optim.lr_scheduler import LambdaLR
 from jobgen.base.atomic import write_json_atomic
 from jobgen.base.exit_codes import ExitCode
 from jobgen.model.pipeline_split import NodeMemory
-from jobgen.runs.rundir import RunDir
+from jobgen.runs.rundir import RunDir, checkpoint_name
 from jobgen.runtime.stopping import Action, StopMonitor
 from jobgen.spec.global_batch import BatchShape, check_resume, shape_for
 from jobgen.spec.resolved import ResolvedSpec
 from trainer.checkpoints.checkpointer import Checkpointer
+from trainer.checkpoints.snapshots import Snapshots
 from trainer.data.batches import training_data
 from trainer.data.packing import count_targets
 from trainer.distributed import (
@@ -101,6 +102,7 @@ class Trainer:
         self.runner = chosen.runner(self.parts)  # forward, backward and clipping of a step
         self.optimizer, self.scheduler = self._build_optimizer(chosen)
         self.checkpointer = self._checkpointer()
+        self.snapshots = self._snapshots()
         self.evaluation = self._build_evaluation()
         self.startup.mark("model")  # weights, wrapping, optimizer
         # Per-rank streams for dropout and friends; restored from checkpoints on resume.
@@ -166,6 +168,15 @@ class Trainer:
             async_save=self.cfg.async_save,
         )
 
+    def _snapshots(self) -> Snapshots | None:
+        """train.snapshot_every_steps where the batch script asked for them (a task that
+        relaunches): on every rank or on none, since restoring one is collective."""
+        if not self.cfg.snapshot_every_steps:
+            return None
+        snapshots = Snapshots.from_environment(self.env, self.cfg.snapshot_every_steps)
+        (missing,) = reduce_max(self.env, [int(snapshots is None)])
+        return None if missing else snapshots
+
     @property
     def checkpoint_optimizers(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
         """What the checkpoint saves and loads: the optimizer, or with optimizer_in_backward the
@@ -203,12 +214,21 @@ class Trainer:
             self.evaluation.history.load_state_dict(state.get("evals"))
 
     def resume(self) -> Path | None:
-        loaded = self.checkpointer.load_latest(self.model, self.checkpoint_optimizers)
+        loaded = self._from_snapshot() or self.checkpointer.load_latest(self.model, self.checkpoint_optimizers)
         if loaded is not None:
             self.load_state_dict(loaded[0])
         if self.evaluation:  # the best checkpoint as the history and the disk now say
             self.evaluation.sync_best()
         return loaded[1] if loaded is not None else None
+
+    def _from_snapshot(self) -> tuple[dict[str, Any], Path] | None:
+        """A relaunch inside the task: the newest memory snapshot every rank holds, where it is
+        newer than the newest checkpoint on disk (trainer.checkpoints.snapshots)."""
+        if self.snapshots is None:
+            return None
+        step = self.snapshots.newest_common(self.checkpointer.newest_step())
+        state = self.snapshots.restore(step, self.model, self.checkpoint_optimizers) if step is not None else None
+        return (state, Path(f"snapshot-{checkpoint_name(step)}")) if state is not None and step is not None else None
 
     def save(self, *, blocking: bool) -> Path:
         pause_heartbeat()  # the next step's mark of progress beats again
@@ -342,10 +362,14 @@ class Trainer:
         finally:
             stop_heartbeat()
             self.checkpointer.close()
+            if self.snapshots is not None:
+                self.snapshots.close()
             saves = {
                 "save_seconds": self.checkpointer.save_seconds,
                 "save_blocking_seconds": self.checkpointer.blocking_seconds,
             }
+            if self.snapshots is not None:  # how long training waited for each snapshot's copy
+                saves["snapshot_seconds"] = self.snapshots.seconds
             self.record.ended(self.step, saves, self.evaluation.evaluator.summary() if self.evaluation else {})
 
     def _train_until_stop(self) -> tuple[ExitCode, str]:
@@ -374,6 +398,8 @@ class Trainer:
                     return ended
                 window.reset()  # tokens/s are training's: the evaluation's time is not in them
             self._save_if_asked(action, save_due)
+            if self.snapshots is not None and self.snapshots.due(self.step) and not save_due:
+                self.snapshots.take(self.step, self.model, self.checkpoint_optimizers, self.state_dict())
             self.checkpointer.poll()
             mark_progress()
         return self._finish()

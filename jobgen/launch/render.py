@@ -17,6 +17,7 @@ comment lines take text through the ``comment`` filter.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
 from pathlib import Path
@@ -274,6 +275,7 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         # The hang watch (train.hang_timeout) runs beside every launch of a task that relaunches.
         "hang_timeout": hang_timeout,
         "heartbeat_every": interval_for(hang_timeout) if hang_timeout else None,
+        "snapshot_dir": _snapshot_dir(spec),
     }
 
 
@@ -292,6 +294,16 @@ def _launch_nodes_context(job: JobSpec) -> dict[str, Any]:
         ),
         "launch_nodelist": Trusted('"$LAUNCH_NODES"' if spares else '"$SLURM_JOB_NODELIST"'),
     }
+
+
+def _snapshot_dir(spec: ResolvedSpec) -> Trusted | None:
+    """Where a relaunching trainer keeps its memory snapshots (train.snapshot_every_steps): on
+    the node's tmpfs, per user, run (its path's hash: any text) and attempt of the job."""
+    if not (spec.in_job_restarts and spec.run.job.kind.trains and spec.run.train.snapshot_every_steps):
+        return None
+    run_key = hashlib.sha256(str(spec.run_dir).encode()).hexdigest()[:16]
+    root = shlex.quote(spec.site.paths.snapshot_dir)
+    return Trusted(f'{root}/jobgen-"$(id -u)/{run_key}/$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"')
 
 
 def _hang_timeout(spec: ResolvedSpec) -> int | None:

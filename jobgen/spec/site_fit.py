@@ -32,7 +32,15 @@ def site_problems(run: RunSpec, site: SiteProfile) -> list[Problem]:
             issues.append(("job.procs_per_node" + index, message))
     if gpus and run.job.unequal_nodes:
         issues.extend(_unequal_gpu_nodes(run, site))
-    if run.job.spare_nodes and run.job.in_job_restarts is None and not site.slurm.default_in_job_restarts:
+    restarts = run.job.in_job_restarts if run.job.in_job_restarts is not None else site.slurm.default_in_job_restarts
+    if run.job.kind.trains and run.train.snapshot_every_steps and not restarts:
+        message = (
+            f"snapshots every {run.train.snapshot_every_steps} steps are read only by a relaunch inside the task, "
+            "and this run relaunches none (job.in_job_restarts, the site's slurm.in_job_restarts): set "
+            "job.in_job_restarts to 1 or more, or leave train.snapshot_every_steps at 0"
+        )
+        issues.append(("train.snapshot_every_steps", message))
+    if run.job.spare_nodes and not restarts:  # job.in_job_restarts = 0 itself: JobSpec says so
         message = (
             f"{run.job.spare_nodes} spare node(s) are used by a relaunch inside the task, and this site relaunches "
             "none by default (slurm.in_job_restarts): set job.in_job_restarts to 1 or more"

@@ -42,6 +42,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.lifecycle]
 
 MAX_STEPS = 40
 SAVE_EVERY = 5
+# The killed rank's relaunch resumes from a memory snapshot (every 2 steps), not from the
+# disk checkpoint (every 20).
+SNAPSHOT_EVERY, DISK_EVERY = 2, 20
 
 
 def relaunch_lines(run: Path, launch: int) -> list[dict]:
@@ -71,7 +74,9 @@ def relaunching_run(cluster_run, name: str, max_steps: int, save_every: int, **t
 
 
 def test_a_killed_rank_is_relaunched_inside_the_same_task_and_trains_on_exactly(cluster_run):
-    run, reference, array, task = relaunching_run(cluster_run, "relaunch", MAX_STEPS, SAVE_EVERY)
+    run, reference, array, task = relaunching_run(
+        cluster_run, "relaunch", MAX_STEPS, DISK_EVERY, snapshot_every_steps=SNAPSHOT_EVERY
+    )
     victim = worker_pids(run.path)[-1]
     os.kill(victim, signal.SIGKILL)
     killed_at = time.time()
@@ -85,7 +90,9 @@ def test_a_killed_rank_is_relaunched_inside_the_same_task_and_trains_on_exactly(
     wait_for(lambda: (run.path / "done").exists(), 300, "the relaunched run to finish")
     (resumed,) = [r for r in read_jsonl(run.path / "tasks.jsonl") if r["event"] == "first_step" and r.get("launch")]
     redone = reached - resumed["start_step"]
-    assert resumed["job_id"] == str(task) and 0 <= redone <= SAVE_EVERY, (reached, resumed)
+    assert resumed["job_id"] == str(task) and 0 <= redone <= SNAPSHOT_EVERY, (reached, resumed)
+    # From the snapshot both ranks held, past the checkpoint on disk.
+    assert resumed["start_step"] > DISK_EVERY and resumed["start_step"] % SNAPSHOT_EVERY == 0, resumed
 
     # Every loss either launch logged is the uninterrupted run's.
     wait_for(lambda: (reference.path / "done").exists(), 300, "the reference run to finish")
@@ -105,7 +112,8 @@ def test_a_killed_rank_is_relaunched_inside_the_same_task_and_trains_on_exactly(
     log = (run.path / "logs" / f"relaunch-{task}.out").read_text()
     assert "relaunching the program inside this task (relaunch 1 of at most 2)" in log, log[-3000:]
     print(
-        f"relaunch: rank killed at step {reached}, relaunch resumed at {resumed['start_step']} ({redone} redone), "
+        f"relaunch: rank killed at step {reached}, relaunch resumed at {resumed['start_step']} ({redone} redone, "
+        f"snapshots every {SNAPSHOT_EVERY} steps, checkpoints every {DISK_EVERY}), "
         f"its first step {first['time'] - killed_at:.1f} s after the kill "
         f"({resumed['seconds_to_first_step']:.1f} s after the relaunch)"
     )

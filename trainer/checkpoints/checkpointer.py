@@ -311,6 +311,12 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
 
+    def newest_step(self) -> int | None:
+        """The step of the newest complete checkpoint on disk, as rank 0 sees it (collective)."""
+        found = complete_checkpoints_in(self.root) if self.env.is_main else None
+        newest = broadcast_object(self.env, found[-1][0] if found else None)
+        return newest if isinstance(newest, int) else None
+
     def load_latest(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer]
     ) -> tuple[dict[str, Any], Path] | None:

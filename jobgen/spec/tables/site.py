@@ -235,6 +235,13 @@ class PathSettings(SpecModel):
     data_cache: SafePath | None = Field(
         None, description="Where tokenized datasets are cached; default <runs_root>/.cache/data."
     )
+    snapshot_dir: SafePath = Field(
+        "/dev/shm",
+        description=(
+            "Node-local memory (a tmpfs) where train.snapshot_every_steps keeps each rank's snapshots, under "
+            "jobgen-<uid>/; not shared between nodes."
+        ),
+    )
 
 
 class PythonSettings(SpecModel):

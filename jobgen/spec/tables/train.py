@@ -181,6 +181,20 @@ class TrainSpec(SpecModel):
     save_every: Duration = Field("30m", description="Also checkpoint after this much wall time since the last save.")
     keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept on disk (oldest deleted first).")
     async_save: bool = Field(False, description="Save in the background; training blocks only for the staging copy.")
+    snapshot_every_steps: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Where the task relaunches the trainer (job.in_job_restarts > 0): every N steps each rank copies its "
+            "shard of the training state (model, optimizer, RNG, data position) to host memory and writes it in "
+            "the background to a file on its node's tmpfs (site paths.snapshot_dir), keeping the previous one "
+            "until the new one is complete. A relaunch inside the same task resumes from the newest snapshot "
+            "every rank holds when it is newer than the newest checkpoint on disk, so a crash redoes at most N "
+            "steps instead of every step since the last save. Snapshots never leave the task (the batch script "
+            "deletes them as it ends); disk checkpoints stay the durable record. Costs about two copies of a "
+            "rank's state in host memory per node. 0 (the default): none."
+        ),
+    )
     seed: int = Field(
         1234,
         ge=0,
