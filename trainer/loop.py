@@ -175,7 +175,10 @@ class Trainer:
             return None
         snapshots = Snapshots.from_environment(self.env, self.cfg.snapshot_every_steps)
         (missing,) = reduce_max(self.env, [int(snapshots is None)])
-        return None if missing else snapshots
+        if missing or snapshots is None:
+            return None
+        snapshots.connect(self.cfg.collective_timeout)  # the copies on the next node
+        return snapshots
 
     @property
     def checkpoint_optimizers(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:

@@ -14,6 +14,13 @@ from jobgen.spec.tables.run import RunSpec, layout_text
 from jobgen.spec.tables.site import SiteProfile
 
 
+def in_job_restarts(run: RunSpec, site: SiteProfile) -> int:
+    """Relaunches inside one array task: the job's, else the site's (programs that relaunch only)."""
+    if not run.job.kind.relaunches:
+        return 0
+    return run.job.in_job_restarts if run.job.in_job_restarts is not None else site.slurm.default_in_job_restarts
+
+
 @dataclass(frozen=True)
 class ResolvedSpec:
     """A validated run plus its site profile, with every derived value in one place."""
@@ -42,11 +49,7 @@ class ResolvedSpec:
 
     @property
     def in_job_restarts(self) -> int:
-        """Relaunches inside one array task: the job's, else the site's (programs that relaunch only)."""
-        if not self.run.job.kind.relaunches:
-            return 0
-        job = self.run.job.in_job_restarts
-        return job if job is not None else self.site.slurm.default_in_job_restarts
+        return in_job_restarts(self.run, self.site)
 
     # The world's shape: JobSpec.node_procs with the site's default, nowhere else.
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from jobgen.model.parallelism import shard_size_problem
 from jobgen.spec.global_batch import GlobalBatchError, grad_accum_for
+from jobgen.spec.resolved import in_job_restarts
 from jobgen.spec.tables.run import RunSpec
 from jobgen.spec.tables.site import SiteProfile
 
@@ -32,7 +33,7 @@ def site_problems(run: RunSpec, site: SiteProfile) -> list[Problem]:
             issues.append(("job.procs_per_node" + index, message))
     if gpus and run.job.unequal_nodes:
         issues.extend(_unequal_gpu_nodes(run, site))
-    restarts = run.job.in_job_restarts if run.job.in_job_restarts is not None else site.slurm.default_in_job_restarts
+    restarts = in_job_restarts(run, site)
     if run.job.kind.trains and run.train.snapshot_every_steps and not restarts:
         message = (
             f"snapshots every {run.train.snapshot_every_steps} steps are read only by a relaunch inside the task, "

@@ -216,13 +216,15 @@ def test_a_lost_node_is_replaced_by_a_spare_inside_the_same_allocation(cluster_r
     first_node = cluster.nodes[0]  # the batch script's node: its loss would end the allocation
     # The reference shares the batch script's node, never the one that dies.
     reference = cluster_run("spare-ref", nodes=1, procs_per_node=2, max_steps=MAX_STEPS, job={"nodelist": [first_node]})
+    # Snapshots every 2 steps, mirrored to the other node; no checkpoint on disk before step 20.
     run = cluster_run(
         "spare",
         nodes=2,
         procs_per_node=1,
         array=2,
         max_steps=MAX_STEPS,
-        save_every_steps=SAVE_EVERY,
+        save_every_steps=DISK_EVERY,
+        snapshot_every_steps=SNAPSHOT_EVERY,
         job={"in_job_restarts": 2, "spare_nodes": 1},
     )
     array = submit(run.spec)
@@ -232,7 +234,7 @@ def test_a_lost_node_is_replaced_by_a_spare_inside_the_same_allocation(cluster_r
     assert len(allocation) == 3 and allocation[0] == first_node, allocation
     trained_on, spare = allocation[:2], allocation[2]
     submit(reference.spec)
-    wait_for(lambda: last_step(run.path, task) >= SAVE_EVERY + 3, 180, "task 1 past its first checkpoint")
+    wait_for(lambda: last_step(run.path, task) >= 4 * SNAPSHOT_EVERY, 180, "task 1 past a few snapshots")
     victim = trained_on[1]
     try:
         kill_node(victim)
@@ -261,11 +263,14 @@ def test_a_lost_node_is_replaced_by_a_spare_inside_the_same_allocation(cluster_r
         )
         subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
 
-    # The relaunch's world: the same size, its second rank on the spare; it resumed from the
-    # newest checkpoint and every loss is the uninterrupted run's.
+    # The relaunch's world: the same size, its second rank on the spare. It resumed from the
+    # newest snapshot: the lost node's rank's own file went with its node (each node keeps its
+    # own directory), the copy on the first node was sent to the spare. Every loss is the
+    # uninterrupted run's.
     (resumed,) = [r for r in read_jsonl(run.path / "tasks.jsonl") if r["event"] == "first_step" and r.get("launch")]
     redone = reached - resumed["start_step"]
-    assert resumed["job_id"] == str(task) and 0 <= redone <= SAVE_EVERY, (reached, resumed)
+    assert resumed["job_id"] == str(task) and 0 <= redone <= SNAPSHOT_EVERY, (reached, resumed)
+    assert resumed["start_step"] < DISK_EVERY and resumed["start_step"] % SNAPSHOT_EVERY == 0, resumed
     ranks = json.loads(RunDir(run.path).rank_map(str(task), 0).read_text())
     assert {int(rank): entry["node"] for rank, entry in ranks.items()} == {0: first_node, 1: spare}, ranks
     wait_for(lambda: (reference.path / "done").exists(), 300, "the reference run to finish")

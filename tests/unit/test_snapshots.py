@@ -10,6 +10,7 @@ import torch
 from helpers import DATA, check_shell, run_spec
 from jobgen.launch.render import render
 from jobgen.spec.loader import SpecError, load_run
+from trainer.checkpoints.snapshot_peers import mirror_targets
 from trainer.checkpoints.snapshots import SnapshotMismatch, restored, staged
 
 GPU_SITE = {"profile": "local", "slurm": {"gpus_per_node": 4}}  # relaunches twice by default
@@ -65,3 +66,17 @@ def test_a_staged_copy_does_not_move_with_training_and_goes_back_in_place():
 def test_a_snapshot_of_another_shape_is_refused_naming_where(saved, where):
     with pytest.raises(SnapshotMismatch, match=where):
         restored({"model": {"w": torch.ones(3)}}, saved)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "targets"),
+    [
+        (["a", "b"], [1, 0]),  # two nodes of one rank: each keeps the other's
+        (["a", "a", "b", "b", "c", "c"], [2, 3, 4, 5, 0, 1]),  # the same place on the next node
+        (["a", "a", "a", "b"], [3, 3, 3, 0]),  # unequal nodes: the next node's ranks, round
+        (["b", "a"], [1, 0]),  # nodes in the order of their first rank
+    ],
+)
+def test_each_rank_is_mirrored_on_the_next_node(nodes, targets):
+    assert mirror_targets(nodes) == targets
+    assert all(nodes[t] != nodes[r] for r, t in enumerate(targets))  # never on its own node

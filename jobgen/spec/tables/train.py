@@ -187,12 +187,14 @@ class TrainSpec(SpecModel):
         description=(
             "Where the task relaunches the trainer (job.in_job_restarts > 0): every N steps each rank copies its "
             "shard of the training state (model, optimizer, RNG, data position) to host memory and writes it in "
-            "the background to a file on its node's tmpfs (site paths.snapshot_dir), keeping the previous one "
-            "until the new one is complete. A relaunch inside the same task resumes from the newest snapshot "
-            "every rank holds when it is newer than the newest checkpoint on disk, so a crash redoes at most N "
-            "steps instead of every step since the last save. Snapshots never leave the task (the batch script "
-            "deletes them as it ends); disk checkpoints stay the durable record. Costs about two copies of a "
-            "rank's state in host memory per node. 0 (the default): none."
+            "the background to a file on its node's tmpfs (site paths.snapshot_dir) and to a copy on the next "
+            "node; the two newest are kept. A relaunch inside the same task resumes from the newest snapshot of "
+            "which every rank's file is held on some node (a rank moved to a spare gets the copy) when it is "
+            "newer than the newest checkpoint on disk, so a crash redoes at most N steps (2N when a rank dies "
+            "while the newest is being written or mirrored) instead of every step since the last save. Snapshots "
+            "never leave the task (the batch script deletes them as it ends); disk checkpoints stay the durable "
+            "record. Costs four copies of each rank's state in its node's and the next node's host memory at "
+            "rest, more while one is written. 0 (the default): none."
         ),
     )
     seed: int = Field(
