@@ -655,6 +655,35 @@ def stop_run(run: Path, job_ids: list[int], timeout: float = 240) -> None:
     wait_until_gone(job_ids, timeout=timeout)
 
 
+def kill_node(node: str) -> None:
+    """A dev-cluster node dies: its slurmd, its slurmstepds and every process in its network
+    namespace (the cluster's --netns mode)."""
+    from jobgen.devcluster.netns import ns_name
+
+    pids = subprocess.run(["ip", "netns", "pids", ns_name(node)], capture_output=True, text=True, check=True)
+    for pid in pids.stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def revive_node(cluster: Any, node: str) -> None:
+    """Bring a node :func:`kill_node` killed back into ``cluster`` (the session fixture's, in
+    its shape), and return it to service."""
+    from jobgen import devcluster
+
+    gpus = [cluster.gpus.get(n, 0) for n in cluster.nodes]
+    devcluster.up(
+        nodes=len(cluster.nodes),
+        cpus_per_node=cluster.cpus_per_node,
+        netns=True,
+        state_dir=cluster.state_dir,
+        gpus=gpus,
+    )
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+
+
 def worker_pids(run: Path) -> list[int]:
     """The trainer processes of the run on this machine (every node of the dev cluster is on it)."""
     # Workers run as `python -u -m trainer ...`; torchrun's own command line has no "-u".

@@ -230,8 +230,10 @@ class Trainer:
         if self.snapshots is None:
             return None
         step = self.snapshots.newest_common(self.checkpointer.newest_step())
-        state = self.snapshots.restore(step, self.model, self.checkpoint_optimizers) if step is not None else None
-        return (state, Path(f"snapshot-{checkpoint_name(step)}")) if state is not None and step is not None else None
+        if step is None:
+            return None
+        state = self.snapshots.restore(step, self.model, self.checkpoint_optimizers)
+        return (state, Path(f"snapshot-{checkpoint_name(step)}")) if state is not None else None
 
     def save(self, *, blocking: bool) -> Path:
         pause_heartbeat()  # the next step's mark of progress beats again

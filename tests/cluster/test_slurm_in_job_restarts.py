@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -22,9 +21,11 @@ from helpers import (
     assert_same_training,
     fault_dir,
     jobgen,
+    kill_node,
     last_step,
     losses,
     read_jsonl,
+    revive_node,
     running_task,
     status,
     submit,
@@ -198,20 +199,7 @@ def test_a_stopped_rank_is_found_hung_its_stacks_taken_and_the_launch_relaunched
     )
 
 
-def kill_node(node: str) -> None:
-    """The node dies: its slurmd, its slurmstepds and every process in its network namespace."""
-    pids = subprocess.run(
-        ["ip", "netns", "pids", f"jg{node}"], capture_output=True, text=True, check=True
-    ).stdout.split()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def test_a_lost_node_is_replaced_by_a_spare_inside_the_same_allocation(cluster_run, cluster):
-    from jobgen import devcluster
 
     first_node = cluster.nodes[0]  # the batch script's node: its loss would end the allocation
     # The reference shares the batch script's node, never the one that dies.
@@ -254,14 +242,7 @@ def test_a_lost_node_is_replaced_by_a_spare_inside_the_same_allocation(cluster_r
             launch_nodes(RunDir(run.path), str(task), 3)
         wait_for(lambda: (run.path / "done").exists(), 300, "the relaunched run to finish")
     finally:
-        devcluster.up(
-            nodes=3,
-            cpus_per_node=4,
-            netns=True,
-            state_dir=cluster.state_dir,
-            gpus=[cluster.gpus.get(n, 0) for n in cluster.nodes],
-        )
-        subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
+        revive_node(cluster, victim)
 
     # The relaunch's world: the same size, its second rank on the spare. It resumed from the
     # newest snapshot: the lost node's rank's own file went with its node (each node keeps its

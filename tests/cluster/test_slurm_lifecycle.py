@@ -29,8 +29,10 @@ from helpers import (
     first_step_record,
     jobgen,
     jobgen_as,
+    kill_node,
     last_step,
     read_jsonl,
+    revive_node,
     running_task,
     status,
     stop_run,
@@ -253,8 +255,7 @@ def test_hung_rank_is_ended_by_the_collective_timeout(cluster_run):
 
 
 @pytest.mark.full
-def test_lost_node_job_resumes_on_healthy_nodes(cluster_run):
-    from jobgen import devcluster
+def test_lost_node_job_resumes_on_healthy_nodes(cluster_run, cluster):
 
     spec, run = cluster_run("nodeloss", nodes=2, save_every_steps=5)
     job = submit(spec)
@@ -263,15 +264,7 @@ def test_lost_node_job_resumes_on_healthy_nodes(cluster_run):
     nodes = slurm.hostnames(record["NodeList"])
     victim = nodes[-1]
     try:
-        # The node dies: its slurmd and every process in its network namespace.
-        pids = subprocess.run(
-            ["ip", "netns", "pids", f"jgnode{victim.removeprefix('node')}"], capture_output=True, text=True, check=True
-        ).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_node(victim)
         lost_at = time.time()
         reached = last_step(run, job)
         again = wait_for(lambda: first_step_record(run, job, restart=1), 300, "the requeued job to train")
@@ -285,5 +278,4 @@ def test_lost_node_job_resumes_on_healthy_nodes(cluster_run):
             f"recomputed {reached - again['start_step']}"
         )
     finally:
-        devcluster.up(nodes=3, cpus_per_node=4, netns=True)  # bring the node back
-        subprocess.run(["scontrol", "update", f"nodename={victim}", "state=resume"], capture_output=True)
+        revive_node(cluster, victim)
