@@ -11,15 +11,30 @@ a ``hf_...`` token under any name).
 
 The batch script pipes its environment in (``env -0 | python -m jobgen.launch.repro --own
 NAME ...``), so the record is of the batch shell's own variables, on every kind of site.
+
+``python -m jobgen.launch.repro --versions`` prints ``versions.json``: the interpreter, the
+platform, and the torch, CUDA and NCCL versions as the environment installed them, read from
+package metadata and torch's ``version.py`` without importing torch (:func:`installed_versions`):
+every array task writes the record before its launch, and an import of torch there cost each
+task about two CPU-seconds before the first rank started. ``--freeze`` prints
+``pip-freeze.txt`` (:func:`installed_requirements`), `pip freeze`'s lines from the same
+metadata: without pip, which a uv-made environment lacks.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import fnmatch
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
 import re
 import sys
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 from jobgen.spec.env_names import secret_problem
 
@@ -110,10 +125,111 @@ def parse_env0(data: bytes) -> dict[str, str]:
     return environ
 
 
+def _literal_assignment(source: str, name: str) -> object:
+    """The literal value assigned to ``name`` at the top of a module's source, or None."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.AnnAssign):
+            targets, value = [node.target], node.value
+        elif isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        else:
+            continue
+        if value is not None and any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            try:
+                return ast.literal_eval(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _torch_cuda_version() -> str | None:
+    """torch.version.cuda (None for a CPU build) from torch/version.py's text: parsed, not run."""
+    spec = importlib.util.find_spec("torch")  # a top-level package: found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    version_py = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    value = _literal_assignment(version_py.read_text(), "cuda") if version_py.is_file() else None
+    return value if isinstance(value, str) else None
+
+
+def _nccl_version() -> str | None:
+    """The NCCL that pip installed beside torch (the nvidia-nccl-cu* wheel torch loads), or None."""
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith("nvidia-nccl-cu"):
+            return dist.version
+    return None
+
+
+# Never in `pip freeze`'s output either: the installer's own packages.
+_FREEZE_SKIPS = frozenset({"pip", "setuptools", "wheel", "distribute"})
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement(dist: importlib.metadata.Distribution) -> str:
+    """One distribution as `pip freeze` writes it: ``name==version``, ``-e PATH`` for an editable
+    install, ``name @ URL`` for one installed from a URL or a VCS checkout."""
+    name, version = dist.metadata["Name"], dist.version
+    try:
+        origin = json.loads(dist.read_text("direct_url.json") or "null")
+    except ValueError:
+        origin = None
+    if not isinstance(origin, dict) or not isinstance(origin.get("url"), str):
+        return f"{name}=={version}"
+    url = origin["url"]
+    if isinstance(origin.get("dir_info"), dict) and origin["dir_info"].get("editable"):
+        path = url.removeprefix("file://")
+        return f"# Editable install ({name}=={version})\n-e {path}"
+    vcs = origin.get("vcs_info")
+    if isinstance(vcs, dict) and vcs.get("vcs") and vcs.get("commit_id"):
+        return f"{name} @ {vcs['vcs']}+{url}@{vcs['commit_id']}"
+    return f"{name} @ {url}"
+
+
+def installed_requirements() -> list[str]:
+    """pip-freeze.txt's lines: every distribution importable here, as `pip freeze` lists them
+    (the first of a name on sys.path, sorted by name), from package metadata alone: no pip
+    needed (a uv venv has none) and a tenth of its start-up. Like ``python -m pip``, the current
+    directory is not searched: a checkout's ``*.egg-info`` there is not what is installed."""
+    here = {"", os.getcwd()}
+    found: dict[str, tuple[str, str]] = {}
+    for dist in importlib.metadata.distributions(path=[p for p in sys.path if p not in here]):
+        name = dist.metadata["Name"]
+        if not name or _normalized(name) in _FREEZE_SKIPS or _normalized(name) in found:
+            continue
+        found[_normalized(name)] = (name.lower(), _requirement(dist))
+    return [line for _, line in sorted(found.values())]
+
+
+def installed_versions() -> dict[str, object]:
+    """versions.json: what the job's Python environment holds, without importing torch."""
+    info: dict[str, object] = {"python": sys.version.split()[0], "platform": platform.platform()}
+    try:
+        info["torch"] = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        info["torch"] = "unavailable: no torch in this environment"
+        return info
+    info["cuda"] = _torch_cuda_version()
+    info["nccl"] = _nccl_version()
+    return info
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobgen.launch.repro", description="env.txt from `env -0` on stdin")
     parser.add_argument("--own", action="append", default=[], metavar="NAME", help="a name the spec exports")
+    record = parser.add_mutually_exclusive_group()
+    record.add_argument("--versions", action="store_true", help="print versions.json instead (stdin unread)")
+    record.add_argument("--freeze", action="store_true", help="print pip-freeze.txt instead (stdin unread)")
     args = parser.parse_args(argv)
+    if args.versions:
+        sys.stdout.write(json.dumps(installed_versions(), indent=2) + "\n")
+        return 0
+    if args.freeze:
+        sys.stdout.write("".join(line + "\n" for line in installed_requirements()))
+        return 0
     sys.stdout.write("".join(line + "\n" for line in env_lines(parse_env0(sys.stdin.buffer.read()), args.own)))
     return 0
 

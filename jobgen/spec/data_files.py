@@ -19,6 +19,15 @@ SNIFF_BYTES = 64 * 1024
 _LISTED = 5  # file names shown in a message
 
 
+def is_hub_id(path: str) -> bool:
+    """A relative name that is not on disk and does not look like a file: 'org/name' or 'name'
+    (a dataset on the Hugging Face hub)."""
+    p = Path(path)
+    if p.is_absolute() or p.exists() or path.startswith((".", "~")):
+        return False
+    return not any(path.endswith(suffix) for suffix in DATA_FILE_TYPES) and path.count("/") <= 1
+
+
 def data_files(directory: Path) -> list[Path]:
     """The data files under a directory (recursively, hidden ones skipped), sorted."""
     return sorted(

@@ -134,7 +134,7 @@ def test_second_call_reuses_the_cache_without_tokenizing(tokenizer, tiny_model, 
     monkeypatch.setattr(data_mod, "load_raw", forbidden)
     again, stats2, entry2 = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, share=alone)
     assert entry2 == entry and stats2 == stats
-    assert again["input_ids"] == ds["input_ids"] and again["labels"] == ds["labels"]
+    assert again.column("input_ids") == ds.column("input_ids") and again.column("labels") == ds.column("labels")
 
 
 def test_fingerprint_follows_content_tokenizer_and_format_not_packing(tokenizer, tiny_model, spec, tmp_path):
@@ -242,7 +242,7 @@ def test_only_rank_0_tokenizes_and_every_rank_loads_the_same_entry(tokenizer, ti
     assert calls == ["rank-0"] and hashed == ["rank-0"]
     assert all(not isinstance(r, Exception) for r in results.values()), results
     assert len({r[2] for r in results.values()}) == 1
-    assert all(r[0]["input_ids"] == results[0][0]["input_ids"] for r in results.values())
+    assert all(r[0].column("input_ids") == results[0][0].column("input_ids") for r in results.values())
 
 
 def test_a_failing_rank_0_makes_the_others_fail_at_once(tokenizer, tiny_model, spec, tmp_path):

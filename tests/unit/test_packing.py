@@ -14,6 +14,7 @@ pytest.importorskip("datasets")
 from helpers import REPO  # noqa: E402
 from jobgen.spec.tables.data import DataSpec  # noqa: E402
 from trainer.data.build import load_raw, tokenize_dataset  # noqa: E402
+from trainer.data.examples import Examples  # noqa: E402
 from trainer.data.packing import (  # noqa: E402
     build_rows,
     collate,
@@ -123,8 +124,9 @@ def examples(tiny_model):
     path = REPO / "examples" / "data" / "chat.jsonl"
     spec = DataSpec(path=str(path), format="chat", max_length=128, packing=True)
     ds, _ = tokenize_dataset(load_raw(spec.path).select(range(12)), spec, tokenizer, source=spec.path)
-    assert len(set(ds["length"])) > 3
-    return ds, tokenizer.pad_token_id
+    tokenized = Examples(ds.data.table)  # as the ranks read a cache entry
+    assert len(set(tokenized.column("length"))) > 3
+    return tokenized, tokenizer.pad_token_id
 
 
 def load_model(path, attn):
@@ -147,7 +149,8 @@ def one_by_one(model, ds, pad) -> float:
     total = count = 0
     with torch.no_grad():
         for i in range(len(ds)):
-            batch = collate([[ds[i]]], pad_token_id=pad, packing=False)
+            (example,) = fetch_rows(ds, [[i]], [0])
+            batch = collate([example], pad_token_id=pad, packing=False)
             s, c = token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"])
             total, count = total + s, count + c
     return (total / count).item()
@@ -164,7 +167,7 @@ def one_by_one(model, ds, pad) -> float:
 def test_packed_loss_equals_examples_run_one_by_one(tiny_model, examples, attn):
     ds, pad = examples
     model = load_model(tiny_model, attn)
-    rows = build_rows(ds["length"], 128, packing=True)
+    rows = build_rows(ds.column("length"), 128, packing=True)
     assert len(rows) < len(ds) and any(len(r) > 1 for r in rows)
     packed = collate(fetch_rows(ds, rows, range(len(rows))), pad_token_id=pad, packing=True)
     assert packed["input_ids"].shape[1] <= 128
@@ -175,8 +178,8 @@ def test_packed_loss_equals_examples_run_one_by_one(tiny_model, examples, attn):
     assert mean_loss(model, packed) == pytest.approx(reference, abs=tolerance)
 
     # Unpacked, padded to the longest: the same loss too.
-    padded = collate([[ds[i]] for i in range(len(ds))], pad_token_id=pad, packing=False)
-    assert padded["input_ids"].shape[1] == max(ds["length"])
+    padded = collate(fetch_rows(ds, [[i] for i in range(len(ds))], range(len(ds))), pad_token_id=pad, packing=False)
+    assert padded["input_ids"].shape[1] == max(ds.column("length"))
     assert mean_loss(model, padded) == pytest.approx(reference, abs=tolerance)
 
     # The same rows without per-example boundaries attend across examples: the loss changes,
@@ -210,7 +213,7 @@ def test_compiled_decoder_blocks_give_the_packed_loss_and_gradients_of_eager(tin
 
     ds, pad = examples
     packed = collate(
-        fetch_rows(ds, build_rows(ds["length"], 128, packing=True), range(3)), pad_token_id=pad, packing=True
+        fetch_rows(ds, build_rows(ds.column("length"), 128, packing=True), range(3)), pad_token_id=pad, packing=True
     )
 
     def loss_and_grad(model):

@@ -4,6 +4,7 @@ that validates [env], jobgen.spec.env_names, decides there too)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -91,3 +92,48 @@ def test_allowed_values_with_newlines_stay_on_one_line(tmp_path: Path):
     lines = record(render(load_run(GOLDEN / "specs" / "bare-train.toml")), env, tmp_path).splitlines()
     assert "TORCH_LOGS=$'+dynamo\\nNCCL_DEBUG=forged'" in lines
     assert [line for line in lines if line.startswith("NCCL_DEBUG=")] == ["NCCL_DEBUG=WARN"]
+
+
+def test_versions_record_reads_the_installed_versions_without_importing_torch():
+    """versions.json's torch and CUDA versions are torch's own, read without importing torch
+    (every array task writes the record before its launch; the import cost about two
+    CPU-seconds a task)."""
+    probe = (
+        "import json, sys\n"
+        "from jobgen.launch.repro import installed_versions\n"
+        "print(json.dumps({'info': installed_versions(), 'torch_imported': 'torch' in sys.modules}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    record = json.loads(out)
+    assert record["torch_imported"] is False
+    torch = pytest.importorskip("torch")
+    info = record["info"]
+    assert info["torch"] == torch.__version__ and info["cuda"] == torch.version.cuda
+    assert info["python"] == sys.version.split()[0] and set(info) == {"python", "platform", "torch", "cuda", "nccl"}
+
+
+def test_versions_record_parses_torch_version_file_without_running_it():
+    from jobgen.launch.repro import _literal_assignment
+
+    source = "import os\nos.system('false')\n__version__ = '2.9.0+cu128'\ncuda: Optional[str] = '12.8'\nhip = None\n"
+    assert _literal_assignment(source, "cuda") == "12.8"
+    assert _literal_assignment(source, "hip") is None
+    assert _literal_assignment("cuda = compute()\n", "cuda") is None
+
+
+def test_freeze_record_lists_what_pip_freeze_lists_without_pip(tmp_path: Path):
+    """pip-freeze.txt from package metadata: the requirement lines of `pip freeze` (its
+    comments aside), run from another directory as the batch script does."""
+    pip = subprocess.run([sys.executable, "-m", "pip", "freeze"], cwd=tmp_path, capture_output=True, text=True)
+    if pip.returncode != 0:
+        pytest.skip(f"no pip here to compare with: {pip.stderr.strip()[-200:]}")
+    ours = subprocess.run(
+        [sys.executable, "-m", "jobgen.launch.repro", "--freeze"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    requirements = [line for line in ours.stdout.splitlines() if not line.startswith("#")]
+    assert requirements == [line for line in pip.stdout.splitlines() if not line.startswith("#")]
+    assert any(line.startswith("-e ") for line in requirements)  # this checkout, installed editable

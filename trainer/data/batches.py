@@ -30,9 +30,9 @@ from trainer.distributed import DistEnv
 from trainer.model.prep import load_tokenizer
 
 if TYPE_CHECKING:
-    import datasets
     from transformers import PreTrainedTokenizerBase
 
+    from trainer.data.examples import Examples
     from trainer.data.stats import DataStats
 
 log = logging.getLogger("trainer.data.batches")
@@ -67,7 +67,7 @@ def training_data(spec: ResolvedSpec, env: DistEnv, shard: tuple[int, int]) -> D
 
 def _tokenized(
     spec: ResolvedSpec, tokenizer: PreTrainedTokenizerBase, env: DistEnv
-) -> tuple[datasets.Dataset, DataStats, Path, datasets.Dataset | None]:
+) -> tuple[Examples, DataStats, Path, Examples | None]:
     """(the training examples, what preprocessing did, their cache entry, the tokenized
     ``[eval] path`` or None): rank 0 prepares both in the data cache, every rank loads them."""
     data_spec, model_spec = spec.run.data, spec.run.model
@@ -114,7 +114,7 @@ class DataPipeline:
         dataset, self.stats, self.entry, eval_source = _tokenized(spec, tokenizer, env)
         self.dataset, eval_dataset, self.split = split_off_eval(spec, dataset, eval_source)
         self.eval_set = eval_set_for(spec, eval_dataset, self.pad_token_id, world_size=env.world_size, rank=env.rank)
-        lengths = self.dataset["length"]
+        lengths = self.dataset.column("length")
         self.rows = build_rows(lengths, data_spec.max_length, self.packing)
         shard_rank, shard_size = shard if shard is not None else (env.rank, env.world_size)
         self.sampler = ResumableSampler(

@@ -2,7 +2,7 @@
 
 Layout under ``cache_root``::
 
-    <fingerprint>/dataset/     the tokenized datasets.Dataset (save_to_disk)
+    <fingerprint>/dataset/     the tokenized datasets.Dataset (save_to_disk), read as Examples
     <fingerprint>/stats.json   DataStats + what the fingerprint was made of
     .tmp-<fp>-<host>-<pid>-*/  a build in progress (or one a kill left behind)
 
@@ -20,7 +20,9 @@ which later runs ignore and remove once it is an hour old. If two jobs build the
 same entry at once, the first rename wins and the other job discards its copy
 and uses the winner's. Only rank 0 reads the data to fingerprint it; it broadcasts
 the entry's name (or its error) once, every rank receives it, then loads the entry
-read-only (memory-mapped).
+read-only (memory-mapped, :class:`trainer.data.examples.Examples`). Only a build imports
+``datasets`` (and :mod:`trainer.data.build`, :mod:`trainer.data.source`): a start on a warm
+cache does without it, a CPU-second less on every rank.
 
 The tokenizing itself is :func:`trainer.data.build.build_dataset`, this module's one call
 into :mod:`trainer.data.build`; a hub dataset is loaded here (:mod:`trainer.data.source`)
@@ -40,16 +42,18 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from jobgen.base.atomic import fsync_dir, fsync_tree
+from jobgen.spec.data_files import is_hub_id
 from jobgen.spec.resolved import ResolvedSpec
 from jobgen.spec.tables.data import DataSpec
-from trainer.data.build import build_dataset
+from trainer.data.examples import DataCacheError, Examples
 from trainer.data.formats import DataError
-from trainer.data.source import is_hub_id, load_raw
 from trainer.data.stats import DataStats, read_stats, write_stats
+
+if TYPE_CHECKING:
+    import datasets
 
 # Bump when the tokenized output for the same inputs changes (formatting, masking, columns).
 CODE_VERSION = 1
@@ -59,10 +63,6 @@ STALE_AFTER_S = 3600.0
 _HASH_CHUNK = 1 << 20
 # Files in a tokenizer directory that never affect tokenization, skipped when hashing it.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
-
-
-class DataCacheError(RuntimeError):
-    """The cache could not be built or found; the message says which rank and where."""
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -192,6 +192,8 @@ def build_entry(
             prefix=f"{STAGING_PREFIX}{fingerprint[:16]}-{socket.gethostname()}-{os.getpid()}-", dir=cache_root
         )
     )
+    from trainer.data.build import build_dataset  # imports datasets: only a build needs it
+
     try:
         # The one call into trainer.data.build: everything it writes stays in the staging directory.
         tokenized, stats = build_dataset(spec, tokenizer, raw=raw, raw_dir=staging / "raw", work_dir=staging / "work")
@@ -216,11 +218,14 @@ def build_entry(
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def load_entry(entry: Path) -> tuple[datasets.Dataset, DataStats]:
-    # A shared cache a teammate can write is data, never code: load_from_disk reads Arrow files
-    # and JSON (state.json, dataset_info.json; datasets' extension types deserialise from JSON),
-    # and stats.json is JSON. Nothing here unpickles.
-    return datasets.load_from_disk(str(entry / "dataset")), read_stats(entry / "stats.json")
+def load_entry(entry: Path) -> tuple[Examples, DataStats]:
+    # A shared cache a teammate can write is data, never code: Examples.open reads JSON and
+    # Arrow streams, and stats.json is JSON. Nothing here unpickles.
+    try:
+        examples = Examples.open(entry / "dataset")
+    except DataCacheError as exc:
+        raise DataCacheError(f"{exc}; remove the cache entry {entry} and the next start rebuilds it") from None
+    return examples, read_stats(entry / "stats.json")
 
 
 # --------------------------------------------------------------------------- the collective entry point
@@ -232,6 +237,8 @@ def _rank0_prepare(spec: DataSpec, tokenizer, tokenizer_dir: str | Path | None, 
     remove_stale_staging(cache_root)
     raw = None
     if is_hub_id(spec.path):
+        from trainer.data.source import load_raw  # imports datasets: only a hub dataset needs it here
+
         # No bytes to hash before loading; datasets' own fingerprint pins the revision and files.
         raw = load_raw(spec.path)
         data_hash = f"hub:{spec.path}:{raw._fingerprint}"
@@ -251,8 +258,8 @@ def prepare_dataset(
     *,
     rank: int,
     share: Callable[[object], object],
-) -> tuple[datasets.Dataset, DataStats, Path]:
-    """The tokenized dataset, its stats and its cache entry; collective: every rank calls it once.
+) -> tuple[Examples, DataStats, Path]:
+    """The tokenized examples, their stats and their cache entry; collective: every rank calls it once.
 
     Rank 0 alone decides: it fingerprints the data (reading all of it) and the
     tokenizer, and builds the entry if it is missing. ``share`` broadcasts rank 0's

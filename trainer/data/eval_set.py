@@ -34,8 +34,9 @@ from trainer.data.formats import DataError
 from trainer.data.packing import IGNORE_INDEX, build_rows, collate, fetch_rows
 
 if TYPE_CHECKING:
-    import datasets
     from transformers import PreTrainedTokenizerBase
+
+    from trainer.data.examples import Examples
 
 
 def held_out(num_examples: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +56,7 @@ def split_digest(indices: np.ndarray) -> str:
 
 def load_eval_path(
     spec: ResolvedSpec, tokenizer: PreTrainedTokenizerBase, rank: int, share: Callable[[object], object]
-) -> datasets.Dataset | None:
+) -> Examples | None:
     """The tokenized ``[eval] path`` (collective, like the training data: rank 0 prepares it in
     the data cache, every rank loads it), or None without one. Its errors name ``eval.path``."""
     from trainer.data.cache import cache_root, prepare_dataset
@@ -80,8 +81,8 @@ def load_eval_path(
 
 
 def split_off_eval(
-    spec: ResolvedSpec, dataset: datasets.Dataset, eval_dataset: datasets.Dataset | None
-) -> tuple[datasets.Dataset, datasets.Dataset | None, dict[str, Any] | None]:
+    spec: ResolvedSpec, dataset: Examples, eval_dataset: Examples | None
+) -> tuple[Examples, Examples | None, dict[str, Any] | None]:
     """(training examples, evaluation examples or None, the split's record for checkpoints):
     with ``[eval] split`` the held-out examples leave the training set."""
     eval_spec = spec.run.eval
@@ -108,7 +109,7 @@ class EvalSet:
 
     def __init__(
         self,
-        dataset,
+        dataset: Examples,
         *,
         max_length: int,
         packing: bool,
@@ -122,7 +123,7 @@ class EvalSet:
         self.packing = packing
         self.pad_token_id = pad_token_id
         self.world_size, self.rank = world_size, rank
-        lengths = [int(n) for n in dataset["length"]]
+        lengths = [int(n) for n in dataset.column("length")]
         rows = build_rows(lengths, max_length, packing)
         # Longest first: consecutive rows have similar lengths, so a padded batch wastes little.
         rows.sort(key=lambda row: (-sum(lengths[i] for i in row), row[0]))
@@ -163,7 +164,7 @@ class EvalSet:
 
 
 def eval_set_for(
-    spec: ResolvedSpec, eval_dataset: datasets.Dataset | None, pad_token_id: int, *, world_size: int, rank: int
+    spec: ResolvedSpec, eval_dataset: Examples | None, pad_token_id: int, *, world_size: int, rank: int
 ) -> EvalSet | None:
     """The run's evaluation set on this rank (None without ``[eval]`` or its examples): cut like
     training's rows (data.max_length, data.packing), in ``[eval] micro_batch_size`` rows (default

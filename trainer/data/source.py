@@ -12,16 +12,15 @@ from pathlib import Path
 
 import datasets
 
-from jobgen.spec.data_files import DATA_FILE_TYPES, data_files, data_path_problem, is_empty_file, is_saved_dataset
+from jobgen.spec.data_files import (
+    DATA_FILE_TYPES,
+    data_files,
+    data_path_problem,
+    is_empty_file,
+    is_hub_id,
+    is_saved_dataset,
+)
 from trainer.data.formats import DataError
-
-
-def is_hub_id(path: str) -> bool:
-    """A relative name that is not on disk and does not look like a file: 'org/name' or 'name'."""
-    p = Path(path)
-    if p.is_absolute() or p.exists() or path.startswith((".", "~")):
-        return False
-    return not any(path.endswith(suffix) for suffix in DATA_FILE_TYPES) and path.count("/") <= 1
 
 
 def load_raw(path: str, *, cache_dir: str | Path | None = None) -> datasets.Dataset:
