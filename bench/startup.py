@@ -11,6 +11,13 @@
    data cache (the data is tokenized), a warm cache, and a resume from a checkpoint.
    Under Slurm the launch phase also holds the scheduler's and srun's share; bench/goodput.py
    reports it for jobs on the dev cluster.
+3. **CPU a start pays**, median CPU-seconds (user + system) of fresh interpreters, each against
+   its baseline measured in the same run: a rank reading the warm cache entry of run 2 after
+   ``import torch`` (``datasets.load_from_disk``, what ranks did before, against
+   :class:`trainer.data.examples.Examples`, what they do), and an array task's
+   reproducibility record (``import torch`` for versions.json plus ``pip freeze``, before,
+   against ``python -m jobgen.launch.repro --versions`` and ``--freeze``). On 2 shared cores
+   the suite's wall time is its CPU, and every rank and task of it pays these.
 
 On any machine with the [train] extra, no cluster needed (about 2 minutes on 2 CPU cores):
 
@@ -25,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -77,6 +85,55 @@ def cli_latency(work: Path, repeats: int) -> dict[str, dict[str, float | list[st
     return results
 
 
+def cpu_seconds(argv: list[str], repeats: int, cwd: Path) -> float:
+    """Median CPU-seconds (user + system) of ``argv`` run to its end."""
+    samples = []
+    for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run(argv, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        samples.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return statistics.median(samples)
+
+
+# The batch script's versions.json before it read package metadata: an import of torch per task.
+VERSIONS_BY_IMPORT = """
+import json, platform, sys
+info = {"python": sys.version.split()[0], "platform": platform.platform()}
+import torch
+info["torch"] = torch.__version__
+info["cuda"] = torch.version.cuda
+info["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+print(json.dumps(info, indent=2))
+"""
+
+
+def start_cpu(work: Path, repeats: int) -> dict[str, float]:
+    """CPU-seconds of what every rank and every array task pays at its start (section 3)."""
+    (entry,) = (work / "startup-run").rglob("dataset/state.json")
+    python, dataset = str(VENV_BIN / "python"), str(entry.parent)
+    read = (
+        f"from pathlib import Path; from trainer.data.examples import Examples; len(Examples.open(Path({dataset!r})))"
+    )
+    probes = {
+        "rank: import torch": [python, "-c", "import torch"],
+        "rank: + datasets.load_from_disk": [
+            python,
+            "-c",
+            f"import torch, datasets; len(datasets.load_from_disk({dataset!r}))",
+        ],
+        "rank: + Examples.open": [python, "-c", f"import torch; {read}"],
+        "task record: torch import + pip freeze": [python, "-c", VERSIONS_BY_IMPORT],
+        "task record: repro --versions + --freeze": [python, "-m", "jobgen.launch.repro", "--versions"],
+    }
+    cpu = {name: cpu_seconds(argv, repeats, REPO) for name, argv in probes.items()}
+    cpu["task record: torch import + pip freeze"] += cpu_seconds([python, "-m", "pip", "freeze"], repeats, REPO)
+    cpu["task record: repro --versions + --freeze"] += cpu_seconds(
+        [python, "-m", "jobgen.launch.repro", "--freeze"], repeats, REPO
+    )
+    return {name: round(seconds, 3) for name, seconds in cpu.items()}
+
+
 def first_step(work: Path, model: Path) -> dict[str, dict[str, float]]:
     shutil.rmtree(work / "startup-run", ignore_errors=True)  # its data cache (runs/.cache) included
     run = make_run(work / "startup-run", model, max_steps=4, save_every_steps=2)
@@ -122,7 +179,21 @@ def main() -> None:
     for case, entry in starts.items():
         cells = "".join(f" {entry.get(p, 0):10.2f}" for p in phases)
         print(f"  {case:<26} {entry['seconds_to_first_step']:6.2f}{cells}")
-    out = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs", "cli": cli, "first_step": starts}
+    cpu = start_cpu(args.work, args.repeats)
+    print(f"CPU a start pays, median of {args.repeats} fresh interpreters (CPU-seconds)")
+    base = cpu["rank: import torch"]
+    old, new = cpu["rank: + datasets.load_from_disk"] - base, cpu["rank: + Examples.open"] - base
+    for name, seconds in cpu.items():
+        print(f"  {name:<42} {seconds:6.2f}")
+    print(f"  reading the entry after torch: {old:.2f} -> {new:.2f} CPU-s per rank ({old / max(new, 1e-3):.1f}x)")
+    old, new = cpu["task record: torch import + pip freeze"], cpu["task record: repro --versions + --freeze"]
+    print(f"  the record of an array task: {old:.2f} -> {new:.2f} CPU-s ({old / max(new, 1e-3):.1f}x)")
+    out = {
+        "machine": f"{platform.node()}: {os.cpu_count()} CPUs",
+        "cli": cli,
+        "first_step": starts,
+        "start_cpu": cpu,
+    }
     (args.work / "startup.json").write_text(json.dumps(out, indent=2) + "\n")
 
 

@@ -171,7 +171,9 @@ def _normalized(name: str) -> str:
 
 def _requirement(dist: importlib.metadata.Distribution) -> str:
     """One distribution as `pip freeze` writes it: ``name==version``, ``-e PATH`` for an editable
-    install, ``name @ URL`` for one installed from a URL or a VCS checkout."""
+    install, ``name @ URL`` for one installed from a URL or a VCS checkout. (pip names an
+    editable git checkout with a remote by its URL and commit; the record has the project's
+    commit and diff beside it, git-commit.txt and git.diff.)"""
     name, version = dist.metadata["Name"], dist.version
     try:
         origin = json.loads(dist.read_text("direct_url.json") or "null")

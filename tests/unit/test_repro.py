@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import GOLDEN
+from helpers import GOLDEN, REPO
 from jobgen.launch.render import render
 from jobgen.spec.loader import load_run
 
@@ -123,7 +123,8 @@ def test_versions_record_parses_torch_version_file_without_running_it():
 
 def test_freeze_record_lists_what_pip_freeze_lists_without_pip(tmp_path: Path):
     """pip-freeze.txt from package metadata: the requirement lines of `pip freeze` (its
-    comments aside), run from another directory as the batch script does."""
+    comments aside, an editable install by its path), run from another directory as the batch
+    script does."""
     pip = subprocess.run([sys.executable, "-m", "pip", "freeze"], cwd=tmp_path, capture_output=True, text=True)
     if pip.returncode != 0:
         pytest.skip(f"no pip here to compare with: {pip.stderr.strip()[-200:]}")
@@ -135,5 +136,11 @@ def test_freeze_record_lists_what_pip_freeze_lists_without_pip(tmp_path: Path):
         check=True,
     )
     requirements = [line for line in ours.stdout.splitlines() if not line.startswith("#")]
-    assert requirements == [line for line in pip.stdout.splitlines() if not line.startswith("#")]
-    assert any(line.startswith("-e ") for line in requirements)  # this checkout, installed editable
+    pips = [line for line in pip.stdout.splitlines() if not line.startswith("#")]
+    assert [line for line in requirements if not line.startswith("-e ")] == [
+        line for line in pips if not line.startswith("-e ")
+    ]
+    # This checkout, installed editable: by its path (pip names a checkout with a remote by its
+    # URL and commit instead; the record has the commit in git-commit.txt).
+    assert [line for line in requirements if line.startswith("-e ")] == [f"-e {REPO}"]
+    assert len([line for line in pips if line.startswith("-e ")]) == 1
