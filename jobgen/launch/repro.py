@@ -152,21 +152,21 @@ def _torch_cuda_version() -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _normalized(name: str) -> str:
+    """A distribution's name as packaging compares names (PEP 503: case and -_. runs folded)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _nccl_version() -> str | None:
     """The NCCL that pip installed beside torch (the nvidia-nccl-cu* wheel torch loads), or None."""
     for dist in importlib.metadata.distributions():
-        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
-        if name.startswith("nvidia-nccl-cu"):
+        if _normalized(dist.metadata["Name"] or "").startswith("nvidia-nccl-cu"):
             return dist.version
     return None
 
 
 # Never in `pip freeze`'s output either: the installer's own packages.
 _FREEZE_SKIPS = frozenset({"pip", "setuptools", "wheel", "distribute"})
-
-
-def _normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _requirement(dist: importlib.metadata.Distribution) -> str:
@@ -200,9 +200,10 @@ def installed_requirements() -> list[str]:
     found: dict[str, tuple[str, str]] = {}
     for dist in importlib.metadata.distributions(path=[p for p in sys.path if p not in here]):
         name = dist.metadata["Name"]
-        if not name or _normalized(name) in _FREEZE_SKIPS or _normalized(name) in found:
+        key = _normalized(name or "")
+        if not name or key in _FREEZE_SKIPS or key in found:
             continue
-        found[_normalized(name)] = (name.lower(), _requirement(dist))
+        found[key] = (name.lower(), _requirement(dist))
     return [line for _, line in sorted(found.values())]
 
 

@@ -94,10 +94,10 @@ def fill_ratio(rows: Sequence[Sequence[int]], lengths: Sequence[int], max_length
     return sum(int(lengths[i]) for r in rows for i in r) / (len(rows) * max_length)
 
 
-def fetch_rows(examples: Examples, rows: Sequence[Sequence[int]], row_ids: Sequence[int]) -> list[list[dict[str, Any]]]:
-    """The examples of the given rows, read from the tokenized examples in one batched access."""
+def fetch_rows(dataset: Examples, rows: Sequence[Sequence[int]], row_ids: Sequence[int]) -> list[list[dict[str, Any]]]:
+    """The examples of the given rows, read from the tokenized dataset in one batched access."""
     flat = [i for r in row_ids for i in rows[r]]
-    data = examples.take(flat, ("input_ids", "labels")) if flat else {"input_ids": [], "labels": []}
+    data = dataset.take(flat, ("input_ids", "labels")) if flat else {"input_ids": [], "labels": []}
     examples = [{"input_ids": a, "labels": b} for a, b in zip(data["input_ids"], data["labels"])]
     out, k = [], 0
     for r in row_ids:
