@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ClusterRun, cancel_submitted, train_spec
+from helpers import PACED, ClusterRun, cancel_submitted, train_spec
 
 # The dev cluster's nodes and every torchrun share this machine's few cores, so their OpenMP
 # threads must not spin while they wait: libgomp's default (active, 300,000 spins) counts only
@@ -180,6 +180,10 @@ def cluster():
     # This process and everything it starts (jobgen, sbatch, the jobs) talk to this cluster.
     os.environ["SLURM_CONF"] = info.slurm_conf
     os.environ[devcluster.STATE_DIR_ENV] = info.state_dir
+    # tests/paced/sitecustomize.py paces the steps of the runs that train until something stops
+    # them (helpers.PACED_STEP_SECONDS in their run.toml's [env]): the jobs get its folder on
+    # PYTHONPATH (sbatch exports it; the batch script puts jobgen's checkout in front of it).
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACED), os.environ.get("PYTHONPATH")]))
     yield info
     if started and not os.environ.get("JOBGEN_KEEP_CLUSTER"):
         devcluster.down(info.state_dir)

@@ -43,6 +43,12 @@ from jobgen.runs.jsonl_records import read_jsonl
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 DATA = REPO / "examples" / "data" / "instructions.jsonl"
+# The dev cluster's runs that train until something stops them take one optimizer step at most
+# every this many seconds (tests/paced/sitecustomize.py; [env] of their run.toml): their steps
+# past what a scenario looks at took the CPU the other tests needed.
+PACED = REPO / "tests" / "paced"
+PACED_STEP_SECONDS = 0.4
+UNTIL_STOPPED = 100_000
 GOLDEN = REPO / "tests" / "golden"
 
 T = TypeVar("T")
@@ -328,8 +334,9 @@ def train_spec(
     **train: object,
 ) -> Path:
     """A training run for the dev cluster (``directory/NAME.toml``) that trains until it is
-    stopped (max_steps 1e6); ``train`` overrides or adds [train] keys, ``eval`` writes [eval],
-    ``job`` adds [job] keys (min_nodes, nodelist...), ``data`` [data] keys (packing...)."""
+    stopped (max_steps 1e6, its steps paced: PACED_STEP_SECONDS); ``train`` overrides or adds
+    [train] keys, ``eval`` writes [eval], ``job`` adds [job] keys (min_nodes, nodelist...),
+    ``data`` [data] keys (packing...)."""
     SUBMITTED_NAMES.append(name)
     settings = {
         "micro_batch_size": 4,
@@ -360,7 +367,13 @@ def train_spec(
         data={"path": DATA, "max_length": 256, **(data or {})},
         train=settings,
         eval=eval,
+        env=paced() if int(settings["max_steps"]) >= UNTIL_STOPPED else None,
     )
+
+
+def paced() -> dict[str, object]:
+    """[env] of a dev-cluster run whose steps are paced (tests/paced/sitecustomize.py)."""
+    return {"PACED_STEP_SECONDS": str(PACED_STEP_SECONDS)}
 
 
 def command_spec(
@@ -375,12 +388,17 @@ def command_spec(
     **command: object,
 ) -> Path:
     """A ``program = "command"`` run of ``script`` for the dev cluster (``directory/NAME.toml``):
-    2-minute tasks with a 50 s lead-time signal, ``command`` adds [command] keys."""
+    2-minute tasks with a 50 s lead-time signal, its steps paced, ``command`` adds [command] keys."""
     SUBMITTED_NAMES.append(name)
     job = {"program": "command", "nodes": nodes, "procs_per_node": procs_per_node, "time": "2m"}
     job |= {"exit_grace": "50s", "array": array, "runs_root": directory / "runs"}
     return run_spec(
-        directory, name, filename=f"{name}.toml", job=job, command={"script": str(script), "args": args, **command}
+        directory,
+        name,
+        filename=f"{name}.toml",
+        job=job,
+        command={"script": str(script), "args": args, **command},
+        env=paced(),
     )
 
 

@@ -31,7 +31,7 @@ from jobgen.slurm import client as slurm
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 SCRIPT = REPO / "tests" / "scripts" / "run_clm_like.py"
-SAVE_STEPS = 200  # the plain script steps fast (1 rank, 128-token blocks): thousands a task
+SAVE_STEPS = 40  # paced steps (helpers.PACED_STEP_SECONDS): a hundred or more a 2-minute task
 
 
 def own_script_spec(tmp_path: Path, name: str, args: list[str], *, nodes: int, array: int, **command: object) -> Path:

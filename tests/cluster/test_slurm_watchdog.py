@@ -25,6 +25,7 @@ from helpers import (
     VENV_BIN,
     jobgen,
     local_receivers,
+    paced,
     run_spec,
     submit,
     submitted_job_id,
@@ -54,6 +55,7 @@ def watched(cluster, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path)
             model={"path": tiny_model},
             data={"path": DATA, "max_length": 256},
             train={"max_steps": 1000000, "save_every_steps": 0, "log_every_steps": 1, "lr": 1e-3},
+            env=paced(),
             extra=f"""
             [watchdogs]
             partition = "debug"
