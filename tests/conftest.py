@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PACED, ClusterRun, cancel_submitted, train_spec
+from helpers import PACED, SHARED_DATA_CACHE_ENV, ClusterRun, cancel_submitted, train_spec
 
 # The dev cluster's nodes and every torchrun share this machine's few cores, so their OpenMP
 # threads must not spin while they wait: libgomp's default (active, 300,000 spins) counts only
@@ -41,6 +41,7 @@ CLUSTER_PART_2 = frozenset(
         "test_slurm_sweep.py",
         "test_slurm_world_size.py",
         "test_serve_slurm.py",
+        "test_soak.py",
     }
 )
 
@@ -120,6 +121,16 @@ def _own_state_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     # `jobgen watchdog install` notes its homes in the user's state directory: the tests'
     # homes go to one of their own, not the person's running them.
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+
+
+@pytest.fixture(autouse=True)
+def _shared_data_cache(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path_factory) -> None:
+    """The runs the distributed, cluster and soak tests write share one tokenized-data cache
+    per worker (helpers.shared_cache): each test's first start no longer tokenizes the example
+    data again. The unit tests of the cache keep one under each runs root."""
+    tests = Path(__file__).resolve().parent
+    if Path(request.node.fspath).resolve().relative_to(tests).parts[0] != "unit":
+        monkeypatch.setenv(SHARED_DATA_CACHE_ENV, str(tmp_path_factory.getbasetemp() / "data-cache"))
 
 
 @pytest.fixture(autouse=True)

@@ -46,6 +46,10 @@ DATA = REPO / "examples" / "data" / "instructions.jsonl"
 # The dev cluster's runs that train until something stops them take one optimizer step at most
 # every this many seconds (tests/paced/sitecustomize.py; [env] of their run.toml): their steps
 # past what a scenario looks at took the CPU the other tests needed.
+# The tokenized-data cache the runs of a test session share, as the runs of one runs root do
+# (its .cache/data): only a session's first start builds an entry (tests/conftest.py sets it for
+# distributed/, cluster/ and soak/; the data cache's own tests keep theirs under each runs root).
+SHARED_DATA_CACHE_ENV = "JOBGEN_TESTS_DATA_CACHE"
 PACED = REPO / "tests" / "paced"
 PACED_STEP_SECONDS = 0.4
 UNTIL_STOPPED = 100_000
@@ -261,6 +265,17 @@ TRAINER_SETTINGS = {
 }
 
 
+def shared_cache(site: str | dict[str, object]) -> dict[str, object] | str:
+    """``site`` with the session's shared data cache (SHARED_DATA_CACHE_ENV), unless it names a
+    data cache of its own or no shared one is set."""
+    cache = os.environ.get(SHARED_DATA_CACHE_ENV)
+    table = {"profile": site} if isinstance(site, str) else dict(site)
+    paths = dict(table.get("paths") or {})
+    if not cache or "data_cache" in paths:
+        return site
+    return {**table, "paths": {**paths, "data_cache": cache}}
+
+
 def make_run(
     directory: Path,
     tiny_model: Path,
@@ -283,7 +298,7 @@ def make_run(
     spec_file = run_spec(
         directory,
         name,
-        site=site,
+        site=shared_cache(site),
         filename=f"{name}.toml",
         job={"time": "1h", "runs_root": "runs"},
         model={"path": tiny_model, **(model or {})},
@@ -352,7 +367,7 @@ def train_spec(
     return run_spec(
         directory,
         name,
-        site=site,
+        site=shared_cache(site),
         filename=f"{name}.toml",
         job={
             "nodes": nodes,
@@ -479,7 +494,7 @@ def local_run(directory: Path, model: Path, procs: int, name: str, *, data: dict
     spec_file = run_spec(
         directory,
         name,
-        site={"profile": "local", "slurm": {"cpus_per_node": 4}},
+        site=shared_cache({"profile": "local", "slurm": {"cpus_per_node": 4}}),
         filename=f"{name}.toml",
         job={"time": "1h", "runs_root": "runs", "procs_per_node": procs},
         model={"path": model, "dtype": "float32"},
