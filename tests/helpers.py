@@ -43,13 +43,14 @@ from jobgen.runs.jsonl_records import read_jsonl
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 DATA = REPO / "examples" / "data" / "instructions.jsonl"
-# The dev cluster's runs that train until something stops them take one optimizer step at most
-# every this many seconds (tests/paced/sitecustomize.py; [env] of their run.toml): their steps
-# past what a scenario looks at took the CPU the other tests needed.
 # The tokenized-data cache the runs of a test session share, as the runs of one runs root do
 # (its .cache/data): only a session's first start builds an entry (tests/conftest.py sets it for
 # distributed/, cluster/ and soak/; the data cache's own tests keep theirs under each runs root).
 SHARED_DATA_CACHE_ENV = "JOBGEN_TESTS_DATA_CACHE"
+# The dev cluster's runs that train until something stops them (max_steps UNTIL_STOPPED or more)
+# take one optimizer step at most every PACED_STEP_SECONDS (tests/paced/, on the jobs' PYTHONPATH;
+# the period in their run.toml's [env]): their steps past what a scenario looks at took the CPU
+# the other tests needed.
 PACED = REPO / "tests" / "paced"
 PACED_STEP_SECONDS = 0.4
 UNTIL_STOPPED = 100_000

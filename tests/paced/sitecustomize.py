@@ -17,47 +17,11 @@ A training step ends when an optimizer that stepped in it steps again: a rank ho
 pipeline stages, or an optimizer for each parameter, steps several optimizers in one.
 """
 
-import importlib.abc
-import importlib.util
 import os
-import sys
-import time
 
-PERIOD = float(os.environ.get("PACED_STEP_SECONDS") or 0)
-_step = {"started": 0.0, "stepped": set()}
+# Any other process started with this folder on PYTHONPATH (every jobgen call of the batch
+# script, a test's own subprocesses) pays for this line only.
+if float(os.environ.get("PACED_STEP_SECONDS") or 0) > 0 and os.environ.get("RANK") is not None:
+    from paced_steps import install
 
-
-def _pace(optimizer, args, kwargs) -> None:
-    """An optimizer that already stepped in this training step starts the next one: wait until
-    PERIOD has passed since this one started."""
-    if id(optimizer) in _step["stepped"]:
-        wait = _step["started"] + PERIOD - time.monotonic()
-        if wait > 0:
-            time.sleep(wait)
-        _step["stepped"].clear()
-    if not _step["stepped"]:
-        _step["started"] = time.monotonic()
-    _step["stepped"].add(id(optimizer))
-
-
-class _HookOnImport(importlib.abc.MetaPathFinder):
-    """Registers the pacing hook once the program imports torch.optim.optimizer itself: torch is
-    not imported any earlier than the program would (the trainer sets up its allocator first)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "torch.optim.optimizer":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def run_then_hook(module) -> None:
-            run(module)
-            module.register_optimizer_step_pre_hook(_pace)
-
-        spec.loader.exec_module = run_then_hook
-        return spec
-
-
-if PERIOD > 0 and os.environ.get("RANK") is not None:
-    sys.meta_path.insert(0, _HookOnImport())
+    install()
