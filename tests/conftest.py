@@ -90,10 +90,14 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(f"time in tests per worker: {parts}")
 
 
+def kind_of(item: pytest.Item) -> str:
+    """The folder under tests/ that ``item`` lives in (KINDS)."""
+    return Path(item.fspath).resolve().relative_to(Path(__file__).resolve().parent).parts[0]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tests = Path(__file__).resolve().parent
     for item in items:
-        kind = Path(item.fspath).resolve().relative_to(tests).parts[0]
+        kind = kind_of(item)
         if kind not in KINDS:
             raise pytest.UsageError(f"{item.nodeid}: a test lives in one of tests/{{{','.join(KINDS)}}}/")
         if kind in NEEDS_SLURM:
@@ -128,8 +132,7 @@ def _shared_data_cache(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
     """The runs the distributed, cluster and soak tests write share one tokenized-data cache
     per worker (helpers.shared_cache): each test's first start no longer tokenizes the example
     data again. The unit tests of the cache keep one under each runs root."""
-    tests = Path(__file__).resolve().parent
-    if Path(request.node.fspath).resolve().relative_to(tests).parts[0] != "unit":
+    if kind_of(request.node) != "unit":
         monkeypatch.setenv(SHARED_DATA_CACHE_ENV, str(tmp_path_factory.getbasetemp() / "data-cache"))
 
 

@@ -1,23 +1,21 @@
 """The pacing of tests/paced/sitecustomize.py: each training step of this process starts at least
-PACED_STEP_SECONDS after the previous one, through a global optimizer step pre-hook registered
+a period (PACED_STEP_SECONDS) after the previous one, through a global optimizer step pre-hook registered
 when the program imports torch.optim.optimizer.
 """
 
 import importlib.abc
 import importlib.util
-import os
 import sys
 import time
 
-PERIOD = float(os.environ.get("PACED_STEP_SECONDS") or 0)
-_step = {"started": 0.0, "stepped": set()}
+_step = {"period": 0.0, "started": 0.0, "stepped": set()}
 
 
 def _pace(optimizer, args, kwargs) -> None:
     """An optimizer that already stepped in this training step starts the next one: wait until
-    PERIOD has passed since this one started."""
+    the period has passed since this one started."""
     if id(optimizer) in _step["stepped"]:
-        wait = _step["started"] + PERIOD - time.monotonic()
+        wait = _step["started"] + _step["period"] - time.monotonic()
         if wait > 0:
             time.sleep(wait)
         _step["stepped"].clear()
@@ -45,6 +43,8 @@ class _HookOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install() -> None:
-    """Pace this process's training steps from its first optimizer step on."""
+def install(period: float) -> None:
+    """Start this process's training steps ``period`` seconds apart from its first optimizer
+    step on."""
+    _step["period"] = period
     sys.meta_path.insert(0, _HookOnImport())

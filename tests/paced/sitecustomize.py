@@ -21,7 +21,8 @@ import os
 
 # Any other process started with this folder on PYTHONPATH (every jobgen call of the batch
 # script, a test's own subprocesses) pays for this line only.
-if float(os.environ.get("PACED_STEP_SECONDS") or 0) > 0 and os.environ.get("RANK") is not None:
+PERIOD = float(os.environ.get("PACED_STEP_SECONDS") or 0)
+if PERIOD > 0 and os.environ.get("RANK") is not None:
     from paced_steps import install
 
-    install()
+    install(PERIOD)
