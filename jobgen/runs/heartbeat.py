@@ -15,13 +15,33 @@ rank's heartbeat starts at its first step (:meth:`Heartbeat.beat`), never during
 A rank's main thread only counts its beats; a daemon thread writes the file at most every
 ``JOBGEN_HEARTBEAT_SECONDS``, to a temporary name renamed into place (the watcher never reads
 half a number), not fsynced: a heartbeat is worth nothing after a crash.
+
+The directory may sit where teammates can write (a run directory under umask 002). So a rank
+opens it once, as its own (:class:`jobgen.base.owned_dir.OwnedDir`: no link followed, the
+user's, writable by no one else; the batch script makes it 0755 whatever the umask), and
+writes, renames and removes its files only relative to it, creating the temporary file with
+``O_EXCL | O_NOFOLLOW``: a link planted at ``rank-N`` or ``.rank-N.tmp`` is replaced or removed
+as itself, never written through. A directory it cannot trust is said once in the rank's log
+and the rank keeps no heartbeat (the collective timeout still ends a hang).
+
+When the watcher calls a launch hung it asks for the step the ranks last finished:
+
+    python -m jobgen.runs.heartbeat DIR     # prints the newest step of this user's rank-* files
+
+which reads them as any file of a run is read (no link followed, no FIFO waited on, a
+bounded size): a planted file neither hangs the watcher nor is taken for a rank's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
+import sys
 import threading
 from pathlib import Path
+
+from jobgen.base.owned_dir import OwnedDir
 
 DIR_ENV = "JOBGEN_HEARTBEAT_DIR"
 SECONDS_ENV = "JOBGEN_HEARTBEAT_SECONDS"
@@ -45,7 +65,10 @@ class Heartbeat:
 
     def __init__(self, directory: Path, rank: int, every_seconds: float):
         self.path = directory / f"{FILE_PREFIX}{rank}"
-        self._tmp = directory / f".{FILE_PREFIX}{rank}.tmp"
+        self._name = self.path.name
+        self._tmp = f".{FILE_PREFIX}{rank}.tmp"
+        self._directory: OwnedDir | None = None  # opened at the first write
+        self._refused = False
         self.every = every_seconds
         self._beats = 0  # marks of progress so far
         self._written = 0  # the count the file was last written at (0: none since a pause)
@@ -82,16 +105,19 @@ class Heartbeat:
         with self._lock:
             self._paused = True
             self._written = 0
-            try:
-                self.path.unlink(missing_ok=True)
-            except OSError:
-                pass
+            if self._directory is not None:
+                with contextlib.suppress(OSError):
+                    self._directory.unlink(self._name)  # a link there goes as itself
 
     def close(self) -> None:
         """Pause for good and end the writer thread."""
         self.pause()
         self._stop.set()
         self._thread.join(timeout=max(5.0, 2 * self.every))
+        with self._lock:
+            if self._directory is not None:
+                self._directory.close()
+                self._directory = None
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
@@ -105,10 +131,76 @@ class Heartbeat:
             beats = self._beats
             if self._paused or beats == self._written:
                 return
+            directory = self._open_directory()
+            if directory is None:
+                return
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._tmp.write_text(f"{self._step if self._step is not None else ''}\n")
-                os.replace(self._tmp, self.path)
+                with contextlib.suppress(FileNotFoundError):
+                    directory.unlink(self._tmp)  # one a killed write left, or a planted link
+                fd = directory.open_file(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    os.write(fd, f"{self._step if self._step is not None else ''}\n".encode())
+                finally:
+                    os.close(fd)
+                directory.rename(self._tmp, self._name)
             except OSError:
                 return
             self._written = beats
+
+    def _open_directory(self) -> OwnedDir | None:
+        """The launch's heartbeat directory, opened and checked once (module docstring)."""
+        if self._directory is None and not self._refused:
+            try:
+                self._directory = OwnedDir.ensure(self.path.parent, 0o755)
+            except OSError as exc:  # UntrustedDirectory included: said once, then no heartbeat
+                self._refused = True
+                print(f"jobgen: rank keeps no heartbeat: {exc}", file=sys.stderr, flush=True)
+        return self._directory
+
+
+# A heartbeat holds one step number and a newline; more is no heartbeat of a rank's.
+MOST_BYTES = 32
+
+
+def newest_step(directory: Path) -> int | None:
+    """The newest step in the user's own regular ``rank-*`` files of ``directory`` (None when
+    none holds one). Opened relative to the directory, never through a link, never waiting on
+    a FIFO; a file of another user's, or one that holds no step, is not counted."""
+    steps = []
+    with OwnedDir.open(directory) as opened:
+        for name in opened.names():
+            if not name.startswith(FILE_PREFIX):
+                continue
+            try:
+                fd = opened.open_file(name, os.O_RDONLY)
+            except OSError:
+                continue  # a link (ELOOP), gone meanwhile
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    continue
+                text = os.read(fd, MOST_BYTES + 1)
+            finally:
+                os.close(fd)
+            word = text.strip()
+            if len(text) <= MOST_BYTES and word.isdigit():
+                steps.append(int(word))
+    return max(steps) if steps else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m jobgen.runs.heartbeat DIR", file=sys.stderr)
+        return 2
+    try:
+        step = newest_step(Path(args[0]))
+    except OSError as exc:  # UntrustedDirectory included: one line
+        print(f"jobgen: {exc}", file=sys.stderr)
+        return 1
+    print("" if step is None else step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -34,11 +34,25 @@ def test_a_hang_at_the_same_step_in_the_relaunch_stops_the_run(tmp_path, tiny_mo
         "HANG_AT": "3",
         "HANG_RANK": "0",
     }
+    # What a teammate who can write logs/ plants in each launch's heartbeat directory (issue 45):
+    # a FIFO among the ranks' files (the watcher's `cat rank-*` waited on it for good), links at
+    # the rank's temporary name and at the watcher's clock file to a file of the user's (written
+    # and touched through). The hang is still found, and the file is neither written nor touched.
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine\n")
+    os.utime(victim, (1_000_000_000, 1_000_000_000))
+    for launch in (0, 1):
+        beats = rd.heartbeats("7171", 0, launch)
+        beats.mkdir(parents=True, mode=0o755)
+        os.mkfifo(beats / "rank-9")
+        for name in (".rank-0.tmp", ".watch"):
+            os.symlink(victim, beats / name)
     proc = subprocess.run(
         ["bash", str(rd.script("train"))], env=env, cwd=run, capture_output=True, text=True, timeout=400
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == ExitCode.HUNG, out[-4000:]
+    assert victim.read_text() == "mine\n" and victim.stat().st_mtime == 1_000_000_000
 
     # Both launches took steps 1 and 2, then hung; the first hang was relaunched, the second
     # (the same step) stopped the run.

@@ -4,13 +4,17 @@ itself runs in tests/distributed/test_hang_watch.py and on the dev cluster."""
 
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
 import time
 
 import pytest
 
 from helpers import DATA, run_spec
 from jobgen.launch.render import render
-from jobgen.runs.heartbeat import Heartbeat, interval_for
+from jobgen.runs.heartbeat import Heartbeat, interval_for, newest_step
 from jobgen.spec.loader import SpecError, load_run
 
 EVERY = 0.05
@@ -110,3 +114,76 @@ def test_the_watch_runs_where_the_task_relaunches(tmp_path, tiny_model, restarts
         assert f"HANG_TIMEOUT={watched}\n" in script
         assert f"JOBGEN_HEARTBEAT_SECONDS={interval_for(watched)}\n" in script
         assert '--job-name="jobgen-launch-$JOBGEN_LAUNCH"' in script  # the step the watcher kills
+
+
+# --------------------------------------------------------------------------- a directory others may write (issue 45)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("planted", ["rank-3", ".rank-3.tmp"])
+@pytest.mark.parametrize("kind", ["a link to a file of yours", "a FIFO"])
+def test_a_link_or_fifo_planted_at_a_heartbeat_name_is_never_written_through(tmp_path, planted, kind):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine\n")
+    beats = tmp_path / "beats"
+    beats.mkdir(mode=0o755)
+    if kind == "a FIFO":
+        os.mkfifo(beats / planted)
+    else:
+        os.symlink(victim, beats / planted)
+    heartbeat = Heartbeat(beats, 3, EVERY)
+    try:
+        heartbeat.beat(11)
+        settle()
+        assert victim.read_text() == "mine\n"
+        assert stat.S_ISREG((beats / "rank-3").lstat().st_mode) and files(beats) == {"rank-3": "11\n"}
+        heartbeat.pause()
+        assert not (beats / "rank-3").exists() and victim.exists()
+    finally:
+        heartbeat.close()
+
+
+def test_a_heartbeat_directory_others_may_write_or_a_link_keeps_no_heartbeat(tmp_path, capfd):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    os.symlink(shared, tmp_path / "link")
+    for directory in (shared, tmp_path / "link"):
+        heartbeat = Heartbeat(directory, 0, EVERY)
+        heartbeat.beat(1)
+        settle()
+        heartbeat.close()
+        assert not (shared / "rank-0").exists()
+    said = capfd.readouterr().err.splitlines()
+    assert said == [
+        f"jobgen: rank keeps no heartbeat: {shared}: others may write it (mode 777): files planted there would be "
+        "taken for yours; `chmod go-w` it if you trust what is in it, else remove it",
+        f"jobgen: rank keeps no heartbeat: {tmp_path / 'link'}: is a symbolic link: jobgen follows no link here "
+        "and writes only into a directory",
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_the_watchers_step_reader_counts_only_the_users_own_regular_files(tmp_path):
+    beats = tmp_path / "beats"
+    beats.mkdir(mode=0o755)
+    (beats / "rank-0").write_text("41\n")
+    (beats / "rank-1").write_text("40\n")
+    os.mkfifo(beats / "rank-2")  # the old `cat rank-*` waited on it for good
+    (tmp_path / "elsewhere").write_text("999999\n")
+    os.symlink(tmp_path / "elsewhere", beats / "rank-3")
+    (beats / "rank-4").write_text("7" * 100)  # no step a rank writes
+    (beats / "rank-5").write_text("not a step\n")
+    if os.geteuid() == 0:
+        (beats / "rank-6").write_text("5000\n")
+        os.chown(beats / "rank-6", 54321, -1)
+    assert newest_step(beats) == 41
+    done = subprocess.run(
+        [sys.executable, "-m", "jobgen.runs.heartbeat", str(beats)], capture_output=True, text=True, timeout=30
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "41\n", "")
+    os.chmod(beats, 0o777)
+    done = subprocess.run(
+        [sys.executable, "-m", "jobgen.runs.heartbeat", str(beats)], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "others may write it" in done.stderr
