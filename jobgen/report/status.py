@@ -255,12 +255,29 @@ def _warnings(found: RunRecords, window: KillWindow | None, alerts: list[str]) -
         ),
         f"{found.held_problem}: the nodes it held may be used again" if found.held_problem else None,
         found.best_problem,
+        _snapshots_off_warning(found.snapshots_off),
         f"quarantined node(s) {', '.join(held)}: later tasks exclude them "
         f"(jobgen doctor --clear {job.name} releases those that pass)"
         if held
         else None,
     ]
     return [w for w in candidates if w]
+
+
+def _snapshots_off_warning(record: dict[str, Any] | None) -> str | None:
+    """The line that says memory snapshots are off, and why (whose directory), from the
+    trainer's record (RunDir.snapshots_off)."""
+    if record is None:
+        return None
+    where = f"job {record['job_id'] if record['job_id'] is not None else '?'}, node {record['node'] or '?'}"
+    if record["owner_uid"] is not None and record["owner"]:
+        why = (
+            f"{record['directory']} belongs to {record['owner']} (uid {record['owner_uid']}), not to you: "
+            "remove it, or set the site's paths.snapshot_dir elsewhere"
+        )
+    else:
+        why = record["reason"] or "the snapshot directory could not be made"
+    return f"memory snapshots are off ({where}): {why}; a relaunch resumes from the last checkpoint instead"
 
 
 def _switches(status: RunStatus, found: RunRecords, tasks: list[TaskStatus]) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobgen.base.safe_read import DamagedFile, read_best, read_object
+from jobgen.base.safe_read import DamagedFile, as_int, is_int, read_best, read_object
 from jobgen.launch.preflight import kill_window
 from jobgen.program.trainer_records import trainer_checkpoints
 from jobgen.report.task_table import read_task_records, unexplained_submissions
@@ -78,6 +78,8 @@ class RunRecords:
     failed: dict[str, Any] | None  # the failed marker
     done: bool
     doctor_ok: bool | None  # doctor.json's verdict, for a doctor run that has one
+    # Why the newest attempt that refused its memory snapshots' directory took none (RunDir.snapshots_off).
+    snapshots_off: dict[str, Any] | None = None
 
 
 @dataclass
@@ -119,7 +121,29 @@ def read_run_records(run: RunDir) -> RunRecords:
         failed=run.failure(),
         done=run.done_marker.exists(),
         doctor_ok=_doctor_verdict(run) if job.kind.checks_nodes else None,
+        snapshots_off=_snapshots_off(run) if job.kind.trains else None,
     )
+
+
+def _snapshots_off(run: RunDir) -> dict[str, Any] | None:
+    """The newest attempt's record of memory snapshots turned off (the trainer writes one where
+    the snapshot directory on the tmpfs is someone else's), its fields of the right types only."""
+    found = []
+    for path in run.snapshots_off_records():
+        try:
+            record = read_object(path, "a record of memory snapshots turned off")
+        except (DamagedFile, FileNotFoundError):
+            continue
+        if record is None:
+            continue
+        fields = {
+            key: record.get(key) if isinstance(record.get(key), str) else None
+            for key in ("node", "directory", "owner", "reason")
+        }
+        fields["owner_uid"] = record.get("owner_uid") if is_int(record.get("owner_uid")) else None
+        fields["job_id"], fields["restart"] = as_int(record.get("job_id")), as_int(record.get("restart")) or 0
+        found.append(((fields["job_id"] or -1, fields["restart"]), fields))
+    return max(found, key=lambda item: item[0])[1] if found else None
 
 
 def _read_best(run: RunDir) -> tuple[dict[str, Any] | None, str | None]:

@@ -18,7 +18,8 @@ Layout::
                      command-plan.<job>.<restart>.json (what a command program's task runs),
                      ranks/<job>/<node>/ (torchrun's), ranks/<job>/ranks.<restart>.json
                      (rank map), ranks/<job>/ends.<restart>/ (failed ranks), nccl-*.log,
-                     ranks/<job>/heartbeats.<restart>.<launch>/, hung.<job>.<restart>
+                     ranks/<job>/heartbeats.<restart>.<launch>/, hung.<job>.<restart>,
+                     snapshots-off.<job>.<restart>.json (why no memory snapshots were taken)
     hangs/           every rank's stacks of a hung job (<time>-job<job>.txt)
     checkpoints/     step-<step>/, .tmp-*, broken-* (see trainer.checkpoints.checkpointer)
     repro/<job>/ history/ failed done writer.lock
@@ -308,6 +309,15 @@ class RunDir:
 
     def task_records(self) -> list[Path]:
         return sorted(self.logs.glob("task.*.json"))
+
+    def snapshots_off(self, job_id: str | int, restart: str | int) -> Path:
+        """Why the trainer took no memory snapshots in one attempt (train.snapshot_every_steps;
+        JSON: the node, the directory refused, its owner, the reason), for ``jobgen status``;
+        the next attempt that takes them removes it (trainer.checkpoints.snapshots)."""
+        return self.logs / f"snapshots-off.{job_id}.{restart}.json"
+
+    def snapshots_off_records(self) -> list[Path]:
+        return sorted(self.logs.glob("snapshots-off.*.json"))
 
     def command_plan(self, job_id: str | int, restart: str | int) -> Path:
         """What one attempt of a ``program = "command"`` job runs on every rank (argv, env, the

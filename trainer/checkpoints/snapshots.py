@@ -11,21 +11,33 @@ files in its own subdirectory (named after the node)::
                                            two newest of each rank are kept
     <node>/.tmp-step-00000124.rank00001.pt   one being written
 
+Every level of it below the tmpfs (``jobgen-<uid>/<run>/<job>.<restart>/<node>``) must be a
+directory of this user's, closed to others: ``jobgen-<uid>`` made by someone else (who could
+then read the snapshots, or plant their own) turns snapshots off, and the trainer records why
+in the run directory (``RunDir.snapshots_off``), where ``jobgen status`` shows it.
+
 Every ``every_steps`` steps (a step count: every rank takes the same decision without a
 collective) a rank copies its own shard of the training state (what the disk checkpoint holds:
 model and optimizer as :func:`get_state_dict` gives them, DTensors as their local shards; its
 RNG streams; the trainer's state, the data position included) into host memory; a thread
 serialises it, writes it to a temporary file and renames it into place, sends it to the rank
-that mirrors it on the next node (trainer.checkpoints.snapshot_peers) and stores the copies it
-receives the same way; of a rank's older files the newest stays, so a step that a killed rank
-left half-mirrored has a whole step before it on every node. A relaunch
-gathers which (rank, step) files each rank's node holds, takes the newest step for which every
-rank's file is held somewhere when it is newer than the newest disk checkpoint, moves the files
-a rank's node lacks (a rank now on a spare node) from a node that holds them, and each rank
-loads its own into the model and optimizer the relaunch built (same world, same shards). A file
-that fails to load on any rank makes every rank fall back to the disk checkpoint.
+that mirrors it on the next node (trainer.checkpoints.snapshot_peers, which authenticates
+what it moves) and stores the copies it receives the same way; of a rank's older files the
+newest stays, so a step that a killed rank left half-mirrored has a whole step before it on
+every node. A relaunch gathers which (rank, step) files each rank's node holds, takes the
+newest step for which every rank's file is held somewhere when it is newer than the newest
+disk checkpoint, moves the files a rank's node lacks (a rank now on a spare node) from a node
+that holds them, and each rank loads its own into the model and optimizer the relaunch built
+(same world, same shards).
 
-The files are read with ``torch.load(weights_only=True)``: tensors and plain values only.
+A snapshot is input like any other file: a rank reads its file as a regular file of its own
+user's (no link followed, at most :func:`size_limit` of what its own state takes), with
+``torch.load(weights_only=True)`` (tensors and plain values only), and checks all of it before
+anything is restored: the model's and the optimizer's tensors against this launch's (every
+key, shape and dtype, every plain value's type), the RNG streams (each set on a generator of
+its own first), the trainer's state (a JSON object of the step, with the types the trainer
+reads). Any failure on any rank, whatever it is, sends every rank to the disk checkpoint,
+agreed by one all-reduce before a single tensor, RNG stream or counter is changed.
 """
 
 from __future__ import annotations
@@ -34,28 +46,41 @@ import io
 import json
 import logging
 import os
+import pwd
+import random
 import re
 import shutil
+import stat
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from jobgen.base.atomic import write_json_atomic
+from jobgen.base.safe_read import LARGEST_ID, open_regular
+from jobgen.runs.rundir import RunDir
 from trainer.checkpoints.checkpointer import rng_state, set_rng_state, state_dict_options
-from trainer.checkpoints.snapshot_peers import SnapshotPeers, node_name
-from trainer.distributed import DistEnv, all_gather_object
+from trainer.checkpoints.reader import read_value
+from trainer.checkpoints.snapshot_peers import SnapshotPeers, node_name, size_limit
+from trainer.distributed import DistEnv, all_gather_object, reduce_sum
 
 log = logging.getLogger("trainer.checkpoints.snapshots")
 
 DIR_ENV = "JOBGEN_SNAPSHOT_DIR"
+RUN_DIR_ENV = "JOBGEN_RUN_DIR"  # where the refusal of a snapshot directory is recorded
 # How long taking a snapshot waits for the previous one's writing and mirroring (a partner that
 # died holds it until the group's timeout): past it, this snapshot is skipped, training goes on.
 WAIT_SECONDS = 60.0
 _NAME = re.compile(r"^step-(\d{8})\.rank(\d{5})\.pt$")
+_PAYLOAD_KEYS = {"step", "rank", "world_size", "model", "optim", "rng", "trainer_state"}
+# What torch.save adds to the tensors' bytes (the pickle, the archive's records): the RNG
+# streams and the trainer's state are counted in it.
+_SERIALISED_OVERHEAD = 1 << 20
 
 
 class SnapshotMismatch(ValueError):
@@ -76,25 +101,208 @@ def staged(value: Any) -> Any:
     return value
 
 
-def restored(current: Any, saved: Any, where: str = "state") -> Any:
-    """``current`` (this launch's state, as get_state_dict gives it) with ``saved`` copied into
-    its tensors in place; :class:`SnapshotMismatch` naming the first place they differ."""
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, bool | int | float | str)
+
+
+def _same_kind(current: Any, saved: Any) -> bool:
+    """Whether ``saved`` may stand for the plain value ``current``: a bool for a bool, a number
+    for a number, a string for a string; for None, any plain value."""
+    if current is None:
+        return _plain(saved)
+    if isinstance(current, bool):
+        return isinstance(saved, bool)
+    if isinstance(current, int | float):
+        return isinstance(saved, int | float) and not isinstance(saved, bool)
+    if isinstance(current, str):
+        return isinstance(saved, str)
+    return type(saved) is type(current) and saved == current
+
+
+def check_matches(current: Any, saved: Any, where: str = "state") -> None:
+    """Raise :class:`SnapshotMismatch`, naming the first place they differ, unless ``saved``
+    can be copied into ``current`` (this launch's state, as get_state_dict gives it): the same
+    keys and lengths, a CPU tensor of the same shape and dtype for each tensor, a plain value
+    of the same kind for each plain value. Changes nothing."""
     if isinstance(current, torch.Tensor):
         target = current.to_local() if isinstance(current, DTensor) else current
         if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(target.shape):
             shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
             raise SnapshotMismatch(f"{where}: the snapshot holds {shape}, this launch {tuple(target.shape)}")
-        target.copy_(saved)
-        return current
+        if saved.dtype != target.dtype:
+            raise SnapshotMismatch(f"{where}: the snapshot holds {saved.dtype}, this launch {target.dtype}")
+        if isinstance(saved, DTensor) or saved.layout != torch.strided or saved.device.type != "cpu":
+            raise SnapshotMismatch(f"{where}: the snapshot holds no plain CPU tensor ({saved.layout}, {saved.device})")
+        return
     if isinstance(current, dict):
         if not isinstance(saved, dict) or set(saved) != set(current):
             raise SnapshotMismatch(f"{where}: the snapshot's keys are not this launch's")
-        return {key: restored(item, saved[key], f"{where}.{key}") for key, item in current.items()}
+        for key, item in current.items():
+            check_matches(item, saved[key], f"{where}.{key}")
+        return
     if isinstance(current, list | tuple):
         if not isinstance(saved, list | tuple) or len(saved) != len(current):
             raise SnapshotMismatch(f"{where}: the snapshot's list is not this launch's")
-        return type(current)(restored(c, s, f"{where}[{i}]") for i, (c, s) in enumerate(zip(current, saved)))
+        for i, (c, s) in enumerate(zip(current, saved)):
+            check_matches(c, s, f"{where}[{i}]")
+        return
+    if not _same_kind(current, saved):
+        raise SnapshotMismatch(
+            f"{where}: the snapshot holds {type(saved).__name__}, this launch {type(current).__name__}"
+        )
+
+
+def _copied(current: Any, saved: Any) -> Any:
+    """``current`` with ``saved`` copied into its tensors in place (checked by check_matches)."""
+    if isinstance(current, torch.Tensor):
+        (current.to_local() if isinstance(current, DTensor) else current).copy_(saved)
+        return current
+    if isinstance(current, dict):
+        return {key: _copied(item, saved[key]) for key, item in current.items()}
+    if isinstance(current, list | tuple):
+        return type(current)(_copied(c, s) for c, s in zip(current, saved))
     return saved
+
+
+def restored(current: Any, saved: Any, where: str = "state") -> Any:
+    """``current`` (this launch's state, as get_state_dict gives it) with ``saved`` copied into
+    its tensors in place; :class:`SnapshotMismatch` naming the first place they differ, before
+    anything is copied."""
+    check_matches(current, saved, where)
+    return _copied(current, saved)
+
+
+def check_rng(saved: Any) -> None:
+    """Raise :class:`SnapshotMismatch` unless ``saved`` is RNG state as
+    :func:`trainer.checkpoints.checkpointer.rng_state` makes it, which set_rng_state takes:
+    each stream is set on a generator of its own first, the process's are left as they are."""
+    current = rng_state()
+    if not isinstance(saved, dict) or set(saved) != set(current):
+        raise SnapshotMismatch("rng: the snapshot's RNG streams are not this launch's")
+    try:
+        check_matches(current["torch"], saved["torch"], "rng.torch")
+        torch.Generator().set_state(saved["torch"])
+        py, npy = saved["python"], saved["numpy"]
+        if not isinstance(py, dict) or set(py) != {"version", "state", "gauss"}:
+            raise SnapshotMismatch("rng.python: not the state of Python's random")
+        check_matches(current["python"]["state"], py["state"], "rng.python.state")
+        if py["version"] != current["python"]["version"] or not (py["gauss"] is None or _same_kind(0.0, py["gauss"])):
+            raise SnapshotMismatch("rng.python: not the state of this Python's random")
+        random.Random().setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
+        if not isinstance(npy, dict) or set(npy) != set(current["numpy"]):
+            raise SnapshotMismatch("rng.numpy: not the state of numpy's random")
+        check_matches(current["numpy"], npy, "rng.numpy")
+        keys = npy["keys"].numpy()
+        if keys.min(initial=0) < 0 or keys.max(initial=0) >= 2**32:
+            raise SnapshotMismatch("rng.numpy.keys: not 32-bit words")
+        np.random.RandomState().set_state(
+            (npy["name"], keys.astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+        )
+        if "cuda" in current:
+            check_matches(current["cuda"], saved["cuda"], "rng.cuda")
+    except SnapshotMismatch:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever a generator refuses
+        raise SnapshotMismatch(
+            f"rng: a stream does not take the snapshot's state ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= LARGEST_ID
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _numbers(value: Any) -> bool:
+    return isinstance(value, list) and all(_number(v) for v in value)
+
+
+def _flat(value: Any) -> bool:
+    """A JSON object of plain values only (the sampler's position, the batch's shape)."""
+    return isinstance(value, dict) and all(_plain(v) for v in value.values())
+
+
+def _lambdas(value: Any) -> bool:
+    """LambdaLR's lr_lambdas as trainer.optim.WarmupCosine's state: None or its two counts."""
+    return isinstance(value, list) and all(
+        v is None or (isinstance(v, dict) and set(v) <= {"warmup_steps", "max_steps"} and all(map(_count, v.values())))
+        for v in value
+    )
+
+
+# What LambdaLR's load_state_dict takes (it sets each key as an attribute: "optimizer" or
+# "step" would replace the scheduler's own), and the type of each.
+_SCHEDULER_KEYS = {
+    "base_lrs": _numbers,
+    "_last_lr": _numbers,
+    "last_epoch": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "_step_count": _count,
+    "_is_initial": lambda v: isinstance(v, bool),
+    "_get_lr_called_within_step": lambda v: isinstance(v, bool),
+    "verbose": lambda v: isinstance(v, bool | str),
+    "lr_lambdas": _lambdas,
+}
+
+
+def _scheduler(value: Any) -> bool:
+    return isinstance(value, dict) and all(k in _SCHEDULER_KEYS and _SCHEDULER_KEYS[k](v) for k, v in value.items())
+
+
+def _evals(value: Any) -> bool:
+    """The evaluation history's state: None, or {"evals": [[step, loss], ...]}."""
+    if value is None:
+        return True
+    if not isinstance(value, dict) or set(value) - {"evals"} or not isinstance(value.get("evals", []), list):
+        return False
+    return all(isinstance(e, list) and len(e) == 2 and _count(e[0]) and _number(e[1]) for e in value.get("evals", []))
+
+
+def checked_trainer_state(text: Any, step: int, world_size: int) -> dict[str, Any]:
+    """The trainer's state of a snapshot of ``step`` (JSON text): an object whose step is
+    ``step`` and whose other keys, where present, have the types trainer.loop reads (the
+    scheduler's, those LambdaLR sets); :class:`SnapshotMismatch` naming the first that is not."""
+    if not isinstance(text, str):
+        raise SnapshotMismatch(f"trainer_state: the snapshot holds {type(text).__name__}, not JSON text")
+    try:
+        state = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise SnapshotMismatch(f"trainer_state: not JSON ({exc})") from None
+    if not isinstance(state, dict):
+        raise SnapshotMismatch("trainer_state: not a JSON object")
+    if state.get("step") != step or not _count(state.get("step")):
+        raise SnapshotMismatch(f"trainer_state.step: {state.get('step')!r}, the snapshot is of step {step}")
+    expected = {
+        "tokens_seen": _count,
+        "target_tokens_seen": _count,
+        "seed": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "world_size": lambda v: v == world_size and not isinstance(v, bool),
+        "sampler": _flat,
+        "scheduler": _scheduler,
+        "batch": lambda v: v is None or _flat(v),
+        "evals": _evals,
+        "saved_at": _number,
+    }
+    for key, right in expected.items():
+        if key in state and not right(state[key]):
+            raise SnapshotMismatch(f"trainer_state.{key}: not what the trainer keeps there ({str(state[key])[:80]!r})")
+    return state
+
+
+def state_bytes(value: Any) -> int:
+    """The bytes of every tensor in ``value`` (a DTensor's local shard): what a snapshot of it
+    holds, less torch.save's own records."""
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(state_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(state_bytes(item) for item in value)
+    return 0
 
 
 class Snapshots:
@@ -112,21 +320,27 @@ class Snapshots:
         self._holdings: list[set[tuple[int, int]]] = []  # what each rank's node holds, by rank
         self.seconds: list[float] = []  # how long training waited for each snapshot's copy
         _private_directory(attempt)
-        self.directory.mkdir(mode=0o700, exist_ok=True)
+        _own_directory(self.directory)
         if env.local_rank == 0:
             _remove_other_attempts(attempt)
 
     @classmethod
     def from_environment(cls, env: DistEnv, every_steps: int) -> Snapshots | None:
-        """Where the batch script asked for them (train.snapshot_every_steps and a relaunching task)."""
+        """Where the batch script asked for them (train.snapshot_every_steps and a relaunching
+        task). A directory that cannot be used is recorded in the run directory
+        (``RunDir.snapshots_off``, for ``jobgen status``) as well as in the rank's log."""
         directory = os.environ.get(DIR_ENV)
         if not directory or every_steps <= 0:
             return None
         try:
-            return cls(Path(directory), env, every_steps)
+            snapshots = cls(Path(directory), env, every_steps)
         except (OSError, UnsafeSnapshotDir) as exc:
             log.warning("rank %d: no memory snapshots (%s); a relaunch resumes from disk", env.rank, exc)
+            _record_refusal(exc)
             return None
+        if env.is_main:
+            _forget_old_refusals()
+        return snapshots
 
     def connect(self, timeout_seconds: float) -> None:
         """The mirror between nodes (collective, on every rank that takes snapshots)."""
@@ -184,7 +398,7 @@ class Snapshots:
         try:
             for source, copy in self.peers.exchange(data, step) if self.peers is not None else []:
                 self._store(source, step, copy)
-        except (OSError, RuntimeError, ValueError) as exc:  # a full tmpfs, a partner gone or out of step
+        except (OSError, RuntimeError, ValueError) as exc:  # a full tmpfs, a partner gone or out of step, a refusal
             problems.append(f"mirror: {type(exc).__name__}: {exc}")
         if problems:
             self._error = f"step {step}: {'; '.join(problems)}"
@@ -240,44 +454,104 @@ class Snapshots:
 
     def restore(self, step: int, model: torch.nn.Module, optimizer) -> dict[str, Any] | None:
         """Load snapshot ``step`` into the model, the optimizer and the RNGs (collective); the
-        trainer's state, or None when any rank could not (every rank then resumes from disk)."""
+        trainer's state, or None when any rank could not (every rank then resumes from disk).
+        Each rank reads and checks all of its snapshot first; the ranks agree (one all-reduce)
+        that every one could before anything is changed."""
         options = state_dict_options(model)
-        payload, error = None, None
+        error, checked, limit = None, None, 0
         try:
-            data = self._fetch(step)
-            payload = torch.load(io.BytesIO(data), weights_only=True)  # a snapshot this job wrote
             model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-            model_sd = restored(model_sd, payload["model"], "model")
-            optim_sd = restored(optim_sd, payload["optim"], "optim")
-        except (OSError, RuntimeError, KeyError, ValueError, SnapshotMismatch) as exc:
-            error = f"rank {self.env.rank}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        errors = [e for e in all_gather_object(self.env, error) if e]
-        if errors:
+            limit = size_limit(state_bytes((model_sd, optim_sd)) + _SERIALISED_OVERHEAD)
+        except Exception as exc:  # noqa: BLE001 - this rank cannot restore; it still takes part in the moves
+            error = exc
+        try:
+            data = self._fetch(step, limit)  # collective where files move between nodes
+            if error is None:
+                checked = self._checked(step, data, model_sd, optim_sd)
+        except Exception as exc:  # noqa: BLE001 - any failure on any rank: every rank resumes from disk
+            error = error or exc
+        if error is not None:
+            reason = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+            log.error("rank %d: snapshot of step %d does not load (%s)", self.env.rank, step, reason)
+        (failed,) = reduce_sum(self.env, [float(error is not None)])
+        if failed:
             if self.env.is_main:
-                log.error("snapshot of step %d does not load (%s): resuming from disk", step, "; ".join(errors))
+                log.error(
+                    "snapshot of step %d does not load on %d rank(s) (each rank's log says why): resuming from disk",
+                    step,
+                    int(failed),
+                )
             return None
-        assert payload is not None
+        assert checked is not None
+        saved_model, saved_optim, rng, trainer_state = checked
+        model_sd, optim_sd = _copied(model_sd, saved_model), _copied(optim_sd, saved_optim)
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
-        set_rng_state(payload["rng"])
-        return json.loads(payload["trainer_state"])
+        set_rng_state(rng)
+        return trainer_state
 
-    def _fetch(self, step: int) -> bytes:
-        """This rank's snapshot of ``step``: from this node's directory, or sent by the rank
-        whose node holds it (every rank takes part in the moves, as newest_common planned them)."""
-        me, mine = self.env.rank, self.file(self.env.rank, step)
+    def _checked(self, step: int, data: bytes, model_sd: Any, optim_sd: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
+        """The snapshot in ``data`` as (model, optimizer, RNG state, trainer state), every part
+        checked against this launch; :class:`SnapshotMismatch` (or what torch.load raised)."""
+        # torch.load(weights_only=True); a global it will not load is named (reader.read_value)
+        payload = read_value(data, f"the snapshot of step {step} of rank {self.env.rank}")
+        if not isinstance(payload, dict) or set(payload) != _PAYLOAD_KEYS:
+            raise SnapshotMismatch("the file is not a snapshot (its keys are not a snapshot's)")
+        for key, expected in (("step", step), ("rank", self.env.rank), ("world_size", self.env.world_size)):
+            if payload[key] != expected or not isinstance(payload[key], int) or isinstance(payload[key], bool):
+                raise SnapshotMismatch(f"{key}: the snapshot's is {payload[key]!r}, this one's {expected}")
+        check_matches(model_sd, payload["model"], "model")
+        check_matches(optim_sd, payload["optim"], "optim")
+        check_rng(payload["rng"])
+        state = checked_trainer_state(payload["trainer_state"], step, self.env.world_size)
+        return payload["model"], payload["optim"], payload["rng"], state
+
+    def _fetch(self, step: int, limit: int) -> bytes:
+        """This rank's snapshot of ``step`` (at most ``limit`` bytes): from this node's
+        directory, or sent by the rank whose node holds it. Every rank takes part in the moves,
+        as newest_common planned them, whatever it could read: a file it cannot read is
+        announced as missing and its receiver fails."""
+        me = self.env.rank
         # Every rank computes the same moves from the gathered holdings: (holder, rank) for
         # each rank whose own node lacks its file.
         world = range(self.env.world_size)
         moves = [(self._holders[(rank, step)], rank) for rank in world if (rank, step) not in self._holdings[rank]]
         if moves and self.peers is not None:
-            outgoing = {rank: self.file(rank, step).read_bytes() for holder, rank in moves if holder == me}
-            received = dict(self.peers.transfer(moves, outgoing, step))
+            outgoing = {rank: self._read_or_none(rank, step, limit) for holder, rank in moves if holder == me}
+            received = dict(self.peers.transfer(moves, outgoing, step, limit))
             if me in {rank for _, rank in moves}:
                 return received[self._holders[(me, step)]]
-        return mine.read_bytes()
+        return read_snapshot(self.file(me, step), limit)
+
+    def _read_or_none(self, rank: int, step: int, limit: int) -> bytes | None:
+        try:
+            return read_snapshot(self.file(rank, step), limit)
+        except Exception as exc:  # noqa: BLE001 - the receiver is told there is none
+            log.error("rank %d: cannot send rank %d its snapshot of step %d (%s)", self.env.rank, rank, step, exc)
+            return None
 
     def close(self) -> None:
         self.wait()
+
+
+def read_snapshot(path: Path, limit: int) -> bytes:
+    """The bytes of the snapshot file ``path``: a regular file (a link is not followed) of this
+    user's, of at most ``limit`` bytes (FileNotFoundError, DamagedFile, ValueError)."""
+    fd = open_regular(path)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid():
+            raise ValueError(f"{path} is not this user's file (owner uid {info.st_uid})")
+        if info.st_size > limit:
+            raise ValueError(f"{path} holds {info.st_size} bytes, more than the {limit} this rank's state takes")
+        chunks, size = [], 0
+        while chunk := os.read(fd, min(1 << 24, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise ValueError(f"{path} grew past {limit} bytes while it was read")
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
 
 
 def _remove_other_attempts(directory: Path) -> None:
@@ -293,16 +567,77 @@ def _remove_other_attempts(directory: Path) -> None:
 
 
 class UnsafeSnapshotDir(RuntimeError):
-    """The per-user directory on the tmpfs belongs to someone else: its files could be read or planted."""
+    """A directory of the snapshots on the tmpfs that belongs to someone else, or is no
+    directory: its files could be read or planted. ``path`` and its owner's uid."""
+
+    def __init__(self, path: Path, owner_uid: int | None, problem: str):
+        self.path = path
+        self.owner_uid = owner_uid
+        super().__init__(f"{path} {problem}: no snapshots are taken")
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _own_directory(path: Path) -> None:
+    """``path``, made if missing (its parent must exist): a directory (no link) of this user's,
+    closed to everyone else; :class:`UnsafeSnapshotDir` when it is someone else's or no directory."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise UnsafeSnapshotDir(path, info.st_uid, "is not a directory (a link, or a file)")
+    if info.st_uid != os.getuid():
+        raise UnsafeSnapshotDir(path, info.st_uid, f"belongs to {user_name(info.st_uid)}, not to this user")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(path, 0o700, follow_symlinks=False)
 
 
 def _private_directory(directory: Path) -> None:
     """``directory`` (ROOT/jobgen-UID/RUN/JOB.RESTART) and its parents below ROOT, created
-    readable by this user only; a ``jobgen-UID`` someone else made is refused."""
-    user_dir = directory.parent.parent
-    user_dir.mkdir(mode=0o700, exist_ok=True)
-    info = user_dir.lstat()
-    if info.st_uid != os.getuid() or not user_dir.is_dir() or user_dir.is_symlink():
-        raise UnsafeSnapshotDir(f"{user_dir} is not a directory of this user's: no snapshots are taken")
-    directory.parent.mkdir(mode=0o700, exist_ok=True)
-    directory.mkdir(mode=0o700, exist_ok=True)
+    readable by this user only; any of them someone else made is refused."""
+    for level in (directory.parent.parent, directory.parent, directory):
+        _own_directory(level)
+
+
+def _attempt() -> tuple[str, int]:
+    return os.environ.get("SLURM_JOB_ID") or "local", int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def _record_refusal(exc: BaseException) -> None:
+    """Why this rank takes no snapshots, in the run directory for ``jobgen status`` (one
+    record per attempt: ``RunDir.snapshots_off``); nothing where no run directory is known."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    job_id, restart = _attempt()
+    owner = exc.owner_uid if isinstance(exc, UnsafeSnapshotDir) else None
+    record = {
+        "job_id": job_id,
+        "restart": restart,
+        "node": node_name(),
+        "directory": str(exc.path) if isinstance(exc, UnsafeSnapshotDir) else os.environ.get(DIR_ENV),
+        "owner_uid": owner,
+        "owner": user_name(owner) if owner is not None and owner != os.getuid() else None,
+        "reason": f"{type(exc).__name__}: {exc}",
+        "time": time.time(),
+    }
+    try:
+        write_json_atomic(RunDir(Path(run_dir)).snapshots_off(job_id, restart), record)
+    except OSError as exc2:
+        log.warning("could not record in %s that snapshots are off (%s)", run_dir, exc2)
+
+
+def _forget_old_refusals() -> None:
+    """The records of earlier attempts whose snapshots were off: this one's are on, where
+    every rank could make its directory (a rank that could not records this attempt's)."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    current = RunDir(Path(run_dir)).snapshots_off(*_attempt())
+    for path in RunDir(Path(run_dir)).snapshots_off_records():
+        if path != current:
+            path.unlink(missing_ok=True)
