@@ -46,6 +46,13 @@ def materialize(
         spec.runs_root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise RunDirError(f"cannot create runs root {spec.runs_root}: {exc.strerror}") from None
+    if run.path.is_symlink():
+        # A teammate who can write the runs root could point your run's name at a directory of
+        # theirs (your spec, scripts and checkpoints would go there) or of yours (overwritten).
+        raise RunDirError(
+            f"{run.path} is a symbolic link: jobgen writes a run only into its own directory and follows no "
+            "link at its name; remove the link or choose another job.name"
+        )
     if run.path.exists():
         if new_only and run.exists():
             raise RunDirTaken(run.path, spec.run.job.name)

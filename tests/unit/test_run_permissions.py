@@ -216,3 +216,23 @@ def test_a_link_at_a_switch_is_not_a_switch_for_anyone(tmp_path: Path, target: s
     assert created and not kill.is_symlink() and kill.is_file()
     assert startup_switch(run.switches) is Action.KILL
     assert subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout == "set\n"
+
+
+@pytest.mark.parametrize("target", ["another run directory", "a directory of yours", "nothing"])
+def test_a_link_at_the_run_directorys_name_is_refused_and_nothing_is_written_through_it(tmp_path: Path, target):
+    """Issue 45: a teammate who can write a shared runs root puts a link at your run's name;
+    submitting the run refuses it instead of writing spec, scripts and later checkpoints
+    through it."""
+    from jobgen.runs.rundir import RunDirError
+
+    runs_root = tmp_path / "runs"
+    other = make_run(tmp_path / "other-spec", tmp_path / "elsewhere", name="team")  # a spec.json to find there
+    where = {"another run directory": other.path, "a directory of yours": tmp_path / "mine", "nothing": tmp_path / "x"}
+    (tmp_path / "mine").mkdir()
+    runs_root.mkdir()
+    os.symlink(where[target], runs_root / "team")
+    before = sorted(p.name for p in where[target].iterdir()) if where[target].exists() else None
+    with pytest.raises(RunDirError, match="is a symbolic link: jobgen writes a run only into its own directory"):
+        make_run(tmp_path / "spec", runs_root)
+    after = sorted(p.name for p in where[target].iterdir()) if where[target].exists() else None
+    assert before == after and (runs_root / "team").is_symlink()
