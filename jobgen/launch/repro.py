@@ -9,6 +9,13 @@ the rule that validates the spec's ``[env]``, decides (so ``HF_TOKEN`` and ``HFT
 stay out although ``HF_*`` is in, and a value holding ``scheme://user:password@`` or
 a ``hf_...`` token under any name).
 
+No URL leaves this module with its credentials: :func:`without_credentials` replaces the
+userinfo of every URL (``https://oauth2:glpat-...@gitlab.example/x.git``, a token alone as
+``https://TOKEN@host``, ``https://user:pass@index/simple``) by ``***``, and every writer here
+passes what it writes through it: a recorded variable's value (an index or a mirror URL),
+pip-freeze.txt's lines (a direct URL's ``url``, a VCS requirement's), versions.json's values.
+The rest of the URL stays, so the record still names the host, the path and the commit.
+
 The batch script pipes its environment in (``env -0 | python -m jobgen.launch.repro --own
 NAME ...``), so the record is of the batch shell's own variables, on every kind of site.
 
@@ -88,6 +95,16 @@ ENV_ALLOW = (
 )
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _ESCAPES = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+# A URL's scheme (from the start of its word: a long word is scanned once, not from each of its
+# letters) and its userinfo: everything up to the last '@' before the authority ends (a '/', '?',
+# '#' or a space), so that an unescaped '@' in a password is taken too.
+_URL_USERINFO = re.compile(r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
+
+
+def without_credentials(text: str) -> str:
+    """``text`` with the userinfo of every URL in it (``user:password@``, ``token@``) replaced
+    by ``***``: what every record written here goes through."""
+    return _URL_USERINFO.sub(r"\1***@", text)
 
 
 def recordable(name: str, value: str, own: Iterable[str] = ()) -> bool:
@@ -110,7 +127,7 @@ def env_lines(environ: Mapping[str, str], own: Iterable[str] = ()) -> list[str]:
     own = set(own)
     lines = []
     for name, value in environ.items():
-        shown = shell_quoted(value) if recordable(name, value, own) else "<not recorded>"
+        shown = shell_quoted(without_credentials(value)) if recordable(name, value, own) else "<not recorded>"
         lines.append(f"{shell_quoted(name)}={shown}")
     return sorted(lines)
 
@@ -203,7 +220,7 @@ def installed_requirements() -> list[str]:
         key = _normalized(name or "")
         if not name or key in _FREEZE_SKIPS or key in found:
             continue
-        found[key] = (name.lower(), _requirement(dist))
+        found[key] = (name.lower(), without_credentials(_requirement(dist)))
     return [line for _, line in sorted(found.values())]
 
 
@@ -214,10 +231,10 @@ def installed_versions() -> dict[str, object]:
         info["torch"] = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         info["torch"] = "unavailable: no torch in this environment"
-        return info
-    info["cuda"] = _torch_cuda_version()
-    info["nccl"] = _nccl_version()
-    return info
+    else:
+        info["cuda"] = _torch_cuda_version()
+        info["nccl"] = _nccl_version()
+    return {key: without_credentials(value) if isinstance(value, str) else value for key, value in info.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,18 +17,21 @@ records and a few aggregates of the rest. :class:`MetricsSummary` is those, fold
 :mod:`jobgen.runs.summary_cache` keeps it beside the file and folds in only the lines appended
 since it was written. :meth:`MetricsSummary.add_line` reads a line exactly as
 :func:`jobgen.runs.goodput.read_records` does, so a summary folded in several sittings equals
-one folded at once, and both equal what a full read of the file says.
+one folded at once, and both equal what a full read of the file says. A kept summary is
+input like the file: anyone who can write the run directory can write one whose digest
+matches, so every value is checked as a line's are (:meth:`MetricsSummary.from_json`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from jobgen.base.safe_read import is_number
+from jobgen.base.safe_read import LINES_FILE, DamagedFile, is_int, is_number, is_time, open_regular
 from jobgen.runs.jsonl_records import METRICS_FIELDS, TaskKey, is_eval_line, record_problem, task_key
 
 VERSION = 4  # 4: a task is (job id, restart, launch)
@@ -59,11 +62,17 @@ def plotted_value(record: dict[str, Any], key: str) -> float | None:
     return float(value) if is_number(value) else None
 
 
-_NUMBERS = (int, float)
+def _maybe(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
 
 
-def _real(value: Any) -> bool:
-    return type(value) in _NUMBERS  # not a bool, whose type is its own
+def _shaped(value: Any, *checks: Callable[[Any], bool]) -> bool:
+    """A list of one item per check, each passing its own: a point, a [step, time] pair..."""
+    return isinstance(value, list) and len(value) == len(checks) and all(ok(v) for ok, v in zip(checks, value))
+
+
+def _count(value: Any) -> bool:  # also a line's number
+    return is_int(value) and value >= 0
 
 
 class TaskMetrics:
@@ -120,11 +129,11 @@ class TaskMetrics:
         out = cls()
         for name, value in zip(cls.__slots__, data):
             setattr(out, name, value)
-        _check(_real(out.max_step) and _real(out.max_time) and _real(out.last_time), "a task's steps and times")
-        _check(isinstance(out.lines, int) and out.lines > 0, "a task's line count")
-        _check(isinstance(out.seconds_count, int) and _real(out.seconds_sum), "a task's step seconds")
-        _check(out.seconds_max is None or _real(out.seconds_max), "a task's slowest step")
-        _check(out.last_train is None or (isinstance(out.last_train, list) and len(out.last_train) == 3), "a line")
+        _check(is_int(out.max_step) and is_time(out.max_time) and is_time(out.last_time), "a task's steps and times")
+        _check(is_int(out.lines) and out.lines > 0, "a task's line count")
+        _check(_count(out.seconds_count) and is_number(out.seconds_sum), "a task's step seconds")
+        _check(_maybe(is_number)(out.seconds_max), "a task's slowest step")
+        _check(_maybe(lambda t: _shaped(t, _count, _maybe(is_number), _BOOL))(out.last_train), "a line")
         return out
 
 
@@ -188,19 +197,18 @@ class Decimated:
 
     @classmethod
     def from_json(cls, data: Any, tasks: int) -> Decimated:
-        _check(isinstance(data, dict) and isinstance(data.get("width"), int), "a series")
+        _check(isinstance(data, dict) and is_int(data.get("width")), "a series")
         out = cls()
         out.width = data["width"]
         buckets = data.get("buckets")
-        _check(isinstance(buckets, list) and out.width >= 1, "a series' buckets")
+        _check(isinstance(buckets, list) and 1 <= out.width <= 1 << 62, "a series' buckets")
         for bucket in buckets:
             _check(isinstance(bucket, list) and len(bucket) == 5, "a bucket")
             task, index, points, low, high = bucket
-            _check(isinstance(task, int) and 0 <= task < tasks and isinstance(index, int), "a bucket's task")
+            _check(is_int(task) and 0 <= task < tasks and is_int(index), "a bucket's task")
             _check(isinstance(points, list) and 0 < len(points) <= 4, "a bucket's points")
-            for point in points:
-                _check(isinstance(point, list) and len(point) == 4 and all(_real(v) for v in point), "a point")
-            _check(isinstance(low, int) and isinstance(high, int) and 0 <= low < len(points) > high >= 0, "a bucket")
+            _check(all(_shaped(p, _count, is_int, is_time, is_number) for p in points), "a point")
+            _check(is_int(low) and is_int(high) and 0 <= low < len(points) > high >= 0, "a bucket")
             out.buckets.append([task, index, points[0], points[low], points[high], points[-1]])
         return out
 
@@ -216,6 +224,24 @@ def _merge_point(bucket: list[Any], point: list[Any]) -> None:
 def _check(ok: bool, what: str) -> None:
     if not ok:
         raise DamagedSummary(f"not {what}")
+
+
+_BOOL, _STR = (lambda v: isinstance(v, bool)), (lambda v: isinstance(v, str))
+_EVAL = {"step": is_int, "eval_loss": is_number, "eval_ppl": _maybe(is_number)}  # as _add_eval keeps one
+_EVALUATION = _maybe(lambda v: isinstance(v, dict) and v.keys() == _EVAL.keys() and all(_EVAL[k](v[k]) for k in v))
+# Each value of a kept summary's state, checked as what it came from was (a line's fields as
+# record_problem checks them: an integer jobgen can compute with, a time a date can be made of).
+_STATE: dict[str, Callable[[Any], bool]] = {
+    **dict.fromkeys(("lines", "skipped", "records"), _count),
+    "first_problem": _STR,
+    "has_loss": _BOOL,
+    "pending": _maybe(lambda v: _shaped(v, _count, _STR)),
+    "last_training": _maybe(lambda v: isinstance(v, dict) and record_problem(v, METRICS_FIELDS) is None),
+    "last_loss": _maybe(lambda v: _shaped(v, is_int, is_number)),
+    "eta_seconds": lambda v: isinstance(v, list) and len(v) <= ETA_WINDOW and all(map(_maybe(is_number), v)),
+    "recent": lambda v: isinstance(v, list) and len(v) <= RECENT and all(_shaped(r, is_int, is_time) for r in v),
+    **dict.fromkeys(("eval_last", "eval_lowest"), _EVALUATION),
+}
 
 
 class MetricsSummary:
@@ -246,6 +272,7 @@ class MetricsSummary:
         # plot, a comparison, or lines to fold in): status and the listings never parse it.
         self._series: dict[str, Decimated] | None = {key: Decimated() for key in PLOTTED}
         self._series_text: bytes | None = None
+        self._kept: tuple[int, list[TaskKey]] = (0, [])  # the lines and tasks the kept state covers
 
     @property
     def series(self) -> dict[str, Decimated]:
@@ -254,13 +281,26 @@ class MetricsSummary:
         return self._series
 
     def _read_series(self) -> dict[str, Decimated]:
-        """The series of the kept summary (its digest matched, so what :meth:`series_json` wrote)."""
+        """The series of the kept summary as :meth:`series_json` wrote it; else (its digest is
+        no proof) those of the lines the kept state covers, folded again from the file, or none
+        where the file no longer starts with them: never another file's points."""
         try:
             data = json.loads(self._series_text or b"")
             _check(isinstance(data, dict) and sorted(data) == sorted(PLOTTED), "the plotted series")
-            return {key: Decimated.from_json(data[key], len(self.tasks)) for key in PLOTTED}
-        except (KeyError, TypeError, ValueError, RecursionError) as exc:
-            raise DamagedSummary(f"its series: {exc}") from None
+            return {key: Decimated.from_json(data[key], len(self._kept[1])) for key in PLOTTED}
+        except (KeyError, TypeError, ValueError, RecursionError):  # DamagedSummary among them
+            lines, tasks = self._kept
+        fresh, rest = MetricsSummary(self.path), b""
+        try:  # read as summary_cache reads it: only a regular file, LINES_FILE bytes at most
+            with os.fdopen(open_regular(self.path), "rb") as fh:
+                while fresh.lines < lines and fh.tell() < LINES_FILE and (chunk := fh.read(1 << 20)):
+                    *complete, rest = (rest + chunk).split(b"\n")
+                    for line in complete[: lines - fresh.lines]:
+                        fresh.add_line(line)
+        except (OSError, DamagedFile):
+            pass
+        same = fresh.lines == lines and list(fresh.tasks) == tasks
+        return fresh.series if same else {key: Decimated() for key in PLOTTED}
 
     # ------------------------------------------------------------------ folding
 
@@ -410,39 +450,30 @@ class MetricsSummary:
 
     @classmethod
     def from_json(cls, path: Path, data: Any, series: bytes | None = None) -> MetricsSummary:
-        """The summary ``data`` holds; DamagedSummary for anything :meth:`to_json` does not write.
+        """The summary ``data`` holds; DamagedSummary for anything :meth:`to_json` does not write,
+        each value of the type and in the range it has there (_STATE, TaskMetrics's, Decimated's).
         ``series``: the text of :meth:`series_json`, parsed when first asked for."""
         try:
             _check(isinstance(data, dict) and data.get("version") == VERSION, f"a summary of version {VERSION}")
             state = data["state"]
             out = cls(path)
-            for name in ("lines", "skipped", "records"):
-                _check(isinstance(state[name], int) and state[name] >= 0, f"a count ({name})")
-                setattr(out, name, state[name])
-            _check(isinstance(state["first_problem"], str) and isinstance(state["has_loss"], bool), "a summary")
-            out.first_problem, out.has_loss = state["first_problem"], state["has_loss"]
-            pending = state["pending"]
-            _check(pending is None or (isinstance(pending, list) and len(pending) == 2), "a pending line")
-            out.pending = pending
-            for name in ("last_training", "eval_last", "eval_lowest"):
-                _check(state[name] is None or isinstance(state[name], dict), f"a record ({name})")
-                setattr(out, name, state[name])
-            last_loss = state["last_loss"]
-            _check(last_loss is None or (isinstance(last_loss, list) and len(last_loss) == 2), "the last loss")
-            out.last_loss = last_loss
-            _check(isinstance(state["eta_seconds"], list) and len(state["eta_seconds"]) <= ETA_WINDOW, "step times")
-            out.eta_seconds.extend(state["eta_seconds"])
-            _check(isinstance(state["recent"], list) and len(state["recent"]) <= RECENT, "recent records")
-            _check(all(isinstance(r, list) and len(r) == 2 for r in state["recent"]), "recent records")
-            out.recent.extend(state["recent"])
+            for name, ok in _STATE.items():
+                _check(ok(state[name]), f"a summary's {name}")
+                if isinstance(getattr(out, name), deque):
+                    getattr(out, name).extend(state[name])
+                else:
+                    setattr(out, name, state[name])
+            _check(not (out.last_training and is_eval_line(out.last_training)), "a training line")
+            _check(isinstance(state["tasks"], list), "a summary's tasks")
             for job, restart, launch, task in state["tasks"]:
                 key = (job, restart, launch)
-                _check(isinstance(job, str) and isinstance(restart, int) and isinstance(launch, int), "a task")
+                _check(isinstance(job, str) and is_int(restart) and is_int(launch), "a task")
                 _check(key not in out.tasks, "a task once")
                 out.task_index[key] = len(out.task_index)
                 out.tasks[key] = TaskMetrics.from_json(task)
             if series is not None:
                 out._series, out._series_text = None, series
+                out._kept = (out.lines, list(out.tasks))
         except (KeyError, TypeError, ValueError) as exc:
             raise DamagedSummary(str(exc)) from None
         return out
