@@ -54,6 +54,7 @@ def main() -> None:
 
     from jobgen.cli.tinymodel import make_tiny_model
     from jobgen.spec.tables.data import DataSpec
+    from jobgen.base.owned_dir import OwnedDir
     from trainer.data.cache import load_entry
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -91,7 +92,8 @@ def main() -> None:
             # The warm cache, as the next job finds it: the same call, then the dataset opened.
             started = time.perf_counter()
             _, again = build(spec, tokenizer, model, root)
-            dataset, _ = load_entry(again)
+            with OwnedDir.open(again) as entry:  # read as every rank reads it: checked in full
+                dataset, _ = load_entry(entry, vocab_size=len(tokenizer))
             rows = len(dataset)
             results["cache_hit_seconds"] = round(time.perf_counter() - started, 2)
             results["kept_rows"] = rows

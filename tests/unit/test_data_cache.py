@@ -24,12 +24,12 @@ from jobgen.spec.tables.data import DataSpec  # noqa: E402
 from trainer.data import build as data_mod  # noqa: E402
 from trainer.data import cache as cache_mod  # noqa: E402
 from trainer.data.build import DataError  # noqa: E402
+from jobgen.base.owned_dir import OwnedDir  # noqa: E402
 from trainer.data.cache import (  # noqa: E402
     STAGING_PREFIX,
     DataCacheError,
     cache_key,
     hash_path,
-    is_complete,
     prepare_dataset,
     remove_stale_staging,
     tokenizer_fingerprint,
@@ -92,6 +92,10 @@ def entries(cache: Path) -> list[Path]:
     return sorted(p for p in cache.iterdir() if not p.name.startswith(STAGING_PREFIX) and p.name != "hub")
 
 
+def complete(entry: Path) -> bool:
+    return (entry / "stats.json").is_file() and (entry / "dataset" / "state.json").is_file()
+
+
 def staging_dirs(cache: Path) -> list[Path]:
     return sorted(cache.glob(STAGING_PREFIX + "*"))
 
@@ -123,7 +127,7 @@ def start_worker(tiny_model, spec, cache, marker, *, delay, batch_size=20, wait_
 def test_second_call_reuses_the_cache_without_tokenizing(tokenizer, tiny_model, spec, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     ds, stats, entry = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, share=alone)
-    assert entries(cache) == [entry] and is_complete(entry) and not staging_dirs(cache)
+    assert entries(cache) == [entry] and complete(entry) and not staging_dirs(cache)
     assert len(ds) == stats.kept == 400 and ds.column_names == ["input_ids", "labels", "length"]
     assert json.loads((entry / "stats.json").read_text())["inputs"]["format"] == "alpaca"
 
@@ -282,7 +286,7 @@ def test_two_concurrent_builders_end_with_one_valid_entry(tiny_model, spec, tmp_
     assert outputs[0] == outputs[1]
     assert outputs[0]["rows"] == 400
     entry = Path(outputs[0]["entry"])
-    assert entries(cache) == [entry] and is_complete(entry)
+    assert entries(cache) == [entry] and complete(entry)
     assert not staging_dirs(cache), "the loser must discard its copy"
     assert len(datasets.load_from_disk(str(entry / "dataset"))) == 400
 
@@ -303,7 +307,7 @@ def test_rank_0_killed_mid_preprocessing_leaves_no_broken_cache(tokenizer, tiny_
     assert len(leftovers) == 1 and any(leftovers[0].rglob("*.arrow"))
 
     ds, stats, entry = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, share=alone)
-    assert is_complete(entry) and len(ds) == stats.kept == 400
+    assert complete(entry) and len(ds) == stats.kept == 400
     assert len(datasets.load_from_disk(str(entry / "dataset"))) == 400
     assert staging_dirs(cache) == leftovers, "a young staging dir may be a live build: left alone"
 
@@ -312,7 +316,8 @@ def test_rank_0_killed_mid_preprocessing_leaves_no_broken_cache(tokenizer, tiny_
         os.utime(path, (old, old), follow_symlinks=False)
     prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, share=alone)  # rank 0 sweeps stale builds
     assert staging_dirs(cache) == [] and entries(cache) == [entry]
-    assert remove_stale_staging(cache) == []
+    with OwnedDir.open(cache) as root:
+        assert remove_stale_staging(root) == []
 
 
 # --------------------------------------------------------------------------- real ranks under torchrun

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from jobgen.spec.global_batch import grad_accum_for
 from jobgen.spec.resolved import ResolvedSpec
-from trainer.data.cache import cache_root, prepare_dataset
+from trainer.data.cache import cache_root, cache_sharing, prepare_dataset
 from trainer.data.eval_set import eval_set_for, load_eval_path, split_off_eval
 from trainer.data.packing import build_rows, collate, fetch_rows, fill_ratio, model_inputs
 from trainer.data.sampler import ResumableSampler, ResumeMismatch
@@ -82,7 +82,13 @@ def _tokenized(
 
     try:
         dataset, stats, entry = prepare_dataset(
-            data_spec, tokenizer, model_spec.path, cache_root(spec), rank=env.rank, share=share
+            data_spec,
+            tokenizer,
+            model_spec.path,
+            cache_root(spec),
+            rank=env.rank,
+            share=share,
+            sharing=cache_sharing(spec),
         )
         # [eval] path: read like the training data (format, template, masks, max_length), cached alike.
         eval_source = load_eval_path(spec, tokenizer, env.rank, share)

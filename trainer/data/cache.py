@@ -24,6 +24,16 @@ read-only (memory-mapped, :class:`trainer.data.examples.Examples`). Only a build
 ``datasets`` (and :mod:`trainer.data.build`, :mod:`trainer.data.source`): a start on a warm
 cache does without it, a CPU-second less on every rank.
 
+Whose cache it is: by default the user's own (``<runs_root>/.data-cache-<uid>``, mode 0700,
+owned by the user: a runs root shared with teammates does not share it), or a group's when the
+site names one (``paths.data_cache``, group-writable only with the setgid and sticky bits).
+Either way the root is opened once and checked (:mod:`jobgen.base.owned_dir`), and everything
+rank 0 makes, renames, chmods or removes in it goes through that descriptor and the staging
+directory's own, never a path looked up again: a teammate who moves a staging directory aside
+and puts a link in its place gets nothing written, removed or chmodded through the link. Every
+rank opens the entry the same way and validates it in full before use (Examples.open: schema,
+offsets, ids within the vocabulary), so an entry someone else published is only data.
+
 The tokenizing itself is :func:`trainer.data.build.build_dataset`, this module's one call
 into :mod:`trainer.data.build`; a hub dataset is loaded here (:mod:`trainer.data.source`)
 only because its fingerprint comes from ``datasets``, and the counts are read and
@@ -32,19 +42,22 @@ written with :mod:`trainer.data.stats`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
-import shutil
+import secrets
 import socket
-import tempfile
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jobgen.base.atomic import fsync_dir, fsync_tree
+from jobgen.base.atomic import fsync_tree
+from jobgen.base.owned_dir import OwnedDir, Sharing, UntrustedDirectory
+from jobgen.base.safe_read import DamagedFile
 from jobgen.spec.data_files import is_hub_id
 from jobgen.spec.resolved import ResolvedSpec
 from jobgen.spec.tables.data import DataSpec
@@ -60,6 +73,8 @@ CODE_VERSION = 1
 
 STAGING_PREFIX = ".tmp-"
 STALE_AFTER_S = 3600.0
+# The most files a staging directory's age is read from: a build writes a few dozen.
+_MOST_STAGING_FILES = 100_000
 _HASH_CHUNK = 1 << 20
 # Files in a tokenizer directory that never affect tokenization, skipped when hashing it.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
@@ -136,117 +151,208 @@ def cache_key(spec: DataSpec, data_hash: str, tokenizer_hash: str) -> tuple[str,
 
 
 def cache_root(spec: ResolvedSpec) -> Path:
-    """Where the run's tokenized data is cached: the site's paths.data_cache, else under the runs root."""
-    return Path(spec.site.paths.data_cache) if spec.site.paths.data_cache else spec.runs_root / ".cache" / "data"
+    """Where the run's tokenized data is cached: the site's paths.data_cache (shared with a group
+    when the site makes it so), else a directory of the user's own in the runs root. A shared runs
+    root must not make a shared cache by accident: the default is per user, ``.data-cache-<uid>``."""
+    if spec.site.paths.data_cache:
+        return Path(spec.site.paths.data_cache)
+    return spec.runs_root / f".data-cache-{os.geteuid()}"
 
 
-def is_complete(entry: Path) -> bool:
-    return (entry / "stats.json").is_file() and (entry / "dataset" / "state.json").is_file()
+def cache_sharing(spec: ResolvedSpec) -> Sharing:
+    """How the cache root is trusted (jobgen.base.owned_dir): the site's data_cache may be a
+    group's directory (setgid and sticky), the default one is the user's alone."""
+    return Sharing.GROUP if spec.site.paths.data_cache else Sharing.PRIVATE
 
 
-def _newest_mtime(path: Path) -> float:
-    newest = path.lstat().st_mtime
-    for root, dirs, files in os.walk(path):
-        for name in dirs + files:
-            try:
-                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
-            except FileNotFoundError:
-                pass
-    return newest
+def _regular(directory: OwnedDir, name: str) -> bool:
+    try:
+        return stat.S_ISREG(directory.lstat(name).st_mode)
+    except FileNotFoundError:
+        return False
 
 
-def remove_stale_staging(cache_root: Path, *, older_than_s: float = STALE_AFTER_S) -> list[Path]:
-    """Delete staging directories nothing has written to for ``older_than_s`` (killed builds)."""
+def _open_entry(root: OwnedDir, name: str) -> OwnedDir | None:
+    """The complete entry ``name`` (opened, checked: never through a link), or None when there
+    is none or it is incomplete."""
+    try:
+        entry = root.subdir(name)
+    except FileNotFoundError:
+        return None
+    try:
+        with entry.subdir("dataset") as dataset:
+            complete = _regular(entry, "stats.json") and _regular(dataset, "state.json")
+    except FileNotFoundError:
+        complete = False
+    except BaseException:
+        entry.close()
+        raise
+    if not complete:
+        entry.close()
+        return None
+    return entry
+
+
+def _stale(root: OwnedDir, name: str, now: float, older_than_s: float) -> bool:
+    newest = max(st.st_mtime for st in root.walk_stats(name, limit=_MOST_STAGING_FILES))
+    return now - newest > older_than_s
+
+
+def remove_stale_staging(root: OwnedDir, *, older_than_s: float = STALE_AFTER_S) -> list[str]:
+    """Delete the user's staging directories nothing has written to for ``older_than_s``
+    (killed builds), and anything else at a staging name that is no directory (a link: removed
+    as itself, never walked). A teammate's staging in a group's cache is theirs to remove."""
     removed = []
     now = time.time()
-    for entry in cache_root.glob(STAGING_PREFIX + "*"):
+    me = os.geteuid()
+    for name in root.names():
+        if not name.startswith(STAGING_PREFIX):
+            continue
         try:
-            if entry.is_dir() and now - _newest_mtime(entry) > older_than_s:
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry)
+            st = root.lstat(name)
+            if st.st_uid != me:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                root.unlink(name)
+            elif _stale(root, name, now, older_than_s):
+                root.remove_tree(name)
+            else:
+                continue
+            removed.append(name)
         except FileNotFoundError:
             pass  # another job removed it first
     return removed
 
 
+def _set_aside(root: OwnedDir, name: str) -> None:
+    """An incomplete directory (or a link, or a file) at an entry's name: not something this
+    module leaves behind; moved to a staging name of its own and removed, never followed."""
+    aside = f"{STAGING_PREFIX}broken-{name[:16]}-{secrets.token_hex(4)}"
+    try:
+        root.rename(name, aside)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise DataCacheError(
+            f"{root.path / name}: an incomplete cache entry that cannot be moved aside ({exc.strerror}); "
+            "whoever owns it must remove it"
+        ) from None
+    root.remove_tree(aside)
+
+
 def build_entry(
     spec: DataSpec,
     tokenizer,
-    cache_root: Path,
+    root: OwnedDir,
     fingerprint: str,
     inputs: dict,
     raw: datasets.Dataset | None = None,
-) -> Path:
-    """Tokenize into a staging directory and rename it to ``<fingerprint>``; return the entry.
+) -> None:
+    """Tokenize into a staging directory of the user's own and rename it to ``<fingerprint>``.
 
-    If another builder's rename got there first, ours is discarded and theirs returned.
+    If another builder's rename got there first, ours is discarded and theirs used. Everything is
+    written inside the staging directory through its descriptor (``OwnedDir.pinned``): a rename
+    or a link put at its name meanwhile cannot send a write, a delete or a chmod elsewhere.
     """
-    final = cache_root / fingerprint
-    if final.exists() and not is_complete(final):
-        # Not something this module leaves behind; set it aside rather than trust it.
-        aside = cache_root / f"{STAGING_PREFIX}broken-{fingerprint}-{os.getpid()}"
-        os.rename(final, aside)
-        shutil.rmtree(aside, ignore_errors=True)
-    staging = Path(
-        tempfile.mkdtemp(
-            prefix=f"{STAGING_PREFIX}{fingerprint[:16]}-{socket.gethostname()}-{os.getpid()}-", dir=cache_root
-        )
-    )
+    try:
+        root.lstat(fingerprint)
+        _set_aside(root, fingerprint)  # there but not complete: the caller looked
+    except FileNotFoundError:
+        pass
+    name = f"{STAGING_PREFIX}{fingerprint[:16]}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    staging = root.make_subdir(name, 0o700)
     from trainer.data.build import build_dataset  # imports datasets: only a build needs it
 
     try:
+        here = staging.pinned()
         # The one call into trainer.data.build: everything it writes stays in the staging directory.
-        tokenized, stats = build_dataset(spec, tokenizer, raw=raw, raw_dir=staging / "raw", work_dir=staging / "work")
-        tokenized.save_to_disk(str(staging / "dataset"))
+        tokenized, stats = build_dataset(spec, tokenizer, raw=raw, raw_dir=here / "raw", work_dir=here / "work")
+        tokenized.save_to_disk(str(here / "dataset"))
         del tokenized, raw  # drop the memory maps before deleting what they map
         for scratch in ("work", "raw"):
-            shutil.rmtree(staging / scratch, ignore_errors=True)
-        write_stats(staging / "stats.json", stats, {"fingerprint": fingerprint, "source": spec.path, "inputs": inputs})
-        fsync_tree(staging)  # the rename must not publish files a node crash could still lose
-        staging.chmod(0o755)  # mkdtemp's 0700 would hide the cache from the rest of the team
+            staging.remove_tree(scratch)
+        write_stats(here / "stats.json", stats, {"fingerprint": fingerprint, "source": spec.path, "inputs": inputs})
+        fsync_tree(here)  # the rename must not publish files a node crash could still lose
+        # A group's cache: its members read the entry; the user's own: the root already hides it.
+        os.fchmod(staging.fd, 0o755 if root.sharing is Sharing.GROUP else 0o700)
+        if not os.path.samestat(root.lstat(name), os.fstat(staging.fd)):
+            raise DataCacheError(f"{root.path / name}: the staging directory was moved while tokenizing")
         try:
-            os.rename(staging, final)
+            root.rename(name, fingerprint)
         except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not is_complete(final):
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
+            complete = _open_entry(root, fingerprint)
+            if complete is None:
+                raise
+            complete.close()
             # Another job's rank 0 finished the same entry first: identical content, use theirs.
         else:
-            fsync_dir(cache_root)
-        return final
+            root.fsync()
     finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(root.lstat(name), os.fstat(staging.fd)):
+                root.remove_tree(name)
+        staging.close()
 
 
-def load_entry(entry: Path) -> tuple[Examples, DataStats]:
-    # A shared cache a teammate can write is data, never code: Examples.open reads JSON and
-    # Arrow streams, and stats.json is JSON. Nothing here unpickles.
+def load_entry(entry: OwnedDir, vocab_size: int | None = None) -> tuple[Examples, DataStats]:
+    # A cache others may write is data, never code: Examples.open reads JSON and Arrow streams
+    # and checks them in full, and stats.json is JSON. Nothing here unpickles. Both are read
+    # through the entry's descriptor (a link or a rename at its names meanwhile changes nothing);
+    # errors name the entry's path, not /proc's.
+    names = {str(entry.pinned()): str(entry.path)}
     try:
-        examples = Examples.open(entry / "dataset")
-    except DataCacheError as exc:
-        raise DataCacheError(f"{exc}; remove the cache entry {entry} and the next start rebuilds it") from None
-    return examples, read_stats(entry / "stats.json")
+        with entry.subdir("dataset") as dataset:
+            names[str(dataset.pinned())] = str(dataset.path)
+            examples = Examples.open(dataset.pinned(), vocab_size=vocab_size)
+        stats = read_stats(entry.pinned() / "stats.json")
+    except (DataCacheError, UntrustedDirectory, DamagedFile, FileNotFoundError, ValueError) as exc:
+        text = str(exc)
+        for pinned, path in sorted(names.items(), key=lambda item: -len(item[0])):
+            text = text.replace(pinned, path)
+        raise DataCacheError(f"{text}; remove the cache entry {entry.path} and the next start rebuilds it") from None
+    return examples, stats
+
+
+def _open_root(cache_root: Path, sharing: Sharing, *, create: bool) -> OwnedDir:
+    """The cache root, checked as ``sharing`` says; a refusal is one DataCacheError line."""
+    try:
+        if create:
+            return OwnedDir.ensure(cache_root, 0o700, sharing)
+        return OwnedDir.open(cache_root, sharing)
+    except UntrustedDirectory as exc:
+        where = "the site's paths.data_cache" if sharing is Sharing.GROUP else "the data cache"
+        raise DataCacheError(f"{exc} ({where}; jobgen refuses to tokenize into it or read from it)") from None
 
 
 # --------------------------------------------------------------------------- the collective entry point
 
 
-def _rank0_prepare(spec: DataSpec, tokenizer, tokenizer_dir: str | Path | None, cache_root: Path) -> str:
+def _rank0_prepare(
+    spec: DataSpec, tokenizer, tokenizer_dir: str | Path | None, cache_root: Path, sharing: Sharing = Sharing.PRIVATE
+) -> str:
     """Find or build the entry; return its fingerprint (the entry's name under ``cache_root``)."""
-    cache_root.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(cache_root)
-    raw = None
-    if is_hub_id(spec.path):
-        from trainer.data.source import load_raw  # imports datasets: only a hub dataset needs it here
+    with _open_root(cache_root, sharing, create=True) as root:
+        remove_stale_staging(root)
+        raw = None
+        if is_hub_id(spec.path):
+            from trainer.data.source import load_raw  # imports datasets: only a hub dataset needs it here
 
-        # No bytes to hash before loading; datasets' own fingerprint pins the revision and files.
-        raw = load_raw(spec.path)
-        data_hash = f"hub:{spec.path}:{raw._fingerprint}"
-    else:
-        data_hash = hash_path(spec.path)
-    fingerprint, inputs = cache_key(spec, data_hash, tokenizer_fingerprint(tokenizer, tokenizer_dir))
-    if not is_complete(cache_root / fingerprint):
-        build_entry(spec, tokenizer, cache_root, fingerprint, inputs, raw)
+            # No bytes to hash before loading; datasets' own fingerprint pins the revision and files.
+            raw = load_raw(spec.path)
+            data_hash = f"hub:{spec.path}:{raw._fingerprint}"
+        else:
+            data_hash = hash_path(spec.path)
+        fingerprint, inputs = cache_key(spec, data_hash, tokenizer_fingerprint(tokenizer, tokenizer_dir))
+        try:
+            entry = _open_entry(root, fingerprint)
+        except UntrustedDirectory:
+            entry = None  # a link, a file or another's directory at the name: build_entry sets it aside
+        if entry is None:
+            build_entry(spec, tokenizer, root, fingerprint, inputs, raw)
+        else:
+            entry.close()
     return fingerprint
 
 
@@ -258,6 +364,7 @@ def prepare_dataset(
     *,
     rank: int,
     share: Callable[[object], object],
+    sharing: Sharing = Sharing.PRIVATE,
 ) -> tuple[Examples, DataStats, Path]:
     """The tokenized examples, their stats and their cache entry; collective: every rank calls it once.
 
@@ -270,6 +377,9 @@ def prepare_dataset(
     instead of waiting. The other ranks never read the data themselves: with a
     warm cache a start costs one read of the dataset, not one per rank.
 
+    ``sharing`` says how the cache root is trusted (:func:`cache_sharing`); every rank opens it
+    and the entry checked, never through a link, and reads the entry in full before using it.
+
     ``share`` must tolerate the whole preprocessing time (e.g. a broadcast on a
     gloo group created with a long timeout): a default 10-minute collective
     timeout is shorter than tokenizing a large dataset.
@@ -278,7 +388,8 @@ def prepare_dataset(
     if rank == 0:
         error: BaseException | None = None
         try:
-            outcome: tuple[str, str] = ("entry", _rank0_prepare(data_spec, tokenizer, tokenizer_dir, cache_root))
+            fingerprint = _rank0_prepare(data_spec, tokenizer, tokenizer_dir, cache_root, sharing)
+            outcome: tuple[str, str] = ("entry", fingerprint)
         except BaseException as exc:  # noqa: BLE001 - even an interrupt: the others must not wait hours in share()
             error = exc
             # The class travels as a name and the message as text: any exception pickles that way.
@@ -294,11 +405,30 @@ def prepare_dataset(
             # The same class as rank 0's for bad data, so every rank ends with the same exit code.
             cls = DataError if kind == "data" else DataCacheError
             raise cls(f"rank {rank}: rank 0 could not prepare the data (see its log): {value}")
-    entry = cache_root / outcome[1]
-    if not is_complete(entry):
-        raise DataCacheError(
-            f"rank {rank}: no complete preprocessed data at {entry} after rank 0 prepared it there; "
-            "cache_root is not on a filesystem that every node shares (site paths.data_cache)"
-        )
-    dataset, stats = load_entry(entry)
-    return dataset, stats, entry
+    dataset, stats = _load_published(cache_root, sharing, outcome[1], rank, vocab_size=len(tokenizer))
+    return dataset, stats, cache_root / outcome[1]
+
+
+def _load_published(
+    cache_root: Path, sharing: Sharing, name: str, rank: int, *, vocab_size: int
+) -> tuple[Examples, DataStats]:
+    """The entry rank 0 named, opened as every rank opens it (the root and the entry checked,
+    no link followed) and read in full; each refusal one DataCacheError line."""
+    try:
+        root = _open_root(cache_root, sharing, create=False)
+    except FileNotFoundError:
+        root = None
+    try:
+        entry = None if root is None else _open_entry(root, name)
+        if entry is None:
+            raise DataCacheError(
+                f"rank {rank}: no complete preprocessed data at {cache_root / name} after rank 0 prepared it "
+                "there; cache_root is not on a filesystem that every node shares (site paths.data_cache)"
+            )
+        with entry:
+            return load_entry(entry, vocab_size=vocab_size)
+    except UntrustedDirectory as exc:
+        raise DataCacheError(f"rank {rank}: {exc} (the data cache's entry; jobgen reads no entry through it)") from None
+    finally:
+        if root is not None:
+            root.close()

@@ -59,7 +59,7 @@ def load_eval_path(
 ) -> Examples | None:
     """The tokenized ``[eval] path`` (collective, like the training data: rank 0 prepares it in
     the data cache, every rank loads it), or None without one. Its errors name ``eval.path``."""
-    from trainer.data.cache import cache_root, prepare_dataset
+    from trainer.data.cache import cache_root, cache_sharing, prepare_dataset
 
     eval_spec, data_spec = spec.run.eval, spec.run.data
     if eval_spec is None or eval_spec.path is None or data_spec is None or spec.run.model is None:
@@ -72,6 +72,7 @@ def load_eval_path(
             cache_root(spec),
             rank=rank,
             share=share,
+            sharing=cache_sharing(spec),
         )
     except DataError as exc:
         # The data module words its errors for data.path; here the file is the validation set.

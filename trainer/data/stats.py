@@ -1,15 +1,24 @@
 """What preprocessing did to the data: :class:`DataStats` and its ``stats.json`` file.
 
 Below both :mod:`trainer.data.build`, which counts, and :mod:`trainer.data.cache`, which
-keeps the counts next to each cached entry and reads them back on reuse.
+keeps the counts next to each cached entry and reads them back on reuse. A cache entry may
+have been planted or damaged by someone else, so ``stats.json`` is read as a run's files are
+(:mod:`jobgen.base.safe_read`: a small regular file, no link followed, never waiting on a FIFO)
+and each count must be one: anything else is a :class:`DataCacheError` of one line naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
+
+from jobgen.base.safe_read import DamagedFile, is_int, read_json
+from jobgen.base.visible import visible
+from trainer.data.examples import DataCacheError
+
+# The most bytes of stats.json: the counts and the fingerprint's inputs, well under a KiB.
+STATS_LIMIT = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +38,17 @@ class DataStats:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DataStats:
-        return cls(**{f.name: int(data[f.name]) for f in dataclasses.fields(cls)})
+        """The counts in ``data`` (other keys ignored); ValueError naming the first that is
+        missing or no count (a non-negative integer: not a bool, a float or a string)."""
+        if not isinstance(data, dict):
+            raise ValueError("not an object of counts")
+        for field in dataclasses.fields(cls):
+            if field.name not in data:
+                raise ValueError(f"{field.name}: missing")
+            value = data[field.name]
+            if not (is_int(value) and value >= 0):
+                raise ValueError(f"{field.name}: {visible(repr(value))[:80]} is not a count (an integer of at least 0)")
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
 
     def summary(self) -> str:
         return (
@@ -46,4 +65,13 @@ def write_stats(path: Path, stats: DataStats, extra: dict[str, Any] | None = Non
 
 
 def read_stats(path: Path) -> DataStats:
-    return DataStats.from_dict(json.loads(Path(path).read_text()))
+    """The counts in ``stats.json`` at ``path``; DataCacheError naming it when it is missing, no
+    small regular file, no JSON or not the counts."""
+    try:
+        return DataStats.from_dict(read_json(Path(path), STATS_LIMIT))
+    except FileNotFoundError:
+        raise DataCacheError(f"{visible(path)}: missing") from None
+    except DamagedFile as exc:
+        raise DataCacheError(str(exc)) from None
+    except ValueError as exc:
+        raise DataCacheError(f"{visible(path)}: {exc}") from None

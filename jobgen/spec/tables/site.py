@@ -233,7 +233,13 @@ class PathSettings(SpecModel):
     )
     hf_home: SafePath | None = Field(None, description="HF_HOME for the job (models, tokenizers, datasets cache).")
     data_cache: SafePath | None = Field(
-        None, description="Where tokenized datasets are cached; default <runs_root>/.cache/data."
+        None,
+        description=(
+            "Where tokenized datasets are cached, shared by whoever may write it: your own directory, or a "
+            "group's with the setgid and sticky bits (chmod 3775; group-writable without them, or writable by "
+            "everyone, is refused). Default <runs_root>/.data-cache-<uid>, yours alone (0700) even in a "
+            "shared runs root."
+        ),
     )
     snapshot_dir: SafePath = Field(
         "/dev/shm",
