@@ -52,9 +52,9 @@ def main() -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     from transformers import AutoTokenizer
 
+    from jobgen.base.owned_dir import OwnedDir
     from jobgen.cli.tinymodel import make_tiny_model
     from jobgen.spec.tables.data import DataSpec
-    from jobgen.base.owned_dir import OwnedDir
     from trainer.data.cache import load_entry
 
     args.work.mkdir(parents=True, exist_ok=True)

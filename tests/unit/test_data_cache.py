@@ -20,11 +20,11 @@ pytestmark = pytest.mark.torch
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
+from jobgen.base.owned_dir import OwnedDir  # noqa: E402
 from jobgen.spec.tables.data import DataSpec  # noqa: E402
 from trainer.data import build as data_mod  # noqa: E402
 from trainer.data import cache as cache_mod  # noqa: E402
 from trainer.data.build import DataError  # noqa: E402
-from jobgen.base.owned_dir import OwnedDir  # noqa: E402
 from trainer.data.cache import (  # noqa: E402
     STAGING_PREFIX,
     DataCacheError,

@@ -10,8 +10,9 @@ import torch
 from helpers import DATA, check_shell, run_spec
 from jobgen.launch.render import render
 from jobgen.spec.loader import SpecError, load_run
+from trainer.checkpoints.snapshot_checks import SnapshotMismatch
 from trainer.checkpoints.snapshot_peers import mirror_targets
-from trainer.checkpoints.snapshots import SnapshotMismatch, restored, staged
+from trainer.checkpoints.snapshots import restored, staged
 
 GPU_SITE = {"profile": "local", "slurm": {"gpus_per_node": 4}}  # relaunches twice by default
 

@@ -23,6 +23,14 @@ tried. When an older one loads, the newer ones that failed are renamed
 nothing is renamed: the cause is then more likely the spec or the filesystem than
 every checkpoint at once, and the run stops (exit 16) rather than start over.
 
+Everything a checkpoint holds is read as untrusted input (a teammate may write the runs
+root): the shards through trainer.checkpoints.reader; ``trainer_state.json`` and each RNG file
+through trainer.checkpoints.state_files (regular files of bounded size, every value of the type
+the trainer writes, each RNG stream tried on a generator of its own). All of it
+is read and checked on every rank before anything is restored: a damaged file makes its
+checkpoint one that does not load (set aside as above), never a crash in the middle of a
+restore.
+
 Every decision here that depends on a clock or on what a directory holds (a save
 being due, a step being saved already, the list of checkpoints) is taken once and
 agreed by all ranks, or ranks would enter different collectives and hang.
@@ -34,10 +42,8 @@ directory names above are the run directory's layout, spelled in jobgen.runs.run
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import random
 import shutil
 import threading
 import time
@@ -46,7 +52,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -61,7 +66,11 @@ from jobgen.runs.rundir import (
     checkpoint_name,
     complete_checkpoints_in,
 )
-from trainer.checkpoints.reader import load, unreadable_cause
+from trainer.checkpoints.reader import (
+    load,
+    unreadable_cause,
+)
+from trainer.checkpoints.state_files import load_rng, load_trainer_state, save_rng, set_rng_state
 from trainer.distributed import DistEnv, all_gather_object, barrier, broadcast_object, reduce_max
 
 log = logging.getLogger("trainer.checkpoints.checkpointer")
@@ -115,51 +124,6 @@ def state_dict_options(model: torch.nn.Module) -> StateDictOptions:
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints, newest first. A directory is complete iff it has its final name."""
     return [p for _, p in reversed(complete_checkpoints_in(root))]
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG stream of this rank, as tensors and plain numbers only, so that loading it
-    needs no unpickling of arbitrary objects (``torch.load(weights_only=True)``)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    version, mt, gauss = random.getstate()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
-        "numpy": {
-            "name": name,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-    npy = state["numpy"]
-    np.random.set_state(
-        (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
-    )
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_rng(path: Path) -> None:
-    with open(path, "wb") as fh:
-        torch.save(rng_state(), fh)
-        fh.flush()
-        os.fsync(fh.fileno())  # like DCP's shards: a checkpoint is durable before its rename
-
-
-def load_rng(path: Path) -> dict[str, Any]:
-    # weights_only: a checkpoint directory is data, and a planted pickle must not run code.
-    return torch.load(path, weights_only=True)
 
 
 @dataclass
@@ -371,14 +335,16 @@ class Checkpointer:
         self, path: Path, model: torch.nn.Module, optimizer, options
     ) -> tuple[tuple[dict[str, Any], dict[str, Any], Any] | None, str | None]:
         """This rank's (state dicts, trainer state, RNG state or None) read from ``path``, and None;
-        or None and why it could not be read."""
+        or None and why it could not be read. Everything is read and checked here: :meth:`_restore`
+        only puts what passed on every rank into place, and cannot fail on what a file holds.
+        The shards first: ``load`` is collective, so every rank enters it whatever its own
+        small files hold (a rank that skipped it would leave the others waiting in it)."""
         try:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
             state = {"model": model_sd, "optim": optim_sd}
             load(state, path)  # never dcp.load: a planted pickle in the checkpoint would run
-            trainer_state = json.loads((path / "trainer_state.json").read_text())
-            rng_file = path / f"rng-rank{self.env.rank:05d}.pt"
-            rng = load_rng(rng_file) if rng_file.exists() else None
+            trainer_state = load_trainer_state(path / "trainer_state.json")
+            rng = load_rng(path / f"rng-rank{self.env.rank:05d}.pt")
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure: try the previous one
             return None, f"rank {self.env.rank}: {describe_load_error(exc)}"
         return (state, trainer_state, rng), None

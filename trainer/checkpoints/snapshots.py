@@ -30,14 +30,11 @@ disk checkpoint, moves the files a rank's node lacks (a rank now on a spare node
 that holds them, and each rank loads its own into the model and optimizer the relaunch built
 (same world, same shards).
 
-A snapshot is input like any other file: a rank reads its file as a regular file of its own
-user's (no link followed, at most :func:`size_limit` of what its own state takes), with
-``torch.load(weights_only=True)`` (tensors and plain values only), and checks all of it before
-anything is restored: the model's and the optimizer's tensors against this launch's (every
-key, shape and dtype, every plain value's type), the RNG streams (each set on a generator of
-its own first), the trainer's state (a JSON object of the step, with the types the trainer
-reads). Any failure on any rank, whatever it is, sends every rank to the disk checkpoint,
-agreed by one all-reduce before a single tensor, RNG stream or counter is changed.
+A snapshot is input like any other file: whether one may be restored (its file read as a regular
+file of this user's, of bounded size, with ``weights_only``; every tensor, RNG stream and
+trainer's counter checked against this launch) is decided in trainer.checkpoints.snapshot_checks.
+Any failure on any rank, whatever it is, sends every rank to the disk checkpoint, agreed by one
+all-reduce before a single tensor, RNG stream or counter is changed.
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ import json
 import logging
 import os
 import pwd
-import random
 import re
 import shutil
 import stat
@@ -56,17 +52,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from jobgen.base.atomic import write_json_atomic
-from jobgen.base.safe_read import LARGEST_ID, open_regular
 from jobgen.runs.rundir import RunDir
-from trainer.checkpoints.checkpointer import rng_state, set_rng_state, state_dict_options
-from trainer.checkpoints.reader import read_value
-from trainer.checkpoints.snapshot_peers import SnapshotPeers, node_name, size_limit
+from trainer.checkpoints.checkpointer import state_dict_options
+from trainer.checkpoints.snapshot_checks import check_matches, checked_snapshot, file_limit, read_snapshot
+from trainer.checkpoints.snapshot_peers import SnapshotPeers, node_name
+from trainer.checkpoints.state_files import rng_state, set_rng_state
 from trainer.distributed import DistEnv, all_gather_object, reduce_sum
 
 log = logging.getLogger("trainer.checkpoints.snapshots")
@@ -77,14 +72,6 @@ RUN_DIR_ENV = "JOBGEN_RUN_DIR"  # where the refusal of a snapshot directory is r
 # died holds it until the group's timeout): past it, this snapshot is skipped, training goes on.
 WAIT_SECONDS = 60.0
 _NAME = re.compile(r"^step-(\d{8})\.rank(\d{5})\.pt$")
-_PAYLOAD_KEYS = {"step", "rank", "world_size", "model", "optim", "rng", "trainer_state"}
-# What torch.save adds to the tensors' bytes (the pickle, the archive's records): the RNG
-# streams and the trainer's state are counted in it.
-_SERIALISED_OVERHEAD = 1 << 20
-
-
-class SnapshotMismatch(ValueError):
-    """A snapshot whose structure or shapes are not the model's and optimizer's of this launch."""
 
 
 def staged(value: Any) -> Any:
@@ -101,57 +88,6 @@ def staged(value: Any) -> Any:
     return value
 
 
-def _plain(value: Any) -> bool:
-    return value is None or isinstance(value, bool | int | float | str)
-
-
-def _same_kind(current: Any, saved: Any) -> bool:
-    """Whether ``saved`` may stand for the plain value ``current``: a bool for a bool, a number
-    for a number, a string for a string; for None, any plain value."""
-    if current is None:
-        return _plain(saved)
-    if isinstance(current, bool):
-        return isinstance(saved, bool)
-    if isinstance(current, int | float):
-        return isinstance(saved, int | float) and not isinstance(saved, bool)
-    if isinstance(current, str):
-        return isinstance(saved, str)
-    return type(saved) is type(current) and saved == current
-
-
-def check_matches(current: Any, saved: Any, where: str = "state") -> None:
-    """Raise :class:`SnapshotMismatch`, naming the first place they differ, unless ``saved``
-    can be copied into ``current`` (this launch's state, as get_state_dict gives it): the same
-    keys and lengths, a CPU tensor of the same shape and dtype for each tensor, a plain value
-    of the same kind for each plain value. Changes nothing."""
-    if isinstance(current, torch.Tensor):
-        target = current.to_local() if isinstance(current, DTensor) else current
-        if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(target.shape):
-            shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
-            raise SnapshotMismatch(f"{where}: the snapshot holds {shape}, this launch {tuple(target.shape)}")
-        if saved.dtype != target.dtype:
-            raise SnapshotMismatch(f"{where}: the snapshot holds {saved.dtype}, this launch {target.dtype}")
-        if isinstance(saved, DTensor) or saved.layout != torch.strided or saved.device.type != "cpu":
-            raise SnapshotMismatch(f"{where}: the snapshot holds no plain CPU tensor ({saved.layout}, {saved.device})")
-        return
-    if isinstance(current, dict):
-        if not isinstance(saved, dict) or set(saved) != set(current):
-            raise SnapshotMismatch(f"{where}: the snapshot's keys are not this launch's")
-        for key, item in current.items():
-            check_matches(item, saved[key], f"{where}.{key}")
-        return
-    if isinstance(current, list | tuple):
-        if not isinstance(saved, list | tuple) or len(saved) != len(current):
-            raise SnapshotMismatch(f"{where}: the snapshot's list is not this launch's")
-        for i, (c, s) in enumerate(zip(current, saved)):
-            check_matches(c, s, f"{where}[{i}]")
-        return
-    if not _same_kind(current, saved):
-        raise SnapshotMismatch(
-            f"{where}: the snapshot holds {type(saved).__name__}, this launch {type(current).__name__}"
-        )
-
-
 def _copied(current: Any, saved: Any) -> Any:
     """``current`` with ``saved`` copied into its tensors in place (checked by check_matches)."""
     if isinstance(current, torch.Tensor):
@@ -166,143 +102,10 @@ def _copied(current: Any, saved: Any) -> Any:
 
 def restored(current: Any, saved: Any, where: str = "state") -> Any:
     """``current`` (this launch's state, as get_state_dict gives it) with ``saved`` copied into
-    its tensors in place; :class:`SnapshotMismatch` naming the first place they differ, before
-    anything is copied."""
+    its tensors in place; snapshot_checks.SnapshotMismatch naming the first place they differ,
+    before anything is copied."""
     check_matches(current, saved, where)
     return _copied(current, saved)
-
-
-def check_rng(saved: Any) -> None:
-    """Raise :class:`SnapshotMismatch` unless ``saved`` is RNG state as
-    :func:`trainer.checkpoints.checkpointer.rng_state` makes it, which set_rng_state takes:
-    each stream is set on a generator of its own first, the process's are left as they are."""
-    current = rng_state()
-    if not isinstance(saved, dict) or set(saved) != set(current):
-        raise SnapshotMismatch("rng: the snapshot's RNG streams are not this launch's")
-    try:
-        check_matches(current["torch"], saved["torch"], "rng.torch")
-        torch.Generator().set_state(saved["torch"])
-        py, npy = saved["python"], saved["numpy"]
-        if not isinstance(py, dict) or set(py) != {"version", "state", "gauss"}:
-            raise SnapshotMismatch("rng.python: not the state of Python's random")
-        check_matches(current["python"]["state"], py["state"], "rng.python.state")
-        if py["version"] != current["python"]["version"] or not (py["gauss"] is None or _same_kind(0.0, py["gauss"])):
-            raise SnapshotMismatch("rng.python: not the state of this Python's random")
-        random.Random().setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-        if not isinstance(npy, dict) or set(npy) != set(current["numpy"]):
-            raise SnapshotMismatch("rng.numpy: not the state of numpy's random")
-        check_matches(current["numpy"], npy, "rng.numpy")
-        keys = npy["keys"].numpy()
-        if keys.min(initial=0) < 0 or keys.max(initial=0) >= 2**32:
-            raise SnapshotMismatch("rng.numpy.keys: not 32-bit words")
-        np.random.RandomState().set_state(
-            (npy["name"], keys.astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
-        )
-        if "cuda" in current:
-            check_matches(current["cuda"], saved["cuda"], "rng.cuda")
-    except SnapshotMismatch:
-        raise
-    except Exception as exc:  # noqa: BLE001 - whatever a generator refuses
-        raise SnapshotMismatch(
-            f"rng: a stream does not take the snapshot's state ({type(exc).__name__}: {exc})"
-        ) from None
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= LARGEST_ID
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _numbers(value: Any) -> bool:
-    return isinstance(value, list) and all(_number(v) for v in value)
-
-
-def _flat(value: Any) -> bool:
-    """A JSON object of plain values only (the sampler's position, the batch's shape)."""
-    return isinstance(value, dict) and all(_plain(v) for v in value.values())
-
-
-def _lambdas(value: Any) -> bool:
-    """LambdaLR's lr_lambdas as trainer.optim.WarmupCosine's state: None or its two counts."""
-    return isinstance(value, list) and all(
-        v is None or (isinstance(v, dict) and set(v) <= {"warmup_steps", "max_steps"} and all(map(_count, v.values())))
-        for v in value
-    )
-
-
-# What LambdaLR's load_state_dict takes (it sets each key as an attribute: "optimizer" or
-# "step" would replace the scheduler's own), and the type of each.
-_SCHEDULER_KEYS = {
-    "base_lrs": _numbers,
-    "_last_lr": _numbers,
-    "last_epoch": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "_step_count": _count,
-    "_is_initial": lambda v: isinstance(v, bool),
-    "_get_lr_called_within_step": lambda v: isinstance(v, bool),
-    "verbose": lambda v: isinstance(v, bool | str),
-    "lr_lambdas": _lambdas,
-}
-
-
-def _scheduler(value: Any) -> bool:
-    return isinstance(value, dict) and all(k in _SCHEDULER_KEYS and _SCHEDULER_KEYS[k](v) for k, v in value.items())
-
-
-def _evals(value: Any) -> bool:
-    """The evaluation history's state: None, or {"evals": [[step, loss], ...]}."""
-    if value is None:
-        return True
-    if not isinstance(value, dict) or set(value) - {"evals"} or not isinstance(value.get("evals", []), list):
-        return False
-    return all(isinstance(e, list) and len(e) == 2 and _count(e[0]) and _number(e[1]) for e in value.get("evals", []))
-
-
-def checked_trainer_state(text: Any, step: int, world_size: int) -> dict[str, Any]:
-    """The trainer's state of a snapshot of ``step`` (JSON text): an object whose step is
-    ``step`` and whose other keys, where present, have the types trainer.loop reads (the
-    scheduler's, those LambdaLR sets); :class:`SnapshotMismatch` naming the first that is not."""
-    if not isinstance(text, str):
-        raise SnapshotMismatch(f"trainer_state: the snapshot holds {type(text).__name__}, not JSON text")
-    try:
-        state = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise SnapshotMismatch(f"trainer_state: not JSON ({exc})") from None
-    if not isinstance(state, dict):
-        raise SnapshotMismatch("trainer_state: not a JSON object")
-    if state.get("step") != step or not _count(state.get("step")):
-        raise SnapshotMismatch(f"trainer_state.step: {state.get('step')!r}, the snapshot is of step {step}")
-    expected = {
-        "tokens_seen": _count,
-        "target_tokens_seen": _count,
-        "seed": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "world_size": lambda v: v == world_size and not isinstance(v, bool),
-        "sampler": _flat,
-        "scheduler": _scheduler,
-        "batch": lambda v: v is None or _flat(v),
-        "evals": _evals,
-        "saved_at": _number,
-    }
-    for key, right in expected.items():
-        if key in state and not right(state[key]):
-            raise SnapshotMismatch(f"trainer_state.{key}: not what the trainer keeps there ({str(state[key])[:80]!r})")
-    return state
-
-
-def state_bytes(value: Any) -> int:
-    """The bytes of every tensor in ``value`` (a DTensor's local shard): what a snapshot of it
-    holds, less torch.save's own records."""
-    if isinstance(value, DTensor):
-        value = value.to_local()
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(state_bytes(item) for item in value.values())
-    if isinstance(value, list | tuple):
-        return sum(state_bytes(item) for item in value)
-    return 0
 
 
 class Snapshots:
@@ -461,13 +264,20 @@ class Snapshots:
         error, checked, limit = None, None, 0
         try:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-            limit = size_limit(state_bytes((model_sd, optim_sd)) + _SERIALISED_OVERHEAD)
+            limit = file_limit(model_sd, optim_sd)
         except Exception as exc:  # noqa: BLE001 - this rank cannot restore; it still takes part in the moves
             error = exc
         try:
             data = self._fetch(step, limit)  # collective where files move between nodes
             if error is None:
-                checked = self._checked(step, data, model_sd, optim_sd)
+                checked = checked_snapshot(
+                    data,
+                    step=step,
+                    rank=self.env.rank,
+                    world_size=self.env.world_size,
+                    model_sd=model_sd,
+                    optim_sd=optim_sd,
+                )
         except Exception as exc:  # noqa: BLE001 - any failure on any rank: every rank resumes from disk
             error = error or exc
         if error is not None:
@@ -488,22 +298,6 @@ class Snapshots:
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
         set_rng_state(rng)
         return trainer_state
-
-    def _checked(self, step: int, data: bytes, model_sd: Any, optim_sd: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
-        """The snapshot in ``data`` as (model, optimizer, RNG state, trainer state), every part
-        checked against this launch; :class:`SnapshotMismatch` (or what torch.load raised)."""
-        # torch.load(weights_only=True); a global it will not load is named (reader.read_value)
-        payload = read_value(data, f"the snapshot of step {step} of rank {self.env.rank}")
-        if not isinstance(payload, dict) or set(payload) != _PAYLOAD_KEYS:
-            raise SnapshotMismatch("the file is not a snapshot (its keys are not a snapshot's)")
-        for key, expected in (("step", step), ("rank", self.env.rank), ("world_size", self.env.world_size)):
-            if payload[key] != expected or not isinstance(payload[key], int) or isinstance(payload[key], bool):
-                raise SnapshotMismatch(f"{key}: the snapshot's is {payload[key]!r}, this one's {expected}")
-        check_matches(model_sd, payload["model"], "model")
-        check_matches(optim_sd, payload["optim"], "optim")
-        check_rng(payload["rng"])
-        state = checked_trainer_state(payload["trainer_state"], step, self.env.world_size)
-        return payload["model"], payload["optim"], payload["rng"], state
 
     def _fetch(self, step: int, limit: int) -> bytes:
         """This rank's snapshot of ``step`` (at most ``limit`` bytes): from this node's
@@ -531,27 +325,6 @@ class Snapshots:
 
     def close(self) -> None:
         self.wait()
-
-
-def read_snapshot(path: Path, limit: int) -> bytes:
-    """The bytes of the snapshot file ``path``: a regular file (a link is not followed) of this
-    user's, of at most ``limit`` bytes (FileNotFoundError, DamagedFile, ValueError)."""
-    fd = open_regular(path)
-    try:
-        info = os.fstat(fd)
-        if info.st_uid != os.getuid():
-            raise ValueError(f"{path} is not this user's file (owner uid {info.st_uid})")
-        if info.st_size > limit:
-            raise ValueError(f"{path} holds {info.st_size} bytes, more than the {limit} this rank's state takes")
-        chunks, size = [], 0
-        while chunk := os.read(fd, min(1 << 24, limit + 1 - size)):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise ValueError(f"{path} grew past {limit} bytes while it was read")
-    finally:
-        os.close(fd)
-    return b"".join(chunks)
 
 
 def _remove_other_attempts(directory: Path) -> None:
