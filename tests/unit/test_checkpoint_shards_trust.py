@@ -21,64 +21,32 @@ import io
 import json
 import os
 import pickle
-import shutil
 import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 
 from bounded import bounded
 from helpers import REPO
+from small_checkpoints import copy_checkpoint, load_into_zeros, save_checkpoint
 
 pytestmark = pytest.mark.torch
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict]:
-    """A checkpoint as the trainer writes one (as in tests/unit/test_checkpoint_reader.py):
-    {"model", "optim"} by get_state_dict after a step, saved by DCP's own writer."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.25, betas=(0.8, 0.9))
-    model(torch.randn(3, 4)).sum().backward()
-    optimizer.step()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    path = tmp_path_factory.mktemp("dcp") / "step-00000001"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-        dcp.save(state, checkpoint_id=str(path), no_dist=True)
-    return path, state
+    """A checkpoint as the trainer writes one (tests/small_checkpoints.py)."""
+    return save_checkpoint(tmp_path_factory.mktemp("dcp"))
 
 
 def _copy(saved, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(saved[0], tmp_path / saved[0].name))
-
-
-def _empty_like(state):
-    import torch
-
-    if isinstance(state, dict):
-        return {k: _empty_like(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_empty_like(v) for v in state]
-    return torch.zeros_like(state) if isinstance(state, torch.Tensor) else None
+    return copy_checkpoint(saved, tmp_path)
 
 
 def _load(path: Path, like: dict) -> str:
-    from trainer.checkpoints.reader import load
-
-    target = _empty_like(like)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
-        load(target, path, no_dist=True)
+    load_into_zeros(path, like)
     return "loaded"
 
 

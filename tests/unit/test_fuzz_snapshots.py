@@ -54,6 +54,7 @@ from typing import Any
 import pytest
 
 from bounded import Outcome, bounded
+from small_checkpoints import trainer_state
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
@@ -73,18 +74,7 @@ SECONDS = float(os.environ.get("JOBGEN_FUZZ_SECONDS", "8"))
 CASES = 10**9 if "JOBGEN_FUZZ_SECONDS" in os.environ else 200
 CASE_SECONDS = 20  # what one case may take: a reader that needs more hangs
 STEP = 4
-TRAINER_STATE = {
-    "step": STEP,
-    "tokens_seen": 64,
-    "target_tokens_seen": 32,
-    "sampler": {"epoch": 0, "offset": 8, "num_rows": 10, "seed": 0},
-    "scheduler": {"base_lrs": [0.25], "last_epoch": STEP, "_step_count": STEP + 1, "lr_lambdas": [None]},
-    "seed": 0,
-    "world_size": 1,
-    "batch": {"micro_batch_size": 2},
-    "saved_at": 1.0,
-    "evals": {"evals": [[2, 2.5]]},
-}
+TRAINER_STATE = trainer_state(STEP)
 # Values a size, an offset or a length in the zip takes: the edges of its field, and near them.
 EDGES = (0, 1, 2, 63, 64, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF)
 

@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import pytest
 
 from bounded import bounded
+from small_checkpoints import trainer_state
 
 pytestmark = pytest.mark.torch
 
@@ -77,18 +78,7 @@ def taken(world_of_one, tmp_path):
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
     snapshots = Snapshots(attempt, world_of_one, every_steps=STEP)
-    state = {
-        "step": STEP,
-        "tokens_seen": 64,
-        "target_tokens_seen": 32,
-        "sampler": {"epoch": 0, "offset": 8, "num_rows": 10, "seed": 0},
-        "scheduler": {"base_lrs": [0.25], "last_epoch": STEP, "_step_count": STEP + 1, "lr_lambdas": [None]},
-        "seed": 0,
-        "world_size": 1,
-        "batch": {"micro_batch_size": 2},
-        "saved_at": 1.0,
-        "evals": {"evals": [[2, 2.5]]},
-    }
+    state = trainer_state(STEP)
     snapshots.take(STEP, model, optimizer, state)
     snapshots.close()
     return SimpleNamespace(snapshots=snapshots, model=model, optimizer=optimizer, state=state)
