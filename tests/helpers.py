@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 DATA = REPO / "examples" / "data" / "instructions.jsonl"
 # The tokenized-data cache the runs of a test session share, as the runs of one runs root do
-# (its .cache/data): only a session's first start builds an entry (tests/conftest.py sets it for
+# (its .data-cache-<uid>): only a session's first start builds an entry (tests/conftest.py sets it for
 # distributed/, cluster/ and soak/; the data cache's own tests keep theirs under each runs root).
 SHARED_DATA_CACHE_ENV = "JOBGEN_TESTS_DATA_CACHE"
 # The dev cluster's runs that train until something stops them (max_steps UNTIL_STOPPED or more)

@@ -111,7 +111,7 @@ SCRIPT_OWNED = frozenset(
     | {"status", "words", "tmp", "lead", "end", "task", "code", "slurm_exit", "s", "switch"}
     | {"node", "gpus", "given", "given_count", "out", "probe_out", "probe_failed", "line", "why", "blamed"}
     | {"trainer_status", "left", "deadline", "live", "tasks", "answer", "outcome", "throttle", "restarted"}
-    | {"hung_step", "newest", "now", "stacks", "stamp", "step", "target", "chosen", "nodes", "count"}
+    | {"hung_step", "newest", "now", "stacks", "stamp", "step", "target", "chosen", "nodes", "count", "clock"}
 )
 # Settings the scripts export as defaults, which the site's network.env and the run's [env]
 # are there to change: they are exported after the script's own (docs/run-toml.md).
