@@ -8,6 +8,7 @@ of small text files, so validating a terabyte dataset costs a directory listing.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 # suffix -> the ``datasets`` builder that reads it
@@ -19,13 +20,25 @@ SNIFF_BYTES = 64 * 1024
 _LISTED = 5  # file names shown in a message
 
 
+# A hub repository's id: 'org/name', or a canonical 'name' alone.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
+def looks_like_hub_id(value: str, *, data: bool, bare_name: bool = True) -> bool:
+    """Whether ``value`` could name a repository on the Hugging Face hub rather than a path:
+    relative, not starting with '.' or '~', hub id characters with at most one '/' (and one,
+    unless ``bare_name``). A data file's name is a path even where nothing is there: with
+    ``data``, 'data/train.jsonl' is a missing file, never the dataset 'train.jsonl' of a hub
+    user 'data'."""
+    if value.startswith(("/", ".", "~")) or not _HUB_ID.match(value) or ("/" not in value and not bare_name):
+        return False
+    return not (data and value.endswith(tuple(DATA_FILE_TYPES)))
+
+
 def is_hub_id(path: str) -> bool:
     """A relative name that is not on disk and does not look like a file: 'org/name' or 'name'
     (a dataset on the Hugging Face hub)."""
-    p = Path(path)
-    if p.is_absolute() or p.exists() or path.startswith((".", "~")):
-        return False
-    return not any(path.endswith(suffix) for suffix in DATA_FILE_TYPES) and path.count("/") <= 1
+    return looks_like_hub_id(path, data=True) and not Path(path).exists()
 
 
 def data_files(directory: Path) -> list[Path]:

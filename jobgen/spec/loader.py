@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from jobgen.base.paths import SITE_CONFIGS_DIR
 from jobgen.program import placeholders
+from jobgen.spec.data_files import looks_like_hub_id
 from jobgen.spec.named_files import data_problems, model_problems
 from jobgen.spec.resolved import ResolvedSpec
 from jobgen.spec.site_fit import site_problems
@@ -39,7 +40,6 @@ else:  # pragma: no cover
 
 # Control characters but tab, as jobgen.spec.fields.no_control_chars refuses them.
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 @dataclass(frozen=True)
@@ -279,13 +279,14 @@ def _check_paths(raw: dict[str, Any], base_dir: Path, run_label: str) -> list[Sp
         if not isinstance(value, str):
             continue
         local = _local_path(value, base_dir)
-        if not local.exists() and (value.startswith(("/", "./", "../", "~")) or not _HUB_ID.match(value)):
+        if not local.exists() and not looks_like_hub_id(value, data=table == "data", bare_name=False):
             issues.append(SpecIssue(run_label, f"{table}.path", f"'{value}' does not exist (resolved to {local})"))
     section = raw.get("eval")
     for key in ("path", "prompts_file"):
         value = section.get(key) if isinstance(section, dict) else None
         local = _local_path(value, base_dir) if isinstance(value, str) else None
-        if local is not None and not local.exists() and (key == "prompts_file" or not _HUB_ID.match(value)):
+        hub = key == "path" and local is not None and looks_like_hub_id(value, data=True, bare_name=False)
+        if local is not None and not local.exists() and not hub:
             issues.append(SpecIssue(run_label, f"eval.{key}", f"'{value}' does not exist (resolved to {local})"))
     command = raw.get("command")
     for key, kind in (("script", "file"), ("workdir", "directory")):

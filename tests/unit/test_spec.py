@@ -76,6 +76,18 @@ def test_hub_ids_are_not_local_paths(workdir):
     assert spec.run.model.path == "org/tiny-llama"
 
 
+@pytest.mark.parametrize("missing", ["data/instruction.jsonl", "data/train.parquet", "d/rows.csv", "x/y.json"])
+def test_a_missing_data_file_with_a_slash_is_a_missing_path_not_a_hub_id(workdir, missing):
+    """Issue 46: 'data/instruction.jsonl' (a typo of a local file) passed validate as the hub
+    dataset 'instruction.jsonl' of a user 'data' and failed at run time under a traceback."""
+    found = issues_of(write_spec(workdir, GOOD.replace('"data.jsonl"', f'"{missing}"')))
+    assert f"'{missing}' does not exist (resolved to {workdir / missing})" in found["run.toml:data.path"]
+    body = GOOD + f'    [eval]\n    path = "{missing}"\n'
+    assert "does not exist" in issues_of(write_spec(workdir, body))["run.toml:eval.path"]
+    hub = load_run(write_spec(workdir, GOOD.replace('"data.jsonl"', '"org/instructions"')))
+    assert hub.run.data.path == "org/instructions"  # a hub dataset's id stays one
+
+
 @pytest.mark.parametrize(
     "key, line",
     [
