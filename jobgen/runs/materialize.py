@@ -93,7 +93,9 @@ def _update(run: RunDir, spec_json: dict[str, Any], scripts: dict[str, str], sou
         raise DamagedFile(run.spec_file, "not a jobgen spec (an object with the object 'run'); move it away")
     before, after = _identity(old), _identity(spec_json)
     changed = [k for k in IDENTITY_KEYS if before.get(k) != after.get(k)]
-    if changed:
+    # Before any checkpoint there is nothing the change could misfit: a run that failed on a
+    # wrong data path is fixed and submitted again, as jobgen status advises.
+    if changed and _holds_checkpoints(run.checkpoints):
         raise RunDirError(
             f"{run.path} holds a run with a different [{'], ['.join(changed)}]; its checkpoints would not fit. "
             "Use a new job.name, or move the old run directory away"
@@ -104,6 +106,15 @@ def _update(run: RunDir, spec_json: dict[str, Any], scripts: dict[str, str], sou
     stamp = dt.datetime.now().strftime("%Y%m%dT%H%M%S%f")
     write_json_atomic(run.path / "history" / f"spec-{stamp}.json", old)
     _fill(run.path, spec_json, scripts, source_text)
+
+
+def _holds_checkpoints(directory: Path) -> bool:
+    """Whether the run's checkpoint directory holds anything but what a save in progress or
+    cut short leaves (``.tmp-*``): the trainer's checkpoints, or whatever your own program saved."""
+    try:
+        return any(not entry.name.startswith(".") for entry in os.scandir(directory))
+    except FileNotFoundError:
+        return False
 
 
 def remove_new(run: RunDir) -> None:

@@ -79,9 +79,10 @@ def test_resubmit_continues_and_keeps_checkpoints(spec_file: Path):
     assert len(history) == 1 and json.loads(history[0].read_text())["run"]["job"]["time"] == "1h"
 
 
-def test_resubmit_with_another_model_is_refused(spec_file: Path, tmp_path: Path):
+def test_resubmit_with_another_model_is_refused_once_a_checkpoint_exists(spec_file: Path, tmp_path: Path):
     spec = load_run(spec_file)
     run, _ = materialize(spec, render(spec), None)
+    (run.checkpoints / "step-00000010").mkdir()
     before = run.spec_file.read_text()
     (tmp_path / "model2").mkdir()
     spec_file.write_text(spec_file.read_text().replace('path = "model"', 'path = "model2"'))
@@ -89,6 +90,24 @@ def test_resubmit_with_another_model_is_refused(spec_file: Path, tmp_path: Path)
     with pytest.raises(RunDirError, match=r"different \[model\]"):
         materialize(spec2, render(spec2), None)
     assert run.spec_file.read_text() == before
+
+
+@pytest.mark.parametrize("left", ["nothing", "a save cut short"])
+def test_a_run_fixed_before_its_first_checkpoint_may_be_submitted_again(spec_file: Path, tmp_path: Path, left):
+    """Issue 46: a run that failed on a wrong data path (no checkpoint yet) is fixed and submitted
+    again, as jobgen status advises; it was refused for a different [data] its checkpoints, which
+    did not exist, would not fit."""
+    spec = load_run(spec_file)
+    run, _ = materialize(spec, render(spec), None)
+    if left == "a save cut short":
+        (run.checkpoints / ".tmp-step-00000002").mkdir()
+    (tmp_path / "fixed.jsonl").write_text("{}\n")
+    spec_file.write_text(spec_file.read_text().replace('"data.jsonl"', '"fixed.jsonl"'))
+    spec2 = load_run(spec_file)
+    _, created = materialize(spec2, render(spec2), None)
+    assert not created and json.loads(run.spec_file.read_text())["run"]["data"]["path"].endswith("fixed.jsonl")
+    [history] = (run.path / "history").iterdir()
+    assert json.loads(history.read_text())["run"]["data"]["path"].endswith("data.jsonl")
 
 
 def test_existing_foreign_directory_is_not_touched(spec_file: Path):
