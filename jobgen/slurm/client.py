@@ -135,6 +135,10 @@ def client_env() -> dict[str, str]:
 def run(args: list[str], *, timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess[str]:
     if shutil.which(args[0]) is None:
         raise SlurmUnavailable(args, 127, f"{args[0]} not found on PATH: no Slurm client on this machine")
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):
+        # Slurm's own commands retry a configuration they cannot open for 60 s before failing.
+        raise SlurmUnavailable(args, 1, f"SLURM_CONF={conf}: no such file (unset it, or name your slurm.conf)")
     try:
         proc = subprocess.run(
             args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=client_env()
