@@ -142,6 +142,11 @@ def logs(
         fail(f"jobgen logs: --grep {pattern!r} is no regular expression Python can use: {exc}", 2)
     filters = Filters(task=task, node=node, rank=rank, grep=grep)
     sources, over = _what_to_read(run_ref)
+    if task is not None and not follow and not sources(Filters(task=task)):
+        # A task the logs do not know is a wrong name, not an empty log: say which there are.
+        known = sorted({s.name for s in sources(Filters())}, key=lambda n: (len(n), n))
+        there = f"its tasks: {', '.join(known[:20])}{' ...' if len(known) > 20 else ''}" if known else "no logs yet"
+        fail(f"jobgen logs: no task {visible(task)!r} in {visible(run_ref)} ({there})", 1)
     if rank is not None:  # ranks --rank cannot find: say where they are instead of printing nothing
         for where in unknown_ranks(sources(Filters(task=task, node=node))):
             click.echo(f"jobgen logs: {where}: global ranks unknown (no rank map); --node shows them", err=True)

@@ -255,3 +255,15 @@ def test_jobgen_logs_shows_the_last_lines_and_says_what_it_left_out(tmp_path):
         assert out.stdout.splitlines() == lines(run) and out.stderr == "", (every, out.stderr)
     refused = jobgen("logs", str(run.path), "--all", "--tail", "3")
     assert refused.returncode == 2 and "--all and --tail" in refused.stderr
+
+
+def test_a_task_the_logs_do_not_know_is_named_with_the_tasks_they_do(tmp_path):
+    """Issue 46: `jobgen logs RUN --task 1` of a run whose tasks are named otherwise (a --local
+    run's task is its job id, as status shows it) printed nothing and exited 0."""
+    run = lay_out(tmp_path, recorded_run(tmp_path, JOB_HEAD.replace('"stat"', '"demo"') + 'program = "doctor"\n'))
+    missing = jobgen("logs", str(run.path), "--task", "3")
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr.strip() == f"jobgen logs: no task '3' in {run.path} (its tasks: 5_2)"
+    for name in ("2", "5_2", "7"):  # the array index, Slurm's name and the job id all find it
+        found = jobgen("logs", str(run.path), "--task", name, "--all")
+        assert found.returncode == 0 and found.stdout.splitlines() == lines(run), (name, found.stderr)
