@@ -16,6 +16,9 @@ from typing import Any, NoReturn
 
 import click
 
+# What each optional extra of jobgen brings, by the modules a command needs of it (pyproject.toml).
+EXTRA_MODULES = {"train": ("torch", "transformers", "datasets", "tokenizers")}
+
 # What a user without a cluster is told when Slurm cannot be reached.
 NO_CLUSTER = "no cluster here? `jobgen cluster up --netns` starts a local one"
 
@@ -113,3 +116,22 @@ def find_run(ref: str):
 def print_findings(findings) -> None:
     for finding in findings:
         click.echo(f"  {finding}", err=finding.level != "info")
+
+
+def need_extra(extra: str, command: str) -> None:
+    """Fail in one line, before anything is written, when this environment lacks a module of
+    ``extra`` that ``command`` needs (a traceback of ModuleNotFoundError said neither). Looked
+    up without importing (torch's import alone takes seconds)."""
+    import importlib.util
+
+    for module in EXTRA_MODULES[extra]:
+        try:
+            found = sys.modules.get(module, True) is not None and importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package missing; a module without a spec
+            found = False
+        if not found:
+            fail(
+                f"jobgen {command} needs the [{extra}] extra ({module} is not installed in {sys.prefix}): "
+                f"pip install 'jobgen[{extra}]'",
+                1,
+            )

@@ -194,3 +194,21 @@ def test_a_fifo_as_the_failed_marker_never_holds_the_batch_script(tmp_path: Path
         check=False,
     )
     assert "would repeat: not starting" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("missing", ["torch", "transformers"])
+def test_make_tiny_model_without_the_train_extra_is_one_line_naming_it(tmp_path: Path, missing):
+    """Issue 46: without [train], `jobgen make-tiny-model` was a ModuleNotFoundError traceback.
+    The module is hidden from a fresh interpreter as an environment without it lacks it."""
+    code = (
+        f"import sys; sys.modules[{missing!r}] = None\n"
+        "from jobgen.cli.main import main\n"
+        f"main(['make-tiny-model', {str(tmp_path / 'model')!r}])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.strip() == (
+        f"jobgen make-tiny-model needs the [train] extra ({missing} is not installed in {sys.prefix}): "
+        "pip install 'jobgen[train]'"
+    )
+    assert not (tmp_path / "model").exists()
