@@ -16,8 +16,8 @@ from typing import Any, NoReturn
 
 import click
 
-# What each optional extra of jobgen brings, by the modules a command needs of it (pyproject.toml).
-EXTRA_MODULES = {"train": ("torch", "transformers", "datasets", "tokenizers")}
+# The modules of jobgen's [train] extra a command needs (pyproject.toml).
+TRAIN_EXTRA_MODULES = ("torch", "transformers", "datasets", "tokenizers")
 
 # What a user without a cluster is told when Slurm cannot be reached.
 NO_CLUSTER = "no cluster here? `jobgen cluster up --netns` starts a local one"
@@ -118,13 +118,13 @@ def print_findings(findings) -> None:
         click.echo(f"  {finding}", err=finding.level != "info")
 
 
-def need_extra(extra: str, command: str) -> None:
-    """Fail in one line, before anything is written, when this environment lacks a module of
-    ``extra`` that ``command`` needs (a traceback of ModuleNotFoundError said neither). Looked
-    up without importing (torch's import alone takes seconds)."""
+def need_extra(extra: str, modules: tuple[str, ...], command: str) -> None:
+    """Fail in one line, before anything is written, when this environment lacks one of the
+    ``modules`` of jobgen's ``extra`` that ``command`` needs (a traceback of ModuleNotFoundError
+    said neither). Looked up without importing (torch's import alone takes seconds)."""
     import importlib.util
 
-    for module in EXTRA_MODULES[extra]:
+    for module in modules:
         try:
             found = sys.modules.get(module, True) is not None and importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):  # a parent package missing; a module without a spec

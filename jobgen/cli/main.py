@@ -30,7 +30,7 @@ from pathlib import Path
 import click
 
 from jobgen import __version__
-from jobgen.cli.common import Commands, print_findings
+from jobgen.cli.common import TRAIN_EXTRA_MODULES, Commands, print_findings
 from jobgen.cli.common import fail as _fail
 from jobgen.cli.common import find_run as _find_run
 from jobgen.cli.common import load as _load
@@ -325,7 +325,7 @@ def make_tiny_model_command(
     """A random tiny Llama-style model and a locally trained tokenizer with a chat template."""
     from jobgen.cli.tinymodel import make_tiny_model
 
-    _need_extra("train", "make-tiny-model")
+    _need_extra("train", TRAIN_EXTRA_MODULES, "make-tiny-model")
     if hidden_size % heads:
         _fail(f"--hidden-size {hidden_size} must be a multiple of --heads {heads}", 2)
     try:
