@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import pwd
 import stat
 import sys
 import time
 from pathlib import Path
+
+from jobgen.base.owned_dir import owner_name
 
 PRIVATE_MODE = 0o755
 OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
@@ -34,13 +35,6 @@ OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 class UntrustedHome(RuntimeError):
     """A watchdog home (or a directory in it) that is another user's: jobgen will not use it."""
-
-
-def _owner(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
 
 
 def untrusted(path: Path) -> str | None:
@@ -56,9 +50,9 @@ def untrusted(path: Path) -> str | None:
         except OSError as exc:
             return f"{said}: {exc.strerror}"
         if info.st_uid != me:
-            return f"{said} belongs to {_owner(info.st_uid)}, not to {_owner(me)}"
+            return f"{said} belongs to {owner_name(info.st_uid)}, not to {owner_name(me)}"
         if info.st_mode & OTHERS_WRITE:
-            return f"{said} is writable by others than {_owner(me)} (mode {stat.S_IMODE(info.st_mode):o})"
+            return f"{said} is writable by others than {owner_name(me)} (mode {stat.S_IMODE(info.st_mode):o})"
     return None
 
 
@@ -72,7 +66,7 @@ def private_directory(path: Path) -> Path:
     info = os.stat(path)
     if info.st_uid != os.geteuid():
         raise UntrustedHome(
-            f"{path} belongs to {_owner(info.st_uid)}: a watchdog home runs its files as its user, so it must be "
+            f"{path} belongs to {owner_name(info.st_uid)}: a watchdog home runs its files as its user, so it must be "
             f"yours alone ([watchdogs] home = a directory of your own)"
         )
     if info.st_mode & OTHERS_WRITE:  # an older home, a umask of 002, a default ACL

@@ -61,7 +61,8 @@ class UntrustedDirectory(PermissionError):
         return self.args[0]
 
 
-def _owner(uid: int) -> str:
+def owner_name(uid: int) -> str:
+    """The account name of ``uid`` for a message, or "uid N" where this host has none."""
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:  # an id with no name on this host (another site's NFS)
@@ -77,9 +78,9 @@ def check_trust(st: os.stat_result, path: Path, sharing: Sharing) -> None:
         raise UntrustedDirectory(path, "is not a directory")
     if sharing is Sharing.PRIVATE:
         if st.st_uid != me:
-            raise UntrustedDirectory(
-                path, f"belongs to {_owner(st.st_uid)}, not to you: jobgen writes only into a directory of yours here"
-            )
+            owner = owner_name(st.st_uid)
+            why = f"belongs to {owner}, not to you: jobgen writes only into a directory of yours here"
+            raise UntrustedDirectory(path, why)
         if mode & 0o022:
             raise UntrustedDirectory(
                 path,
@@ -90,7 +91,7 @@ def check_trust(st: os.stat_result, path: Path, sharing: Sharing) -> None:
     if mode & 0o002:
         raise UntrustedDirectory(path, f"everyone may write it (mode {mode:o}); a shared directory is a group's")
     if st.st_uid not in (me, 0) and mode & 0o020 == 0 and st.st_gid not in os.getgroups():
-        raise UntrustedDirectory(path, f"belongs to {_owner(st.st_uid)} and is not shared with a group of yours")
+        raise UntrustedDirectory(path, f"belongs to {owner_name(st.st_uid)} and is not shared with a group of yours")
     if mode & 0o020 and not (mode & stat.S_ISGID and mode & stat.S_ISVTX):
         raise UntrustedDirectory(
             path,
