@@ -43,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from helpers import REPO, VENV_BIN, make_run, read_jsonl, torchrun
+from jobgen.base.paths import EXAMPLES_DIR
 
 HEAVY = ("torch", "transformers", "datasets")
 # Runs the CLI in-process, then reports whether any heavy module was imported.
@@ -65,7 +66,7 @@ def median_seconds(argv: list[str], repeats: int, cwd: Path) -> float:
 def cli_latency(work: Path, repeats: int) -> dict[str, dict[str, float | list[str]]]:
     example = work / "example"
     shutil.rmtree(example, ignore_errors=True)
-    shutil.copytree(REPO / "examples", example, ignore=shutil.ignore_patterns("tiny-model"))
+    shutil.copytree(EXAMPLES_DIR, example, ignore=shutil.ignore_patterns("tiny-model"))
     subprocess.run([VENV_BIN / "jobgen", "make-tiny-model", example / "tiny-model"], check=True, capture_output=True)
     python, jobgen, spec = str(VENV_BIN / "python"), str(VENV_BIN / "jobgen"), str(example / "sft.toml")
     commands = {

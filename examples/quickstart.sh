@@ -12,6 +12,8 @@ bash .ci/setup
 jobgen=.venv/bin/jobgen
 run=tiny-sft
 "$jobgen" cluster up --netns --nodes 2
+# The example spec and data ship inside the package (a pip-installed jobgen writes them the same way).
+[[ -f examples/sft.toml ]] || "$jobgen" example sft examples
 [[ -d examples/tiny-model ]] || "$jobgen" make-tiny-model examples/tiny-model
 "$jobgen" validate examples/sft.toml
 if "$jobgen" status "$run" --json 2>/dev/null | grep -q '"state": "finished"'; then

@@ -22,6 +22,7 @@ ROOMS: dict[str, tuple[str, ...]] = {
     "model": ("base",),
     "program": ("base",),
     "spec": ("base", "model", "program"),
+    "sites": ("base", "slurm", "spec"),
     "plan": ("base", "model", "spec"),
     "runs": ("base", "slurm", "model", "program", "spec"),
     "launch": ("base", "slurm", "model", "program", "spec", "plan", "runs"),

@@ -38,11 +38,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
+from jobgen.base.paths import EXAMPLES_DIR
 from jobgen.runs.jsonl_records import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-DATA = REPO / "examples" / "data" / "instructions.jsonl"
+DATA = EXAMPLES_DIR / "data" / "instructions.jsonl"
 # The tokenized-data cache the runs of a test session share, as the runs of one runs root do
 # (its .data-cache-<uid>): only a session's first start builds an entry (tests/conftest.py sets it for
 # distributed/, cluster/ and soak/; the data cache's own tests keep theirs under each runs root).

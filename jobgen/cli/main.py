@@ -455,5 +455,20 @@ main.lazy.update(
     cluster=_cluster, watchdog=_watchdog, serve=_serve, chat=_chat, compare=_compare, logs=_logs, samples=_samples
 )
 
+
+def _site() -> click.Command:
+    from jobgen.cli.site import site
+
+    return site
+
+
+def _example() -> click.Command:
+    from jobgen.cli.examples import example
+
+    return example
+
+
+main.lazy.update(site=_site, example=_example)
+
 if __name__ == "__main__":
     main()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import click
+
 from jobgen.base.atomic import staged_directory
 from jobgen.base.paths import EXAMPLES_DIR
 
@@ -43,7 +45,10 @@ _FIXED_CORPUS = [
 
 def _corpus() -> list[str]:
     texts = list(_FIXED_CORPUS)
-    for path in sorted((EXAMPLES_DIR / "data").glob("*.jsonl")):
+    paths = sorted((EXAMPLES_DIR / "data").glob("*.jsonl"))
+    if not paths:  # the tokenizer would be another one, silently: the package is incomplete
+        raise click.ClickException(f"no example data in {EXAMPLES_DIR / 'data'}: reinstall jobgen")
+    for path in paths:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             for value in row.values():

@@ -28,12 +28,13 @@ import jinja2
 from jobgen import __version__
 from jobgen.base.durations import format_slurm
 from jobgen.base.exit_codes import ExitCode
-from jobgen.base.paths import PROJECT_ROOT, TEMPLATES_DIR
+from jobgen.base.paths import CHECKOUT, TEMPLATES_DIR
 from jobgen.program import placeholders
 from jobgen.runs.heartbeat import interval_for
 from jobgen.runs.rundir import STARTUP_SWITCHES, RunDir
 from jobgen.spec.resolved import ResolvedSpec
 from jobgen.spec.tables.run import JobSpec
+from jobgen.spec.tables.site import PythonSettings
 
 # How long the start probe waits for every node's answer (site.health_check's budget).
 PROBE_TIMEOUT_SECONDS = 60
@@ -368,14 +369,25 @@ def _run_dir_context(spec: ResolvedSpec) -> dict[str, Any]:
 
 
 def python_context(spec: ResolvedSpec) -> dict[str, Any]:
-    """What ``_python_env.j2`` needs (the job's Python: venv, modules or container image):
-    the run's script and a sweep's (jobgen.sweep.render) take it from here."""
-    py = spec.site.python
-    mounts = [f"{spec.runs_root}:{spec.runs_root}", f"{PROJECT_ROOT}:{PROJECT_ROOT}", *py.container_mounts]
+    """What ``_python_env.j2`` needs for a run: the run's script and a sweep's
+    (jobgen.sweep.render) take it from here."""
+    return environment_context(spec.site.python, [str(spec.runs_root)])
+
+
+def environment_context(py: PythonSettings, shared: list[str]) -> dict[str, Any]:
+    """What ``_python_env.j2`` needs (the job's Python: venv, conda environment, prefix, modules
+    or container image), with ``shared`` the directories a container must see at their paths."""
+    shared = [*shared, *([str(CHECKOUT)] if CHECKOUT else [])]
     return {
-        "project_root": str(PROJECT_ROOT),
+        # jobgen's own checkout, when it runs from one (pip install -e): on PYTHONPATH and in the
+        # container. An installed jobgen is the environment's own.
+        "checkout": str(CHECKOUT) if CHECKOUT else None,
         "python": py,
-        "container_mounts": ",".join(mounts),
+        "python_modules": list(py.modules) if py.kind != "container" else [],
+        "venv": py.venv if py.kind == "venv" else py.module_venv if py.kind == "modules" else None,
+        "activation_file": py.activation_file,
+        "container_mounts": ",".join([*(f"{path}:{path}" for path in shared), *py.container_mounts]),
+        "container_workdir": shared[-1],
     }
 
 

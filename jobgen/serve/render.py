@@ -20,8 +20,8 @@ from typing import Any
 
 from jobgen import __version__
 from jobgen.base.durations import format_human, format_slurm
-from jobgen.base.paths import PROJECT_ROOT
-from jobgen.launch.render import Trusted, sbatch_arg, slurm_filename_literal, template_environment
+from jobgen.base.exit_codes import ExitCode
+from jobgen.launch.render import Trusted, environment_context, sbatch_arg, slurm_filename_literal, template_environment
 from jobgen.runs.rundir import RunDir
 from jobgen.serve.node import STOP_GRACE_SECONDS
 from jobgen.spec.resolved import ResolvedSpec
@@ -164,7 +164,6 @@ def build_serve_context(job: ServeJob) -> dict[str, Any]:
     net, py = site.network, site.python
     run = RunDir(job.state_dir)
     served = [job.state_dir] if job.model_dir.is_relative_to(job.state_dir) else [job.state_dir, job.model_dir]
-    mounts = [*(f"{path}:{path}" for path in served), f"{PROJECT_ROOT}:{PROJECT_ROOT}", *py.container_mounts]
     return {
         "jobgen_version": __version__,
         "spec_file": job.spec_file or "(none)",
@@ -189,9 +188,8 @@ def build_serve_context(job: ServeJob) -> dict[str, Any]:
         "engine_args": list(serve.args),
         "engine_args_literal": any("$" in arg or "`" in arg for arg in serve.args),
         # template_environment.j2: the site's Python and network, the job's variables.
-        "python": py,
-        "container_mounts": ",".join(mounts),
-        "project_root": str(PROJECT_ROOT),
+        **environment_context(py, [str(path) for path in served]),
+        "launch_error_exit": int(ExitCode.LAUNCH_ERROR),
         "ifname": net.ifname,
         "transport": net.transport,
         "ib_hca": net.ib_hca,

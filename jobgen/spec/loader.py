@@ -23,10 +23,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from jobgen.base.paths import SITE_CONFIGS_DIR
+from jobgen.base.paths import SITE_CONFIGS_DIR, user_config_dir
 from jobgen.program import placeholders
 from jobgen.spec.data_files import looks_like_hub_id
 from jobgen.spec.named_files import data_problems, model_problems
+from jobgen.spec.python_env import resolve_python
 from jobgen.spec.resolved import ResolvedSpec
 from jobgen.spec.site_fit import site_problems
 from jobgen.spec.tables.run import RunSpec
@@ -97,23 +98,45 @@ def _message(error: Any) -> str:
     return str(error["msg"]).removeprefix("Value error, ")
 
 
+def site_search_path() -> list[Path]:
+    """Where a profile name is looked up, first match wins: each directory of
+    $JOBGEN_SITE_PATH, the user's own (``~/.config/jobgen/sites``, where ``jobgen site init``
+    writes), then the profiles jobgen ships."""
+    search = [Path(p).expanduser() for p in os.environ.get("JOBGEN_SITE_PATH", "").split(os.pathsep) if p]
+    return [*search, user_config_dir() / "sites", SITE_CONFIGS_DIR]
+
+
 def find_site_file(ref: str, base_dir: Path) -> Path:
-    """A profile name resolves against $JOBGEN_SITE_PATH, then the bundled site_configs/;
-    anything with a slash or a .toml suffix is a path relative to the run file."""
+    """A profile name resolves against :func:`site_search_path`; anything with a slash or a
+    .toml suffix is a path relative to the run file."""
     if "/" in ref or ref.endswith(".toml"):
         path = Path(ref).expanduser()
         return path if path.is_absolute() else base_dir / path
-    search = [Path(p) for p in os.environ.get("JOBGEN_SITE_PATH", "").split(os.pathsep) if p]
-    search.append(SITE_CONFIGS_DIR)
-    for directory in search:
+    for directory in site_search_path():
         candidate = directory / f"{ref}.toml"
-        if candidate.is_file():
+        if _readable_file(candidate):
             return candidate
     return SITE_CONFIGS_DIR / f"{ref}.toml"
 
 
+def _readable_file(path: Path) -> bool:
+    # A directory of the search path this user may not enter (a teammate's HOME, a config
+    # directory of another account) is not an error: the next one is searched.
+    try:
+        return path.is_file() and os.access(path, os.R_OK)
+    except OSError:
+        return False
+
+
 def available_sites() -> list[str]:
-    return sorted(p.stem for p in SITE_CONFIGS_DIR.glob("*.toml"))
+    """Every profile name a run can use, from every directory of the search path."""
+    names: set[str] = set()
+    for directory in site_search_path():
+        try:
+            names.update(p.stem for p in directory.glob("*.toml"))
+        except OSError:
+            continue
+    return sorted(names)
 
 
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -205,11 +228,15 @@ def _load_site(
     """(the validated profile, None if it has problems; its file; the problems)."""
     site_path = find_site_file(site_ref, base_dir)
     if not site_path.is_file():
-        issue = SpecIssue(
-            run_label,
-            "site",
-            f"no site profile '{site_ref}' (looked for {site_path}; bundled profiles: {', '.join(available_sites())})",
-        )
+        if site_path.name != f"{site_ref}.toml":  # a path, not a name
+            message = f"no site profile file {site_path}"
+        else:
+            message = (
+                f"no site profile '{site_ref}' (looked in {', '.join(str(d) for d in site_search_path())}; "
+                f"profiles there: {', '.join(available_sites())}; `jobgen site init {site_ref}` writes one from "
+                "your cluster)"
+            )
+        issue = SpecIssue(run_label, "site", message)
         return None, site_path, [issue]
     try:
         site_doc = read_toml(site_path)
@@ -222,6 +249,8 @@ def _load_site(
 _SITE_PATH_KEYS = [
     ("python", "venv"),
     ("python", "module_venv"),
+    ("python", "conda_base"),
+    ("python", "prefix"),
     ("paths", "runs_root"),
     ("paths", "hf_home"),
     ("paths", "data_cache"),
@@ -260,6 +289,12 @@ def _validate_site(
         if value is not None:
             base = run_dir if (table, key) in overridden else site_path.parent
             setattr(section, key, absolute_path(value, base))
+    env = site.python.conda_env
+    if env is not None and "/" in env:  # a prefix, not a name
+        base = run_dir if ("python", "conda_env") in overridden else site_path.parent
+        site.python.conda_env = absolute_path(env, base)
+    # kind = "auto": the environment running this, recorded as what it is (jobgen.spec.python_env).
+    site.python = resolve_python(site.python)
     return site, []
 
 

@@ -20,7 +20,6 @@ import pytest
 
 from helpers import (
     DATA,
-    REPO,
     command_spec,
     jobgen,
     last_step,
@@ -29,6 +28,7 @@ from helpers import (
     wait_until_gone,
 )
 from jobgen.base.exit_codes import ExitCode
+from jobgen.base.paths import EXAMPLES_DIR
 from jobgen.runs.jsonl_records import read_jsonl
 from jobgen.slurm import client as slurm
 
@@ -39,7 +39,7 @@ STOPPED_FOR_TIME = (ExitCode.SIGNALLED, ExitCode.DEADLINE)
 
 def example_spec(tmp_path: Path, name: str, script: str, args: list[str], *, nodes: int, array: int) -> Path:
     """An example script (it reads jobgen's stop request: no signal forwarded), 2 ranks a node."""
-    example = REPO / "examples" / script
+    example = EXAMPLES_DIR / script
     return command_spec(tmp_path, name, example, args, nodes=nodes, procs_per_node=2, array=array, stop_signal="none")
 
 

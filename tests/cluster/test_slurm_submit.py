@@ -16,7 +16,6 @@ import pytest
 
 from helpers import (
     DATA,
-    REPO,
     doctor_spec,
     jobgen,
     node,
@@ -28,6 +27,7 @@ from helpers import (
     write_spec,
 )
 from helpers import submitted_job_id as job_id_of
+from jobgen.base.paths import EXAMPLES_DIR
 from jobgen.slurm import client as slurm
 
 pytestmark = pytest.mark.slurm
@@ -41,7 +41,7 @@ def final_state(job_id: int) -> dict[str, str]:
 @pytest.mark.full  # CI: test_doctor_command_reports_every_rank runs the same doctor job
 def test_doctor_example_runs_world_size_four_on_two_hosts(cluster, tmp_path: Path):
     env = {"HOME": str(tmp_path)}  # examples/doctor.toml keeps its runs under ~/jobgen-runs
-    proc = jobgen("submit", str(REPO / "examples" / "doctor.toml"), env=env, check=True)
+    proc = jobgen("submit", str(EXAMPLES_DIR / "doctor.toml"), env=env, check=True)
     job_id = job_id_of(proc.stdout)
     wait_until_gone([job_id])
     run = tmp_path / "jobgen-runs" / "doctor"

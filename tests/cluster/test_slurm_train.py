@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from helpers import (
-    REPO,
     checkpoints,
     eval_losses,
     jobgen,
@@ -24,6 +23,7 @@ from helpers import (
     summary,
     wait_until_gone,
 )
+from jobgen.base.paths import EXAMPLES_DIR
 from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 def test_example_sft_trains_to_the_end_on_two_hosts(cluster, tmp_path: Path, tiny_model: Path):
     examples = tmp_path / "examples"
-    shutil.copytree(REPO / "examples", examples, ignore=shutil.ignore_patterns("tiny-model"))
+    shutil.copytree(EXAMPLES_DIR, examples, ignore=shutil.ignore_patterns("tiny-model"))
     (examples / "tiny-model").symlink_to(tiny_model)
     env = {"HOME": str(tmp_path)}  # runs under ~/jobgen-runs
     proc = jobgen("submit", str(examples / "sft.toml"), env=env, check=True)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.torch
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
-from helpers import REPO  # noqa: E402
+from jobgen.base.paths import EXAMPLES_DIR  # noqa: E402
 from jobgen.spec.tables.data import DataSpec  # noqa: E402
 from trainer.data.build import (  # noqa: E402
     IGNORE_INDEX,
@@ -281,7 +281,7 @@ def test_every_file_type_gives_the_same_examples(tokenizer, tmp_path, kind):
 
 def test_example_data_loads_in_both_formats(tokenizer):
     for name, fmt in (("instructions.jsonl", "alpaca"), ("chat.jsonl", "chat")):
-        path = REPO / "examples" / "data" / name
+        path = EXAMPLES_DIR / "data" / name
         _, stats = encode(tokenizer, path, Path("/nonexistent"), format=fmt, max_length=512)
         assert stats.kept == stats.examples_in > 50 and stats.dropped == 0
 

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import GOLDEN, REPO, run_spec, spec_issues
+from helpers import GOLDEN, run_spec, spec_issues
+from jobgen.base.paths import TEMPLATES_DIR
 from jobgen.launch.render import render
 from jobgen.spec.env_names import SCRIPT_DEFAULTS, SCRIPT_OWNED, reserved_problem, secret_problem
 from jobgen.spec.loader import load_run
 
-TEMPLATES = REPO / "sbatch_templates"
+TEMPLATES = TEMPLATES_DIR
 
 # Credentials by name, with a literal value: each must be refused.
 MUST_REFUSE = [

@@ -30,7 +30,8 @@ ROOMS: dict[str, set[str]] = {room: set(allowed) for room, allowed in jobgen.ROO
 
 
 def modules() -> list[Path]:
-    return sorted(p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py"))
+    # jobgen/bundled/ is the package's data (the examples a user copies import jobgen as a user's program does).
+    return sorted(p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py") if "bundled" not in p.parts)
 
 
 def imports(path: Path, root: Path = REPO) -> Iterator[tuple[int, str, str]]:

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-from helpers import REPO  # noqa: E402
+from jobgen.base.paths import EXAMPLES_DIR  # noqa: E402
 from jobgen.spec.tables.data import DataSpec  # noqa: E402
 from trainer.data.build import load_raw, tokenize_dataset  # noqa: E402
 from trainer.data.examples import Examples  # noqa: E402
@@ -121,7 +121,7 @@ def examples(tiny_model):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    path = REPO / "examples" / "data" / "chat.jsonl"
+    path = EXAMPLES_DIR / "data" / "chat.jsonl"
     spec = DataSpec(path=str(path), format="chat", max_length=128, packing=True)
     ds, _ = tokenize_dataset(load_raw(spec.path).select(range(12)), spec, tokenizer, source=spec.path)
     tokenized = Examples(ds.data.table)  # as the ranks read a cache entry

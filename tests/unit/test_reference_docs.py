@@ -54,7 +54,8 @@ def test_reference_is_deterministic_and_covers_every_table():
     site = site_markdown()
     for table in ("slurm", "network", "paths", "python", "env", "watchdogs", "watchdogs.email"):
         assert f"## [{table}]\n" in site or f"### [{table}]\n" in site, table
-    assert '| `kind` | one of "venv" / "modules" / "container" / "none" | `"none"` |' in site  # the profile's default
+    kinds = '"auto" / "venv" / "conda" / "prefix" / "modules" / "container" / "none"'
+    assert f'| `kind` | one of {kinds} | `"auto"` |' in site  # the profile's default
 
 
 # ---- TOML examples in the documentation ------------------------------------------------------------

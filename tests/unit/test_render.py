@@ -11,13 +11,14 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import GOLDEN, check_shell, doctor_spec, jobgen, run_spec
 from jobgen.base.exit_codes import ExitCode
-from jobgen.base.paths import PROJECT_ROOT
+from jobgen.base.paths import CHECKOUT
 from jobgen.launch.render import build_context, render, sbatch_directives
 from jobgen.runs.rundir import STARTUP_SWITCHES, RunDir
 from jobgen.spec.loader import load_run
@@ -52,7 +53,9 @@ def script_lines_output(lines: list[str], env: dict[str, str]) -> str:
 
 
 def normalised(text: str) -> str:
-    return text.replace(str(PROJECT_ROOT), "@PROJECT@")
+    # The environment the tests run in (python.kind = "auto" resolves to it), then the checkout:
+    # the golden files hold neither's path.
+    return text.replace(sys.prefix, "@VENV@").replace(str(CHECKOUT), "@PROJECT@")
 
 
 @pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.stem)
@@ -94,12 +97,12 @@ def test_ib_versus_sockets():
 
 def test_venv_modules_container():
     venv, modules, container = by_name("local-doctor"), by_name("h100-ib-train"), by_name("cloud-ethernet-train")
-    assert f"source {PROJECT_ROOT}/.venv/bin/activate" in venv and "module load" not in venv
+    assert f"source {sys.prefix}/bin/activate" in venv and "module load" not in venv
     assert "module purge" in modules and "module load cuda/12.4.1" in modules
     assert modules.index("module load gcc/12.2.0") < modules.index("module load nccl/2.21.5")
     assert "source /lustre/shared/envs/llm/bin/activate" in modules
     assert "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3'" in container
-    assert f"'--container-mounts=/shared/runs:/shared/runs,{PROJECT_ROOT}:{PROJECT_ROOT},/fsx:/fsx'" in container
+    assert f"'--container-mounts=/shared/runs:/shared/runs,{CHECKOUT}:{CHECKOUT},/fsx:/fsx'" in container
     assert '"${SRUN_CONTAINER[@]}" bash -c "$NODE_LAUNCH"' in container
     assert 'py_on_head() { run_on_head "${SRUN_CONTAINER[@]}" "$@"; }' in container
 

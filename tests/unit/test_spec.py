@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, jobgen, write_spec
+from jobgen.base.paths import EXAMPLES_DIR
 from jobgen.spec.loader import SpecError, load_run
 
 GOOD = """
@@ -202,7 +203,7 @@ def test_every_bundled_site_profile_and_example_validates(tmp_path):
         SiteProfile.model_validate(read_toml(find_site_file(name, REPO)))
     # The examples as a user has them after `jobgen make-tiny-model examples/tiny-model`.
     examples = tmp_path / "examples"
-    shutil.copytree(REPO / "examples", examples, ignore=shutil.ignore_patterns("tiny-model"))
+    shutil.copytree(EXAMPLES_DIR, examples, ignore=shutil.ignore_patterns("tiny-model"))
     (examples / "tiny-model").mkdir()
     found = sorted(examples.glob("*.toml"))
     assert {p.name for p in found} >= {"doctor.toml", "sft.toml"}

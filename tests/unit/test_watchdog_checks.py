@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers import DATA, REPO, doctor_spec, jobgen, local_receivers, run_spec
+from jobgen.base.paths import EXAMPLES_DIR, SITE_CONFIGS_DIR
 from jobgen.spec.loader import SpecError, load_run
 from jobgen.spec.tables.watchdogs import WatchdogSettings, parse_threshold
 from watchdogs.notify import ALERT, REMINDER, RESOLVED, AlertState, decide, deliver
@@ -39,7 +40,7 @@ def test_thresholds_are_percentages_sizes_or_counts():
 
 
 def test_run_table_overrides_site_key_by_key_and_errors_name_file_and_key(tmp_path: Path):
-    site = (REPO / "site_configs" / "local.toml").read_text().replace('venv = "../.venv"', f'venv = "{REPO}/.venv"')
+    site = (SITE_CONFIGS_DIR / "local.toml").read_text()
     site_file = tmp_path / "team.toml"
     site_file.write_text(
         site + '\n[watchdogs]\npartition = "cpu"\nreminder = "2h"\n'
@@ -154,7 +155,7 @@ def _run_with_checkpoints(tmp_path: Path, sizes_and_ages: list[tuple[int, float]
             tmp_path,
             "fc",
             job={"time": "1h", "runs_root": tmp_path / "runs"},
-            model={"path": REPO / "examples"},
+            model={"path": EXAMPLES_DIR},
             data={"path": DATA},
             train={"keep_checkpoints": keep, "save_every": "1h"},
         )

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, Field, model_validator
 from jobgen.spec.fields import (
     Constraint,
     EnvValue,
+    HostList,
     InterfaceName,
     JobEnv,
     ModuleName,
@@ -77,6 +78,18 @@ MAX_IN_JOB_RESTARTS = 20
 # slurm.in_job_restarts unset: on sites whose ranks compute on GPUs (where a task's nodes are
 # hard to get back), this many; elsewhere none, so the task-to-task path stays the tested one.
 GPU_SITE_IN_JOB_RESTARTS = 2
+
+
+class NodeShape(SpecModel):
+    """Nodes of the partition alike in what a job can ask of them, as Slurm describes them
+    (``jobgen site init`` writes one entry per distinct shape)."""
+
+    nodes: HostList = Field(description="The nodes of this shape, as Slurm names them: 'node1,node2' or 'gpu[01-16]'.")
+    gpus: int = Field(0, ge=0, le=64, description="GPUs (gres gpu) on each of these nodes.")
+    cpus: int = Field(ge=1, le=4096, description="CPUs a job may use on each of these nodes (Slurm's CPUEfctv).")
+    memory: SlurmMemory | None = Field(
+        None, description="Memory of each of these nodes (Slurm's RealMemory), e.g. '4096M'."
+    )
 
 
 class SlurmSettings(SpecModel):
@@ -140,6 +153,14 @@ class SlurmSettings(SpecModel):
             "Default of job.in_job_restarts (relaunches of the program inside one array task after a failure "
             f"that may not repeat). Unset: {GPU_SITE_IN_JOB_RESTARTS} where the ranks compute on GPUs, 0 "
             "elsewhere (the dev cluster's sites)."
+        ),
+    )
+    node_shapes: list[NodeShape] = Field(
+        default_factory=list,
+        description=(
+            "The partition's nodes as Slurm described them to `jobgen site init`, one entry per distinct "
+            "(GPUs, CPUs, memory): on a cluster whose nodes differ, a run's job.procs_per_node list is checked "
+            "against them (an entry no node can hold is refused). Empty: every node has gpus_per_node GPUs."
         ),
     )
     extra_sbatch: list[SbatchOption] = Field(
@@ -253,13 +274,36 @@ class PathSettings(SpecModel):
 class PythonSettings(SpecModel):
     """How the job's Python environment is activated on every node."""
 
-    kind: Literal["venv", "modules", "container", "none"] = Field(
-        "venv",
-        description="'venv' (source <venv>/bin/activate), 'modules' (module load ...), 'container' (pyxis), or 'none'.",
+    kind: Literal["auto", "venv", "conda", "prefix", "modules", "container", "none"] = Field(
+        "auto",
+        description=(
+            "'auto': the environment that runs `jobgen submit` (its interpreter's prefix: a venv, a conda "
+            "environment or a plain installation), recorded in the run's spec.json as the kind it is; "
+            "'venv' (source <venv>/bin/activate), 'conda' (conda activate <conda_env>), 'prefix' (<prefix>/bin "
+            "first on PATH), 'modules' (module load ..., then module_venv if set), 'container' (pyxis), or "
+            "'none' (the nodes' own PATH)."
+        ),
     )
     venv: SafePath | None = Field(None, description="Virtualenv directory, when kind = 'venv'.")
+    conda_env: SafePath | None = Field(
+        None, description="Conda environment, by name ('llm') or prefix ('/shared/envs/llm'), when kind = 'conda'."
+    )
+    conda_base: SafePath | None = Field(
+        None,
+        description=(
+            "The conda installation whose etc/profile.d/conda.sh defines `conda activate`, when kind = 'conda'; "
+            "empty: the `conda` on the nodes' PATH."
+        ),
+    )
+    prefix: SafePath | None = Field(
+        None, description="An installation prefix (its bin/ holds python and torchrun), when kind = 'prefix'."
+    )
     modules: list[ModuleName] = Field(
-        default_factory=list, description="Modules to load in order, when kind = 'modules' (after 'module purge')."
+        default_factory=list,
+        description=(
+            "Modules to load in order (after 'module purge'): the whole environment when kind = 'modules', "
+            "else loaded before the venv, conda environment or prefix is activated (a CUDA or compiler module)."
+        ),
     )
     module_venv: SafePath | None = Field(None, description="Optional virtualenv to activate after loading the modules.")
     container_image: ContainerImage | None = Field(
@@ -268,13 +312,17 @@ class PythonSettings(SpecModel):
     )
     container_mounts: list[str] = Field(
         default_factory=list,
-        description="Extra 'src:dst[:flags]' mounts; the runs root and the jobgen checkout are always mounted.",
+        description=(
+            "Extra 'src:dst[:flags]' mounts; the runs root (and the jobgen checkout, when jobgen runs from one) "
+            "are always mounted."
+        ),
     )
 
     @model_validator(mode="after")
     def _check_kind(self) -> PythonSettings:
-        if self.kind == "venv" and not self.venv:
-            raise ValueError("kind = 'venv' needs 'venv' (the virtualenv directory)")
+        needs = {"venv": ("venv", self.venv), "conda": ("conda_env", self.conda_env), "prefix": ("prefix", self.prefix)}
+        if self.kind in needs and not needs[self.kind][1]:
+            raise ValueError(f"kind = '{self.kind}' needs '{needs[self.kind][0]}'")
         if self.kind == "modules" and not self.modules:
             raise ValueError("kind = 'modules' needs a non-empty 'modules' list")
         if self.kind == "container" and not self.container_image:
@@ -283,6 +331,33 @@ class PythonSettings(SpecModel):
             if not all(c.isalnum() or c in "_./:+@-" for c in mount):
                 raise ValueError(f"container mount {mount!r} has characters outside [A-Za-z0-9_./:+@-]")
         return self
+
+    @property
+    def interpreter(self) -> str | None:
+        """The environment's python as the nodes run it, where the profile says which (a venv, a
+        prefix, a conda environment by prefix); None where only the nodes know (modules, a conda
+        environment by name, a container, the nodes' PATH)."""
+        if self.kind == "venv" and self.venv:
+            return f"{self.venv}/bin/python"
+        if self.kind == "prefix" and self.prefix:
+            return f"{self.prefix}/bin/python"
+        if self.kind == "conda" and self.conda_env and "/" in self.conda_env:
+            return f"{self.conda_env}/bin/python"
+        if self.kind == "modules" and self.module_venv:
+            return f"{self.module_venv}/bin/python"
+        return None
+
+    @property
+    def activation_file(self) -> str | None:
+        """The file the script needs to activate the environment: its absence on a node is one
+        line naming it, not a shell error."""
+        if self.kind == "venv" and self.venv:
+            return f"{self.venv}/bin/activate"
+        if self.kind == "modules" and self.module_venv:
+            return f"{self.module_venv}/bin/activate"
+        if self.kind == "conda" and self.conda_base:
+            return f"{self.conda_base}/etc/profile.d/conda.sh"
+        return self.interpreter
 
 
 class SiteProfile(SpecModel):
@@ -294,7 +369,8 @@ class SiteProfile(SpecModel):
     network: NetworkSettings = Field(default_factory=NetworkSettings, description="Rendezvous and NCCL/Gloo network.")
     paths: PathSettings = Field(default_factory=PathSettings, description="Shared filesystem locations.")
     python: PythonSettings = Field(
-        default_factory=lambda: PythonSettings(kind="none"), description="Python environment activation."
+        default_factory=PythonSettings,
+        description="Python environment activation; by default the environment that runs `jobgen submit`.",
     )
     env: JobEnv = Field(
         default_factory=dict,
