@@ -56,13 +56,17 @@ def validate(spec_file: str) -> None:
         f"{spec_file}: ok ({spec.run.job.program} on {spec.layout} "
         f"= world size {spec.world_size}, site '{spec.site.name}', run dir {spec.run_dir})"
     )
+    from jobgen.launch.environment import environment_findings
     from jobgen.launch.preflight import command_findings
     from jobgen.spec.named_files import lora_adapted
 
     adapted = lora_adapted(spec.run)
     if adapted is not None:
         click.echo(f"model.lora adapts {adapted}")
-    print_findings(command_findings(spec))
+    findings = command_findings(spec) + environment_findings(spec)
+    print_findings(findings)
+    if any(finding.level == "error" for finding in findings):
+        sys.exit(1)  # the job's environment cannot run it: submit would refuse it too
 
 
 @main.command()

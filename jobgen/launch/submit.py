@@ -20,6 +20,7 @@ from pathlib import Path
 from jobgen.base import lease
 from jobgen.base.safe_read import DamagedFile
 from jobgen.launch import submission as core
+from jobgen.launch.environment import environment_findings
 from jobgen.launch.executors import Executor, LocalExecutor, LocalJob, SlurmExecutor
 from jobgen.launch.executors import local_environment as job_environment
 from jobgen.launch.preflight import Finding, command_findings, memory_findings, pass_env_findings
@@ -90,7 +91,7 @@ class RunSubmission(core.Submission):
         reached, before anything is written or queued."""
         spec = self.spec
         found = memory_findings(spec, ignore=self.ignore_memory_plan) + pass_env_findings(spec)
-        return found + command_findings(spec) + _resume_findings(spec)
+        return found + command_findings(spec) + environment_findings(spec) + _resume_findings(spec)
 
     def cluster_checks(self, executor: Executor, *, skip_preflight: bool) -> list[Finding]:
         """The nodes excluded, then what continuing the run adds."""

@@ -41,6 +41,9 @@ class Program:
     # job.in_job_restarts: the batch script may start it again inside the task after a failure,
     # and it resumes from its newest state, telling its launches apart (JOBGEN_LAUNCH).
     relaunches: bool
+    # What the job's Python environment must hold for it: (the jobgen extra that installs it,
+    # the top-level module), checked by validate and submit (jobgen.launch.environment).
+    imports: tuple[tuple[str, str], ...] = ()
 
     def missing(self, present: dict[str, bool]) -> str | None:
         """What the spec's message says this program lacks, given which tables are present;
@@ -64,6 +67,7 @@ PROGRAMS: dict[str, Program] = {
         own_checkpoints=False,
         checks_nodes=False,
         relaunches=True,
+        imports=tuple(("train", m) for m in ("torch", "transformers", "datasets", "tokenizers", "safetensors")),
     ),
     "doctor": Program(
         "doctor",
@@ -77,6 +81,7 @@ PROGRAMS: dict[str, Program] = {
         own_checkpoints=False,
         checks_nodes=True,
         relaunches=False,
+        imports=(("train", "torch"),),
     ),
     "command": Program(
         "command",
@@ -91,6 +96,7 @@ PROGRAMS: dict[str, Program] = {
         checks_nodes=False,
         # The batch script writes the plan again before each relaunch: the newest checkpoint.
         relaunches=True,
+        imports=(("train", "torch"),),  # torchrun, and torch.distributed for jobgen.runtime
     ),
 }
 assert tuple(PROGRAMS) == ProgramName.__args__, "one entry per job.program, in the order of ProgramName"

@@ -159,7 +159,7 @@ def test_signal_trap_and_wait_loop():
     assert 'STOP_REQUEST="$SWITCHES/stop.$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"' in text
     train = by_name("h100-ib-train")
     assert train.index('rm -f "$SWITCHES/stop.') < train.index("trap 'request_stop")
-    assert "--shutdown-timeout=" in train  # torchrun's default 30 s would cut a save on SIGTERM
+    assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600" in train  # torchrun default 30 s would cut a save on SIGTERM
     # torchrun's agent must survive a USR1 sent to the whole step; the workers catch it.
     assert text.index("trap '' USR1 USR2") < text.index("exec torchrun")
     assert text.index("trap 'request_stop") < text.index('srun --nodes="$SLURM_JOB_NUM_NODES"')
