@@ -41,15 +41,21 @@ def site() -> None:
 @click.option("--account", help="Slurm account to charge (--account)")
 @click.option("--qos", help="Slurm quality of service (--qos)")
 @click.option("--reservation", help="Slurm reservation to run in (--reservation)")
+@click.option(
+    "--gpu-compute/--no-gpu-compute",
+    default=True,
+    show_default=True,
+    help="whether ranks compute on the GPUs Slurm gives them (no: the dev cluster's fake GPUs)",
+)
 @click.option("--force", is_flag=True, help="replace a profile of that name")
 @click.option("--print", "to_stdout", is_flag=True, help="print the profile instead of writing it")
-def init(name: str, force: bool, to_stdout: bool, **flags: str | None) -> None:
+def init(name: str, force: bool, to_stdout: bool, **flags: str | bool | None) -> None:
     """Write site profile NAME from what Slurm says of this cluster.
 
     \b
         jobgen site init NAME [--partition P] [--runs-root DIR] [--ifname IF]
                               [--transport socket|ib] [--account A] [--qos Q]
-                              [--reservation R] [--force] [--print]
+                              [--reservation R] [--no-gpu-compute] [--force] [--print]
 
     Slurm says the partitions and each node's CPUs, memory and GPUs; the flags say what it
     cannot. The profile goes to $XDG_CONFIG_HOME/jobgen/sites/NAME.toml (~/.config/jobgen/sites

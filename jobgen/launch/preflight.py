@@ -172,9 +172,9 @@ def _node_count_findings(job: JobSpec, name: str, facts: _ClusterFacts) -> list[
 
 
 def _node_resource_findings(
-    job: JobSpec, slurm_site: SlurmSettings, name: str, candidates: list[dict[str, str]]
+    job: JobSpec, slurm_site: SlurmSettings, gpus: int, name: str, candidates: list[dict[str, str]]
 ) -> list[Finding]:
-    """Enough candidate nodes with the CPUs and GPUs asked for, and up now."""
+    """Enough candidate nodes with the CPUs and ``gpus`` GPUs asked for, and up now."""
     findings = []
     fewest = job.min_nodes or job.allocated_nodes  # what a task can start on
     fitting = [n for n in candidates if int(n.get("CPUTot", "0") or 0) >= slurm_site.cpus_per_node]
@@ -188,16 +188,14 @@ def _node_resource_findings(
                 f"only {len(fitting)} node(s) of partition '{name}' have that many (largest: {most})",
             )
         )
-    if slurm_site.gpus_per_node and not job.unequal_nodes:  # unequal nodes: _node_procs_findings
-        with_gpus = [
-            n for n in candidates if _gres_count(n.get("Gres", ""), slurm_site.gres_name) >= slurm_site.gpus_per_node
-        ]
+    if gpus and not job.unequal_nodes:  # unequal nodes: _node_procs_findings
+        with_gpus = [n for n in candidates if _gres_count(n.get("Gres", ""), slurm_site.gres_name) >= gpus]
         if len(with_gpus) < fewest:
             findings.append(
                 Finding(
                     "error",
                     "site.slurm.gpus_per_node",
-                    f"{slurm_site.gpus_per_node} x gres '{slurm_site.gres_name}' per node requested for "
+                    f"{gpus} x gres '{slurm_site.gres_name}' per node requested for "
                     f"{fewest} node(s); {len(with_gpus)} node(s) of partition '{name}' have that "
                     f"({_gpu_counts(candidates, slurm_site.gres_name)})",
                 )
@@ -226,7 +224,7 @@ def _decide(spec: ResolvedSpec, facts: _ClusterFacts) -> list[Finding]:
     shortfall = _node_count_findings(job, facts.name, facts)
     if any(f.level == "error" for f in shortfall):
         return findings + shortfall
-    resources = _node_resource_findings(job, spec.site.slurm, facts.name, facts.candidates)
+    resources = _node_resource_findings(job, spec.site.slurm, spec.gpus_per_node, facts.name, facts.candidates)
     return findings + shortfall + resources + _node_procs_findings(spec, facts)
 
 

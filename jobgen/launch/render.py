@@ -188,8 +188,8 @@ def sbatch_directives(spec: ResolvedSpec) -> list[Trusted]:
 
 
 def gpu_request(spec: ResolvedSpec) -> str:
-    """The job's GPU request. Equal nodes: the site's GPUs on every node (--gres or
-    --gpus-per-node). Unequal nodes (job.procs_per_node as a list): one GPU per process for
+    """The job's GPU request. Equal nodes: one GPU per process on every node (--gres or
+    --gpus-per-node; ResolvedSpec.gpus_per_node). Unequal nodes (job.procs_per_node as a list): one GPU per process for
     the whole job (--gpus=N, typed as gres_name is), which Slurm splits over job.nodelist's
     nodes by what each has: a per-node request would ask every node for the most any needs.
     Preflight checks that the nodes leave Slurm one way to split them (measured on 22.05:
@@ -198,7 +198,7 @@ def gpu_request(spec: ResolvedSpec) -> str:
     if spec.run.job.unequal_nodes:
         typed = slurm.gres_name.split(":")[1:]  # "gpu:h100" -> h100
         return f"--gpus={':'.join([*typed, str(sum(spec.node_procs))])}"
-    gpus = slurm.gpus_per_node
+    gpus = spec.gpus_per_node
     return f"--gres={slurm.gres_name}:{gpus}" if slurm.gpu_request == "gres" else f"--gpus-per-node={gpus}"
 
 
@@ -260,7 +260,7 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         "rdzv_backend": "static" if unequal else "c10d",
         "cpus_per_task": slurm.cpus_per_node,
         "omp_threads": _omp_threads(spec, procs),
-        "gpus_per_node": slurm.gpus_per_node,
+        "gpus_per_node": spec.gpus_per_node,
         # GPUs asked for the whole job (--gpus, unequal nodes: gpu_request), not per node.
         "job_wide_gpus": bool(slurm.gpus_per_node) and unequal,
         "time_seconds": job.time,
@@ -425,7 +425,7 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
         # too, so that `jobgen doctor --clear` releases a node only if the site's check passes.
         "probe": bool(site.health_check or slurm.gpus_per_node),
         "health_check": site.health_check,
-        "probe_gpus": slurm.gpus_per_node,
+        "probe_gpus": spec.gpus_per_node,
         # Where ranks compute on the GPUs, the probe also asks the driver (nvidia-smi) what it sees.
         "probe_driver": slurm.computes_on_gpu,
         "probe_timeout_seconds": PROBE_TIMEOUT_SECONDS,

@@ -49,6 +49,7 @@ class ProfileChoices:
     qos: str | None = None
     reservation: str | None = None
     gres_name: str | None = None  # None: "gpu:<type>" when every node has one type, else "gpu"
+    gpu_compute: bool = True  # False: the GPUs are scheduled but not computed on (the dev cluster's fake ones)
 
 
 # ---------------------------------------------------------------- values
@@ -151,7 +152,10 @@ def _gpu_keys(nodes: tuple[Node, ...], shapes: tuple[Shape, ...], choices: Profi
     types = {n.gpu_type for n in nodes}
     gres = choices.gres_name or (f"gpu:{types.pop()}" if len(types) == 1 and None not in types else "gpu")
     lines.append(f"gres_name = {toml_string(gres)}  # what --gres=<gres_name>:<n> asks for")
-    lines.append("# gpu_compute = false  # where the GPUs Slurm schedules are not for computing (the dev cluster's)")
+    if choices.gpu_compute:
+        lines.append("# gpu_compute = false  # where the GPUs Slurm schedules are not computed on (the dev cluster's)")
+    else:
+        lines.append("gpu_compute = false  # the GPUs are scheduled, the ranks compute on the CPU (--no-gpu-compute)")
     return lines
 
 

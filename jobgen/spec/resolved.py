@@ -69,6 +69,13 @@ class ResolvedSpec:
         return max(self.node_procs)
 
     @property
+    def gpus_per_node(self) -> int:
+        """The GPUs each node is asked for on a GPU site: one per process of the node with the most
+        (a node's other GPUs would idle, and on a cluster whose nodes differ a request of the
+        site's largest count fits only the largest nodes); 0 on a CPU site."""
+        return self.procs_per_node if self.site.slurm.gpus_per_node else 0
+
+    @property
     def world_size(self) -> int:
         return self.run.job.world_size(self.default_procs_per_node)
 

@@ -37,8 +37,11 @@ def test_each_rank_takes_its_local_ranks_entry_of_the_nodes_gpus():
 
 
 def test_equal_nodes_ask_each_node_and_unequal_ones_the_whole_job(tmp_path):
+    # One GPU per process: 2 processes on nodes of 3 GPUs ask for 2 (asking for 3 fitted only the
+    # largest nodes of a cluster whose nodes differ, and left one idle on each).
     equal = load_run(spec(tmp_path / "a"))
-    assert "--gres=gpu:3" in sbatch_directives(equal)
+    assert "--gres=gpu:2" in sbatch_directives(equal) and equal.gpus_per_node == 2
+    assert "--gres=gpu:3" in sbatch_directives(load_run(spec(tmp_path / "d", job={"procs_per_node": 3})))
     unequal = load_run(spec(tmp_path / "b", job={"procs_per_node": [3, 1], "nodelist": ["node1", "node2"]}))
     directives = sbatch_directives(unequal)
     assert "--gpus=4" in directives and not any(d.startswith("--gres") for d in directives), directives
@@ -78,7 +81,7 @@ def test_preflight_places_unequal_nodes_only_where_each_has_its_entrys_gpus(tmp_
 
 def test_preflight_names_each_nodes_gpus_when_too_few_have_enough(tmp_path):
     site = {**GPU_SITE, "slurm": {**GPU_SITE["slurm"], "gpus_per_node": 4}}
-    loaded = load_run(spec(tmp_path, site=site, job={"procs_per_node": 1}))
+    loaded = load_run(spec(tmp_path, site=site, job={"procs_per_node": 4}))
     facts = _ClusterFacts(
         (22, 5), {"debug": PART}, "debug", PART, None, frozenset(NODES), frozenset(), frozenset(), NODES
     )
@@ -86,6 +89,9 @@ def test_preflight_names_each_nodes_gpus_when_too_few_have_enough(tmp_path):
     assert error.level == "error" and "0 node(s) of partition 'debug' have that (node1 3, node2 1, node3 2)" in (
         error.message
     ), error.message
+    # 2 processes a node ask for 2 GPUs, which two of the nodes have (the site's 4 would fit none).
+    fits = load_run(spec(tmp_path / "two", site=site, job={"procs_per_node": 2}))
+    assert not [f for f in _decide(fits, facts) if f.key == "site.slurm.gpus_per_node"]
 
 
 def test_a_site_that_computes_on_the_cpu_counts_slurms_gpus_not_the_drivers(tmp_path):
