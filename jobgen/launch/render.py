@@ -423,7 +423,7 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
         "exit": {code.name.lower(): int(code) for code in ExitCode},
         # The start probe (every node, before the launch): what it checks. The doctor runs it
         # too, so that `jobgen doctor --clear` releases a node only if the site's check passes.
-        "probe": bool(site.health_check or slurm.gpus_per_node),
+        "probe": bool(site.health_check or slurm.gpus_per_node or site.python.activation_file),
         "health_check": site.health_check,
         "probe_gpus": spec.gpus_per_node,
         # Where ranks compute on the GPUs, the probe also asks the driver (nvidia-smi) what it sees.

@@ -162,7 +162,7 @@ def test_signal_trap_and_wait_loop():
     assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600" in train  # torchrun default 30 s would cut a save on SIGTERM
     # torchrun's agent must survive a USR1 sent to the whole step; the workers catch it.
     assert text.index("trap '' USR1 USR2") < text.index("exec torchrun")
-    assert text.index("trap 'request_stop") < text.index('srun --nodes="$SLURM_JOB_NUM_NODES"')
+    assert text.index("trap 'request_stop") < text.index("launch_program() {")  # the launch's srun is in it
 
 
 @pytest.mark.parametrize(
