@@ -6,8 +6,8 @@ Each problem names the file it comes from and the key path inside that file, so
     examples/run.toml: job.nodes: Input should be greater than or equal to 1
     site_configs/h100-ib.toml: network.ifname: String should match pattern ...
 
-The site reference is either a name (``site = "local"`` → ``site_configs/local.toml``,
-or a profile in ``$JOBGEN_SITE_PATH``), a path to a TOML file, or a table
+The site reference is either a name (``site = "local"``: ``local.toml`` in the first directory of
+:func:`site_search_path` that has one), a path to a TOML file, or a table
 ``[site] profile = "local"`` whose other keys override the profile's.
 """
 

@@ -203,7 +203,8 @@ def _header(title: str, command: str, intro: str) -> list[str]:
 
 def _top_level_section() -> list[str]:
     site = (
-        'Site profile: a name such as `"local"` (site_configs/local.toml), a path to a TOML file, or a '
+        'Site profile: a name such as `"local"` (its file in ~/.config/jobgen/sites/ or the bundled ones), '
+        "a path to a TOML file, or a "
         "`[site]` table with `profile` (a name or path) and overrides of any key of the profile, "
         "e.g. `network.debug = true` (see [site.md](site.md))."
     )
@@ -232,11 +233,12 @@ def run_markdown() -> str:
 
 
 def site_markdown() -> str:
-    """The reference of a site profile (site_configs/<name>.toml)."""
+    """The reference of a site profile (<name>.toml)."""
     lines = _header(
         "Site profile reference",
         SITE_COMMAND,
-        "A site profile (site_configs/<name>.toml, or any path) holds what belongs to the cluster rather "
+        "A site profile (<name>.toml in $JOBGEN_SITE_PATH, ~/.config/jobgen/sites/ or jobgen's bundled "
+        "profiles, or any path) holds what belongs to the cluster rather "
         "than to one job; a run names it with `site` and may override any key in a `[site]` table. "
         "Unknown keys are errors.",
     )

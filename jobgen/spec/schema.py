@@ -22,7 +22,7 @@ def run_schema() -> dict[str, Any]:
         "type": "object",
         "description": "A site profile plus overrides of any of its keys.",
         "properties": {
-            "profile": {"type": "string", "description": "Profile name (site_configs/<name>.toml) or path."},
+            "profile": {"type": "string", "description": "Profile name (<name>.toml on the site search path) or path."},
             **{k: v for k, v in site["properties"].items() if k != "name"},
         },
         "required": ["profile"],

@@ -1,7 +1,8 @@
 """Site profile: everything that belongs to the cluster rather than to one job.
 
-A profile lives in ``site_configs/<name>.toml`` (or any path) and is chosen by the
-run's top-level ``site`` key. The run may override any key of it, e.g.::
+A profile lives in ``<name>.toml`` (``jobgen site init`` writes
+``~/.config/jobgen/sites/<name>.toml``; jobgen ships some in ``jobgen/bundled/site_configs/``),
+or any path, and is chosen by the run's top-level ``site`` key. The run may override any key of it, e.g.::
 
     [site]
     profile = "h100-ib"
