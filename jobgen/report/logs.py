@@ -88,13 +88,14 @@ class Source:
 
 def _slurm_names(run: RunDir) -> dict[str, str]:
     """job id -> ARRAYID_TASK, from the records of the batch script and the trainer (each
-    read by its typed reader: a record that is none is left out)."""
+    read by its typed reader: a record that is none is left out). A task outside an array (a
+    ``--local`` run's: task 1, no array id) is JOBID_1, as ``jobgen status`` names it."""
     names: dict[str, str] = {}
     records = [*read_task_records(run).values(), *read_tasks(run.path / "tasks.jsonl")]
     for record in records:
         job, array, index = record.get("job_id"), record.get("array_job_id"), record.get("array_task")
-        if job and array and as_int(index) is not None:
-            names[str(job)] = f"{array}_{index}"
+        if job and as_int(index) is not None:
+            names[str(job)] = f"{array or job}_{index}"
     return names
 
 

@@ -267,3 +267,14 @@ def test_a_task_the_logs_do_not_know_is_named_with_the_tasks_they_do(tmp_path):
     for name in ("2", "5_2", "7"):  # the array index, Slurm's name and the job id all find it
         found = jobgen("logs", str(run.path), "--task", name, "--all")
         assert found.returncode == 0 and found.stdout.splitlines() == lines(run), (name, found.stderr)
+
+
+def test_a_local_runs_task_is_found_by_the_name_and_index_status_shows(tmp_path):
+    """Issue 46: a ``--local`` run's task (no array job id, task 1) is shown by status as
+    JOBID_1; `jobgen logs RUN --task 1` found nothing (only the bare job id matched)."""
+    run = lay_out(tmp_path, recorded_run(tmp_path, JOB_HEAD.replace('"stat"', '"demo"') + 'program = "doctor"\n'))
+    run.task_record(7, 0).write_text(json.dumps({"job_id": "7", "array_job_id": "", "array_task": "1"}))
+    for name in ("1", "7_1", "7"):
+        found = jobgen("logs", str(run.path), "--task", name, "--all")
+        assert found.returncode == 0 and found.stdout.splitlines() == lines(run), (name, found.stderr)
+        assert found.stdout.startswith("7_1 | ")
