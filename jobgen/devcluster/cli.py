@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from . import instances
+from . import instances, nodelocal
 from .config import DEBUG_MAX_TIME, DEFAULT_PARTITION, SHORT_MAX_TIME
 from .lifecycle import DEFAULT_TIMEOUT, status, up
 from .state import STATE_DIR_ENV, ClusterError, ClusterInfo
@@ -139,6 +139,7 @@ def _print_status(info: ClusterInfo) -> None:
     click.echo(
         f"partitions:  {DEFAULT_PARTITION} (default, MaxTime {DEBUG_MAX_TIME}), short (MaxTime {SHORT_MAX_TIME})"
     )
+    click.echo(f"node-local:  {nodelocal.describe(info)}")
     _print_daemons(info)
     rows = [("NODE", "ADDR", "PORT", "CPUS", "GPUS", "STATE", "SLURMD")]
     for node in info.nodes:

@@ -116,6 +116,20 @@ class Layout:
     def mariadb_log(self) -> Path:
         return self.mariadb_dir / "mariadbd.log"
 
+    @property
+    def node_local(self) -> Path:
+        """The path every node sees as a directory of its own, as a real cluster's nodes see
+        their own /local/scratch (jobgen.devcluster.nodelocal); on the host an empty mountpoint."""
+        return self.root / "node-local"
+
+    @property
+    def nodes_dir(self) -> Path:
+        return self.root / "nodes"
+
+    def node_local_source(self, node: str) -> Path:
+        """``node``'s own directory, which it sees at :attr:`node_local`: the host's view of it."""
+        return self.nodes_dir / node / "local"
+
     def slurmd_pidfile(self, node: str) -> Path:
         return self.run_dir / f"slurmd.{node}.pid"
 

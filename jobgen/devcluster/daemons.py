@@ -13,6 +13,9 @@ What ``up`` runs, for a state dir S::
     slurmctld -D -i -f S/slurm.conf
     slurmd -D -f S/slurm.conf -N node1          (netns mode: nsenter --net=/run/netns/jgnode1 slurmd ...)
 
+and, where the nodes can have node-local directories (root, util-linux), each slurmd behind
+``unshare --mount ... sh -c 'mount --bind ... && exec "$@"'`` (see nodelocal.py).
+
 Daemons run in the foreground of their own session (``-D`` under
 ``start_new_session``), so the pid is known at once and an early crash is
 noticed while ``up`` is still waiting, instead of after a timeout.
@@ -32,7 +35,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import procs
+from . import nodelocal, procs
 from .config import Layout
 from .state import ClusterError, State
 
@@ -222,12 +225,19 @@ def start_slurmctld(layout: Layout, env: dict[str, str]) -> int:
     )
 
 
-def start_slurmd(layout: Layout, env: dict[str, str], node: str, netns_path: str | None) -> int:
+def start_slurmd(
+    layout: Layout, env: dict[str, str], node: str, netns_path: str | None, node_local: bool = False
+) -> int:
+    """Start ``slurmd -N node``, in the node's network namespace (netns mode) and with its own
+    mount namespace for the node-local directory (``node_local``); each wrapper execs the next,
+    so the pid is slurmd's."""
     argv = ["slurmd", "-D", "-f", str(layout.slurm_conf), "-N", node]
     if netns_path:
         # nsenter, not `ip netns exec`: the latter remounts /sys, and slurmd
         # then fails to initialise.  nsenter execs slurmd, so the pid is slurmd's.
         argv = ["nsenter", f"--net={netns_path}", "--", *argv]
+    if node_local:
+        argv = nodelocal.wrap(argv, layout, node)
     return spawn(argv, layout.stdout_log(f"slurmd.{node}"), env, cwd=str(layout.root))
 
 

@@ -25,7 +25,7 @@ import socket
 import time
 from pathlib import Path
 
-from . import accounting, daemons, instances, procs
+from . import accounting, daemons, instances, nodelocal, procs
 from . import netns as netns_mod
 from .config import (
     DEFAULT_PARTITION,
@@ -57,7 +57,7 @@ DEFAULT_TIMEOUT = 120.0
 # What a state dir may hold; anything else means the directory is not ours to wipe.
 OUR_ENTRIES = {
     *("state.json", "slurm.conf", "slurmdbd.conf", ".slurmdbd.conf.tmp", "gres.conf"),
-    *("log", "run", "slurmctld", "spool", "mariadb", "gpus"),
+    *("log", "run", "slurmctld", "spool", "mariadb", "gpus", "node-local", "nodes"),
 }
 
 
@@ -237,6 +237,8 @@ def _fresh_up(
     layout.mkdirs(names)
     state = State(info=_new_cluster_info(layout, instance, names, net_plan, cpus, mem_mb))
     state.info.gpus = {name: count for name, count in zip(names, gpus) if count}
+    if not nodelocal.set_up(state.info, layout, daemons.DAEMON_PATH):
+        log(f"node-local directories: {nodelocal.UNAVAILABLE}")
     state.info.slurmdbd_port = accounting.pick_port(instance.port(SLURMDBD_PORT), "slurmdbd")
     state.info.mariadb_port = accounting.pick_port(instance.port(MARIADB_PORT), "the cluster's MariaDB")
     state.resources.apt_installed = apt_installed
@@ -415,7 +417,8 @@ def _start_slurm(state: State, layout: Layout, only: set[str] | None, timeout: f
         watched["slurmctld"] = pid
         _wait_for_controller(layout, pid, info.nodes, timeout)
     for node in names:
-        pid = daemons.start_slurmd(layout, env, node, netns_mod.ns_path(node) if info.netns else None)
+        netns_path = netns_mod.ns_path(node) if info.netns else None
+        pid = daemons.start_slurmd(layout, env, node, netns_path, node_local=bool(info.node_local))
         res.daemons[f"slurmd:{node}"] = pid
         save_state(state)
         watched[f"slurmd:{node}"] = pid
@@ -456,6 +459,8 @@ def _repair(state: State, timeout: float) -> None:
             raise ClusterError(
                 f"the network namespaces of {', '.join(missing)} are gone; run `jobgen cluster down` and `up` again"
             )
+    if state.info.node_local:
+        nodelocal.make_dirs(layout, state.info.nodes)  # a slurmd whose directory is gone would not start
     env = daemons.daemon_env(Path(state.info.state_dir), layout.slurm_conf)
     accounting.start(state, layout, env, dead & set(accounting.DAEMONS), timeout)
     slurm = {name.removeprefix("slurmd:") for name in dead - set(accounting.DAEMONS)}

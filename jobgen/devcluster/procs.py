@@ -107,6 +107,23 @@ def pids_in_netns(ns_paths: Iterable[str]) -> set[int]:
     return found
 
 
+def mntns_inode(pid: int | str) -> int | None:
+    return netns_inode(f"/proc/{pid}/ns/mnt")
+
+
+def pids_in_node_mntns(pids: Iterable[int]) -> set[int]:
+    """Every process in the mount namespace of one of ``pids`` that are slurmd or slurmstepd,
+    where that is a node's own (jobgen.devcluster.nodelocal): with the job processes that left
+    their step's process tree and dropped the marker. A namespace this process or pid 1 is in
+    is never a node's, so nothing of the host's is ever taken for the cluster's."""
+    host = {mntns_inode("self"), mntns_inode(1)}
+    daemons = [p for p in pids if comm(p) in ("slurmd", "slurmstepd")]
+    inodes = {ino for ino in map(mntns_inode, daemons) if ino is not None} - host
+    if not inodes:
+        return set()
+    return {pid for pid in all_pids() if mntns_inode(pid) in inodes}
+
+
 def marked_pids(state_dir: str, slurm_conf: str) -> set[int]:
     """Our daemons and steps (by marker), and tasks that slurmd launched for us.
 

@@ -87,6 +87,11 @@ class ClusterInfo:
     created_at: float = 0.0
     # Fake GPUs (GRES gpu) per node, `cluster up --gpus`; none on a node not named.
     gpus: dict[str, int] = field(default_factory=dict)
+    # The path each node sees as a directory of its own, like a real node's /local/scratch
+    # (jobgen.devcluster.nodelocal), and, node by node, where the host finds that directory.
+    # "" and {} where the nodes cannot have one (not root, no unshare), or in a record from before.
+    node_local: str = ""
+    node_local_dirs: dict[str, str] = field(default_factory=dict)
     node_states: dict[str, str] = field(default_factory=dict)
     daemons: dict[str, int] = field(default_factory=dict)
 

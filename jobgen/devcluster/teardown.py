@@ -5,9 +5,10 @@ and ``up`` too, on a stale record or after a failed start. It stops the Slurm da
 included) and every job process below them, then the cluster's MariaDB, munged if ``up``
 started it, then removes the munge key and run dir,
 /etc/slurm/slurm.conf and the /etc/hosts block if ``up`` created them, and the
-network namespaces, veths and bridge. Pids are verified against their command
-line first; errors are collected, and the state dir is removed only when there
-were none, so that ``down`` can be run again.
+network namespaces, veths and bridge. The nodes' mount namespaces (nodelocal.py) end with
+their last process, and their node-local directories go with the state dir. Pids are verified
+against their command line first; errors are collected, and the state dir is removed only when
+there were none, so that ``down`` can be run again.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def teardown(state: State) -> list[str]:
     roots |= procs.marked_pids(info.state_dir, info.slurm_conf)
     if info.netns:
         roots |= procs.pids_in_netns(netns_mod.ns_path(n) for n in info.nodes)
+    if info.node_local:
+        roots |= procs.pids_in_node_mntns(roots)
     targets = procs.with_descendants(roots)
     if targets:
         stepds = {p for p in targets if procs.comm(p) == "slurmstepd"}
