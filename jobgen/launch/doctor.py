@@ -8,8 +8,10 @@ environment of the site profile work on those nodes.
 
 This module owns submitting the doctor job, waiting for it and reporting its result.
 The result is the ``doctor.json`` the doctor program (``trainer.doctor``) writes into
-the run directory: the verdict and the table to print. The job's log is only shown,
-as it is, when that file is missing.
+the run directory: the verdict and the table to print, then the site checks (what the site
+profile asks of the nodes: the interface to the head node, the transport, the snapshot
+tmpfs, the shared directories, the Python environment; each failing one with the profile
+key that fixes it). The job's log is only shown, as it is, when that file is missing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import click
 
 from jobgen.base.durations import parse_duration
 from jobgen.base.exit_codes import ExitCode
+from jobgen.base.visible import visible
 from jobgen.launch.submit import SubmitError, submit
 from jobgen.runs import quarantine
 from jobgen.runs.rundir import RunDir
@@ -86,13 +89,41 @@ def report(run: RunDir, job_id: int) -> int:
     verdict = json.loads(verdict_file.read_text())
     if verdict.get("table"):
         click.echo("\n".join(["jobgen doctor:", *verdict["table"]]))
+    site = site_table(verdict)
+    if site:
+        click.echo("\n".join(site))
     bad = bad_nodes(verdict)
     if bad:
         click.echo(
             f"jobgen doctor: to keep jobs off the failing nodes: --exclude={','.join(bad)}"
             f"  (in run.toml: [job] exclude = [{', '.join(json.dumps(n) for n in bad)}])"
         )
-    return int(ExitCode.OK if verdict.get("ok") else ExitCode.DOCTOR_FAILED)
+    site_ok = all(isinstance(c, dict) and c.get("ok") for c in verdict.get("site_checks") or [])
+    return int(ExitCode.OK if verdict.get("ok") and site_ok else ExitCode.DOCTOR_FAILED)
+
+
+SITE_HEADER = ("site check", "node(s)", "result", "found", "fix")
+
+
+def site_table(verdict: dict) -> list[str]:
+    """The site checks of a doctor verdict (its ``site_checks``: what the site profile asks of
+    the nodes) as table lines: check, node(s), ok/FAIL, what was found, the fix naming the
+    profile key. Nodes with the same result share a line; a verdict without site checks gives
+    none, or one line saying why they were skipped."""
+    checks = [c for c in verdict.get("site_checks") or [] if isinstance(c, dict)]
+    if not checks:
+        skipped = verdict.get("site_checks_skipped")
+        return [f"site checks skipped: {visible(skipped)}"] if skipped else []
+    everyone = sorted(map(str, verdict.get("nodes") or []))
+    rows = [SITE_HEADER]
+    for check in checks:
+        nodes = [str(n) for n in check.get("nodes") or []]
+        where = f"all {len(nodes)} nodes" if len(nodes) > 1 and sorted(nodes) == everyone else ",".join(nodes)
+        cells = (check.get("check"), where, "ok" if check.get("ok") else "FAIL", check.get("found"), check.get("fix"))
+        rows.append(tuple(visible(cell) if cell not in (None, "") else "-" for cell in cells))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(SITE_HEADER) - 1)]
+    lines = ["  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[-1]]).rstrip() for row in rows]
+    return [lines[0], "-" * len(lines[0]), *lines[1:]]
 
 
 def bad_nodes(verdict: dict) -> list[str]:

@@ -294,7 +294,12 @@ def _validate_site(
         base = run_dir if ("python", "conda_env") in overridden else site_path.parent
         site.python.conda_env = absolute_path(env, base)
     # kind = "auto": the environment running this, recorded as what it is (jobgen.spec.python_env).
-    site.python = resolve_python(site.python)
+    try:
+        site.python = resolve_python(site.python)
+    except ValidationError as exc:  # its path cannot go into a batch script (a space, a quote)
+        words = _message(exc.errors()[0])
+        message = f"kind = 'auto': the environment running jobgen ({sys.prefix}) cannot be used: {words}"
+        return None, [SpecIssue(str(site_path), "python", message + "; set [python] kind and its path")]
     return site, []
 
 

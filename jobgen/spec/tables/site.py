@@ -272,6 +272,10 @@ class PathSettings(SpecModel):
     )
 
 
+# The key that names each kind's environment: a table with one of them and no kind is that kind.
+_KIND_OF_KEY = {"venv": "venv", "conda_env": "conda", "prefix": "prefix"}
+
+
 class PythonSettings(SpecModel):
     """How the job's Python environment is activated on every node."""
 
@@ -319,8 +323,25 @@ class PythonSettings(SpecModel):
         ),
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_from_its_key(cls, data: object) -> object:
+        """A table that names one environment and no kind is that kind: ``[python] venv = ...``
+        meant a venv when kind defaulted to 'venv', and must not become the submitter's."""
+        if isinstance(data, dict) and "kind" not in data:
+            named = [kind for key, kind in _KIND_OF_KEY.items() if data.get(key) is not None]
+            if len(named) == 1:
+                return {**data, "kind": named[0]}
+        return data
+
     @model_validator(mode="after")
     def _check_kind(self) -> PythonSettings:
+        given = [key for key in _KIND_OF_KEY if getattr(self, key) is not None]
+        if self.kind == "auto" and given:
+            raise ValueError(
+                f"kind = 'auto' activates the environment that runs `jobgen submit`; '{given[0]}' names another: "
+                f"set kind = '{_KIND_OF_KEY[given[0]]}', or remove '{given[0]}'"
+            )
         needs = {"venv": ("venv", self.venv), "conda": ("conda_env", self.conda_env), "prefix": ("prefix", self.prefix)}
         if self.kind in needs and not needs[self.kind][1]:
             raise ValueError(f"kind = '{self.kind}' needs '{needs[self.kind][0]}'")
