@@ -108,7 +108,7 @@ SCRIPT_OWNED = frozenset(
     | {"RESTARTS", "IN_JOB_RESTARTS", "JOBGEN_EXIT_CODES", "RELAUNCH_EXIT_CODES", "LAUNCH", "STOP_CAUGHT"}
     | {"HANG_TIMEOUT", "HANG_VERDICT", "LAST_HANG_STEP", "WATCHER_PID", "LAUNCH_NODES"}
     # the scripts' lower-case working variables
-    | {"status", "words", "tmp", "marker", "lead", "end", "task", "code", "slurm_exit", "s", "switch"}
+    | {"status", "words", "tmp", "marker", "lead", "end", "task", "code", "slurm_exit", "s", "switch", "python_env"}
     | {"node", "gpus", "given", "given_count", "out", "probe_out", "probe_failed", "line", "why", "blamed"}
     | {"trainer_status", "left", "deadline", "live", "tasks", "answer", "outcome", "throttle", "restarted"}
     | {"hung_step", "newest", "now", "stacks", "stamp", "step", "target", "chosen", "nodes", "count", "clock"}
