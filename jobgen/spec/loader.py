@@ -27,6 +27,7 @@ from jobgen.base.paths import SITE_CONFIGS_DIR, user_config_dir
 from jobgen.program import placeholders
 from jobgen.spec.data_files import looks_like_hub_id
 from jobgen.spec.named_files import data_problems, model_problems
+from jobgen.spec.node_shapes import place
 from jobgen.spec.python_env import resolve_python
 from jobgen.spec.resolved import ResolvedSpec
 from jobgen.spec.site_fit import site_problems
@@ -189,6 +190,7 @@ def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> R
         issues.extend(SpecIssue(run_label, key, message) for key, message in data_problems(run))
         issues.extend(_check_env_placeholders(run, run_label))
     if run is not None and site is not None:
+        run = _placed(run, site)
         issues.extend(_cross_check(run, site, run_label))
         worlds = [run.job.world_size(site.slurm.default_procs_per_node, n) for n in run.job.node_counts]
         issues.extend(SpecIssue(run_label, key, message) for key, message in model_problems(run, worlds))
@@ -459,6 +461,18 @@ def _check_env_placeholders(run: RunSpec, run_label: str) -> list[SpecIssue]:
         except placeholders.PlaceholderError as exc:
             issues.append(SpecIssue(run_label, key_path(("env", name)), str(exc)))
     return issues
+
+
+def _placed(run: RunSpec, site: SiteProfile) -> RunSpec:
+    """Unequal nodes on a GPU site with no job.nodelist: the nodes the site's node_shapes give
+    them (jobgen.spec.node_shapes), written into the run's nodelist (spec.json records them)."""
+    job = run.job
+    if job.nodelist or not job.unequal_nodes or not site.slurm.gpus_per_node or not site.slurm.node_shapes:
+        return run
+    chosen = place(job.node_procs(site.slurm.default_procs_per_node), site.slurm.node_shapes)
+    if chosen is None:
+        return run
+    return run.model_copy(update={"job": job.model_copy(update={"nodelist": [",".join(chosen)]})})
 
 
 def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:

@@ -58,14 +58,15 @@ def _unequal_gpu_nodes(run: RunSpec, site: SiteProfile) -> list[Problem]:
     their entry's GPUs, leave it one way to split them (preflight compares the counts)."""
     counts = run.job.node_procs(site.slurm.default_procs_per_node)
     issues: list[Problem] = []
-    if not run.job.nodelist:
+    if not run.job.nodelist:  # the loader names them from slurm.node_shapes where it can (jobgen.spec.node_shapes)
+        described = " (the site's slurm.node_shapes has no such nodes in that order)" if site.slurm.node_shapes else ""
         issues.append(
             (
                 "job.nodelist",
                 f"job.procs_per_node {list(counts)} on a GPU site needs the {len(counts)} nodes named (job.nodelist), "
                 f"in the order of the entries: one request of {sum(counts)} GPUs (--gpus) is split by Slurm over "
                 "whichever nodes it picks, and only nodes with exactly "
-                f"{' and '.join(map(str, counts))} GPUs leave it one way to split them",
+                f"{' and '.join(map(str, counts))} GPUs leave it one way to split them{described}",
             )
         )
     if site.slurm.gres_name.split(":")[0] != "gpu":

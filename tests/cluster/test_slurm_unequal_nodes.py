@@ -94,3 +94,20 @@ def test_three_and_one_processes_train_resume_exactly_and_complete(cluster, clus
 
     text = jobgen("status", str(run.path), check=True).stdout
     assert "nodes    2 nodes with 3 + 1 processes = world size 4" in text, text
+
+
+def test_the_profile_site_init_wrote_places_3_and_1_without_a_nodelist(cluster, cluster_run, tmp_path, monkeypatch):
+    """Issue 46: `jobgen site init` describes the nodes (slurm.node_shapes: 3, 1 and 2 GPUs), and a
+    run with procs_per_node = [3, 1] and no job.nodelist validates against that profile as it is
+    and is placed on the node with 3 GPUs and the one with 1, a GPU of its own per rank."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    jobgen("site", "init", "devgpus", "--ifname", "eth0", "--no-gpu-compute", check=True)
+    run = cluster_run("uneq-shapes", nodes=2, procs_per_node=[3, 1], site="devgpus", max_steps=3, parallelism="ddp")
+    checked = jobgen("validate", str(run.spec), check=True)
+    assert "site 'devgpus'" in checked.stdout
+    job = submit(run.spec)
+    wait_for(lambda: (run.path / "done").exists(), 240, "the run placed from the profile's node shapes")
+    (task,) = run_status(run.path)["tasks"]
+    assert slurm.hostnames(task["nodes"]) == [node(1), node(2)], task
+    expected = {0: (node(1), 0, "0"), 1: (node(1), 1, "1"), 2: (node(1), 2, "2"), 3: (node(2), 0, "0")}
+    assert rank_places(run.path, job) == expected
