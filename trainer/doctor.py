@@ -15,9 +15,17 @@ A failing check is recorded, not raised, so that rank 0 can still collect every
 rank's report, print one table per node, name the nodes that failed or whose
 versions differ, and write ``doctor.json`` into the run directory.
 
+Then the site checks, where the run directory holds the spec.json jobgen wrote: whether
+every node gives what the site profile asks of it (network.ifname routes to the head node,
+the transport has its devices, the snapshot tmpfs is large enough, the shared directories
+are one filesystem, the Python environment has the trainer's modules). Each node's local
+rank 0 reads its node (trainer.site_facts), rank 0 judges and merges the results
+(trainer.site_checks); a failed one fails the verdict and names the profile key to change.
+
 ``doctor.json`` is the structured result: the verdict (``ok``, failed nodes, version
-differences, every rank's report) and the printed table (``table``, one line each).
-``jobgen doctor`` and ``jobgen status`` read it, never the job's log.
+differences, every rank's report), the printed table (``table``, one line each) and the
+site checks (``site_checks``: check, nodes, ok, found, fix; ``site_checks_skipped`` says
+why there are none). ``jobgen doctor`` and ``jobgen status`` read it, never the job's log.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ import torch.distributed as dist
 
 from jobgen.base.atomic import write_json_atomic
 from jobgen.base.exit_codes import ExitCode
+from trainer.site_checks import NodeFacts, SitePlan, judge, merge
+from trainer.site_facts import plan_site_checks, read_node, remove_probes
 
 BANDWIDTH_MIB = 16
 
@@ -125,8 +135,11 @@ def check_bandwidth(device: torch.device) -> float:
     return round(algbw * 2 * (world - 1) / world, 3) if world > 1 else round(algbw, 3)
 
 
-def summarise(reports: list[dict[str, Any]], expected_world: int) -> tuple[list[str], dict[str, Any]]:
-    """Per-node table lines and the verdict, from every rank's report."""
+def summarise(
+    reports: list[dict[str, Any]], expected_world: int, site_checks: list[dict[str, Any]] | None = None
+) -> tuple[list[str], dict[str, Any]]:
+    """Per-node table lines and the verdict, from every rank's report and the merged site checks
+    (a failed one fails the verdict)."""
     by_node: dict[str, list[dict[str, Any]]] = {}
     for rep in sorted(reports, key=lambda r: r["rank"]):
         by_node.setdefault(rep["node"], []).append(rep)
@@ -152,20 +165,16 @@ def summarise(reports: list[dict[str, Any]], expected_world: int) -> tuple[list[
             f"{reps[0]['torch']:<16} {reps[0]['nccl'] or '-'!s:<8} "
             f"{(min(bw) if bw else float('nan')):>10.3f}  {status}"
         )
-    ok = not failed_nodes and not mismatched and len(reports) == expected_world
+    ranks_ok = not failed_nodes and not mismatched and len(reports) == expected_world
+    site_failed = list(dict.fromkeys(str(c["check"]) for c in site_checks or [] if not c["ok"]))
     for node, problems in failed_nodes.items():
         lines.extend(f"FAILED {node}: {p}" for p in problems)
     for node, diffs in mismatched.items():
         lines.extend(f"VERSIONS DIFFER {node}: {d}" for d in diffs)
-    if ok:
-        lines.append(f"RESULT: all {len(reports)} ranks OK on {len(by_node)} node(s)")
-    else:
-        bad = sorted(set(failed_nodes) | set(mismatched))
-        lines.append(
-            f"RESULT: FAILED ({len(reports)}/{expected_world} ranks reported; bad nodes: {', '.join(bad) or 'none'})"
-        )
+    bad = sorted(set(failed_nodes) | set(mismatched))
+    lines.append(result_line(len(reports), expected_world, len(by_node), bad, site_failed))
     verdict = {
-        "ok": ok,
+        "ok": ranks_ok and not site_failed,
         "world_size": len(reports),
         "expected_world_size": expected_world,
         "nodes": sorted(by_node),
@@ -173,8 +182,78 @@ def summarise(reports: list[dict[str, Any]], expected_world: int) -> tuple[list[
         "version_mismatch": mismatched,
         "ranks": reports,
         "table": lines,  # what ``jobgen doctor`` prints, so it never reads the log
+        # What the site profile asks of the nodes, one entry per check and result (trainer.site_checks.merge).
+        "site_checks": site_checks or [],
     }
     return lines, verdict
+
+
+def result_line(ranks: int, expected_world: int, nodes: int, bad: list[str], site_failed: list[str]) -> str:
+    """The table's last line: every rank OK, or what failed (the bad nodes, the site checks)."""
+    site = f"site checks failed: {', '.join(site_failed)}"
+    if not bad and ranks == expected_world:
+        everyone = f"all {ranks} ranks OK on {nodes} node(s)"
+        return f"RESULT: FAILED: {site} ({everyone})" if site_failed else f"RESULT: {everyone}"
+    ranks_words = f"{ranks}/{expected_world} ranks reported; bad nodes: {', '.join(bad) or 'none'}"
+    return f"RESULT: FAILED ({ranks_words}{'; ' + site if site_failed else ''})"
+
+
+# --------------------------------------------------------------------------- site checks
+# What the site profile asks of every node: read on each node by its local rank 0
+# (trainer.site_facts), gathered to rank 0 and judged there (trainer.site_checks).
+
+
+def site_checks(run_dir: Path, report: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """Every rank: the site checks (trainer.site_checks). Rank 0 gets the merged entries for
+    doctor.json and why there were none (no spec.json); the other ranks (None, None)."""
+    rank = dist.get_rank()
+    box: list[Any] = [None]
+    held: list[tuple[int, str]] = []
+    if rank == 0:
+        try:
+            box[0], held = plan_site_checks(run_dir)
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait in the broadcast below
+            box[0] = SitePlan(skipped=f"site checks not planned: {type(exc).__name__}: {exc}")
+    mine: NodeFacts | None = None
+    everyone: list[Any] = [None] * dist.get_world_size()
+    try:
+        # Also the barrier between rank 0's writes and the nodes' reads of the probe files.
+        dist.broadcast_object_list(box, src=0)
+        plan: SitePlan = box[0]
+        if plan.needs is None:
+            return ([], plan.skipped) if rank == 0 else (None, None)
+        if report["local_rank"] == 0:
+            try:
+                mine = read_node(plan, report["node"])
+            except Exception as exc:  # noqa: BLE001 - the other ranks wait in the gather below
+                mine = NodeFacts(node=report["node"], errors={"site checks": f"{type(exc).__name__}: {exc}"})
+        dist.all_gather_object(everyone, mine)
+    finally:
+        remove_probes(held)  # every node has read them (or a collective failed)
+    if rank != 0:
+        return None, None
+    return merge(judge(plan, [facts for facts in everyone if facts is not None])), None
+
+
+def write_verdict(
+    args: argparse.Namespace, gathered: list[dict[str, Any]], site: list[dict[str, Any]] | None, skipped: str | None
+) -> bool:
+    """Rank 0: the tables printed into the job's log and the verdict written to doctor.json;
+    whether it is ok."""
+    lines, verdict = summarise(gathered, args.expected_world_size, site)
+    if skipped:
+        verdict["site_checks_skipped"] = skipped
+    try:  # the table jobgen doctor prints, in the log too; the doctor itself needs only torch
+        from jobgen.launch.doctor import site_table
+
+        site_lines = site_table(verdict)
+    except ImportError as exc:
+        site_lines = [f"site checks: in doctor.json (no table here: {exc})"]
+    print("\n".join(["jobgen doctor:", *lines, *site_lines]), flush=True)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    verdict["finished_at"] = dt.datetime.now(dt.timezone.utc).isoformat()
+    write_json_atomic(args.run_dir / "doctor.json", verdict)
+    return bool(verdict["ok"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,17 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         run_check(report, "memory", lambda: check_memory(device, args.alloc_mib))
         run_check(report, "bandwidth", lambda: check_bandwidth(device))
 
+        site, skipped = site_checks(args.run_dir, report)
         gathered: list[dict[str, Any]] | None = [None] * world if dist.get_rank() == 0 else None  # type: ignore[list-item]
         dist.gather_object(report, gathered, dst=0)
         verdict_box: list[Any] = [None]
         if dist.get_rank() == 0:
             assert gathered is not None
-            lines, verdict = summarise(gathered, args.expected_world_size)
-            print("\n".join(["jobgen doctor:", *lines]), flush=True)
-            args.run_dir.mkdir(parents=True, exist_ok=True)
-            verdict["finished_at"] = dt.datetime.now(dt.timezone.utc).isoformat()
-            write_json_atomic(args.run_dir / "doctor.json", verdict)
-            verdict_box[0] = (verdict["ok"], world == args.expected_world_size)
+            ok = write_verdict(args, gathered, site, skipped)
+            verdict_box[0] = (ok, world == args.expected_world_size)
         dist.broadcast_object_list(verdict_box, src=0)
         ok, right_size = verdict_box[0]
     finally:

@@ -296,7 +296,9 @@ def doctor(
     clear_run: str | None,
 ) -> None:
     """Node health job: every rank inits the process group, all-reduces, allocates
-    memory and reports versions; names the nodes that fail.
+    memory and reports versions; names the nodes that fail. Then it checks what the site
+    profile needs of every node (network.ifname, transport, /dev/shm, shared runs_root,
+    data_cache and hf_home, the environment), naming the profile key that fixes each failure.
 
     \b
     jobgen doctor --nodes 2
