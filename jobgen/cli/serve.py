@@ -146,6 +146,7 @@ def _start(
     site: str | None,
 ) -> NoReturn:
     from jobgen.base.durations import format_human
+    from jobgen.launch.environment import serve_environment_problem
     from jobgen.launch.executors import echo_bytes
     from jobgen.serve.status import ServeStateError, ensure_not_serving, wait_until_up
     from jobgen.serve.submit import ServeError, run_local, serve_job, submit_serve
@@ -160,6 +161,9 @@ def _start(
                 raise
             # --local is for machines without Slurm: a serve job recorded there cannot be asked about.
         job = serve_job(target, export=export, best=best, step=step, time_limit=time_limit, site_ref=site)
+        unservable = serve_environment_problem(job.site.python, here=local)
+        if unservable:
+            raise ServeError(unservable)
         what = f"model '{job.model_name}'" + (f" ({job.checkpoint} of {state.path})" if job.checkpoint else "")
         if local:
             limit = format_human(job.serve.time)

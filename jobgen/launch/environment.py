@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from jobgen.base.paths import CHECKOUT
 from jobgen.launch.preflight import Finding
 from jobgen.spec.resolved import ResolvedSpec
+from jobgen.spec.tables.site import PythonSettings
 
 PROBE_TIMEOUT_SECONDS = 60
 # Finds modules and reads files only: importing torch would take seconds.
@@ -167,3 +169,27 @@ def _facts_findings(spec: ResolvedSpec, facts: EnvironmentFacts, needed: list[tu
             )
         )
     return findings
+
+
+# What a served model's job imports in its environment (jobgen.serve.node starts `transformers
+# serve` or vLLM, both FastAPI apps under uvicorn), by the extra that installs each.
+SERVE_IMPORTS = (("train", "torch"), ("train", "transformers"), ("serve", "fastapi"), ("serve", "uvicorn"))
+
+
+def serve_environment_problem(python: PythonSettings, *, here: bool) -> str | None:
+    """Why the environment a serve job runs in cannot serve (``here``: this interpreter, for
+    ``--local``), in one line naming the extra; None when it can or cannot be asked."""
+    interpreter = sys.executable if here else python.interpreter
+    if interpreter is None or not Path(interpreter).exists():
+        return None
+    try:
+        facts = probe(interpreter, sorted({module for _, module in SERVE_IMPORTS}))
+    except ProbeFailed as exc:
+        return f"the serve job's environment does not answer: {exc}"
+    missing = [(extra, module) for extra, module in SERVE_IMPORTS if module in facts.missing]
+    if not missing:
+        return None
+    extras = ",".join(dict.fromkeys(extra for extra, _ in missing))
+    modules = ", ".join(module for _, module in missing)
+    prefix = Path(facts.python).parent.parent
+    return f"the serve job's environment ({prefix}) lacks {modules}: pip install 'jobgen[{extras}]' into it"

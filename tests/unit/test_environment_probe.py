@@ -121,3 +121,18 @@ def test_the_launch_line_uses_only_options_the_oldest_torchrun_has(spec_file: Pa
     options = set(re.findall(r"^\s+(--[a-z][a-z_-]*)", launch, re.MULTILINE))
     assert options and options <= TORCHRUN_2_5, options - TORCHRUN_2_5
     assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=" in text  # the grace for SIGTERM, where torch reads it
+
+
+def test_a_serve_jobs_environment_without_the_server_is_named(tmp_path: Path):
+    """Issue 46: `jobgen serve --local` without [serve] ended in a transformers traceback, exit 3."""
+    from jobgen.launch.environment import serve_environment_problem
+    from jobgen.spec.tables.site import PythonSettings
+
+    venv = bare_venv(tmp_path / "venv")
+    problem = serve_environment_problem(PythonSettings(kind="venv", venv=str(venv)), here=False)
+    assert problem == (
+        f"the serve job's environment ({venv}) lacks torch, transformers, fastapi, uvicorn: "
+        "pip install 'jobgen[train,serve]' into it"
+    )
+    assert serve_environment_problem(PythonSettings(kind="venv", venv=str(venv)), here=True) is None  # this one serves
+    assert serve_environment_problem(PythonSettings(kind="modules", modules=["cuda"]), here=False) is None
