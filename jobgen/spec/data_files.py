@@ -147,3 +147,34 @@ def prompts_file_problem(path: str | Path) -> str | None:
     except PromptsFileError as exc:
         return str(exc)
     return None
+
+
+def hub_caches(hf_home: str | None, environ: dict[str, str]) -> list[Path]:
+    """Where a dataset from the hub is found without downloading it: the site's paths.hf_home,
+    else $HF_HOME, else ~/.cache/huggingface."""
+    home = hf_home or environ.get("HF_HOME") or str(Path.home() / ".cache" / "huggingface")
+    return [Path(home).expanduser()]
+
+
+def in_hub_cache(repo_id: str, caches: list[Path]) -> bool:
+    """Whether ``repo_id`` was downloaded into one of ``caches`` (huggingface_hub's
+    ``hub/datasets--ORG--NAME`` or the datasets library's ``datasets/ORG___NAME``)."""
+    org, _, name = repo_id.rpartition("/")
+    hub = "datasets--" + "--".join(part for part in (org, name) if part)
+    legacy = "___".join(part for part in (org, name) if part)
+    return any((cache / "hub" / hub).is_dir() or (cache / "datasets" / legacy).is_dir() for cache in caches)
+
+
+def offline_hub_problem(value: str, base_dir: Path, caches: list[Path]) -> str | None:
+    """Where the site sets HF_HUB_OFFLINE: why ``value`` (a data path that is not on disk, so
+    taken for a hub id) cannot be read by the job, or None. Offline, a hub id is only what the
+    cache already holds; anything else is a local path that is missing."""
+    local = Path(value).expanduser()
+    local = local if local.is_absolute() else base_dir / local
+    if local.exists() or not looks_like_hub_id(value, data=True, bare_name=False) or in_hub_cache(value, caches):
+        return None
+    return (
+        f"'{value}' does not exist (resolved to {local}), and the site sets HF_HUB_OFFLINE=1, so it cannot be a "
+        f"dataset from the hub either: {', '.join(map(str, caches))} holds no copy of it. Give the local path, "
+        "or download it into the site's paths.hf_home first"
+    )

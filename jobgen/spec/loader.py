@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from jobgen.base.paths import SITE_CONFIGS_DIR, user_config_dir
 from jobgen.program import placeholders
-from jobgen.spec.data_files import looks_like_hub_id
+from jobgen.spec.data_files import hub_caches, looks_like_hub_id, offline_hub_problem
 from jobgen.spec.named_files import data_problems, model_problems
 from jobgen.spec.node_shapes import place
 from jobgen.spec.python_env import resolve_python
@@ -192,6 +192,7 @@ def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> R
     if run is not None and site is not None:
         run = _placed(run, site)
         issues.extend(_cross_check(run, site, run_label))
+        issues.extend(_offline_hub_ids(raw, base_dir, site, run_label))
         worlds = [run.job.world_size(site.slurm.default_procs_per_node, n) for n in run.job.node_counts]
         issues.extend(SpecIssue(run_label, key, message) for key, message in model_problems(run, worlds))
         issues.extend(_check_run_dir(run, site, run_label, site_path, overrides))
@@ -473,6 +474,22 @@ def _placed(run: RunSpec, site: SiteProfile) -> RunSpec:
     if chosen is None:
         return run
     return run.model_copy(update={"job": job.model_copy(update={"nodelist": [",".join(chosen)]})})
+
+
+def _offline_hub_ids(raw: dict[str, Any], base_dir: Path, site: SiteProfile, run_label: str) -> list[SpecIssue]:
+    """Where the site's jobs may not download (HF_HUB_OFFLINE), a data path that is not on disk
+    is a hub id only if the cache holds it (jobgen.spec.data_files.offline_hub_problem)."""
+    if site.env.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"):
+        return []
+    caches = hub_caches(site.paths.hf_home, dict(os.environ))
+    issues = []
+    for table in ("data", "eval"):
+        section = raw.get(table)
+        value = section.get("path") if isinstance(section, dict) else None
+        problem = offline_hub_problem(value, base_dir, caches) if isinstance(value, str) else None
+        if problem:
+            issues.append(SpecIssue(run_label, f"{table}.path", problem))
+    return issues
 
 
 def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:

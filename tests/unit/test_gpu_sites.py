@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_spec, spec_issues
+from helpers import DATA, run_spec, spec_issues
 from jobgen.launch.preflight import _ClusterFacts, _decide
 from jobgen.launch.render import render, sbatch_directives
 from jobgen.runtime.devices import MissingGpu, node_gpus, rank_gpu
@@ -22,7 +22,7 @@ GPU_SITE = {"profile": "local-gpu", "slurm": {"cpus_per_node": 4, "gpus_per_node
 def spec(tmp_path: Path, *, job=None, site=None) -> Path:
     job = {"time": "1h", "nodes": 2, "procs_per_node": 2, "runs_root": str(tmp_path / "runs"), **(job or {})}
     return run_spec(
-        tmp_path, "gpu", site=site or GPU_SITE, job=job, model={"path": "org/m"}, data={"path": "org/d"}, train={}
+        tmp_path, "gpu", site=site or GPU_SITE, job=job, model={"path": "org/m"}, data={"path": str(DATA)}, train={}
     )
 
 

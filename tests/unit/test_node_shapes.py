@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from helpers import run_spec, spec_issues
+from helpers import DATA, run_spec, spec_issues
 from jobgen.spec.loader import load_run
 from jobgen.spec.node_shapes import expand_hostlist, place
 from jobgen.spec.tables.site import NodeShape
@@ -48,7 +48,7 @@ def site_with_shapes(tmp_path: Path) -> str:
 
 def spec(tmp_path: Path, procs: list[int], site: str | dict[str, object]) -> Path:
     job = {"time": "1h", "nodes": 2, "procs_per_node": procs, "runs_root": str(tmp_path / "runs")}
-    return run_spec(tmp_path, "uneq", site=site, job=job, model={"path": "org/m"}, data={"path": "org/d"}, train={})
+    return run_spec(tmp_path, "uneq", site=site, job=job, model={"path": "org/m"}, data={"path": str(DATA)}, train={})
 
 
 def test_a_profile_that_describes_its_nodes_places_3_and_1_without_a_nodelist(tmp_path: Path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import run_spec, spec_issues
+from helpers import DATA, run_spec, spec_issues
 from jobgen.spec.global_batch import grad_accum_for, shape_for
 from jobgen.spec.loader import load_run
 from jobgen.spec.tables.pipeline import PipelineSpec
@@ -17,7 +17,7 @@ def spec(tmp_path, *, job=None, train=None, extra=None):
     job = {"time": "1h", "procs_per_node": 2, "nodes": 2, **(job or {})}
     train = {"micro_batch_size": 4, "parallelism": "pipeline", **(train or {})}
     return run_spec(
-        tmp_path, "pp", job=job, model={"path": "org/m"}, data={"path": "org/d"}, train=train, **(extra or {})
+        tmp_path, "pp", job=job, model={"path": "org/m"}, data={"path": str(DATA)}, train=train, **(extra or {})
     )
 
 

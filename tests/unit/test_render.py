@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import GOLDEN, check_shell, doctor_spec, jobgen, run_spec
+from helpers import DATA, GOLDEN, check_shell, doctor_spec, jobgen, run_spec
 from jobgen.base.exit_codes import ExitCode
 from jobgen.base.paths import CHECKOUT
 from jobgen.launch.render import build_context, render, sbatch_directives
@@ -535,7 +535,7 @@ def test_serve_arguments_reach_the_supervisor_verbatim(tmp_path: Path):
         "llm",
         job={"time": "1h", "runs_root": "runs"},
         model={"path": "org/model"},
-        data={"path": "org/data"},
+        data={"path": str(DATA)},
         serve={"engine": "transformers", "port": 8123, "model_name": "team/llm", "args": args},
     )
     spec = load_run(spec_file)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from fake_models import fake_model
-from helpers import run_spec, spec_issues
+from helpers import DATA, run_spec, spec_issues
 from jobgen.runs.rundir import RunDir
 from jobgen.runtime.records import CrashSignature, attempt_ended, attempt_started
 from jobgen.spec.loader import load_run
@@ -29,7 +29,7 @@ def spec(tmp_path: Path, *, model: dict[str, Any] | None = None, train: dict[str
         "t",
         job={"time": "1h", "procs_per_node": 2, **job},
         model={"path": "org/m", **(model or {})},
-        data={"path": "org/d"},
+        data={"path": str(DATA)},
         train=train or {},
     )
 

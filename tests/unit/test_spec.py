@@ -78,15 +78,35 @@ def test_hub_ids_are_not_local_paths(workdir):
 
 
 @pytest.mark.parametrize("missing", ["data/instruction.jsonl", "data/train.parquet", "d/rows.csv", "x/y.json"])
-def test_a_missing_data_file_with_a_slash_is_a_missing_path_not_a_hub_id(workdir, missing):
+def test_a_missing_data_file_with_a_slash_is_a_missing_path_not_a_hub_id(workdir, missing, monkeypatch):
     """Issue 46: 'data/instruction.jsonl' (a typo of a local file) passed validate as the hub
     dataset 'instruction.jsonl' of a user 'data' and failed at run time under a traceback."""
     found = issues_of(write_spec(workdir, GOOD.replace('"data.jsonl"', f'"{missing}"')))
     assert f"'{missing}' does not exist (resolved to {workdir / missing})" in found["run.toml:data.path"]
     body = GOOD + f'    [eval]\n    path = "{missing}"\n'
     assert "does not exist" in issues_of(write_spec(workdir, body))["run.toml:eval.path"]
+    monkeypatch.setenv("HF_HOME", str(workdir / "hf"))
+    (workdir / "hf" / "hub" / "datasets--org--instructions").mkdir(parents=True)  # downloaded before
     hub = load_run(write_spec(workdir, GOOD.replace('"data.jsonl"', '"org/instructions"')))
     assert hub.run.data.path == "org/instructions"  # a hub dataset's id stays one
+
+
+def test_offline_a_hub_id_the_cache_does_not_hold_is_a_missing_path(workdir, monkeypatch):
+    """Issue 46: with HF_HUB_OFFLINE set (the dev cluster's profile sets it), a data path that is
+    neither on disk nor in the Hugging Face cache passed validate as a hub id and failed at run
+    time (exit 18, under a torchrun traceback): the nodes cannot download it."""
+    monkeypatch.setenv("HF_HOME", str(workdir / "hf"))
+    for key, body in (
+        ("data.path", GOOD.replace('"data.jsonl"', '"org/instructions"')),
+        ("eval.path", GOOD + '    [eval]\n    path = "org/held-out"\n'),
+    ):
+        message = issues_of(write_spec(workdir, body))[f"run.toml:{key}"]
+        assert "does not exist" in message and "HF_HUB_OFFLINE=1" in message and str(workdir / "hf") in message
+    # The datasets library's own cache counts too; a site that may download takes the id as it is.
+    (workdir / "hf" / "datasets" / "org___instructions").mkdir(parents=True)
+    assert load_run(write_spec(workdir, GOOD.replace('"data.jsonl"', '"org/instructions"'))).run.data.path
+    online = GOOD.replace('site = "local"', '[site]\n    profile = "local"\n    env.HF_HUB_OFFLINE = "0"')
+    assert load_run(write_spec(workdir, online.replace('"data.jsonl"', '"org/elsewhere"'))).run.data.path
 
 
 @pytest.mark.parametrize(

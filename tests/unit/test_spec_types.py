@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from helpers import jobgen, run_spec, spec_issues
+from helpers import DATA, jobgen, run_spec, spec_issues
 from jobgen.spec.fields import SpecModel
 from jobgen.spec.loader import SpecError, load_run
 from jobgen.spec.tables.run import RunSpec
@@ -97,7 +97,7 @@ def test_no_number_key_takes_a_bool(model: type[BaseModel], key: str, value: Any
     ],
 )
 def test_a_value_of_another_type_is_refused_in_run_toml(tmp_path: Path, table: str, key: str, value: Any):
-    tables = {"job": {"time": "1h"}, "model": {"path": "org/m"}, "data": {"path": "org/d"}}
+    tables = {"job": {"time": "1h"}, "model": {"path": "org/m"}, "data": {"path": str(DATA)}}
     tables[table] = {**tables.get(table, {}), key: value}
     found = spec_issues(run_spec(tmp_path, "t", **tables))
     assert f"{table}.{key}" in found, found
@@ -234,6 +234,6 @@ def test_a_fifo_is_refused_in_one_line_without_reading_it(tmp_path: Path, key: s
 
 def test_a_directory_as_the_prompts_file_is_refused(tmp_path: Path):
     (tmp_path / "prompts").mkdir()
-    tables = {"data": {"path": "org/d"}, "eval": {"split": 0.1, "prompts_file": "prompts"}}
+    tables = {"data": {"path": str(DATA)}, "eval": {"split": 0.1, "prompts_file": "prompts"}}
     found = spec_issues(run_spec(tmp_path, "t", job={"time": "1h"}, model={"path": "org/m"}, **tables))
     assert "is a directory: give a file of prompts" in found.get("eval.prompts_file", ""), found

@@ -34,7 +34,7 @@ def spec(tmp_path: Path, *, job=None, train=None, site=None) -> Path:
     job = {"time": "1h", "nodes": 2, "procs_per_node": [3, 1], "runs_root": str(tmp_path / "runs"), **(job or {})}
     train = {"micro_batch_size": 1, **(train or {})}
     return run_spec(
-        tmp_path, "uneq", site=site or SITE, job=job, model={"path": "org/m"}, data={"path": "org/d"}, train=train
+        tmp_path, "uneq", site=site or SITE, job=job, model={"path": "org/m"}, data={"path": str(DATA)}, train=train
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import run_spec, spec_issues
+from helpers import DATA, run_spec, spec_issues
 from jobgen.launch.preflight import Finding, _ClusterFacts, _decide
 from jobgen.spec.global_batch import BatchShape, GlobalBatchChanged, GlobalBatchError, check_resume, grad_accum_for
 from jobgen.spec.loader import load_run
@@ -17,7 +17,7 @@ from jobgen.spec.tables.train import TrainSpec
 def spec(tmp_path, *, job=None, train=None, site="local"):
     job = {"time": "1h", "procs_per_node": 2, **(job or {})}
     train = {"micro_batch_size": 1, **(train or {})}
-    return run_spec(tmp_path, "ws", site=site, job=job, model={"path": "org/m"}, data={"path": "org/d"}, train=train)
+    return run_spec(tmp_path, "ws", site=site, job=job, model={"path": "org/m"}, data={"path": str(DATA)}, train=train)
 
 
 @pytest.mark.parametrize(
