@@ -128,11 +128,11 @@ def test_preflight_refuses_before_queueing(cluster, tmp_path: Path, case: str):
 
 
 def test_preflight_refuses_gpus_the_cluster_lacks_naming_each_nodes(cluster, tmp_path: Path):
-    """The dev cluster's nodes have 3, 1 and 2 GPUs: 4 per node are nowhere, and 3 + 1 processes
-    on the nodes of 3 and 2 GPUs could be split 2 + 2 by Slurm. Both are refused before anything
-    is queued, with each node's count."""
-    site = {"profile": "local-gpu", "slurm": {"gpus_per_node": 4}}
-    proc = jobgen("submit", str(doctor_spec(tmp_path, "gpus", site=site, procs_per_node=1, nodes=2)))
+    """The dev cluster's nodes have 3, 1 and 2 GPUs: 4 per node (one per process) are nowhere,
+    and 3 + 1 processes on the nodes of 3 and 2 GPUs could be split 2 + 2 by Slurm. Both are
+    refused before anything is queued, with each node's count."""
+    site = {"profile": "local-gpu", "slurm": {"gpus_per_node": 4, "cpus_per_node": 4}}
+    proc = jobgen("submit", str(doctor_spec(tmp_path, "gpus", site=site, procs_per_node=4, nodes=2)))
     counts = f"{node(1)} 3, {node(2)} 1, {node(3)} 2"
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "site.slurm.gpus_per_node: 4 x gres 'gpu' per node requested for 2 node(s)" in proc.stderr
