@@ -151,9 +151,18 @@ def run(args: list[str], *, timeout: float = DEFAULT_TIMEOUT, check: bool = True
 
 
 def failure(args: list[str], proc: subprocess.CompletedProcess[str]) -> SlurmError:
-    """The error for a failed command: SlurmUnavailable when no controller answers."""
+    """The error for a failed command: SlurmUnavailable when no controller answers, or its answer
+    cannot be read (a controller restarting, another cluster's daemon or munge on its port: Slurm
+    says 'Insane message length' or 'Protocol authentication error'); the callers that can go on
+    without Slurm's word (status) then do, saying so, instead of failing."""
     err = proc.stderr or proc.stdout
-    unreachable = ("Unable to contact slurm controller", "Could not establish a configuration source")
+    unreachable = (
+        "Unable to contact slurm controller",
+        "Could not establish a configuration source",
+        "Insane message length",
+        "Protocol authentication error",
+        "Zero Bytes were transmitted or received",
+    )
     cls = SlurmUnavailable if any(u in err for u in unreachable) else SlurmError
     return cls(args, proc.returncode, err)
 

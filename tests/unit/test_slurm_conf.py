@@ -45,3 +45,22 @@ def test_submit_dry_run_names_the_missing_slurm_conf(recording_slurm, tmp_path):
     assert done.returncode != 0, done.stdout + done.stderr
     assert f"SLURM_CONF={tmp_path / 'nope.conf'}: no such file" in done.stdout + done.stderr
     assert "Traceback" not in done.stderr and not recording_slurm.exists()
+
+
+@pytest.mark.parametrize(
+    "stderr",
+    [
+        "slurm_load_jobs error: Insane message length",
+        "slurm_load_ctl_conf error: Protocol authentication error",
+        "squeue: error: slurm_receive_msg: Zero Bytes were transmitted or received",
+    ],
+)
+def test_an_answer_that_cannot_be_read_is_slurm_unavailable(stderr):
+    """A controller whose answer cannot be read (seen in CI while another dev cluster restarted:
+    `jobgen status` exited 1 under a SlurmError traceback) is Slurm not answering: status goes on
+    from the run's records and says so."""
+    import subprocess
+
+    proc = subprocess.CompletedProcess(["squeue"], 1, stdout="", stderr=stderr)
+    error = slurm.failure(["squeue"], proc)
+    assert isinstance(error, slurm.SlurmUnavailable) and stderr in str(error)
