@@ -555,6 +555,14 @@ def checkpoints(run: Path) -> list[str]:
     return sorted(p.name for p in (run / "checkpoints").glob("step-*"))
 
 
+def task_event(run: Path, array_task: int, event: str) -> dict | None:
+    """The ``first_step`` or ``exit`` line of tasks.jsonl of one array task."""
+    for record in read_jsonl(run / "tasks.jsonl"):
+        if record.get("array_task") == str(array_task) and record["event"] == event:
+            return record
+    return None
+
+
 def status(run: Path) -> dict[str, Any]:
     """``jobgen status RUN --json``."""
     return json.loads(jobgen("status", str(run), "--json", check=True).stdout)

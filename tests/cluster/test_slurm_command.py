@@ -24,12 +24,12 @@ from helpers import (
     jobgen,
     last_step,
     submit,
+    task_event,
     wait_for,
     wait_until_gone,
 )
 from jobgen.base.exit_codes import ExitCode
 from jobgen.base.paths import EXAMPLES_DIR
-from jobgen.runs.jsonl_records import read_jsonl
 from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
@@ -46,14 +46,6 @@ def example_spec(tmp_path: Path, name: str, script: str, args: list[str], *, nod
 def slurm_record(job_id: int) -> dict[str, str]:
     (record,) = slurm.show_job(job_id)
     return record
-
-
-def task_event(run: Path, array_task: int, event: str) -> dict | None:
-    """The ``first_step`` or ``exit`` line of tasks.jsonl of one array task."""
-    for record in read_jsonl(run / "tasks.jsonl"):
-        if record.get("array_task") == str(array_task) and record["event"] == event:
-            return record
-    return None
 
 
 def test_an_hf_trainer_and_a_plain_loop_stop_save_and_resume_like_the_bundled_trainer(cluster, tmp_path, tiny_model):

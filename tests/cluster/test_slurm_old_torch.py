@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import jobgen, paced, run_spec, submit, wait_for
+from helpers import jobgen, paced, run_spec, submit, task_event, wait_for
 from jobgen.base.exit_codes import ExitCode
 from jobgen.base.paths import EXAMPLES_DIR
-from jobgen.runs.jsonl_records import read_jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
@@ -45,13 +44,6 @@ def old_torch_venv() -> Path:
             subprocess.run([*pip, "click>=8.1", "pydantic>=2.6", "jinja2>=3.1", "psutil>=5.9"], check=True)
             done.touch()
     return CACHE
-
-
-def task_event(run: Path, array_task: int, event: str) -> dict | None:
-    for record in read_jsonl(run / "tasks.jsonl"):
-        if record.get("array_task") == str(array_task) and record["event"] == event:
-            return record
-    return None
 
 
 def test_your_program_under_torch_2_8_goes_through_a_time_limit(cluster, tmp_path: Path, old_torch_venv: Path):
