@@ -897,3 +897,9 @@ PLANTED_CRASHES = textwrap.dedent(
         transformers.AutoModelForCausalLM.from_pretrained = load
     """
 )
+
+
+def script_supervisor(text: str) -> dict[str, Any]:
+    """The settings a rendered batch script hands its supervisor (``python -m jobgen.job``)."""
+    body = text.split("<<'SETTINGS' || true\n", 1)[1].split("\nSETTINGS\n", 1)[0]
+    return json.loads(body)

@@ -55,10 +55,11 @@ from trainer.job_record import JobRecord
 from trainer.memory.activation_offload import make_offloader
 from trainer.memory.chunked_loss import loss_head_for
 from trainer.metrics import StartupClock, ThroughputWindow
-from trainer.model.build import build_model, trainable_parameters
+from trainer.model.build import trainable_parameters
 from trainer.optim import OptimizerInBackward, build_optimizer, build_scheduler
+from trainer.parallel.build import build_model
+from trainer.parallel.step_parts import StepParts
 from trainer.parallel.strategies import Strategy, context_parallel_for, strategy
-from trainer.step_parts import StepParts
 from trainer.tracking import trackers_for_run
 
 log = logging.getLogger("trainer")

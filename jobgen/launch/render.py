@@ -29,8 +29,8 @@ from jobgen import __version__
 from jobgen.base.durations import format_slurm
 from jobgen.base.exit_codes import ExitCode
 from jobgen.base.paths import CHECKOUT, TEMPLATES_DIR
+from jobgen.launch.supervision import container_args, hang_timeout, supervision_context
 from jobgen.program import placeholders
-from jobgen.runs.heartbeat import interval_for
 from jobgen.runs.rundir import STARTUP_SWITCHES, RunDir
 from jobgen.spec.resolved import ResolvedSpec
 from jobgen.spec.tables.run import JobSpec
@@ -219,7 +219,13 @@ def _shell_path(base_expr: str, base: Path, path: Path) -> Trusted:
 
 def build_context(spec: ResolvedSpec) -> dict[str, Any]:
     """Every value the template needs, derived from the spec in one place."""
-    return {**_job_context(spec), **_run_dir_context(spec), **_site_context(spec)}
+    context = {**_job_context(spec), **_run_dir_context(spec), **_site_context(spec)}
+    py = spec.site.python
+    container = container_args(py, context["container_mounts"], context["container_workdir"])
+    supervision = supervision_context(spec, context["forward_signal"], container)
+    # JSON in a quoted here-document, which no shell expands: no line of it is a bare word (its
+    # strings hold no newline), so none can end the document.
+    return {**context, **{key: Trusted(value) for key, value in supervision.items()}}
 
 
 def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
@@ -227,7 +233,7 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
     and the numbers of its allocation."""
     job, slurm = spec.run.job, spec.site.slurm
     procs = spec.procs_per_node  # the most on one node: what every node's request covers
-    hang_timeout = _hang_timeout(spec)
+    timeout = hang_timeout(spec)
     unequal = job.unequal_nodes
     return {
         "jobgen_version": __version__,
@@ -273,27 +279,25 @@ def _job_context(spec: ResolvedSpec) -> dict[str, Any]:
         "array": job.array,
         "in_job_restarts": spec.in_job_restarts,
         **_launch_nodes_context(job),
-        # The hang watch (train.hang_timeout) runs beside every launch of a task that relaunches.
-        "hang_timeout": hang_timeout,
-        "heartbeat_every": interval_for(hang_timeout) if hang_timeout else None,
+        # The supervisor's hang watch (train.hang_timeout) runs beside every launch of a task that relaunches.
+        "hang_timeout": timeout,
         "snapshot_dir": _snapshot_dir(spec),
     }
 
 
 def _launch_nodes_context(job: JobSpec) -> dict[str, Any]:
     """Which nodes a launch trains on. With job.spare_nodes the task holds allocated_nodes and
-    each launch trains on job.nodes of them, chosen as it starts ($LAUNCH_NODES); else every
+    each launch trains on job.nodes of them, chosen by the supervisor as it starts ($JOBGEN_LAUNCH_NODES); else every
     launch is on the whole allocation."""
     spares = job.spare_nodes
     return {
         "spare_nodes": spares,
         "allocated_nodes": job.allocated_nodes,
         "launch_nodes": Trusted(
-            f'--nodes={job.nodes} --ntasks={job.nodes} --nodelist="$LAUNCH_NODES"'
+            f'--nodes={job.nodes} --ntasks={job.nodes} --nodelist="$JOBGEN_LAUNCH_NODES"'
             if spares
             else '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES"'
         ),
-        "launch_nodelist": Trusted('"$LAUNCH_NODES"' if spares else '"$SLURM_JOB_NODELIST"'),
     }
 
 
@@ -305,14 +309,6 @@ def _snapshot_dir(spec: ResolvedSpec) -> Trusted | None:
     run_key = hashlib.sha256(str(spec.run_dir).encode()).hexdigest()[:16]
     root = shlex.quote(spec.site.paths.snapshot_dir)
     return Trusted(f'{root}/jobgen-"$(id -u)/{run_key}/$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"')
-
-
-def _hang_timeout(spec: ResolvedSpec) -> int | None:
-    """train.hang_timeout where the batch script watches for hangs: a task that relaunches the
-    trainer, whose ranks keep the heartbeats (your own program keeps none)."""
-    if not spec.in_job_restarts or not spec.run.job.kind.trains:
-        return None
-    return spec.run.train.effective_hang_timeout
 
 
 def _omp_threads(spec: ResolvedSpec, procs: int) -> int:
@@ -347,20 +343,13 @@ def _run_dir_context(spec: ResolvedSpec) -> dict[str, Any]:
         "switches_dir": _shell_path("$RUN_DIR", run.path, run.switches),
         "startup_switches": Trusted(" ".join(shlex.quote(name) for name in STARTUP_SWITCHES)),
         "stale_stop_requests": Trusted(f"{stale_stop} {stale_stop}.*"),
-        "stop_request": _shell_path("$SWITCHES", run.switches, run.stop_request(SHELL_JOB_ID, SHELL_RESTART)),
-        "exit_code_file": _shell_path("$RUN_DIR", run.path, run.exit_code_file(SHELL_JOB_ID, SHELL_RESTART)),
         "task_record": _shell_path("$RUN_DIR", run.path, run.task_record("${SLURM_JOB_ID:-none}", SHELL_RESTART)),
         "repro_dir": _shell_path("$RUN_DIR", run.path, run.repro(SHELL_JOB_ID)),
         # srun expands %j and %N (job id, node) in --output. The job name is written out, not
         # %x: inside a sweep %x is the sweep's name (the array's), not this point's.
         "node_log": _shell_path(
-            "$RUN_DIR", run.path, run.node_log(slurm_filename_literal(spec.run.job.name), "%j", "%N")
+            "$JOBGEN_RUN_DIR", run.path, run.node_log(slurm_filename_literal(spec.run.job.name), "%j", "%N")
         ),
-        "heartbeat_dir": _shell_path(
-            "$RUN_DIR", run.path, run.heartbeats(SHELL_JOB_ID, SHELL_RESTART, "$JOBGEN_LAUNCH")
-        ),
-        "hang_verdict": _shell_path("$RUN_DIR", run.path, run.hang_verdict(SHELL_JOB_ID, SHELL_RESTART)),
-        "hang_stacks": _shell_path("$RUN_DIR", run.path, run.hang_stacks("$stamp", SHELL_JOB_ID)),
         # In the node script srun runs on each node (only the environment reaches it).
         "rank_logs": _shell_path("$JOBGEN_RUN_DIR", run.path, run.rank_logs(SHELL_JOB_ID, SHELL_NODE)),
         # NCCL expands %h (host) and %p (pid), and reads '%%' as '%': a '%' in the run dir is doubled.
@@ -431,16 +420,8 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
         "probe_timeout_seconds": PROBE_TIMEOUT_SECONDS,
         # How Slurm records each code (jobgen.base.exit_codes): planned stops exit 0 (COMPLETED).
         "planned_exit_codes": Trusted(" ".join(str(int(code)) for code in ExitCode if code.planned)),
-        "jobgen_exit_codes": Trusted(" ".join(str(int(code)) for code in ExitCode)),
-        "relaunch_exit_codes": Trusted(" ".join(str(int(code)) for code in relaunch_codes(spec))),
         "exit_words": [(int(code), code.reason) for code in ExitCode],
     }
-
-
-def relaunch_codes(spec: ResolvedSpec) -> list[ExitCode]:
-    """The launch's ends a relaunch inside the task may get past: a crash or a hang, and, while
-    job.spare_nodes leaves enough usable nodes, a node failure (the relaunch trains without it)."""
-    return [c for c in ExitCode if c.relaunches or (c is ExitCode.NODE_FAILURE and spec.run.job.spare_nodes)]
 
 
 def _run_env(spec: ResolvedSpec) -> tuple[dict[str, str], list[str]]:

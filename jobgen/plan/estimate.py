@@ -220,7 +220,7 @@ def _fsdp_gather_bytes(model: ModelInfo, inputs: PlanInputs, tr: Trainable) -> i
     if not (inputs.sharded or inputs.offloaded):
         return 0
     pb = inputs.param_bytes
-    # trainer.model.build.wrap: two blocks gathered (the current one and the prefetched next) and
+    # trainer.parallel.build.wrap: two blocks gathered (the current one and the prefetched next) and
     # the output layer from its forward to its backward, its own unit when untied; tied, the
     # root keeps the shared embedding gathered throughout, and its unsharded gradient too.
     head = model.vocab_size * model.hidden_size

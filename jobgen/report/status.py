@@ -101,7 +101,7 @@ def decide_state(states: set[str], *, done: bool, failed: bool, doctor_ok: bool 
 
     ======================================================  ===========
     a task has started (``slurm.JOB_STARTED``)              running
-    a task is queued (``slurm.JOB_ACTIVE``), no ``failed``  pending
+    a task is queued (``slurm.JOB_ACTIVE``), no marker      pending
     ``done``                                                finished
     ``failed`` (a failure every task would repeat)          failed
     a doctor verdict                                        finished if ok, else failed
@@ -113,7 +113,9 @@ def decide_state(states: set[str], *, done: bool, failed: bool, doctor_ok: bool 
     """
     if states & slurm.JOB_STARTED:
         return "running"
-    if states & slurm.JOB_ACTIVE and not failed:
+    # A queued task of a finished or failed run only exits (its supervisor cancels them as the
+    # run ends; one it could not cancel is no work left to do).
+    if states & slurm.JOB_ACTIVE and not failed and not done:
         return "pending"
     if done:
         return "finished"

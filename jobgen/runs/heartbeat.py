@@ -1,11 +1,11 @@
-"""Each rank's heartbeat: a small file the batch script watches to tell a hung launch from a
+"""Each rank's heartbeat: a small file the job's supervisor watches to tell a hung launch from a
 slow one (train.hang_timeout, where job.in_job_restarts relaunches the trainer).
 
-The batch script exports ``JOBGEN_HEARTBEAT_DIR`` (one directory per launch of a task:
+The job's supervisor exports ``JOBGEN_HEARTBEAT_DIR`` (one directory per launch of a task:
 ``RunDir.heartbeats``) and ``JOBGEN_HEARTBEAT_SECONDS`` (how often a rank writes at most).
 Each rank keeps ``rank-<N>`` there, holding the step it last finished; its modification time
-is when. The watcher in the batch script (``watch_heartbeats``, sbatch_templates/_launch.j2)
-calls the launch hung when files exist and none changed for the hang timeout: in synchronous
+is when. The job's supervisor (:mod:`jobgen.job.hang_watch`) calls the launch hung when files
+exist and none changed for the hang timeout: in synchronous
 training every rank waits for the slowest, so one stuck rank stops them all.
 
 A rank removes its file while it does something long that is no step (a checkpoint save, the
@@ -18,13 +18,13 @@ half a number), not fsynced: a heartbeat is worth nothing after a crash.
 
 The directory may sit where teammates can write (a run directory under umask 002). So a rank
 opens it once, as its own (:class:`jobgen.base.owned_dir.OwnedDir`: no link followed, the
-user's, writable by no one else; the batch script makes it 0755 whatever the umask), and
+user's, writable by no one else; the supervisor makes it 0755 whatever the umask), and
 writes, renames and removes its files only relative to it, creating the temporary file with
 ``O_EXCL | O_NOFOLLOW``: a link planted at ``rank-N`` or ``.rank-N.tmp`` is replaced or removed
 as itself, never written through. A directory it cannot trust is said once in the rank's log
 and the rank keeps no heartbeat (the collective timeout still ends a hang).
 
-When the watcher calls a launch hung it asks for the step the ranks last finished:
+The step the ranks last finished (what a hang is reported at), by hand or from a script queued by an older jobgen:
 
     python -m jobgen.runs.heartbeat DIR     # prints the newest step of this user's rank-* files
 
@@ -39,6 +39,7 @@ import os
 import stat
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from jobgen.base.owned_dir import OwnedDir
@@ -49,7 +50,7 @@ FILE_PREFIX = "rank-"
 
 
 def interval_for(hang_timeout: int) -> int:
-    """How often a rank writes its heartbeat at most, and how often the batch script looks:
+    """How often a rank writes its heartbeat at most, and how often the supervisor looks:
     a tenth of the hang timeout (a hang is called at most two of them late), not more than
     once a second nor less than every 30 s (a shared filesystem gets one small rename per
     rank per interval)."""
@@ -82,7 +83,7 @@ class Heartbeat:
 
     @classmethod
     def from_env(cls, rank: int) -> Heartbeat | None:
-        """The heartbeat the batch script asks for, or None (no hang watch on this launch)."""
+        """The heartbeat the supervisor asks for, or None (no hang watch on this launch)."""
         directory, every = os.environ.get(DIR_ENV), os.environ.get(SECONDS_ENV)
         if not directory or not every:
             return None
@@ -162,11 +163,19 @@ class Heartbeat:
 MOST_BYTES = 32
 
 
-def newest_step(directory: Path) -> int | None:
-    """The newest step in the user's own regular ``rank-*`` files of ``directory`` (None when
-    none holds one). Opened relative to the directory, never through a link, never waiting on
-    a FIFO; a file of another user's, or one that holds no step, is not counted."""
-    steps = []
+@dataclass(frozen=True)
+class Beat:
+    """One rank's heartbeat as read: the step it last finished and when (the file's mtime)."""
+
+    step: int
+    mtime: float
+
+
+def beats(directory: Path) -> list[Beat]:
+    """The user's own regular ``rank-*`` files of ``directory`` that hold a step. Opened relative
+    to the directory, never through a link, never waiting on a FIFO; a file of another user's,
+    or one that holds no step, is not counted."""
+    found = []
     with OwnedDir.open(directory) as opened:
         for name in opened.names():
             if not name.startswith(FILE_PREFIX):
@@ -184,7 +193,13 @@ def newest_step(directory: Path) -> int | None:
                 os.close(fd)
             word = text.strip()
             if len(text) <= MOST_BYTES and word.isdigit():
-                steps.append(int(word))
+                found.append(Beat(int(word), st.st_mtime))
+    return found
+
+
+def newest_step(directory: Path) -> int | None:
+    """The newest step in the user's own ``rank-*`` files of ``directory`` (None when none holds one)."""
+    steps = [beat.step for beat in beats(directory)]
     return max(steps) if steps else None
 
 

@@ -350,7 +350,7 @@ def _task_name(job_id: str) -> str:
     return f"{array}_{task}" if array and task else job_id
 
 
-def _summary(entries: list[Quarantined]) -> str:
+def summary(entries: list[Quarantined]) -> str:
     return "; ".join(f"{q.node} quarantined ({q.reason})" for q in entries)
 
 
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = dict(item.split("=", 1) if "=" in item else (item, "no answer") for item in args.failed)
         entries = probe_failed(run, args.job, failed)
     # stdout: the words for the job's comment and status, empty when no node was at fault.
-    print(_summary(entries))
+    print(summary(entries))
     return 0
 
 

@@ -2,6 +2,7 @@
 
 ``client`` runs the commands, with the one table of job states, node states and pending reasons;
 ``text`` holds the pure parsers of their output (unit-tested on captured text). Every room that
-needs Slurm's answer asks ``client``; nothing else runs a Slurm command (a batch script asks
-squeue on its node itself, as the script's own shell logic).
+needs Slurm's answer asks ``client``, the job's supervisor (jobgen.job) included; only the batch
+script's own shell lines before it (srun of the start probe and the launch) run Slurm's commands
+themselves.
 """

@@ -100,18 +100,14 @@ def secret_problem(name: str, value: str) -> str | None:
 # tests/unit/test_env_names.py reads every assignment in the templates and checks that
 # each name is here or in SCRIPT_DEFAULTS.
 SCRIPT_OWNED = frozenset(
-    {"RUN_DIR", "SWITCHES", "PLANNED_EXIT_CODES", "TASK_RECORD", "EXPECTED_NODES", "TASK_WORLD_SIZE"}
-    | {"SRUN_CONTAINER", "NODE_NAMES", "HEAD_NODE", "HEAD_ADDR", "RDZV_PORT", "REPRO_DIR", "NODE_PROBE"}
-    | {"NODE_LAUNCH", "NODE_PROCS", "NODE_THREADS", "NPROC", "NODE_ADDR", "IS_HOST", "STOP_REQUEST"}
-    | {"CAUGHT", "FORWARDED", "LAUNCH_PID", "EXIT_CODE_FILE", "SWEEP_DIR", "POINT_DIR", "POINT_SCRIPT"}
-    | {"POINT_LOG", "SERVE", "SERVE_PID", "PYTHONPATH", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
-    | {"RESTARTS", "IN_JOB_RESTARTS", "JOBGEN_EXIT_CODES", "RELAUNCH_EXIT_CODES", "LAUNCH", "STOP_CAUGHT"}
-    | {"HANG_TIMEOUT", "HANG_VERDICT", "LAST_HANG_STEP", "WATCHER_PID", "LAUNCH_NODES"}
+    {"EXPECTED_NODES", "HEAD_ADDR", "HEAD_NODE", "IS_HOST", "NODE_ADDR", "NODE_LAUNCH", "NODE_NAMES"}
+    | {"NODE_PROBE", "NODE_PROCS", "NODE_THREADS", "NPROC", "PLANNED_EXIT_CODES", "POINT_DIR", "POINT_LOG"}
+    | {"POINT_SCRIPT", "PYTHONPATH", "RDZV_PORT", "REPRO_DIR", "RUN_DIR", "SERVE", "SERVE_PID"}
+    | {"SRUN_CONTAINER", "SWEEP_DIR", "SWITCHES", "TASK_RECORD", "TASK_WORLD_SIZE", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
     # the scripts' lower-case working variables
-    | {"status", "words", "tmp", "marker", "lead", "end", "task", "code", "slurm_exit", "s", "switch", "python_env"}
-    | {"node", "gpus", "given", "given_count", "out", "probe_out", "probe_failed", "line", "why", "blamed"}
-    | {"trainer_status", "left", "deadline", "live", "tasks", "answer", "outcome", "throttle", "restarted"}
-    | {"hung_step", "newest", "now", "stacks", "stamp", "step", "target", "chosen", "nodes", "count", "clock"}
+    | {"answer", "blamed", "code", "deadline", "end", "given", "given_count", "gpus", "line"}
+    | {"live", "marker", "node", "out", "outcome", "probe_failed", "probe_out", "python_env", "s"}
+    | {"slurm_exit", "status", "switch", "task", "tasks", "throttle", "tmp", "why", "words"}
 )
 # Settings the scripts export as defaults, which the site's network.env and the run's [env]
 # are there to change: they are exported after the script's own (docs/run-toml.md).

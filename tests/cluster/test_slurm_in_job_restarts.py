@@ -136,7 +136,8 @@ def test_a_crash_that_repeats_in_the_relaunch_stops_the_run_with_one_reason(clus
     task1 = records["1"]
     assert len(task1["restarts"]) == 1 and task1["restarts"][0]["after_exit"] == ExitCode.CRASHED, task1
     assert task1["exit_code"] == ExitCode.CRASHED and task1["reason"].startswith("crashed twice the same way"), task1
-    assert records["2"]["reason"].startswith("not started: the run stopped after a failure"), records["2"]
+    # The failed run ended its array: task 2 was cancelled in the queue and never started (issue 47).
+    assert "2" not in records, records
     # Both launches of task 1 took a first step (each from step 0: no checkpoint), then the same crash.
     starts = [(r.get("launch", 0), r["start_step"]) for r in read_jsonl(run.path / "tasks.jsonl")]
     assert starts == [(0, 0), (1, 0)], starts

@@ -165,7 +165,8 @@ CHECK = textwrap.dedent(
     from jobgen.spec.tables.run import TrainSpec
     from jobgen.spec.tables.model import ModelSpec
     from trainer.distributed import exit_now, init_distributed
-    from trainer.model.build import build_model, trainable_parameters
+    from trainer.model.build import trainable_parameters
+    from trainer.parallel.build import build_model
     from trainer.optim import build_optimizer
     from trainer.parallel.strategies import strategy
 

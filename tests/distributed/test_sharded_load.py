@@ -28,7 +28,7 @@ CHECK = textwrap.dedent(
     from jobgen.spec.tables.run import TrainSpec
     from jobgen.spec.tables.model import ModelSpec
     from trainer.distributed import exit_now, init_distributed
-    from trainer.model.build import build_model
+    from trainer.parallel.build import build_model
 
     path, lora, out = sys.argv[1], sys.argv[2] == "lora", sys.argv[3]
     env = init_distributed(120, None)

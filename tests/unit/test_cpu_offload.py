@@ -20,7 +20,7 @@ CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), ba
 
 @pytest.mark.parametrize("parallelism", ["fsdp", "hsdp"])
 def test_the_trainer_refuses_cpu_offload_on_a_cpu_device_before_loading(tmp_path, parallelism):
-    from trainer.model.build import build_model
+    from trainer.parallel.build import build_model
     from trainer.parallel.strategies import CpuOffloadUnavailable
 
     train = TrainSpec(parallelism=parallelism, cpu_offload=True)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import DATA, run_spec
+from helpers import DATA, run_spec, script_supervisor
 from jobgen.launch.render import render
 from jobgen.runs.heartbeat import Heartbeat, interval_for, newest_step
 from jobgen.spec.loader import SpecError, load_run
@@ -108,12 +108,10 @@ def test_a_hang_timeout_out_of_range_is_refused_naming_the_keys(tmp_path, tiny_m
 def test_the_watch_runs_where_the_task_relaunches(tmp_path, tiny_model, restarts, train, watched):
     spec = load_run(spec_file(tmp_path, tiny_model, restarts, **train))
     script = render(spec)
-    assert ("watch_heartbeats &" in script) == bool(watched)
-    assert ("JOBGEN_HEARTBEAT_DIR" in script) == bool(watched)
-    if watched:
-        assert f"HANG_TIMEOUT={watched}\n" in script
-        assert f"JOBGEN_HEARTBEAT_SECONDS={interval_for(watched)}\n" in script
-        assert '--job-name="jobgen-launch-$JOBGEN_LAUNCH"' in script  # the step the watcher kills
+    settings = script_supervisor(script)
+    assert settings["hang_timeout"] == watched
+    assert settings["heartbeat_every"] == (interval_for(watched) if watched else None)
+    assert '--job-name="jobgen-launch-$JOBGEN_LAUNCH"' in script  # the step the supervisor kills on a hang
 
 
 # --------------------------------------------------------------------------- a directory others may write (issue 45)

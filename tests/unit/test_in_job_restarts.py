@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from helpers import DATA, run_spec
+from helpers import DATA, run_spec, script_supervisor
 from jobgen.base.exit_codes import ExitCode
 from jobgen.launch.render import render
 from jobgen.report.status_format import task_lines
@@ -45,10 +45,7 @@ def spec_with(tmp_path, model, site, **job):
 def test_the_count_is_the_jobs_else_the_sites_else_by_the_kind_of_site(tmp_path, tiny_model, site, job, expected):
     spec = load_run(spec_with(tmp_path, tiny_model, site, **job))
     assert spec.in_job_restarts == expected
-    script = render(spec)
-    assert ("relaunch_refused" in script) == bool(expected)
-    if expected:
-        assert f"IN_JOB_RESTARTS={expected}\n" in script
+    assert script_supervisor(render(spec))["in_job_restarts"] == expected
 
 
 def test_a_program_that_is_not_relaunched_refuses_the_key(tmp_path):

@@ -103,14 +103,16 @@ def test_venv_modules_container():
     assert "source /lustre/shared/envs/llm/bin/activate" in modules
     assert "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3'" in container
     assert f"'--container-mounts=/shared/runs:/shared/runs,{CHECKOUT}:{CHECKOUT},/fsx:/fsx'" in container
-    assert '"${SRUN_CONTAINER[@]}" bash -c "$NODE_LAUNCH"' in container
+    # The launch line runs the node script in the image; so do the supervisor's helper steps.
+    assert f'--container-workdir={CHECKOUT} bash -c "$NODE_LAUNCH"' in container
+    assert '"container": [\n    "--container-image=nvcr.io#nvidia/pytorch:24.05-py3",' in container
     assert 'py_on_head() { run_on_head "${SRUN_CONTAINER[@]}" "$@"; }' in container
 
 
 def test_per_node_output_and_debug():
     text = by_name("consumer-nfs-train")
     # The run's own name, not %x: inside a sweep %x is the sweep's name, not the point's.
-    assert '--output="$RUN_DIR/logs/lora-sft-%j-%N.out"' in text
+    assert '--output="$JOBGEN_RUN_DIR/logs/lora-sft-%j-%N.out"' in text
     assert "export NCCL_DEBUG=INFO" in text
     assert 'NCCL_DEBUG_FILE="${RUN_DIR//\\%/%%}/logs/nccl-$SLURM_JOB_ID-%h-%p.log"' in text
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in text and "export NCCL_P2P_DISABLE=1" in text
@@ -152,17 +154,21 @@ def test_no_localhost_fallback_for_the_head_node():
     assert 'die "no head node' in text and 'die "head node $HEAD_NODE has no IPv4 address' in text
 
 
-def test_signal_trap_and_wait_loop():
+def test_the_supervisor_takes_the_signals_and_runs_the_launch_line():
     text = by_name("local-doctor")
-    assert "trap 'request_stop USR1' USR1" in text and "trap 'request_stop TERM' TERM" in text
-    # The request names this attempt; earlier attempts' requests are deleted before the trap exists.
-    assert 'STOP_REQUEST="$SWITCHES/stop.$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"' in text
+    # The batch shell becomes the supervisor (exec: Slurm's B: signal reaches it); until it has
+    # installed its handlers the lead-time signal and SIGTERM are ignored, not fatal.
+    assert text.rstrip().endswith('exec python -m jobgen.job --settings "$JOBGEN_SUPERVISOR"')
+    assert text.index("trap '' USR1 TERM") < text.index("exec python -m jobgen.job")
     train = by_name("h100-ib-train")
-    assert train.index('rm -f "$SWITCHES/stop.') < train.index("trap 'request_stop")
+    # Earlier attempts' stop requests are deleted before the supervisor exists to leave one.
+    assert train.index('rm -f "$SWITCHES/stop.') < train.index("exec python -m jobgen.job")
     assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600" in train  # torchrun default 30 s would cut a save on SIGTERM
     # torchrun's agent must survive a USR1 sent to the whole step; the workers catch it.
     assert text.index("trap '' USR1 USR2") < text.index("exec torchrun")
-    assert text.index("trap 'request_stop") < text.index("launch_program() {")  # the launch's srun is in it
+    # The launch line a user can copy: srun, one task per node, the node script.
+    assert 'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1' in train
+    assert 'bash -c "$NODE_LAUNCH"' in train and "export NODE_LAUNCH JOBGEN_SRUN_LAUNCH" in train
 
 
 @pytest.mark.parametrize(
@@ -419,23 +425,19 @@ def test_names_the_script_builds_are_the_run_directorys(tmp_path: Path):
         line("RUN_DIR="),
         line("SWITCHES="),
         'JOBGEN_RUN_DIR="$RUN_DIR"',
-        line("STOP_REQUEST="),
-        line("EXIT_CODE_FILE="),
         line("REPRO_DIR="),
         line("export NCCL_DEBUG_FILE="),
         "LOG_DIR=" + line("--log-dir=").removeprefix("--log-dir=").removesuffix(" \\"),
-        "NODE_LOG=" + line('--output="$RUN_DIR').removeprefix("--output=").removesuffix(" \\"),
+        "NODE_LOG=" + line('--output="$JOBGEN_RUN_DIR').removeprefix("--output=").removesuffix(" \\"),
         line('rm -f "$SWITCHES/stop.'),  # the clean-up of earlier attempts' requests
-        'printf "%s\\n" "$STOP_REQUEST" "$EXIT_CODE_FILE" "$REPRO_DIR" "$LOG_DIR" "$NODE_LOG" "$NCCL_DEBUG_FILE"',
+        'printf "%s\\n" "$REPRO_DIR" "$LOG_DIR" "$NODE_LOG" "$NCCL_DEBUG_FILE"',
     ]
     out = script_lines_output(probe, {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2", "SLURMD_NODENAME": "node1"})
     out = out.splitlines()
     slurm_names = {"x": "doc", "j": "7", "N": "node1", "h": "node1", "p": "99", "%": "%"}
-    node_log = re.sub(r"%([%xjN])", lambda m: slurm_names[m.group(1)], out[4])
-    nccl = re.sub(r"%([%hp])", lambda m: slurm_names[m.group(1)], out[5])
-    assert out[:4] == [
-        str(run.stop_request(7, 2)),
-        str(run.exit_code_file(7, 2)),
+    node_log = re.sub(r"%([%xjN])", lambda m: slurm_names[m.group(1)], out[2])
+    nccl = re.sub(r"%([%hp])", lambda m: slurm_names[m.group(1)], out[3])
+    assert out[:2] == [
         str(run.repro(7)),
         str(run.rank_logs(7, "node1")),
     ]

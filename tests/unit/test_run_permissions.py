@@ -21,7 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import doctor_spec, jobgen_as
+from helpers import doctor_spec, jobgen_as, script_supervisor
+from jobgen.job.effects import LocalEffects
+from jobgen.job.settings import SupervisorSettings, Task
+from jobgen.job.supervisor import Supervisor
 from jobgen.launch.render import render
 from jobgen.runs.materialize import materialize
 from jobgen.runs.rundir import RunDir
@@ -169,7 +172,7 @@ def _shell_function(text: str, name: str) -> str:
 
 def test_the_stop_request_replaces_a_planted_link_instead_of_writing_through_it(tmp_path: Path):
     # A teammate plants switches/stop.<job>.<restart> -> a file of the owner's after the start-up
-    # clean-up; then Slurm's lead-time signal arrives and the batch shell leaves its request.
+    # clean-up; then Slurm's lead-time signal arrives and the supervisor leaves its request.
     with umask(0o022):
         run = make_run(tmp_path, tmp_path / "runs")
     text = render(load_run(tmp_path / "run.toml"))
@@ -177,20 +180,10 @@ def test_the_stop_request_replaces_a_planted_link_instead_of_writing_through_it(
     victim.write_text("precious\n")
     planted = run.stop_request(7, 0)
     planted.symlink_to(victim)
-    stop_line = next(x for x in text.splitlines() if x.startswith("STOP_REQUEST="))
-    probe = "\n".join(
-        [
-            'log() { printf "%s\\n" "$*"; }',
-            f"SWITCHES={shlex.quote(str(run.switches))}",
-            stop_line,
-            *(_shell_function(text, f) for f in ("on_slurm", "slurm_task", "set_comment", "seconds_to_limit")),
-            _shell_function(text, "request_stop"),
-            "request_stop USR1",
-        ]
-    )
-    env = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0", "JOBGEN_LOCAL": "1", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, env=env, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    settings = SupervisorSettings.model_validate(script_supervisor(text))
+    task = Task.from_env({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0", "JOBGEN_LOCAL": "1"})
+    effects = LocalEffects(settings, task, run)
+    Supervisor(settings, task, effects, {})._request_stop("USR1")  # what its signal handler's flag leads to
     assert victim.read_text() == "precious\n"  # nothing written through the link
     assert not planted.is_symlink() and planted.read_text().split()[0] == "USR1"
     assert [p.name for p in run.switches.iterdir()] == [planted.name]  # no temporary file left

@@ -38,7 +38,8 @@ def test_the_script_gives_each_attempt_its_own_directory_and_frees_it_on_every_n
     assert line.startswith('JOBGEN_SNAPSHOT_DIR=/dev/shm/jobgen-"$(id -u)/'), line
     assert line.endswith('/$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"'), line
     assert "\nexport JOBGEN_SNAPSHOT_DIR\n" in script
-    assert "clear_snapshots\n  exit" in script  # finish frees them, whatever ended the task
+    # The supervisor frees them on every node as the task ends, whatever ended it (jobgen.job.supervisor.finish).
+    assert script.rstrip().endswith('exec python -m jobgen.job --settings "$JOBGEN_SUPERVISOR"')
     check_shell(script, tmp_path)
     # Another run gets another directory; a run without snapshots exports none.
     other = load_run(spec_with(tmp_path / "b", tiny_model, snapshot_every_steps=4))

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from helpers import DATA, run_spec
+from helpers import DATA, run_spec, script_supervisor
 from jobgen.base.exit_codes import ExitCode
 from jobgen.launch.render import render
 from jobgen.report.status_format import task_lines
@@ -49,13 +49,15 @@ def test_a_task_asks_for_its_nodes_and_the_spares_and_keeps_them_when_one_fails(
     assert "#SBATCH --nodes=3\n" in script and "#SBATCH --no-kill\n" in script
     assert "EXPECTED_NODES=3\n" in script and "TASK_WORLD_SIZE=8\n" in script  # 2 nodes x 4, not 3 x 4
     # A node failure is relaunched (while spares last); each launch picks its nodes first.
-    assert f'RELAUNCH_EXIT_CODES=" {ExitCode.CRASHED:d} {ExitCode.NODE_FAILURE:d} {ExitCode.HUNG:d} "' in script
-    assert "launch-nodes --run-dir" in script and '--nodes=2 --ntasks=2 --nodelist="$LAUNCH_NODES"' in script
-    assert script.count("choose_launch_nodes") == 3  # defined, before the first launch, before each relaunch
+    settings = script_supervisor(script)
+    assert settings["relaunch_codes"] == [ExitCode.CRASHED, ExitCode.NODE_FAILURE, ExitCode.HUNG]
+    # The supervisor picks each launch's nodes (jobgen.runs.quarantine.launch_nodes) before it starts.
+    assert (settings["nodes"], settings["spare_nodes"]) == (2, 1)
+    assert '--nodes=2 --ntasks=2 --nodelist="$JOBGEN_LAUNCH_NODES"' in script
 
     plain = render(load_run(spec_with(tmp_path, tiny_model)))
     assert "#SBATCH --nodes=2\n" in plain and "--no-kill" not in plain and "LAUNCH_NODES" not in plain
-    assert f'RELAUNCH_EXIT_CODES=" {ExitCode.CRASHED:d} {ExitCode.HUNG:d} "' in plain
+    assert script_supervisor(plain)["relaunch_codes"] == [ExitCode.CRASHED, ExitCode.HUNG]
 
 
 def test_a_relaunch_on_a_spare_shows_its_nodes(tmp_path):

@@ -29,8 +29,11 @@ def state(states=NONE, *, done=False, failed=False, doctor_ok=None, switches=NON
         # queued, and no failure that every task would repeat: pending
         ({"states": {"PENDING"}}, "pending"),
         ({"states": {"REQUEUED"}, "switches": {"kill"}}, "pending"),
-        ({"states": {"SUSPENDED"}, "done": True}, "pending"),
+        ({"states": {"SUSPENDED"}}, "pending"),
         ({"states": {"PENDING"}, "failed": True}, "failed"),  # the queued rest will leave at once
+        # Issue 47: a run finished in task 1 is finished, not pending, while tasks 2 and 3 are still queued.
+        ({"states": {"PENDING"}, "done": True}, "finished"),
+        ({"states": {"SUSPENDED"}, "done": True}, "finished"),
         # the done marker
         ({"done": True}, "finished"),
         ({"states": {"FAILED"}, "done": True, "switches": {"abort"}}, "finished"),

@@ -1,4 +1,4 @@
-"""trainer.step_parts: a step runner needs nothing of the Trainer but its StepParts. Built by hand
+"""trainer.parallel.step_parts: a step runner needs nothing of the Trainer but its StepParts. Built by hand
 here, with no Trainer, no data pipeline and no process group, the data-parallel runner (through
 the strategies' table, as the Trainer builds it) runs a step whose loss and gradients are those
 of the plain model, clips as train.grad_clip_mode says, and its loss path is the evaluator's."""
@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from jobgen.spec.tables.train import TrainSpec  # noqa: E402
 from trainer.data.packing import collate, model_inputs, token_loss_sum  # noqa: E402
 from trainer.distributed import DistEnv  # noqa: E402
-from trainer.step_parts import StepParts  # noqa: E402
+from trainer.parallel.step_parts import StepParts  # noqa: E402
 
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
 

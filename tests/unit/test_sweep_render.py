@@ -68,9 +68,9 @@ def test_a_points_node_logs_carry_the_points_name(tmp_path: Path):
     sweep = sweep_on(tmp_path, "consumer-nfs")
     assert sweep.base.site.slurm.output_per_node
     for point in sweep.points:
-        (output,) = re.findall(r'--output=("\$RUN_DIR/[^"]*")', render(point.spec))
+        (output,) = re.findall(r'--output=("\$JOBGEN_RUN_DIR/[^"]*")', render(point.spec))
         assert "%x" not in output
-        expanded = output.strip('"').replace("$RUN_DIR", str(point.spec.run_dir))
+        expanded = output.strip('"').replace("$JOBGEN_RUN_DIR", str(point.spec.run_dir))
         expanded = expanded.replace("%j", "7").replace("%N", "node1")
         assert expanded == str(RunDir(point.spec.run_dir).node_log(point.name, 7, "node1"))
 

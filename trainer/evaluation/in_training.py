@@ -33,8 +33,8 @@ from trainer.data.formats import DataError
 from trainer.distributed import DistEnv, broadcast_object
 from trainer.evaluation.evaluator import EvalHistory, EvalResult, Evaluator, eval_prompts
 from trainer.evaluation.samples import SampleGenerator
+from trainer.parallel.step_parts import StepParts
 from trainer.parallel.step_runner import forward_loss_sum
-from trainer.step_parts import StepParts
 from trainer.tracking import Trackers
 
 log = logging.getLogger("trainer.eval")

@@ -189,7 +189,7 @@ def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _fsdp_unit_of_linear(module: nn.Module) -> bool:
     """Whether ``module`` is a plain ``nn.Linear`` that FSDP2's ``fully_shard`` made a unit of
-    its own (:func:`trainer.model.build.wrap` does so for untied output layers): its class is then
+    its own (:func:`trainer.parallel.build.wrap` does so for untied output layers): its class is then
     ``FSDPLinear(FSDPModule, nn.Linear)``."""
     from torch.distributed.fsdp import FSDPModule
 

@@ -1,5 +1,5 @@
 """Errors of the model the trainer is given, below every module that raises or catches them
-(trainer.model.build builds the model and calls trainer.model.sharded_load, which raises them too)."""
+(trainer.model.build refuses a model with them, trainer.model.sharded_load raises them too)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """A bare Hugging Face model made ready to train, before any parallelism touches it: its
 dtype, tokenizer, attention kernel, KV cache off, activation checkpointing, LoRA adapters,
 compiled blocks; and the lookups every strategy shares (its decoder blocks, its trainable
-parameters). Below trainer.model.build (whole-model and sharded builds), trainer.parallel.strategies and
-trainer.parallel.pipeline_steps, which all use it.
+parameters). Below trainer.model.build (the whole model), trainer.parallel.build (the sharded build),
+trainer.parallel.strategies and trainer.parallel.pipeline_steps, which all use it.
 
 Order matters: LoRA adapters and gradient checkpointing are set up on the plain
 module before it is wrapped, and checkpointing is always non-reentrant: the

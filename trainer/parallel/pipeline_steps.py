@@ -34,8 +34,8 @@ from trainer.data.packing import IGNORE_INDEX
 from trainer.distributed import DistEnv
 from trainer.model.prep import attention_implementation, compile_decoder_blocks, compiles_blocks, param_dtype, prepare
 from trainer.parallel.pipeline import PipelineError, PipelineStep, StageModule, build_stages, grad_norm_and_clip
+from trainer.parallel.step_parts import StepParts
 from trainer.parallel.step_runner import autocast_for
-from trainer.step_parts import StepParts
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -8,7 +8,7 @@ normalisation, the optimizer and the scheduler, the metrics).
 - ``trainer.parallel.pipeline_steps.PipelineSteps`` (pipeline): each micro-batch through torch's
   pipeline schedule, split into ``train.pipeline.microbatches`` pieces.
 
-Both are built from the Trainer's :class:`trainer.step_parts.StepParts` (the model, the device,
+Both are built from the Trainer's :class:`trainer.parallel.step_parts.StepParts` (the model, the device,
 the loss path) and nothing else of it. Both take the micro-batches of one step and ``scale`` =
 data-parallel replicas / target tokens of the global batch, and return this rank's summed
 (unscaled) loss, so that the sum over the world divided by the global target count is the step's
@@ -28,7 +28,7 @@ from trainer.data.packing import token_loss_sum
 from trainer.memory.activation_offload import offload_activations
 from trainer.model.prep import trainable_parameters
 from trainer.optim import clip_per_parameter
-from trainer.step_parts import StepParts
+from trainer.parallel.step_parts import StepParts
 
 
 class StepRunner(Protocol):

@@ -8,7 +8,7 @@ and the memory plan read), saying how the trainer applies it:
   summed (the grad norm that OptimizerInBackward sums in its hooks);
 - :meth:`Strategy.param_device`: where the sharded parameters live (the host with
   ``train.cpu_offload``);
-- :attr:`Strategy.build`: how the model is built when not by trainer.model.build's whole-model or
+- :attr:`Strategy.build`: how the model is built when not by trainer.parallel.build's whole-model or
   sharded build (the pipeline's stages); :attr:`Strategy.data_shard`: which rows this rank
   reads (its replica's); :attr:`Strategy.runner`: how a step runs forward, backward and
   clipping (trainer.parallel.step_runner).
@@ -50,8 +50,8 @@ if TYPE_CHECKING:
 
     from jobgen.spec.tables.model import ModelSpec
     from trainer.parallel.context_parallel import ContextParallel
+    from trainer.parallel.step_parts import StepParts
     from trainer.parallel.step_runner import StepRunner
-    from trainer.step_parts import StepParts
 
 log = logging.getLogger("trainer.parallel.strategies")
 
@@ -75,7 +75,7 @@ class Strategy:
     wrap: Callable[[torch.nn.Module, TrainSpec, DistEnv], torch.nn.Module]
     sync_context: Callable[[torch.nn.Module, bool], contextlib.AbstractContextManager]
     norm_group: Callable[[list[torch.nn.Parameter]], dist.ProcessGroup | None]
-    runner: Callable[[StepParts], StepRunner]  # given the Trainer's step parts (trainer.step_parts)
+    runner: Callable[[StepParts], StepRunner]  # given the Trainer's step parts (trainer.parallel.step_parts)
     data_shard: Callable[[TrainSpec, DistEnv], tuple[int, int]]
     # Builds the model itself (the pipeline); the last argument is each node's device memory.
     build: Callable[[ModelSpec, TrainSpec, DistEnv, bool, NodeMemory | None], torch.nn.Module] | None = None

@@ -6,7 +6,9 @@ its parallelism's step runner (trainer/parallel/strategies.py's ``Strategy.runne
 trainer/parallel/step_runner.py, trainer/parallel/pipeline_steps.py) and to its evaluation
 (trainer/evaluation/in_training.py). Nothing else of the Trainer reaches them: they count no tokens and
 step no optimizer (the loop does), so they need none of its counters, its optimizer, its
-scheduler or its checkpointer.
+scheduler or its checkpointer. It lives in trainer/parallel/, with the runners that take it:
+the lowest room that holds every type it carries (the context-parallel group is
+trainer.parallel.context_parallel's), so that the runners import it from their own room.
 """
 
 from __future__ import annotations
