@@ -903,3 +903,70 @@ def script_supervisor(text: str) -> dict[str, Any]:
     """The settings a rendered batch script hands its supervisor (``python -m jobgen.job``)."""
     body = text.split("<<'SETTINGS' || true\n", 1)[1].split("\nSETTINGS\n", 1)[0]
     return json.loads(body)
+
+
+@contextlib.contextmanager
+def slurm_setting(key: str, value: str):
+    """The dev cluster's slurm.conf with ``key=value`` for the block (``scontrol reconfigure``),
+    restored after: each pytest worker has a cluster of its own, so no other test sees it."""
+    from jobgen.slurm import client as slurm
+
+    conf = Path(slurm.config()["SLURM_CONF"])
+    text = conf.read_text()
+    (line,) = [x for x in text.splitlines() if x.startswith(f"{key}=")]
+    conf.write_text(text.replace(f"{line}\n", f"{key}={value}\n"))
+    try:
+        slurm.run(["scontrol", "reconfigure"])
+        yield
+    finally:
+        conf.write_text(text)
+        slurm.run(["scontrol", "reconfigure"])
+
+
+def log_time(line: str) -> float:
+    """When the batch script or its supervisor logged ``line`` (its log() stamps local time to the second)."""
+    return time.mktime(time.strptime(line.split(" jobgen: ")[0], "%Y-%m-%dT%H:%M:%S"))
+
+
+def task_indices(field: str) -> list[str]:
+    """An array task field of Slurm's: ``2``, or ``[2-3%1]`` / ``2-3`` / ``[3,5-7]`` for tasks
+    still held (pending, or cancelled while pending) as one record."""
+    out = []
+    for part in field.strip("[]").split("%")[0].split(","):
+        first, _, last = part.partition("-")
+        out += [str(i) for i in range(int(first), int(last or first) + 1)] if first.isdigit() else []
+    return out
+
+
+def array_task_records(array: int) -> dict[str, dict[str, str]]:
+    """Every task of an array as sacct has it, by index: state (its first word), exit code and
+    comment; tasks cancelled while pending (one ``ARRAY_[2-3%1]`` row) each under its own index."""
+    out = subprocess.run(
+        ["sacct", "-j", str(array), "-X", "-n", "-P", "-o", "JobID,State,ExitCode,Comment"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    found = {}
+    for line in out.splitlines():
+        job, state, code, comment = line.split("|", 3)
+        for index in task_indices(job.partition("_")[2]):
+            found[index] = {"state": state.split()[0], "exit": code, "comment": comment}
+    return found
+
+
+def assert_cancelled(array: int, indices: list[str], why: str) -> None:
+    """Issue 47: a run that ended (finished, or failed for good) cancels its array's pending tasks,
+    each with the reason as its comment: they never take the nodes from the queue only to exit."""
+    rows = wait_for(
+        lambda: (r := array_task_records(array)) and all(i in r for i in indices) and r,
+        60,
+        lambda: f"sacct to know tasks {indices} of {array}: {array_task_records(array)}",
+    )
+    for index in indices:
+        row = rows[index]
+        assert row["state"] == "CANCELLED" and row["comment"].startswith(f"jobgen: cancelled: {why}"), (index, rows)
+
+
+def ran_tasks(run: Path, array: int) -> list[str]:
+    """The indices of the array's tasks that started (their task records), in order."""
+    records = (json.loads(p.read_text()) for p in run.glob("logs/task.*.json"))
+    return sorted((r["array_task"] for r in records if r.get("array_job_id") == str(array)), key=int)

@@ -340,3 +340,42 @@ class LaunchHistory:
     launches: int = 0
     restarts: list[dict] = field(default_factory=list)
     last_hang_step: int | None = None
+
+
+# ------------------------------------------------------------------------ a lost node
+
+# A rank of the launch has ended and the launch has not, this long after: its step may be waiting
+# for a node that died (srun waits for every node's answer, which a dead one never gives, until
+# Slurm declares it down after SlurmdTimeout: 300 s by default). Its nodes are asked then.
+LOST_NODE_GRACE_SECONDS = 5
+# A node whose slurmd did not answer this many checks in a row is lost.
+NODE_MISSES_TO_LOSE = 2
+
+
+def suspect_lost_node(seconds_since_first_end: float | None) -> bool:
+    return seconds_since_first_end is not None and seconds_since_first_end >= LOST_NODE_GRACE_SECONDS
+
+
+def node_misses(previous: dict[str, int], answered: dict[str, bool]) -> dict[str, int]:
+    """Checks in a row each node did not answer: one answer clears its count."""
+    return {node: 0 if ok else previous.get(node, 0) + 1 for node, ok in answered.items()}
+
+
+def lost_nodes(misses: dict[str, int]) -> list[str]:
+    return sorted(node for node, count in misses.items() if count >= NODE_MISSES_TO_LOSE)
+
+
+# ------------------------------------------------------------------------ the array's end
+
+
+def array_end_reason(*, done: bool, failed: bool, in_sweep: bool, task: str) -> str | None:
+    """Why the array's pending tasks are cancelled as this task ends (None: they are not). A run
+    finished or failed for good has nothing for them to do but take nodes from the queue only to
+    exit. A sweep's array is the sweep's: one point's end leaves the other points' tasks alone."""
+    if in_sweep:
+        return None
+    if done:
+        return f"the run finished in task {task}"
+    if failed:
+        return f"the run stopped in task {task}: a failure every task would repeat (jobgen status)"
+    return None

@@ -73,6 +73,15 @@ class LocalEffects:
     def cancel_pending(self, words: str) -> list[str]:
         return []
 
+    def slurmd_addresses(self, nodes: list[str]) -> dict[str, tuple[str, int]]:
+        return {}
+
+    def node_answers(self, address: tuple[str, int]) -> bool:
+        return True
+
+    def quarantine_lost(self, found: dict[str, str]) -> str:
+        return ""
+
 
 class SlurmEffects(LocalEffects):
     """A task on a Slurm cluster: helper steps overlap the launch's (``--overlap``: a launch that
@@ -182,6 +191,15 @@ class SlurmEffects(LocalEffects):
                 pass  # the comment is for people; the cancel is what matters
             slurm.cancel(self.task.array_job_id, pending_only=True)
         return pending
+
+    def slurmd_addresses(self, nodes: list[str]) -> dict[str, tuple[str, int]]:
+        return slurm.slurmd_addresses(nodes)
+
+    def node_answers(self, address: tuple[str, int]) -> bool:
+        return slurm.slurmd_answers(address)
+
+    def quarantine_lost(self, found: dict[str, str]) -> str:
+        return quarantine.summary(quarantine.lost(self.run, self.task.job_id, found))
 
 
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:

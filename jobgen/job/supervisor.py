@@ -30,6 +30,7 @@ from jobgen.job import decisions as rules
 from jobgen.job import records
 from jobgen.job.effects import LocalEffects, SlurmEffects, keep_stacks
 from jobgen.job.hang_watch import HangWatch, hang_words, is_hung
+from jobgen.job.node_watch import NodeWatch
 from jobgen.job.settings import SupervisorSettings, Task
 from jobgen.runs.heartbeat import DIR_ENV, SECONDS_ENV
 from jobgen.runs.quarantine import QuarantineError, TooFewNodes
@@ -38,6 +39,10 @@ from jobgen.slurm.client import SlurmError, hostnames
 
 # How often the loop turns while a launch runs: signals and the launch's end are seen this fast.
 TICK_SECONDS = 0.5
+# After its step is killed, srun may still wait for a node that no longer answers (it waits for
+# every node's word until Slurm declares the node down): this long at most, then srun is killed.
+LOST_KILL_WAIT_SECONDS = 5
+HUNG_KILL_WAIT_SECONDS = 30
 # Errors of an effect the supervisor says in a line and goes on from (the task still ends cleanly).
 EFFECT_ERRORS = (OSError, SlurmError, QuarantineError, subprocess.SubprocessError, ValueError)
 
@@ -125,10 +130,10 @@ class Supervisor:
     def _launch(self) -> rules.LaunchEnd:
         launch = self.history.launches
         self.env["JOBGEN_LAUNCH_NODES"] = ",".join(self.nodes) if self.settings.spare_nodes else self.task.nodelist
-        watch = self._hang_watch(launch)
+        watch, nodes = self._hang_watch(launch), self._node_watch(launch)
         started = time.time()
         self.proc = proc = self.effects.start_launch(self.env)
-        hang = None
+        hang, lost, kill_by = None, "", None
         while True:
             self._handle_signals()
             try:
@@ -136,14 +141,52 @@ class Supervisor:
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if watch is not None and hang is None and watch.due(time.monotonic()):
+            now = time.monotonic()
+            if watch is not None and not (hang or lost) and watch.due(now):
                 hang = self._look_for_hang(watch, proc, launch)
+                kill_by = now + HUNG_KILL_WAIT_SECONDS if hang else None
+            if nodes is not None and not (hang or lost):
+                lost = self._look_for_lost_node(nodes, proc, launch, now)
+                kill_by = now + LOST_KILL_WAIT_SECONDS if lost else None
+            if kill_by is not None and now >= kill_by:
+                # srun waits for a node that will never answer: the step's ranks are dead already.
+                log("the launch did not end after its step was killed: killing srun")
+                proc.kill()
+                kill_by = None
         self._handle_signals()
         self.proc = None
         status = returncode if returncode >= 0 else 128 - returncode  # as bash reports a signal
-        return self._launch_ended(status, hang, launch, started)
+        return self._launch_ended(status, hang, launch, started, lost)
 
-    def _launch_ended(self, status: int, hang: rules.Hang | None, launch: int, started: float) -> rules.LaunchEnd:
+    def _node_watch(self, launch: int) -> NodeWatch | None:
+        """With spares to relaunch on (job.spare_nodes, on Slurm): the launch's other nodes, watched for
+        a loss. Without spares Slurm's own way is kept: it finds the node after SlurmdTimeout, ends
+        the job NODE_FAIL and requeues it onto healthy nodes, which an early end would forgo."""
+        if not (self.effects.on_slurm and self.settings.spare_nodes and self.settings.in_job_restarts):
+            return None
+        nodes = self.nodes if self.settings.spare_nodes else self._hostnames(self.task.nodelist)
+        others = [node for node in nodes if node != self.env.get("SLURMD_NODENAME")]
+        if not others:
+            return None
+        ended = lambda: bool(self.run.rank_ends(self.task.job_id, self.task.restart, launch))  # noqa: E731
+        return NodeWatch(others, ended, self.effects.slurmd_addresses, self.effects.node_answers)
+
+    def _look_for_lost_node(self, watch: NodeWatch, proc: subprocess.Popen[bytes], launch: int, now: float) -> str:
+        """The words for the nodes found lost at this look (quarantined, the launch killed), or ""."""
+        found = self._effect(lambda: watch.look(now), "could not check the launch's nodes") or {}
+        if not found:
+            return ""
+        for node, why in found.items():
+            log(f"node {node} is {why}: ending this launch")
+        blamed = self._effect(lambda: self.effects.quarantine_lost(found), "could not quarantine the lost node")
+        problem = self._effect(lambda: self.effects.kill_launch(proc, launch), "could not kill the launch")
+        if problem:
+            log(problem)
+        return blamed or "; ".join(f"{node} {why}" for node, why in found.items())
+
+    def _launch_ended(
+        self, status: int, hang: rules.Hang | None, launch: int, started: float, lost: str = ""
+    ) -> rules.LaunchEnd:
         if not self.settings.lifecycle:
             log(f"program exited with status {status}")
             return rules.LaunchEnd(status)
@@ -166,7 +209,9 @@ class Supervisor:
         if end.hung:
             self.history.last_hang_step = end.hang_step
         log(f"program exited with status {end.status}" + (f": {end.words}" if end.words else ""))
-        if rules.checks_nodes(end.status, self.effects.on_slurm):
+        if lost:
+            end = rules.blamed(end, lost)  # the node at fault is known: the one the watch found lost
+        elif rules.checks_nodes(end.status, self.effects.on_slurm):
             found = self._effect(
                 lambda: self.effects.nodes_at_fault(launch, self.nodes),
                 "could not check this task's nodes for a node failure",
@@ -287,11 +332,13 @@ class Supervisor:
 
     def _end_the_array(self) -> None:
         """A finished or failed run has nothing for its pending tasks to do but take nodes from the queue."""
-        if os.path.lexists(self.run.done_marker):
-            why = f"the run finished in task {self.task.slurm_name}"
-        elif os.path.lexists(self.run.failed_marker):
-            why = f"the run stopped in task {self.task.slurm_name}: a failure every task would repeat (jobgen status)"
-        else:
+        why = rules.array_end_reason(
+            done=os.path.lexists(self.run.done_marker),
+            failed=os.path.lexists(self.run.failed_marker),
+            in_sweep=bool(self.env.get("JOBGEN_SWEEP_DIR")),
+            task=self.task.slurm_name,
+        )
+        if why is None:
             return
         cancelled = self._effect(lambda: self.effects.cancel_pending(why), "could not cancel the array's pending tasks")
         if cancelled:

@@ -332,6 +332,11 @@ def probe_failed(run: RunDir, job_id: str, failed: dict[str, str]) -> list[Quara
     return _quarantine(run, spec, {n: f"failed the start probe: {why}" for n, why in failed.items()}, job_id)
 
 
+def lost(run: RunDir, job_id: str, found: dict[str, str]) -> list[Quarantined]:
+    """Nodes the job's supervisor found lost while a launch ran (jobgen.job.node_watch), before Slurm did."""
+    return _quarantine(run, run.load_spec(), found, job_id)
+
+
 def _quarantine(run: RunDir, spec, found: dict[str, str], job_id: str) -> list[Quarantined]:
     if not found:
         return []

@@ -3,7 +3,7 @@
     srun --jobid=J --overlap --nodes=N --ntasks-per-node=1 python -m jobgen.runtime.stacks J
 
 Run as a short overlapping step on each node of job J, by the batch script when no rank took
-a step for train.hang_timeout (sbatch_templates/_launch.j2) and by the hang watchdog
+a step for train.hang_timeout (the job's supervisor, jobgen.job) and by the hang watchdog
 (watchdogs.hang, through watchdogs.probe). It finds the job's training processes on this node
 (torchrun workers carry ``RANK`` and ``LOCAL_RANK`` in their environment, and Slurm's
 ``SLURM_JOB_ID`` and ``SLURMD_NODENAME``) and prints a py-spy dump of each, with a header

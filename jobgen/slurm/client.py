@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import shutil
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,6 +253,28 @@ def config() -> dict[str, str]:
 
 def nodes() -> list[dict[str, str]]:
     return parse_records(run(["scontrol", "show", "node", "--oneliner"]).stdout)
+
+
+def slurmd_addresses(names: list[str]) -> dict[str, tuple[str, int]]:
+    """Where each named node's slurmd listens (NodeAddr, and its Port or the cluster's SlurmdPort)."""
+    default = int(config().get("SlurmdPort") or 6818)
+    found = {}
+    for record in nodes():
+        name = record.get("NodeName", "")
+        if name in names:
+            port = record.get("Port", "")
+            found[name] = (record.get("NodeAddr") or name, int(port) if port.isdigit() else default)
+    return found
+
+
+def slurmd_answers(address: tuple[str, int], timeout: float = 3.0) -> bool:
+    """Does a node's slurmd accept a connection? A node that died (its slurmd gone, or the machine)
+    refuses or never answers, seconds after: Slurm itself only says so after SlurmdTimeout."""
+    try:
+        socket.create_connection(address, timeout=timeout).close()
+    except OSError:
+        return False
+    return True
 
 
 def hostnames(expression: str) -> list[str]:

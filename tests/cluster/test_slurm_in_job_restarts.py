@@ -23,6 +23,7 @@ from helpers import (
     jobgen,
     kill_node,
     last_step,
+    log_time,
     losses,
     read_jsonl,
     revive_node,
@@ -150,11 +151,6 @@ HANG_TIMEOUT = 20
 # is paused, and a save that hangs meets the collective timeout): saves every 20 steps, and
 # the rank stopped a few steps past the first one.
 HANG_MAX_STEPS, HANG_SAVE_EVERY = 60, 20
-
-
-def log_time(line: str) -> float:
-    """When the batch script logged ``line`` (its log() stamps local time to the second)."""
-    return time.mktime(time.strptime(line.split(" jobgen: ")[0], "%Y-%m-%dT%H:%M:%S"))
 
 
 def test_a_stopped_rank_is_found_hung_its_stacks_taken_and_the_launch_relaunched(cluster_run):

@@ -17,10 +17,12 @@ import subprocess
 import pytest
 
 from helpers import (
+    assert_cancelled,
     exit_record,
     first_step_record,
     jobgen,
     last_step,
+    ran_tasks,
     read_jsonl,
     running_task,
     status,
@@ -88,12 +90,9 @@ def test_a_failure_that_would_repeat_stops_the_array_after_one_task(cluster_run)
     assert "seed" in tasks["1"]["Comment"] and tasks["1"]["Comment"].endswith("(exit 17)"), tasks
     failed = json.loads((run / "failed").read_text())
     assert failed["exit_code"] == ExitCode.RESUME_MISMATCH and "seed" in failed["reason"]
-    for index in ("2", "3"):
-        job = int(tasks[index]["JobId"])
-        log = (run / "logs" / f"repeat-{job}.out").read_text()
-        assert "failure that every task would repeat" in log and "rendezvous" not in log, log
-        assert tasks[index]["JobState"] == "COMPLETED" and "not started" in tasks[index]["Comment"], tasks[index]
-        assert not (run / "logs" / "ranks" / str(job)).exists()
+    # Tasks 2 and 3 were cancelled in the queue, with the reason (issue 47): nothing of theirs ran.
+    assert_cancelled(array, ["2", "3"], "the run stopped in task ")
+    assert ran_tasks(run, array) == ["1"]
     view = status(run)
     assert view["state"] == "failed", view
     assert any("train.seed" in n for n in view["notes"]) and any("jobgen submit" in n for n in view["notes"]), view
@@ -130,9 +129,8 @@ def test_a_crash_building_the_model_stops_a_three_task_array_after_the_first(clu
     failed = json.loads((run / "failed").read_text())
     assert failed["reason"].startswith("crashed before its first step (KeyError at "), failed
     assert "as every task would" in failed["reason"], failed
-    for index in ("2", "3"):
-        assert tasks[index]["JobState"] == "COMPLETED" and "not started" in tasks[index]["Comment"], tasks[index]
-        assert not (run / "logs" / "ranks" / str(int(tasks[index]["JobId"]))).exists()
+    assert_cancelled(array, ["2", "3"], "the run stopped in task ")  # nothing of theirs ran (issue 47)
+    assert ran_tasks(run, array) == ["1"]
     assert status(run)["state"] == "failed"
 
 

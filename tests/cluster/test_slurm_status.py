@@ -9,7 +9,6 @@ purge, and restores it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import threading
@@ -24,6 +23,7 @@ from helpers import (
     node,
     node_range,
     running_task,
+    slurm_setting,
     submit,
     submitted_job_id,
     wait_for,
@@ -42,18 +42,8 @@ def rows(run: Path) -> dict[str, dict]:
     return {t["slurm_id"]: t for t in view(run)["tasks"]}
 
 
-@contextlib.contextmanager
 def slurm_forgets_ended_jobs():
-    conf = Path(slurm.config()["SLURM_CONF"])
-    text = conf.read_text()
-    assert "MinJobAge=600" in text
-    conf.write_text(text.replace("MinJobAge=600", "MinJobAge=2"))
-    try:
-        slurm.run(["scontrol", "reconfigure"])
-        yield
-    finally:
-        conf.write_text(text)
-        slurm.run(["scontrol", "reconfigure"])
+    return slurm_setting("MinJobAge", "2")
 
 
 def follow_logs(run: Path) -> tuple[subprocess.Popen, list[str]]:

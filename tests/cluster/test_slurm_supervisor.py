@@ -8,39 +8,28 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
-from helpers import command_spec, status, submit, wait_for, wait_until_gone
+from helpers import (
+    array_task_records,
+    assert_cancelled,
+    command_spec,
+    kill_node,
+    last_step,
+    log_time,
+    ran_tasks,
+    revive_node,
+    running_task,
+    slurm_setting,
+    status,
+    submit,
+    wait_for,
+    wait_until_gone,
+)
 from jobgen.slurm import client as slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.lifecycle]
-
-
-def task_indices(field: str) -> list[str]:
-    """sacct's array task field: ``2``, or ``[2-3%1]`` / ``[3,5-7]`` for tasks cancelled while pending."""
-    out = []
-    for part in field.strip("[]").split("%")[0].split(","):
-        first, _, last = part.partition("-")
-        out += [str(i) for i in range(int(first), int(last or first) + 1)] if first.isdigit() else []
-    return out
-
-
-def tasks_by_index(array: int) -> dict[str, tuple[str, str]]:
-    """(state, comment) of each task of the array as sacct has it: the tasks cancelled while pending
-    are one record (``ARRAY_[2-3%1]``), which jobgen's own reader of sacct leaves out."""
-    fields = ["sacct", "-X", "--noheader", "--parsable2", f"--jobs={array}", "--format=JobID,State,Comment"]
-    out = {}
-    for line in slurm.run(fields).stdout.splitlines():
-        job, state, comment = line.split("|", 2)
-        for index in task_indices(job.partition("_")[2]):
-            out[index] = (state.split()[0], comment)
-    return out
-
-
-def ran_tasks(run: Path) -> list[str]:
-    return sorted(json.loads(p.read_text())["array_task"] for p in run.glob("logs/task.*.json"))
 
 
 def test_a_run_finished_in_task_1_cancels_its_queued_tasks_with_the_reason(cluster_run):
@@ -50,12 +39,9 @@ def test_a_run_finished_in_task_1_cancels_its_queued_tasks_with_the_reason(clust
     done = (run.path / "done").stat().st_mtime
     finished = wait_for(lambda: status(run.path)["state"] == "finished" and time.time(), 60, "status to say finished")
     wait_until_gone([array], timeout=60)
-    tasks = wait_for(lambda: (t := tasks_by_index(array)) and len(t) == 3 and t, 60, "sacct to know the 3 tasks")
-    assert tasks["1"][0] == "COMPLETED", tasks["1"]
-    for index in ("2", "3"):
-        state, comment = tasks[index]
-        assert state == "CANCELLED" and comment.startswith("jobgen: cancelled: the run finished in task "), tasks
-    assert ran_tasks(run.path) == ["1"]  # tasks 2 and 3 never took the nodes
+    assert_cancelled(array, ["2", "3"], "the run finished in task ")
+    assert array_task_records(array)["1"]["state"] == "COMPLETED"
+    assert ran_tasks(run.path, array) == ["1"]  # tasks 2 and 3 never took the nodes
     log = next(run.path.glob("logs/finish-early-*.out")).read_text()
     assert "cancelled the array's pending task(s)" in log, log[-2000:]
     print(f"finish: status said finished {finished - done:.1f} s after the done marker")
@@ -80,8 +66,53 @@ def test_your_program_crashing_the_same_way_twice_stops_the_run(tmp_path):
     assert marker["reason"] == (
         "crashed twice the same way (exit 1 (RuntimeError: optimizer state does not match the model (object at …)))"
     ), marker
-    assert ran_tasks(run) == ["1", "2"]  # the second crash stopped the run; 3 to 5 were cancelled
-    tasks = wait_for(lambda: (t := tasks_by_index(array)) and len(t) == 5 and t, 60, "sacct to know the 5 tasks")
-    assert [tasks[i][0] for i in "12345"] == ["FAILED", "FAILED", *["CANCELLED"] * 3], tasks
-    assert tasks["5"][1].startswith("jobgen: cancelled: the run stopped in task "), tasks["5"]
+    assert ran_tasks(run, array) == ["1", "2"]  # the second crash stopped the run; 3 to 5 were cancelled
+    assert_cancelled(array, ["3", "4", "5"], "the run stopped in task ")
+    assert [array_task_records(array)[i]["state"] for i in "12"] == ["FAILED", "FAILED"]
     assert status(run)["state"] == "failed"
+
+
+def test_a_lost_node_is_found_by_the_supervisor_long_before_slurm_does(cluster_run, cluster):
+    """SlurmdTimeout at Slurm's default (300 s): the supervisor finds the dead node in seconds
+    (its ranks' peers ended, its slurmd does not answer), quarantines it and relaunches on the
+    spare, while Slurm still counts the node as up and in the allocation."""
+    first_node = cluster.nodes[0]  # the batch host: its loss would end the allocation
+    run = cluster_run(
+        "lost-node",
+        nodes=2,
+        procs_per_node=1,
+        array=1,
+        max_steps=40,
+        save_every_steps=20,
+        snapshot_every_steps=2,
+        job={"in_job_restarts": 2, "spare_nodes": 1},
+    )
+    with slurm_setting("SlurmdTimeout", "300"):
+        array = submit(run.spec)
+        task = running_task(array, 1)
+        allocation = slurm.hostnames(slurm.show_job(task)[0]["NodeList"])
+        assert allocation[0] == first_node, allocation
+        victim, spare = allocation[1], allocation[2]
+        wait_for(lambda: last_step(run.path, task) >= 8, 180, "task 1 past a few snapshots")
+        log = run.path / "logs" / f"lost-node-{task}.out"
+        try:
+            kill_node(victim)
+            lost_at = time.time()
+            line = wait_for(
+                lambda: next((x for x in log.read_text().splitlines() if "relaunching the program" in x), None),
+                120,
+                "the relaunch",
+            )
+            relaunched = log_time(line) - lost_at
+            (record,) = [r for r in slurm.nodes() if r.get("NodeName") == victim]
+            assert "DOWN" not in record.get("State", ""), record  # Slurm has not noticed yet
+            assert relaunched <= 30, (relaunched, log.read_text()[-3000:])
+            wait_for(lambda: (run.path / "done").exists(), 300, "the relaunched run to finish")
+        finally:
+            revive_node(cluster, victim)
+    wait_until_gone([array], timeout=180)
+    text = log.read_text()
+    assert f"node {victim} is lost: its slurmd at " in text and f"this launch trains on {first_node},{spare}" in text
+    quarantined = json.loads((run.path / "quarantine.json").read_text())["nodes"]
+    assert list(quarantined) == [victim] and "lost: its slurmd" in quarantined[victim]["reason"], quarantined
+    print(f"lost node: {victim} killed, the supervisor relaunched on {first_node},{spare} {relaunched:.0f} s later")

@@ -120,3 +120,50 @@ def test_the_decisions_page_is_the_generated_one():
     assert (REPO / "docs" / "supervisor.md").read_text() == markdown(), (
         "run: python -m jobgen.job.decision_table --write docs/supervisor.md"
     )
+
+
+# ------------------------------------------------------------------ a lost node
+
+
+def test_a_node_is_lost_after_missed_checks_in_a_row_and_one_answer_clears_it():
+    misses = d.node_misses({}, {"n2": False, "n3": True})
+    assert misses == {"n2": 1, "n3": 0} and d.lost_nodes(misses) == []
+    misses = d.node_misses(misses, {"n2": False, "n3": False})
+    assert d.lost_nodes(misses) == ["n2"]
+    assert d.node_misses({"n2": 1}, {"n2": True}) == {"n2": 0}
+    assert not d.suspect_lost_node(None) and not d.suspect_lost_node(d.LOST_NODE_GRACE_SECONDS - 1)
+    assert d.suspect_lost_node(d.LOST_NODE_GRACE_SECONDS)
+
+
+def test_the_node_watch_asks_nothing_until_a_rank_ended_and_the_launch_went_on():
+    from jobgen.job.node_watch import NodeWatch
+
+    ended, asked = [False], []
+    watch = NodeWatch(
+        ["n2", "n3"],
+        lambda: ended[0],
+        lambda nodes: {node: (f"10.0.0.{node[-1]}", 6818) for node in nodes},
+        lambda address: asked.append(address) or address[0] != "10.0.0.2",
+        every=1,
+        next_look=0,
+    )
+    assert watch.look(0) == {} and watch.look(1) == {} and asked == []  # training: slurmd is left alone
+    ended[0] = True
+    assert watch.look(2) == {} and asked == []  # a rank ended: the launch gets its grace to end
+    assert watch.look(2 + d.LOST_NODE_GRACE_SECONDS) == {} and len(asked) == 2  # n2's first miss
+    found = watch.look(3 + d.LOST_NODE_GRACE_SECONDS)
+    assert list(found) == ["n2"] and found["n2"].startswith("lost: its slurmd at 10.0.0.2:6818 did not answer")
+
+
+@pytest.mark.parametrize(
+    "done, failed, in_sweep, reason",
+    [
+        (True, False, False, "the run finished in task 7_1"),
+        (False, True, False, "the run stopped in task 7_1: a failure every task would repeat (jobgen status)"),
+        (True, True, False, "the run finished in task 7_1"),
+        (False, False, False, None),  # a time limit, a kill switch: the next task goes on (or leaves)
+        (True, False, True, None),  # one point of a sweep: the array's other points go on
+    ],
+)
+def test_the_array_is_ended_once_the_run_is_finished_or_failed(done, failed, in_sweep, reason):
+    assert d.array_end_reason(done=done, failed=failed, in_sweep=in_sweep, task="7_1") == reason
