@@ -945,11 +945,22 @@ def array_task_records(array: int) -> dict[str, dict[str, str]]:
         ["sacct", "-j", str(array), "-X", "-n", "-P", "-o", "JobID,State,ExitCode,Comment"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    found = {}
-    for line in out.splitlines():
-        job, state, code, comment = line.split("|", 3)
-        for index in task_indices(job.partition("_")[2]):
-            found[index] = {"state": state.split()[0], "exit": code, "comment": comment}
+    rows = [line.split("|", 3) for line in out.splitlines() if line]
+    return expand_task_rows(
+        [
+            (job.partition("_")[2], {"state": st.split()[0], "exit": code, "comment": comment})
+            for job, st, code, comment in rows
+        ]
+    )
+
+
+def expand_task_rows(rows: list[tuple[str, dict[str, str]]]) -> dict[str, dict[str, str]]:
+    """(task field, row) pairs by task index. A task's own row wins over a range row that names it:
+    the array's record keeps the range its pending tasks had (``[3-4%1]``) after task 3 started."""
+    found: dict[str, dict[str, str]] = {}
+    for field, row in sorted(rows, key=lambda pair: not pair[0].isdigit()):
+        for index in task_indices(field):
+            found.setdefault(index, row)
     return found
 
 

@@ -27,11 +27,11 @@ from helpers import (
     DATA,
     REPO,
     command_spec,
+    expand_task_rows,
     jobgen,
     read_jsonl,
     running_task,
     submitted_job_id,
-    task_indices,
     wait_for,
 )
 from helpers import status as run_status
@@ -130,11 +130,10 @@ def ended(job_id: int, tasks: int) -> dict[str, dict[str, str]]:
             check=True,
         ).stdout
         split = [line.split("|", 3) for line in out.splitlines() if line]
-        found = {
-            f"{job_id}_{index}": {"state": r[1].split()[0], "exit": r[2], "comment": r[3]}
-            for r in split
-            for index in task_indices(r[0].partition("_")[2])
-        }
+        by_index = expand_task_rows(
+            [(r[0].partition("_")[2], {"state": r[1].split()[0], "exit": r[2], "comment": r[3]}) for r in split]
+        )
+        found = {f"{job_id}_{index}": row for index, row in by_index.items()}
         states = [found.get(f"{job_id}_{i}", {}).get("state") for i in range(1, tasks + 1)]
         done = not {None, "PENDING", "RUNNING"} & set(states)
         return found if done else None
