@@ -14,7 +14,7 @@ from typing import Any
 
 from jobgen.base.atomic import write_json_atomic, write_text_atomic
 from jobgen.base.safe_read import DamagedFile, open_regular, read_bytes, read_optional_json
-from jobgen.job.decisions import CrashHistory, CrashSignature, ExitRecord, Failure, parse_exit_record
+from jobgen.job.decisions import CrashHistory, CrashSignature, ExitRecord, parse_exit_record
 from jobgen.job.settings import Task
 from jobgen.runs.rundir import RunDir
 
@@ -42,26 +42,17 @@ def write_task_record(
     write_json_atomic(run.task_record(task.job_id or "none", task.restart), record)
 
 
-def mark_failed(run: RunDir, task: Task, code: int, failure: Failure) -> None:
-    """The run's failed marker, as the trainer writes it (jobgen.runtime.records): no task starts again."""
-    marker = {"exit_code": code, "reason": failure.reason, "fix": failure.fix, "job_id": task.job_id}
-    write_json_atomic(run.failed_marker, {**marker, "restart": task.restart, "time": time.time()})
-
-
 def mark_done(run: RunDir, words: str) -> None:
     write_text_atomic(run.done_marker, words + "\n")
 
 
-def read_exit_record(run: RunDir, task: Task) -> tuple[ExitRecord | None, bool]:
-    """This attempt's exit record, and whether a file was there at all."""
-    path = run.exit_code_file(task.job_id, task.restart)
+def read_exit_record(run: RunDir, task: Task) -> ExitRecord | None:
+    """This attempt's exit record; None when there is none, or none that can be read."""
     try:
-        data = read_bytes(path, limit=64 * 1024)
-    except FileNotFoundError:
-        return None, False
-    except (OSError, DamagedFile):
-        return None, True
-    return parse_exit_record(data.decode(errors="replace")), True
+        data = read_bytes(run.exit_code_file(task.job_id, task.restart), limit=64 * 1024)
+    except (OSError, DamagedFile):  # FileNotFoundError included: the program left none
+        return None
+    return parse_exit_record(data.decode(errors="replace"))
 
 
 def clear_exit_record(run: RunDir, task: Task) -> None:

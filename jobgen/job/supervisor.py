@@ -164,8 +164,7 @@ class Supervisor:
         the job NODE_FAIL and requeues it onto healthy nodes, which an early end would forgo."""
         if not (self.effects.on_slurm and self.settings.spare_nodes and self.settings.in_job_restarts):
             return None
-        nodes = self.nodes if self.settings.spare_nodes else self._hostnames(self.task.nodelist)
-        others = [node for node in nodes if node != self.env.get("SLURMD_NODENAME")]
+        others = [node for node in self.nodes if node != self.env.get("SLURMD_NODENAME")]
         if not others:
             return None
         ended = lambda: bool(self.run.rank_ends(self.task.job_id, self.task.restart, launch))  # noqa: E731
@@ -190,7 +189,7 @@ class Supervisor:
         if not self.settings.lifecycle:
             log(f"program exited with status {status}")
             return rules.LaunchEnd(status)
-        record, _ = records.read_exit_record(self.run, self.task)
+        record = records.read_exit_record(self.run, self.task)
         facts = rules.LaunchFacts(
             launcher_status=status,
             record=record,
@@ -353,12 +352,12 @@ class Supervisor:
         )
 
     def _mark_failed(self, code: int, failure: rules.Failure) -> None:
-        done = self._effect(
-            lambda: records.mark_failed(self.run, self.task, code, failure) or True,
+        marked = self._effect(
+            lambda: self.run.mark_failed(code, failure.reason, failure.fix, self.task.job_id, self.task.restart),
             f"could not mark the run failed ({self.run.failed_marker}): later tasks start it again",
         )
-        if done:
-            log(f"the run is stopped: {failure.reason} ({self.run.failed_marker})")
+        if marked:
+            log(f"the run is stopped: {failure.reason} ({marked})")
 
     # ------------------------------------------------------------------ helpers
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -164,6 +165,14 @@ class RunDir:
         code, reason, what to change); the batch script checks it first. ``jobgen submit``
         moves it into history/."""
         return self.path / "failed"
+
+    def mark_failed(self, code: int, reason: str, fix: str, job_id: str | None, restart: int) -> Path:
+        """The failed marker, its one writer (the trainer's rank 0 and the job's supervisor):
+        what failed, what to change, and by which attempt; no task starts again until
+        ``jobgen submit`` moves it into history/."""
+        marker = {"exit_code": int(code), "reason": reason, "fix": fix, "job_id": job_id, "restart": restart}
+        write_json_atomic(self.failed_marker, {**marker, "time": time.time()})
+        return self.failed_marker
 
     @property
     def best_checkpoint(self) -> Path:
@@ -362,13 +371,8 @@ class RunDir:
 
     def heartbeats(self, job_id: str | int, restart: str | int, launch: str | int) -> Path:
         """Where each rank of one launch keeps its heartbeat (jobgen.runs.heartbeat), which
-        the batch script watches for a hang (train.hang_timeout)."""
+        the job's supervisor watches for a hang (train.hang_timeout)."""
         return self.logs / "ranks" / str(job_id) / f"heartbeats.{restart}.{launch}"
-
-    def hang_verdict(self, job_id: str | int, restart: str | int) -> Path:
-        """The batch script's word that it found the current launch hung and killed it: the
-        step and what it did (its watcher writes it, the launch's end reads and removes it)."""
-        return self.logs / f"hung.{job_id}.{restart}"
 
     @property
     def hangs(self) -> Path:

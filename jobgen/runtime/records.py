@@ -105,9 +105,7 @@ def record_failure(
     if job_id:
         write_exit_code(run, job_id, restart, code, reason)
     if code.repeats or repeated is not None:
-        fix = code.fix or REPEATED_CRASH_FIX
-        marker = {"exit_code": int(code), "reason": reason, "fix": fix, "job_id": job_id, "restart": restart}
-        write_json_atomic(run.failed_marker, {**marker, "time": time.time()})
+        run.mark_failed(code, reason, code.fix or REPEATED_CRASH_FIX, job_id, restart)
     return reason
 
 
