@@ -54,7 +54,7 @@ raise RuntimeError(f"optimizer state does not match the model (object at {hex(id
 """
 
 
-def test_your_program_crashing_the_same_way_twice_stops_the_run(tmp_path):
+def test_your_program_crashing_the_same_way_twice_stops_the_run(cluster, tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASHING)
     spec = command_spec(tmp_path, "own-crash", script, [], nodes=1, procs_per_node=1, array=5)
