@@ -350,10 +350,23 @@ class LaunchHistory:
 LOST_NODE_GRACE_SECONDS = 5
 # A node whose slurmd did not answer this many checks in a row is lost.
 NODE_MISSES_TO_LOSE = 2
+# How often the watch looks at the launch (a directory listing), and checks the nodes once suspicious.
+NODE_CHECK_SECONDS = 3
+# How long the node watch takes to judge, from the first rank's end: its grace, then its checks
+# and one more look. The hang watch waits that long (hang_waits_for_node_watch).
+NODE_JUDGING_SECONDS = LOST_NODE_GRACE_SECONDS + (NODE_MISSES_TO_LOSE + 1) * NODE_CHECK_SECONDS
 
 
 def suspect_lost_node(seconds_since_first_end: float | None) -> bool:
     return seconds_since_first_end is not None and seconds_since_first_end >= LOST_NODE_GRACE_SECONDS
+
+
+def hang_waits_for_node_watch(seconds_since_first_end: float | None) -> bool:
+    """A rank of the launch ended and the node watch is still judging: the silence the hang watch
+    sees is that rank's end (a peer's connection closed under it), not a hang, and a hang's
+    relaunch would go back to a node that may be dead. Found by the hour soak: a killed node was
+    taken for a hang 10 s after its last step, and its stacks asked of the dead node for 34 s."""
+    return seconds_since_first_end is not None and seconds_since_first_end < NODE_JUDGING_SECONDS
 
 
 def node_misses(previous: dict[str, int], answered: dict[str, bool]) -> dict[str, int]:

@@ -53,7 +53,7 @@ class LocalEffects:
         )  # fmt: skip
         return proc.stdout + proc.stderr
 
-    def kill_launch(self, proc: subprocess.Popen[bytes], launch: int) -> str | None:
+    def kill_launch(self, proc: subprocess.Popen[bytes], launch: int, *, node_lost: bool = False) -> str | None:
         _kill_tree(proc)
         return None
 
@@ -88,6 +88,10 @@ class SlurmEffects(LocalEffects):
     lost a node leaves its step holding the CPUs of the nodes that live, Slurm 22.05 with --no-kill)."""
 
     on_slurm = True
+
+    def __init__(self, settings: SupervisorSettings, task: Task, run: RunDir):
+        super().__init__(settings, task, run)
+        self.cancels: list[subprocess.Popen[bytes]] = []  # scancels waiting for a dead node, reaped as they end
 
     def start_launch(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(["bash", "-c", env["JOBGEN_SRUN_LAUNCH"]], env=env)
@@ -125,9 +129,10 @@ class SlurmEffects(LocalEffects):
         proc = self._helper(nodes, ["--job-name=jobgen-hang-stacks", *command], HELPER_TIMEOUT)
         return proc.stdout + proc.stderr
 
-    def kill_launch(self, proc: subprocess.Popen[bytes], launch: int) -> str | None:
+    def kill_launch(self, proc: subprocess.Popen[bytes], launch: int, *, node_lost: bool = False) -> str | None:
         """Kill the launch's step by its name: every rank on every node at once, where killing srun
-        would leave a node that no longer answers holding its ranks."""
+        would leave a node that no longer answers holding its ranks. ``node_lost``: scancel is left
+        to wait for the dead node on its own, while the supervisor's wait for the launch goes on."""
         listing = slurm.run(
             ["squeue", "--steps", f"--jobs={self.task.job_id}", "--noheader", "--format=%i %j"], check=False
         )
@@ -137,8 +142,13 @@ class SlurmEffects(LocalEffects):
             _kill_tree(proc)
             return "could not find this launch's step (squeue --steps): killed srun"
         try:
-            slurm.cancel(step, signal="KILL")
-        except slurm.SlurmError:
+            if node_lost:
+                self.cancels = [c for c in self.cancels if c.poll() is None] + [
+                    slurm.cancel_in_background(step, signal="KILL")
+                ]
+            else:
+                slurm.cancel(step, signal="KILL")
+        except (OSError, slurm.SlurmError):
             _kill_tree(proc)
             return f"could not kill step {step} (scancel): killed srun"
         return None

@@ -14,10 +14,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jobgen.job.decisions import NODE_MISSES_TO_LOSE, lost_nodes, node_misses, suspect_lost_node
-
-# How often the watch looks at the launch (a directory listing), and checks the nodes once suspicious.
-NODE_CHECK_SECONDS = 3
+from jobgen.job.decisions import (
+    NODE_CHECK_SECONDS,
+    NODE_MISSES_TO_LOSE,
+    hang_waits_for_node_watch,
+    lost_nodes,
+    node_misses,
+    suspect_lost_node,
+)
 
 
 @dataclass
@@ -33,6 +37,10 @@ class NodeWatch:
     first_end: float | None = None
     misses: dict[str, int] = field(default_factory=dict)
     known: dict[str, tuple[str, int]] | None = None
+
+    def judging(self, now: float) -> bool:
+        """A rank ended and the nodes are still being checked: the hang watch waits."""
+        return hang_waits_for_node_watch(None if self.first_end is None else now - self.first_end)
 
     def look(self, now: float) -> dict[str, str]:
         """The nodes found lost at this look, with why (empty: none, or not time to look)."""

@@ -142,12 +142,15 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
-            if watch is not None and not (hang or lost) and watch.due(now):
-                hang = self._look_for_hang(watch, proc, launch)
-                kill_by = now + HUNG_KILL_WAIT_SECONDS if hang else None
             if nodes is not None and not (hang or lost):
                 lost = self._look_for_lost_node(nodes, proc, launch, now)
-                kill_by = now + LOST_KILL_WAIT_SECONDS if lost else None
+                # From the step's kill, not from the look: quarantining the node took its own seconds.
+                kill_by = time.monotonic() + LOST_KILL_WAIT_SECONDS if lost else None
+            # While the node watch judges a rank's end, the silence is not a hang (decisions.hang_waits_for_node_watch).
+            judging = nodes is not None and nodes.judging(now)
+            if watch is not None and not (hang or lost or judging) and watch.due(now):
+                hang = self._look_for_hang(watch, proc, launch)
+                kill_by = now + HUNG_KILL_WAIT_SECONDS if hang else None
             if kill_by is not None and now >= kill_by:
                 # srun waits for a node that will never answer: the step's ranks are dead already.
                 log("the launch did not end after its step was killed: killing srun")
@@ -178,7 +181,9 @@ class Supervisor:
         for node, why in found.items():
             log(f"node {node} is {why}: ending this launch")
         blamed = self._effect(lambda: self.effects.quarantine_lost(found), "could not quarantine the lost node")
-        problem = self._effect(lambda: self.effects.kill_launch(proc, launch), "could not kill the launch")
+        problem = self._effect(
+            lambda: self.effects.kill_launch(proc, launch, node_lost=True), "could not kill the launch"
+        )
         if problem:
             log(problem)
         return blamed or "; ".join(f"{node} {why}" for node, why in found.items())

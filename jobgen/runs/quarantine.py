@@ -151,8 +151,9 @@ def excluded_nodes(run: RunDir, spec_exclude: list[str]) -> list[str]:
 def exclude_from_pending(run: RunDir, spec) -> list[str]:
     """Give every pending job of the run (array tasks not started yet, chained submissions)
     the run's excluded nodes; returns the job ids updated. ``ExcNodeList`` replaces the list,
-    so it always carries the spec's own exclusions too. (A ``job.min_nodes`` run asks for a
-    node range, so a task starts on the nodes left; Slurm cannot resize an array's tasks.)"""
+    so it always carries the spec's own exclusions too. A run with spares asks for no more nodes
+    than are left (:func:`pending_node_count`); a ``job.min_nodes`` run asks for a node range, so
+    a task starts on the nodes left."""
     # A sweep's point: the sweep's pending tasks may run any point, so they keep off every
     # node any of its points quarantined.
     name, _ = slurm_view(run, spec.run.job.name)
@@ -166,12 +167,43 @@ def exclude_from_pending(run: RunDir, spec) -> list[str]:
     nodes = {n for r in runs for n in read(r)}
     exclude = ",".join([*spec.run.job.exclude, *sorted(n for n in nodes if n not in spec.run.job.exclude)])
     pending = [e for e in slurm.queue_named(name) if e.state in slurm.JOB_PENDING]
+    fields = {"ExcNodeList": exclude}
+    if pending and spec.run.job.spare_nodes:
+        usable = usable_partition_nodes(spec.partition, spec.run.job.exclude, nodes)
+        count = str(pending_node_count(spec.run.job.nodes, spec.run.job.spare_nodes, usable))
+        # One task per node (--ntasks-per-node=1): Slurm 22.05 answers NumNodes alone with exit 0 and
+        # keeps the count its NumTasks needs (measured on the dev cluster); the two together apply.
+        fields |= {"NumNodes": count, "NumTasks": count}
     updated = []
     for entry in pending:
         job = entry.slurm_id
-        slurm.update_job(job, ExcNodeList=exclude)
+        slurm.update_job(job, **fields)
         updated.append(job)
     return updated
+
+
+def pending_node_count(nodes: int, spares: int, usable: int) -> int:
+    """The nodes a pending task of a run with spares asks for: job.nodes, and as many spares as
+    the partition's usable nodes outside the run's exclusions hold. A task asking for more would
+    wait for ever (a 3-node partition, 2 nodes and a spare, one node quarantined: found by the
+    hour soak); it asks for every spare again once ``jobgen doctor --clear`` releases the nodes."""
+    return max(nodes, min(nodes + spares, usable))
+
+
+def usable_partition_nodes(partition: str | None, spec_exclude: list[str], quarantined: set[str]) -> int:
+    """The partition's nodes (every node without one) that Slurm does not mark unusable and the
+    run does not exclude."""
+    excluded = set(quarantined)
+    for item in spec_exclude:
+        excluded.update(slurm.hostnames(item))
+    count = 0
+    for record in slurm.nodes():
+        if partition and partition not in record.get("Partitions", "").split(","):
+            continue
+        if record.get("NodeName", "") in excluded or set(record.get("State", "").split("+")) & slurm.NODE_UNUSABLE:
+            continue
+        count += 1
+    return count
 
 
 # --------------------------------------------------------------------------- silent ranks

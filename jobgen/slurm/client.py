@@ -409,6 +409,16 @@ def update_job(job_id: int | str, **fields: str) -> None:
     run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())])
 
 
+def cancel_in_background(job_id: int | str, *, signal: str) -> subprocess.Popen[bytes]:
+    """``scancel --signal`` left running: for a step one of whose nodes is dead, scancel waits
+    for that node's answer until the message times out (11 s on the dev cluster, measured),
+    while the live nodes' tasks get the signal at once. The caller reaps it (``poll``)."""
+    if shutil.which("scancel") is None:
+        raise SlurmUnavailable(["scancel"], 127, "scancel not found on PATH: no Slurm client on this machine")
+    args = ["scancel", f"--signal={signal}", str(job_id)]
+    return subprocess.Popen(args, env=client_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def cancel(
     job_id: int | str, *, signal: str | None = None, batch_only: bool = False, pending_only: bool = False
 ) -> None:

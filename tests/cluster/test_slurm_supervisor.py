@@ -81,7 +81,7 @@ def test_a_lost_node_is_found_by_the_supervisor_long_before_slurm_does(cluster_r
         "lost-node",
         nodes=2,
         procs_per_node=1,
-        array=1,
+        array=2,
         max_steps=40,
         save_every_steps=20,
         snapshot_every_steps=2,
@@ -107,6 +107,10 @@ def test_a_lost_node_is_found_by_the_supervisor_long_before_slurm_does(cluster_r
             (record,) = [r for r in slurm.nodes() if r.get("NodeName") == victim]
             assert "DOWN" not in record.get("State", ""), record  # Slurm has not noticed yet
             assert relaunched <= 30, (relaunched, log.read_text()[-3000:])
+            # The pending task 2 keeps off the lost node and asks for the 2 nodes the 3-node cluster
+            # has left, not for 2 + 1 spare it would wait for for ever.
+            (pending,) = [r for r in slurm.show_job(array) if r.get("JobState") == "PENDING"]
+            assert pending["ExcNodeList"] == victim and pending["NumNodes"].split("-")[0] == "2", pending
             wait_for(lambda: (run.path / "done").exists(), 300, "the relaunched run to finish")
         finally:
             revive_node(cluster, victim)

@@ -189,10 +189,12 @@ def attempts(run: Path) -> list[dict]:
     return sorted((e for e in out.values() if e.get("start_step") is not None), key=lambda e: e["started"])
 
 
-def reference_losses(spec_dir: Path, tiny_model: Path, until: int, omp_threads: str) -> dict[int, float]:
+def reference_losses(
+    spec_dir: Path, tiny_model: Path, until: int, omp_threads: str, settings: dict[str, object] = SETTINGS
+) -> dict[int, float]:
     """The same run, uninterrupted, on this machine (2 processes, gloo, the soak's OpenMP
     thread count: CPU kernels may split reductions by thread), up to step ``until``."""
-    ref_spec = train_spec(spec_dir, tiny_model, "soak-reference", nodes=1, **SETTINGS)
+    ref_spec = train_spec(spec_dir, tiny_model, "soak-reference", nodes=1, **settings)
     proc = jobgen("validate", str(ref_spec))
     assert proc.returncode == 0, proc.stderr
     from jobgen.launch.render import render

@@ -116,3 +116,34 @@ def test_a_submission_excludes_the_quarantined_nodes_on_the_command_line(tmp_pat
     spec = resolve({"site": "local", "job": job}, spec_file=None, base_dir=tmp_path)
     assert not any(o.startswith("--exclude") for o in sbatch_options(spec))
     assert "--exclude=node9,node2" in sbatch_options(spec, quarantined=["node2", "node9"])
+
+
+@pytest.mark.parametrize(
+    "nodes, spares, usable, asked",
+    [
+        (2, 1, 3, 3),  # the partition has room for every spare
+        (2, 1, 2, 2),  # one of 3 quarantined: the pending task asks for the 2 left, not 3 for ever
+        (2, 2, 3, 3),  # some of the spares
+        (2, 1, 1, 2),  # fewer than job.nodes: the task waits for job.nodes (doctor, Slurm) as before
+        (2, 1, 40, 3),  # a big partition: never more than job.nodes + spare_nodes
+    ],
+)
+def test_a_pending_task_with_spares_asks_for_no_more_nodes_than_the_partition_has_left(nodes, spares, usable, asked):
+    """Found by the hour soak: after a lost node was quarantined, the next array task of a 3-node
+    cluster still asked for job.nodes + spare_nodes = 3 with the node excluded, and never started."""
+    assert quarantine.pending_node_count(nodes, spares, usable) == asked
+
+
+def test_the_usable_nodes_are_the_partitions_less_unusable_and_excluded(monkeypatch):
+    records = [
+        {"NodeName": "n1", "State": "IDLE", "Partitions": "debug,short"},
+        {"NodeName": "n2", "State": "ALLOCATED", "Partitions": "debug"},
+        {"NodeName": "n3", "State": "DOWN+NOT_RESPONDING", "Partitions": "debug"},
+        {"NodeName": "n4", "State": "IDLE", "Partitions": "gpu"},
+        {"NodeName": "n5", "State": "MIXED", "Partitions": "debug"},
+    ]
+    monkeypatch.setattr(quarantine.slurm, "nodes", lambda: records)
+    monkeypatch.setattr(quarantine.slurm, "hostnames", lambda expr: {"n[4-5]": ["n4", "n5"]}.get(expr, [expr]))
+    assert quarantine.usable_partition_nodes("debug", [], set()) == 3  # n1, n2 (busy counts), n5
+    assert quarantine.usable_partition_nodes("debug", ["n[4-5]"], {"n1"}) == 1
+    assert quarantine.usable_partition_nodes(None, [], set()) == 4  # no partition: every node

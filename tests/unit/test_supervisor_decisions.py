@@ -155,6 +155,27 @@ def test_the_node_watch_asks_nothing_until_a_rank_ended_and_the_launch_went_on()
     assert list(found) == ["n2"] and found["n2"].startswith("lost: its slurmd at 10.0.0.2:6818 did not answer")
 
 
+def test_the_hang_watch_waits_while_the_node_watch_judges_a_rank_that_ended():
+    """Found by the hour soak (tests/soak/test_soak_hour.py): a node killed under a launch with the
+    hang watch on was taken for a hang 10 s after the last step (the surviving rank had ended, so
+    no rank beat), its stacks asked of the dead node for 34 s and no node quarantined, before the
+    node watch's second check."""
+    from jobgen.job.node_watch import NodeWatch
+
+    assert not d.hang_waits_for_node_watch(None)  # no rank ended: a silence is a hang
+    assert d.hang_waits_for_node_watch(0) and d.hang_waits_for_node_watch(d.NODE_JUDGING_SECONDS - 0.5)
+    assert not d.hang_waits_for_node_watch(d.NODE_JUDGING_SECONDS)  # the nodes answered: judged again
+    # The watch's own checks end before it stops judging.
+    assert d.LOST_NODE_GRACE_SECONDS + d.NODE_MISSES_TO_LOSE * d.NODE_CHECK_SECONDS < d.NODE_JUDGING_SECONDS
+
+    ended = [False]
+    watch = NodeWatch(["n2"], lambda: ended[0], lambda nodes: {}, lambda address: True, every=1, next_look=0)
+    assert watch.look(0) == {} and not watch.judging(0)
+    ended[0] = True
+    watch.look(1)
+    assert watch.judging(1) and watch.judging(d.NODE_JUDGING_SECONDS) and not watch.judging(1 + d.NODE_JUDGING_SECONDS)
+
+
 @pytest.mark.parametrize(
     "done, failed, in_sweep, reason",
     [
