@@ -129,7 +129,8 @@ def run_attempt(spec, run, env, attempt: Attempt, startup, lease, expected_world
         if env.is_main:
             reason = record_exit(run, attempt, code, reason, progress)
             log.info("exit %d: %s", int(code), reason or code.reason)
-        distributed.shutdown()
+        if not progress.snapshot_left_behind:  # else the process's exit ends the group (exit_now)
+            distributed.shutdown()
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,12 @@ class Progress:
     crash: Any = None  # jobgen.runtime.records.CrashSignature
     building: bool = False  # the Trainer is being built: data, model, optimizer, before any step
     repeats_at_once: bool = False  # a crash building it that every task would meet (will_repeat)
+
+    @property
+    def snapshot_left_behind(self) -> bool:
+        """The Trainer's end left a snapshot's writer inside the mirror's collective: destroying
+        the process group would wait for it, up to the collective timeout."""
+        return bool(getattr(self.trainer, "snapshot_left_behind", False))
 
     @property
     def step(self) -> int | None:

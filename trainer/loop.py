@@ -104,6 +104,8 @@ class Trainer:
         self.optimizer, self.scheduler = self._build_optimizer(chosen)
         self.checkpointer = self._checkpointer()
         self.snapshots = self._snapshots()
+        # The end left a snapshot's writer running (Snapshots.close): the process group is not destroyed under it.
+        self.snapshot_left_behind = False
         self.evaluation = self._build_evaluation()
         self.startup.mark("model")  # weights, wrapping, optimizer
         # Per-rank streams for dropout and friends; restored from checkpoints on resume.
@@ -369,7 +371,7 @@ class Trainer:
             stop_heartbeat()
             self.checkpointer.close()
             if self.snapshots is not None:
-                self.snapshots.close()
+                self.snapshot_left_behind = not self.snapshots.close()
             saves = {
                 "save_seconds": self.checkpointer.save_seconds,
                 "save_blocking_seconds": self.checkpointer.blocking_seconds,

@@ -127,6 +127,8 @@ def inject(kind: str, run: Path, task: int, cluster, rng: random.Random) -> dict
     return done
 
 
+# The hour, then the uninterrupted reference run and the checks (pytest-timeout's default is 10 minutes).
+@pytest.mark.timeout(MINUTES * 60 + 1800)
 def test_an_hour_with_a_fault_every_ten_minutes(cluster, cluster_run, tmp_path, tiny_model):
     seed = int(os.environ.get("JOBGEN_SOAK_SEED", "47"))
     rng = random.Random(seed)

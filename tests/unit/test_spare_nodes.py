@@ -47,7 +47,9 @@ def test_spares_are_refused_where_no_relaunch_could_use_one_or_the_world_could_c
 def test_a_task_asks_for_its_nodes_and_the_spares_and_keeps_them_when_one_fails(tmp_path, tiny_model):
     script = render(load_run(spec_with(tmp_path, tiny_model, spare_nodes=1)))
     assert "#SBATCH --nodes=3\n" in script and "#SBATCH --no-kill\n" in script
-    assert "EXPECTED_NODES=3\n" in script and "TASK_WORLD_SIZE=8\n" in script  # 2 nodes x 4, not 3 x 4
+    assert "TASK_WORLD_SIZE=8\n" in script  # 2 nodes x 4, not 3 x 4
+    # 2 to 3 nodes: a pending task asks for fewer spares once a quarantine leaves fewer nodes.
+    assert "SLURM_JOB_NUM_NODES < 2 || SLURM_JOB_NUM_NODES > 3" in script and "EXPECTED_NODES" not in script
     # A node failure is relaunched (while spares last); each launch picks its nodes first.
     settings = script_supervisor(script)
     assert settings["relaunch_codes"] == [ExitCode.CRASHED, ExitCode.NODE_FAILURE, ExitCode.HUNG]

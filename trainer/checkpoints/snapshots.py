@@ -71,6 +71,10 @@ RUN_DIR_ENV = "JOBGEN_RUN_DIR"  # where the refusal of a snapshot directory is r
 # How long taking a snapshot waits for the previous one's writing and mirroring (a partner that
 # died holds it until the group's timeout): past it, this snapshot is skipped, training goes on.
 WAIT_SECONDS = 60.0
+# How long the trainer's end waits for the snapshot in flight. A copy to a partner whose node is gone
+# waits for the group's timeout (train.collective_timeout: minutes), which would hold the rank's exit
+# record and the task's end; the snapshot files are deleted as the task ends anyway.
+CLOSE_WAIT_SECONDS = 30.0
 _NAME = re.compile(r"^step-(\d{8})\.rank(\d{5})\.pt$")
 
 
@@ -323,8 +327,19 @@ class Snapshots:
             log.error("rank %d: cannot send rank %d its snapshot of step %d (%s)", self.env.rank, rank, step, exc)
             return None
 
-    def close(self) -> None:
-        self.wait()
+    def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> bool:
+        """The trainer's end: waits for the snapshot in flight at most ``timeout`` s. False when it
+        was left behind: its thread (a daemon, which the process's exit ends) may be inside a
+        collective of the mirror, which destroying the process group would wait for."""
+        if self.wait(timeout):
+            return True
+        log.warning(
+            "rank %d: the snapshot in flight was still being written or mirrored %.0f s after training "
+            "ended (a mirror partner gone?): left behind; a relaunch resumes from the one before it or from disk",
+            self.env.rank,
+            timeout,
+        )
+        return False
 
 
 def _remove_other_attempts(directory: Path) -> None:
