@@ -200,7 +200,7 @@ def usable_partition_nodes(partition: str | None, spec_exclude: list[str], quara
     for record in slurm.nodes():
         if partition and partition not in record.get("Partitions", "").split(","):
             continue
-        if record.get("NodeName", "") in excluded or set(record.get("State", "").split("+")) & slurm.NODE_UNUSABLE:
+        if record.get("NodeName", "") in excluded or _marked_unusable(record):
             continue
         count += 1
     return count
@@ -310,13 +310,17 @@ def rank_nodes(run: RunDir, job_id: str, restart: int | str) -> dict[int, str]:
     return {rank: node for rank, node in nodes.items() if rank is not None and isinstance(node, str)}
 
 
+def _marked_unusable(record: dict[str, str]) -> bool:
+    """Whether Slurm's record of a node (``scontrol show node``) has a state it cannot run jobs in."""
+    return bool(set(record.get("State", "").split("+")) & slurm.NODE_UNUSABLE)
+
+
 def unusable_nodes(nodes: list[str]) -> dict[str, str]:
     """Those of ``nodes`` that Slurm marks unusable now, with its state and reason."""
     found = {}
     for record in slurm.nodes():
-        name = record.get("NodeName", "")
-        state = record.get("State", "")
-        if name in nodes and set(state.split("+")) & slurm.NODE_UNUSABLE:
+        name, state = record.get("NodeName", ""), record.get("State", "")
+        if name in nodes and _marked_unusable(record):
             why = record.get("Reason", "")
             found[name] = f"Slurm marked it {state}" + (f" ({why})" if why and why != "(null)" else "")
     return found

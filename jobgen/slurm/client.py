@@ -133,13 +133,19 @@ def client_env() -> dict[str, str]:
     return env
 
 
-def run(args: list[str], *, timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess[str]:
+def _check_client(args: list[str]) -> None:
+    """SlurmUnavailable before ``args`` is started where it cannot work: no such command, or a
+    SLURM_CONF that names no file."""
     if shutil.which(args[0]) is None:
         raise SlurmUnavailable(args, 127, f"{args[0]} not found on PATH: no Slurm client on this machine")
     conf = os.environ.get("SLURM_CONF")
     if conf and not os.path.isfile(conf):
         # Slurm's own commands retry a configuration they cannot open for 60 s before failing.
         raise SlurmUnavailable(args, 1, f"SLURM_CONF={conf}: no such file (unset it, or name your slurm.conf)")
+
+
+def run(args: list[str], *, timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess[str]:
+    _check_client(args)
     try:
         proc = subprocess.run(
             args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=client_env()
@@ -413,9 +419,8 @@ def cancel_in_background(job_id: int | str, *, signal: str) -> subprocess.Popen[
     """``scancel --signal`` left running: for a step one of whose nodes is dead, scancel waits
     for that node's answer until the message times out (11 s on the dev cluster, measured),
     while the live nodes' tasks get the signal at once. The caller reaps it (``poll``)."""
-    if shutil.which("scancel") is None:
-        raise SlurmUnavailable(["scancel"], 127, "scancel not found on PATH: no Slurm client on this machine")
     args = ["scancel", f"--signal={signal}", str(job_id)]
+    _check_client(args)
     return subprocess.Popen(args, env=client_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
