@@ -348,12 +348,13 @@ def train_spec(
     eval: dict[str, object] | None = None,
     job: dict[str, object] | None = None,
     data: dict[str, object] | None = None,
+    pace: float = PACED_STEP_SECONDS,
     **train: object,
 ) -> Path:
     """A training run for the dev cluster (``directory/NAME.toml``) that trains until it is
-    stopped (max_steps 1e6, its steps paced: PACED_STEP_SECONDS); ``train`` overrides or adds
-    [train] keys, ``eval`` writes [eval], ``job`` adds [job] keys (min_nodes, nodelist...),
-    ``data`` [data] keys (packing...)."""
+    stopped (max_steps 1e6, its steps paced: ``pace`` seconds, PACED_STEP_SECONDS unless
+    given); ``train`` overrides or adds [train] keys, ``eval`` writes [eval], ``job`` adds
+    [job] keys (min_nodes, nodelist...), ``data`` [data] keys (packing...)."""
     SUBMITTED_NAMES.append(name)
     settings = {
         "micro_batch_size": 4,
@@ -384,13 +385,13 @@ def train_spec(
         data={"path": DATA, "max_length": 256, **(data or {})},
         train=settings,
         eval=eval,
-        env=paced() if int(settings["max_steps"]) >= UNTIL_STOPPED else None,
+        env=paced(pace) if int(settings["max_steps"]) >= UNTIL_STOPPED else None,
     )
 
 
-def paced() -> dict[str, object]:
+def paced(period: float = PACED_STEP_SECONDS) -> dict[str, object]:
     """[env] of a dev-cluster run whose steps are paced (tests/paced/sitecustomize.py)."""
-    return {"PACED_STEP_SECONDS": str(PACED_STEP_SECONDS)}
+    return {"PACED_STEP_SECONDS": str(period)}
 
 
 def command_spec(

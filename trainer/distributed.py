@@ -148,6 +148,26 @@ def reduce_sum(env: DistEnv, values: list[float]) -> list[float]:
     return [float(v) for v in tensor.tolist()]
 
 
+def reduce_sum_and_max(env: DistEnv, sums: list[float], maxes: list[tuple[int, int]]) -> tuple[list[float], list[int]]:
+    """Element-wise sums of ``sums`` and maxima of ``maxes`` over ranks, in one all-reduce where
+    two would each cost a round trip (every step pays it: 1.4 ms for a gloo all-reduce between
+    2 processes of this machine). Each of ``maxes`` is (value, bound) with 0 <= value <= bound;
+    it travels as a one-hot count over 0..bound, and the largest value any rank holds is the
+    largest with a count. Counts are exact in float64 for any number of ranks."""
+    flat = list(sums)
+    for value, bound in maxes:
+        if not 0 <= value <= bound:
+            raise ValueError(f"reduce_sum_and_max: {value} is outside 0..{bound}")
+        flat += [1.0 if v == value else 0.0 for v in range(bound + 1)]
+    summed = reduce_sum(env, flat)
+    result, at = [], len(sums)
+    for _value, bound in maxes:
+        counts = summed[at : at + bound + 1]
+        result.append(max(v for v, count in enumerate(counts) if count > 0))
+        at += bound + 1
+    return summed[: len(sums)], result
+
+
 def broadcast_object(env: DistEnv, value: object) -> object:
     # Object collectives pickle: what is unpickled here was pickled by this job's own ranks
     # (this process's siblings, started together by torchrun), never read from a file.

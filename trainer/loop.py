@@ -9,8 +9,8 @@ One optimizer step = ``grad_accum`` micro-batches per rank. The loss is the mean
 over every target token of the step on every rank (token-weighted, so packing,
 padding and uneven batches do not skew it), gradients are synchronised only on the
 last micro-batch, then clipped, then the optimizer and the schedule step. At every
-step boundary the ranks agree on one action (continue, save, or save-and-exit) with
-one small all-reduce; a checkpointer decides when periodic saves are due.
+step boundary the ranks agree on one action (continue, save, or save-and-exit), carried in
+the step's own all-reduce of the loss; a checkpointer decides when periodic saves are due.
 
 Memory-lean options: with ``optimizer_in_backward`` each parameter is clipped and
 stepped in its gradient hook during backward (trainer.optim.OptimizerInBackward), so
@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -47,6 +47,7 @@ from trainer.distributed import (
     pause_heartbeat,
     reduce_max,
     reduce_sum,
+    reduce_sum_and_max,
     start_heartbeat,
     stop_heartbeat,
 )
@@ -63,6 +64,15 @@ from trainer.parallel.strategies import Strategy, context_parallel_for, strategy
 from trainer.tracking import trackers_for_run
 
 log = logging.getLogger("trainer")
+
+
+class Boundary(NamedTuple):
+    """What every rank does at a step boundary, agreed by all: the stop action, and whether a
+    periodic save and an evaluation are due."""
+
+    action: Action
+    save_due: bool
+    eval_due: bool
 
 
 class Trainer:
@@ -246,7 +256,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> tuple[dict[str, float], Boundary]:
+        """One optimizer step, and the ranks' decision for the boundary after it."""
         micro_batches = [self.data.next_batch() for _ in range(self.batch.grad_accum)]
         local_targets = sum(int(count_targets(b["labels"])) for b in micro_batches)
         local_tokens = sum(int(b["num_tokens"]) for b in micro_batches)
@@ -261,7 +272,8 @@ class Trainer:
         grad_norm = self._clip_and_step()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        (total_loss,) = reduce_sum(self.env, [float(loss_sum)])  # the last stage's, under a pipeline
+        # The last stage's loss under a pipeline, summed with the ranks' views of the boundary.
+        (total_loss,), boundary = self.agree_after_step(float(loss_sum))
         self.tokens_seen += int(global_tokens)
         self.record.local_tokens += local_tokens
         self.target_tokens_seen += int(global_targets)
@@ -272,7 +284,7 @@ class Trainer:
             "step_tokens": int(global_tokens),
             "step_padded_tokens": int(global_padded),
             "step_target_tokens": int(global_targets),
-        }
+        }, boundary
 
     def _clip_and_step(self) -> float:
         """Clip, step, zero the gradients; returns the gradient norm before clipping. With
@@ -287,17 +299,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def step_boundary(self) -> tuple[Action, bool, bool]:
-        """What every rank does after this step: one all-reduce (max) of each rank's stop
-        action and of its view of a periodic save and of an evaluation being due. All depend
-        on rank-local things (switch files, signals, clocks); combined, every rank takes the
-        same branch."""
-        eval_due = self.evaluation is not None and self.evaluation.wants_eval(self.step)
-        action, save_due, eval_due = reduce_max(
-            self.env,
-            [int(self.monitor.local_action()), int(self.checkpointer.wants_save(self.step)), int(eval_due)],
-        )
-        return Action(action), bool(save_due), bool(eval_due)
+    def agree_after_step(self, loss_sum: float) -> tuple[list[float], Boundary]:
+        """The step's loss summed over ranks, and what every rank does after the step that is
+        ending (``self.step + 1``): the max of each rank's stop action and of its view of a
+        periodic save and of an evaluation being due. All depend on rank-local things (switch
+        files, signals, clocks); combined, every rank takes the same branch. One all-reduce
+        for both: the boundary rides with the loss rather than costing a round trip of its own."""
+        ending = self.step + 1
+        eval_due = self.evaluation is not None and self.evaluation.wants_eval(ending)
+        views = [
+            (int(self.monitor.local_action()), max(Action)),
+            (int(self.checkpointer.wants_save(ending)), 1),
+            (int(eval_due), 1),
+        ]
+        (total,), (action, save_due, eval_due) = reduce_sum_and_max(self.env, [loss_sum], views)
+        return [total], Boundary(Action(action), bool(save_due), bool(eval_due))
 
     def _evaluate(self) -> Action:
         """Evaluate now; a new best is saved at once and named in best.json. Returns the stop
@@ -390,14 +406,14 @@ class Trainer:
             if ended:
                 return ended
         while self.step < max_steps:
-            step_metrics = self._timed_step()
+            step_metrics, boundary = self._timed_step()
             window.add(step_metrics["step_tokens"])
             if self.step % self.cfg.log_every_steps == 0 or self.step == max_steps:
                 totals = {"tokens": self.tokens_seen, "target_tokens": self.target_tokens_seen}
                 self.record.log_step(self.step, step_metrics, window, totals)
             if self.step >= max_steps:
                 break
-            action, save_due, eval_due = self.step_boundary()
+            action, save_due, eval_due = boundary
             if action.exits:
                 return self._stop(action)
             if eval_due:
@@ -412,14 +428,14 @@ class Trainer:
             mark_progress()
         return self._finish()
 
-    def _timed_step(self) -> dict[str, float]:
+    def _timed_step(self) -> tuple[dict[str, float], Boundary]:
         """One optimizer step, with its wall time recorded and the step counter advanced."""
         step_started = time.time()
-        step_metrics = self.train_step()
+        step_metrics, boundary = self.train_step()
         self.step += 1
         self.record.step_taken(time.time() - step_started, self.step)
         mark_progress(self.step)
-        return step_metrics
+        return step_metrics, boundary
 
     def _stop(self, action: Action) -> tuple[ExitCode, str]:
         """Leave at this step boundary: save first unless aborting, then consume the stop request."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import sys
 import threading
@@ -252,6 +253,8 @@ def crash_reason(exc: BaseException, run_dir: str | os.PathLike[str] | None = No
 # (jobgen.runs.summary_cache): a run nobody looked at for a week still answers status at once,
 # since the readers then fold only the lines of the last minutes.
 SUMMARY_EVERY_SECONDS = 600.0
+# At most this long between fsyncs of metrics.jsonl (MetricsWriter.log_step).
+METRICS_SYNC_SECONDS = 5.0
 
 
 class MetricsWriter:
@@ -259,6 +262,8 @@ class MetricsWriter:
         self.run_dir = run_dir
         self.enabled = enabled
         self._summarized = time.monotonic()
+        self._synced = -math.inf  # the first line is synced
+        self._unsynced = False
         self._summarizing: threading.Thread | None = None
         self.job_id = os.environ.get("SLURM_JOB_ID")
         # A requeued job keeps its id; the restart count tells its runs apart, and the batch
@@ -274,17 +279,28 @@ class MetricsWriter:
             "array_task": os.environ.get("SLURM_ARRAY_TASK_ID"),
         }
 
-    def _append(self, name: str, record: dict[str, Any]) -> None:
+    def _append(self, name: str, record: dict[str, Any], *, sync: bool = True) -> None:
         if not self.enabled:
             return
+        # Opened and closed for each line: NFS shows a line to other nodes' readers on close.
         with (self.run_dir / name).open("a") as fh:
             fh.write(json.dumps(record, sort_keys=True) + "\n")
             fh.flush()
-            os.fsync(fh.fileno())
+            if sync:
+                os.fsync(fh.fileno())
 
     def log_step(self, record: dict[str, Any]) -> None:
         # The stamp comes last: whatever ``record`` holds, these are the writer's own.
-        self._append("metrics.jsonl", {**record, "time": round(time.time(), 3), **self.stamp})
+        # A step's line is fsynced at most every METRICS_SYNC_SECONDS, not at every step: it
+        # costs the step loop's critical path each time, and a line lost with its node (a
+        # process's own death keeps it in the page cache) costs status an approximate end of
+        # that task, never work. The task records (tasks.jsonl) are synced at every line.
+        now = time.monotonic()
+        sync = now - self._synced >= METRICS_SYNC_SECONDS
+        self._append("metrics.jsonl", {**record, "time": round(time.time(), 3), **self.stamp}, sync=sync)
+        self._unsynced = self.enabled and not sync
+        if sync:
+            self._synced = now
         if self.enabled and time.monotonic() - self._summarized >= SUMMARY_EVERY_SECONDS:
             self.refresh_summary()
 
@@ -301,6 +317,10 @@ class MetricsWriter:
         self._summarizing.start()
 
     def log_task(self, record: dict[str, Any]) -> None:
+        if self._unsynced:  # the steps' last lines reach the disk before the task's record of them
+            with (self.run_dir / "metrics.jsonl").open("a") as fh:
+                os.fsync(fh.fileno())
+            self._unsynced = False
         self._append(
             "tasks.jsonl",
             {"time": round(time.time(), 3), **self.stamp, **self.array, **record},

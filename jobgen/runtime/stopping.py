@@ -18,7 +18,7 @@ directory can create them (``jobgen stop RUN`` or plain ``touch``):
 
 This module owns when to stop; the switch files' names are the run directory's layout
 (jobgen.runs.rundir: ``*_SWITCH``, ``RunDir.stop_request``). It imports no torch: the bundled
-trainer (``Trainer.step_boundary``) and a user's own program (:mod:`jobgen.runtime`) use
+trainer (``Trainer.agree_after_step``) and a user's own program (:mod:`jobgen.runtime`) use
 this one implementation, each combining the ranks' actions with its own all-reduce, and
 the trainer supplies the GPU's free memory (``StopSettings.gpu_free_bytes``).
 """
@@ -116,7 +116,7 @@ def first_signal_caught() -> str | None:
 
 
 class StopMonitor:
-    """Collects this rank's reasons to stop; ``Trainer.step_boundary`` combines them over all ranks."""
+    """Collects this rank's reasons to stop; ``Trainer.agree_after_step`` combines them over all ranks."""
 
     HANDLED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 

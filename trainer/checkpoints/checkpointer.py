@@ -216,8 +216,11 @@ class Checkpointer:
         return final
 
     def poll(self) -> None:
-        """Complete a background save if every rank has finished writing it (collective)."""
-        if not self.async_save:
+        """Complete a background save if every rank has finished writing it (collective while
+        a save is pending). Every rank starts a save at the same step and completes it in the
+        same call, so a rank with none pending knows that no rank has one: no all-reduce for
+        the steps between saves."""
+        if not self.async_save or self._pending is None:
             return
         not_done = 1 if (self._pending is not None and not self._pending.future.done()) else 0
         pending_anywhere = reduce_max(self.env, [not_done, int(self._pending is not None)])
