@@ -39,14 +39,15 @@ def prepared_run(
     work: Path, name: str, *, procs: int = 1, site: str | dict[str, object] = "local", **tables: dict
 ) -> tuple[Path, Path]:
     """The run directory and spec file (``work/NAME.toml``) of a run of these tables
-    ([model], [data], [train], [eval]...) with ``procs`` ranks and a 2-hour [job]. A run
+    ([model], [data], [train], [eval]...) with ``procs`` ranks and a 2-hour [job] (with the keys
+    of a ``job`` table given). A run
     directory an earlier invocation left is removed (it would only say "already finished");
     the data cache beside it (runs/.cache) stays, as it would for a user's second run."""
     from jobgen.launch.render import render
     from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
-    job = {"time": "2h", "runs_root": "runs", "procs_per_node": procs}
+    job = {"time": "2h", "runs_root": "runs", "procs_per_node": procs, **tables.pop("job", {})}
     spec_file = run_spec(work, name, site=site, filename=f"{name}.toml", job=job, **tables)
     spec = load_run(spec_file)
     shutil.rmtree(spec.run_dir, ignore_errors=True)

@@ -111,6 +111,7 @@ def launch(plan_path: str | Path) -> int:
     record_rank_identity(RunDir(Path(plan.run_dir)), job_id, restart)
     if not plan.hf_trainer:
         run_program(plan)
+        _leave_process_group(barrier=False)
         return 0
     from jobgen.runtime import hf  # transformers: only for a program that has a Trainer
 
@@ -124,16 +125,25 @@ def launch(plan_path: str | Path) -> int:
         return int(stop.exit_code)
     except hf.OutputDirMismatch as exc:
         return _fail(plan, ExitCode.PROGRAM_SETUP, str(exc))
+    _leave_process_group(barrier=False)
     return 0
 
 
-def _leave_process_group() -> None:
-    """Every rank raised PlannedStop at the same step (the action was agreed), so all meet
-    here: none leaves while another still writes its part of the checkpoint (the Trainer
-    saves each rank's RNG state with no barrier after it), then the group is torn down."""
+def _leave_process_group(*, barrier: bool = True) -> None:
+    """Tear down the process group a program left standing (a Trainer script never destroys
+    it), while the interpreter is whole: left to the interpreter's exit, gloo's threads may still
+    hold work whose tensors are freed during finalisation, and the rank dies of SIGABRT
+    ("terminate called without an active exception") after the program succeeded
+    (pytorch/pytorch#179291; seen here once in CI, on an HF Trainer's resumed task).
+    With ``barrier``, after a PlannedStop: every rank raised it at the same step (the action was
+    agreed), so all meet here first, and none leaves while another still writes its part of the
+    checkpoint (the Trainer saves each rank's RNG state with no barrier after it). A program
+    that returned needs no barrier: its ranks may end at different times, and destroying the
+    group is each rank's own business."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 
