@@ -23,7 +23,8 @@ A node is quarantined when
   which rank. A rank that crashed in Python (a bug that any node would repeat) reports,
   so its node is never blamed; when every node went silent, or none, nothing is decided;
 - Slurm marks a node of the task's allocation DOWN, FAILing, DRAINing or NOT_RESPONDING
-  (``slurm.NODE_UNUSABLE``) when the task ends;
+  (``slurm.NODE_UNUSABLE``) when the task ends; NOT_RESPONDING alone only when the node's
+  slurmd does not answer a connection either (:func:`unusable_in`);
 - the start probe (the batch script, before the launch) fails on it.
 
 The nodes go into ``quarantine.json`` (``RunDir.quarantine``) with when, which task and why;
@@ -41,7 +42,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -316,13 +317,38 @@ def _marked_unusable(record: dict[str, str]) -> bool:
 
 
 def unusable_nodes(nodes: list[str]) -> dict[str, str]:
-    """Those of ``nodes`` that Slurm marks unusable now, with its state and reason."""
+    """Those of ``nodes`` that Slurm marks unusable now, with its state and reason (a node it
+    only suspects counts when its slurmd does not answer us either: :func:`unusable_in`)."""
+    port: list[int] = []  # the cluster's SlurmdPort, read only when a node is suspected
+
+    def answers(record: dict[str, str]) -> bool:
+        port[:] = port or [slurm.slurmd_port()]
+        return slurm.slurmd_answers(slurm.slurmd_address(record, port[0]))
+
+    return unusable_in(slurm.nodes(), nodes, answers)
+
+
+def unusable_in(
+    records: list[dict[str, str]], nodes: list[str], answers: Callable[[dict[str, str]], bool]
+) -> dict[str, str]:
+    """Those of ``nodes`` whose Slurm records (``scontrol show node``) say they cannot run jobs,
+    with the state and reason. A node that is only NOT_RESPONDING (slurm.NODE_SUSPECTED: one
+    message to its slurmd went unanswered, nothing worse) is asked itself (``answers``: does its
+    slurmd accept a connection?) and counts as usable when it does: the hour soak saw Slurm mark
+    a healthy node so for 20 s while its slurmd ended a killed launch's processes, and the task
+    ended rather than relaunch on it."""
     found = {}
-    for record in slurm.nodes():
+    for record in records:
         name, state = record.get("NodeName", ""), record.get("State", "")
-        if name in nodes and _marked_unusable(record):
-            why = record.get("Reason", "")
-            found[name] = f"Slurm marked it {state}" + (f" ({why})" if why and why != "(null)" else "")
+        if name not in nodes or not _marked_unusable(record):
+            continue
+        only_suspected = set(state.split("+")) & slurm.NODE_UNUSABLE <= slurm.NODE_SUSPECTED
+        if only_suspected and answers(record):
+            continue
+        why = record.get("Reason", "")
+        found[name] = f"Slurm marked it {state}" + (f" ({why})" if why and why != "(null)" else "")
+        if only_suspected:
+            found[name] += " and its slurmd does not answer"
     return found
 
 

@@ -103,6 +103,12 @@ NODE_UNUSABLE = frozenset(
     }
 )
 
+# The one of those that is Slurm's suspicion rather than its verdict: set when a message to the
+# node's slurmd went unanswered (MessageTimeout), cleared at its next answer, DOWN only after
+# SlurmdTimeout. A slurmd busy ending a step's processes (KillWait) misses one for seconds: the
+# hour soak saw a healthy node marked so for 20 s after a launch's kill.
+NODE_SUSPECTED = frozenset({"NOT_RESPONDING"})
+
 # Pending reasons that never clear by themselves: the job will not start without a person
 # (a failed dependency, a hold, a down partition, an account, QOS or constraint it may not use).
 REASONS_NEVER_CLEAR = frozenset(
@@ -263,14 +269,19 @@ def nodes() -> list[dict[str, str]]:
 
 def slurmd_addresses(names: list[str]) -> dict[str, tuple[str, int]]:
     """Where each named node's slurmd listens (NodeAddr, and its Port or the cluster's SlurmdPort)."""
-    default = int(config().get("SlurmdPort") or 6818)
-    found = {}
-    for record in nodes():
-        name = record.get("NodeName", "")
-        if name in names:
-            port = record.get("Port", "")
-            found[name] = (record.get("NodeAddr") or name, int(port) if port.isdigit() else default)
-    return found
+    default = slurmd_port()
+    return {r["NodeName"]: slurmd_address(r, default) for r in nodes() if r.get("NodeName", "") in names}
+
+
+def slurmd_address(record: dict[str, str], default_port: int) -> tuple[str, int]:
+    """Where the slurmd of a node (its ``scontrol show node`` record) listens."""
+    port = record.get("Port", "")
+    return record.get("NodeAddr") or record.get("NodeName", ""), int(port) if port.isdigit() else default_port
+
+
+def slurmd_port() -> int:
+    """The cluster's SlurmdPort, for nodes whose record names no Port of their own."""
+    return int(config().get("SlurmdPort") or 6818)
 
 
 def slurmd_answers(address: tuple[str, int], timeout: float = 3.0) -> bool:

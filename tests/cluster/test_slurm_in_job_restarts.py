@@ -254,8 +254,14 @@ def test_a_lost_node_is_replaced_by_a_spare_inside_the_same_allocation(cluster_r
     # uninterrupted run's.
     (resumed,) = [r for r in read_jsonl(run.path / "tasks.jsonl") if r["event"] == "first_step" and r.get("launch")]
     redone = reached - resumed["start_step"]
-    assert resumed["job_id"] == str(task) and 0 <= redone <= SNAPSHOT_EVERY, (reached, resumed)
+    assert resumed["job_id"] == str(task) and 0 <= redone < 2 * SNAPSHOT_EVERY, (reached, resumed)
     assert resumed["start_step"] < DISK_EVERY and resumed["start_step"] % SNAPSHOT_EVERY == 0, resumed
+    if redone >= SNAPSHOT_EVERY:
+        # The node died while the newest snapshot was being mirrored (on these 2 shared cores a
+        # mirror can take longer than a step): that one is whole nowhere, the one before it everywhere.
+        newer = resumed["start_step"] + SNAPSHOT_EVERY
+        log = (run.path / "logs" / f"{run.path.name}-{task}.out").read_text()
+        assert f"a snapshot was not kept (step {newer}: mirror:" in log, (reached, resumed)
     ranks = json.loads(RunDir(run.path).rank_map(str(task), 0).read_text())
     assert {int(rank): entry["node"] for rank, entry in ranks.items()} == {0: first_node, 1: spare}, ranks
     wait_for(lambda: (reference.path / "done").exists(), 300, "the reference run to finish")

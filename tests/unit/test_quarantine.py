@@ -147,3 +147,30 @@ def test_the_usable_nodes_are_the_partitions_less_unusable_and_excluded(monkeypa
     assert quarantine.usable_partition_nodes("debug", [], set()) == 3  # n1, n2 (busy counts), n5
     assert quarantine.usable_partition_nodes("debug", ["n[4-5]"], {"n1"}) == 1
     assert quarantine.usable_partition_nodes(None, [], set()) == 4  # no partition: every node
+
+
+def test_a_node_slurm_only_suspects_is_asked_itself_before_it_is_left_out():
+    """Found by the hour soak: after a rank's SIGKILL, Slurm marked the surviving node
+    MIXED+NOT_RESPONDING for 20 s while its slurmd ended the launch's processes, and the
+    supervisor, counting it unusable, ended the task instead of relaunching on it."""
+    records = [
+        {"NodeName": "n1", "State": "MIXED+NOT_RESPONDING", "NodeAddr": "10.0.0.1"},
+        {"NodeName": "n2", "State": "IDLE+NOT_RESPONDING", "NodeAddr": "10.0.0.2", "Reason": "(null)"},
+        {"NodeName": "n3", "State": "DOWN+NOT_RESPONDING", "NodeAddr": "10.0.0.3", "Reason": "Not responding"},
+        {"NodeName": "n4", "State": "MIXED+DRAIN", "NodeAddr": "10.0.0.4", "Reason": "bad gpu"},
+        {"NodeName": "n5", "State": "ALLOCATED", "NodeAddr": "10.0.0.5"},
+    ]
+    asked = []
+
+    def answers(record):
+        asked.append(record["NodeName"])
+        return record["NodeName"] in ("n1", "n3")  # n2's slurmd is gone; n3's answers, but Slurm said DOWN
+
+    found = quarantine.unusable_in(records, ["n1", "n2", "n3", "n4", "n5"], answers)
+    assert found == {
+        "n2": "Slurm marked it IDLE+NOT_RESPONDING and its slurmd does not answer",
+        "n3": "Slurm marked it DOWN+NOT_RESPONDING (Not responding)",
+        "n4": "Slurm marked it MIXED+DRAIN (bad gpu)",
+    }
+    assert asked == ["n1", "n2"]  # a verdict (DOWN, DRAIN) is taken as it is; only suspicion is checked
+    assert quarantine.unusable_in(records, ["n5"], answers) == {}
