@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import logging
 import os
 import sys
@@ -319,11 +320,10 @@ def _marked_unusable(record: dict[str, str]) -> bool:
 def unusable_nodes(nodes: list[str]) -> dict[str, str]:
     """Those of ``nodes`` that Slurm marks unusable now, with its state and reason (a node it
     only suspects counts when its slurmd does not answer us either: :func:`unusable_in`)."""
-    port: list[int] = []  # the cluster's SlurmdPort, read only when a node is suspected
+    port = functools.cache(slurm.slurmd_port)  # scontrol show config: only if a node is suspected, once
 
     def answers(record: dict[str, str]) -> bool:
-        port[:] = port or [slurm.slurmd_port()]
-        return slurm.slurmd_answers(slurm.slurmd_address(record, port[0]))
+        return slurm.slurmd_answers(slurm.slurmd_address(record, port()))
 
     return unusable_in(slurm.nodes(), nodes, answers)
 

@@ -222,9 +222,8 @@ class Checkpointer:
         the steps between saves."""
         if not self.async_save or self._pending is None:
             return
-        not_done = 1 if (self._pending is not None and not self._pending.future.done()) else 0
-        pending_anywhere = reduce_max(self.env, [not_done, int(self._pending is not None)])
-        if pending_anywhere[1] and not pending_anywhere[0]:
+        (writing_anywhere,) = reduce_max(self.env, [int(not self._pending.future.done())])
+        if not writing_anywhere:
             self.wait()
 
     def wait(self) -> None:
