@@ -116,7 +116,7 @@ def test_an_interpreter_only_the_nodes_have_is_a_warning(tmp_path: Path):
 @pytest.mark.parametrize("spec_file", sorted((REPO / "tests" / "golden" / "specs").glob("*-train.toml")))
 def test_the_launch_line_uses_only_options_the_oldest_torchrun_has(spec_file: Path):
     text = render(load_run(spec_file))
-    launch = text[text.index("exec torchrun") :]
+    launch = text[text.index("exec python -m jobgen.runtime.torchrun") :]
     launch = launch[: launch.index("\nNODE")]
     options = set(re.findall(r"^\s+(--[a-z][a-z_-]*)", launch, re.MULTILINE))
     assert options and options <= TORCHRUN_2_5, options - TORCHRUN_2_5

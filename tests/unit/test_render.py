@@ -165,7 +165,7 @@ def test_the_supervisor_takes_the_signals_and_runs_the_launch_line():
     assert train.index('rm -f "$SWITCHES/stop.') < train.index("exec python -m jobgen.job")
     assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600" in train  # torchrun default 30 s would cut a save on SIGTERM
     # torchrun's agent must survive a USR1 sent to the whole step; the workers catch it.
-    assert text.index("trap '' USR1 USR2") < text.index("exec torchrun")
+    assert text.index("trap '' USR1 USR2") < text.index("exec python -m jobgen.runtime.torchrun")
     # The launch line a user can copy: srun, one task per node, the node script.
     assert 'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1' in train
     assert 'bash -c "$NODE_LAUNCH"' in train and "export NODE_LAUNCH JOBGEN_SRUN_LAUNCH" in train

@@ -149,10 +149,11 @@ def heredoc(text: str, delimiter: str) -> str:
 
 @pytest.mark.parametrize("node_id, nproc, threads", [(0, 3, 1), (1, 1, 4)])
 def test_each_node_runs_torchrun_with_its_own_count(tmp_path, node_id, nproc, threads):
-    """The node script as srun runs it on node ``node_id``, with a torchrun that prints what it got."""
+    """The node script as srun runs it on node ``node_id``, with a python (that starts torchrun) that
+    prints what it got."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake = bin_dir / "torchrun"
+    fake = bin_dir / "python"
     fake.write_text('#!/bin/bash\necho "OMP=$OMP_NUM_THREADS"\nprintf "%s\\n" "$@"\n')
     fake.chmod(0o755)
     node_script = "ipv4_on() { echo 10.0.0.9; }\n" + heredoc(render(load_run(spec(tmp_path))), "NODE")
@@ -171,6 +172,7 @@ def test_each_node_runs_torchrun_with_its_own_count(tmp_path, node_id, nproc, th
     out = subprocess.run(["bash", "-c", node_script], env=env, capture_output=True, text=True, check=True).stdout
     args = out.splitlines()
     assert args[0] == f"OMP={threads}"
+    assert args[1:3] == ["-m", "jobgen.runtime.torchrun"], args
     assert f"--nproc-per-node={nproc}" in args and f"--node-rank={node_id}" in args, args
     assert "--rdzv-backend=static" in args and "--rdzv-endpoint=10.0.0.9:29507" in args
     assert args[-2:] == ["--expected-world-size", "4"]
