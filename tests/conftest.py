@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import PACED, SHARED_DATA_CACHE_ENV, ClusterRun, cancel_submitted, train_spec
+from unwind import pytest_configure  # noqa: F401 - SIGTERM unwinds the session (tests/unwind.py)
 
 # The dev cluster's nodes and every torchrun share this machine's few cores, so their OpenMP
 # threads must not spin while they wait: libgomp's default (active, 300,000 spins) counts only
