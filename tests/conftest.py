@@ -166,6 +166,9 @@ def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # The dev cluster's fake GPUs, node by node (`jobgen cluster up --gpus 3,1,2`): unequal machines
 # for the GPU-site tests (tests/cluster/test_slurm_gpus.py); CPU sites ask for none.
 CLUSTER_GPUS = [3, 1, 2]
+# Which Slurm the dev cluster runs (`jobgen cluster up --slurm`): this machine's packages (22.05)
+# unless JOBGEN_TEST_SLURM names another series (README: the 24.11 run).
+TEST_SLURM_ENV = "JOBGEN_TEST_SLURM"
 
 
 @pytest.fixture(scope="session")
@@ -178,20 +181,26 @@ def cluster():
     if shutil.which("slurmctld") is None and os.geteuid() != 0:
         pytest.skip("the dev cluster needs root to install and start Slurm")
     from jobgen import devcluster
+    from jobgen.devcluster.slurm_builds import SYSTEM_SERIES
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    state_dir = None if worker == "gw0" else f"{devcluster.DEFAULT_STATE_DIR}-{worker}"
+    slurm = os.environ.get(TEST_SLURM_ENV) or SYSTEM_SERIES
+    own = "" if slurm == SYSTEM_SERIES else f"-slurm{slurm}"  # never the other series' cluster
+    state_dir = None if worker == "gw0" and not own else f"{devcluster.DEFAULT_STATE_DIR}-{worker}{own}"
     info = devcluster.status(state_dir)
     started = False
     gpus = [info.gpus.get(n, 0) for n in info.nodes] if info is not None else None
-    if info is not None and (not info.netns or len(info.nodes) != 3 or info.cpus_per_node < 4 or gpus != CLUSTER_GPUS):
+    shape = info is not None and info.netns and len(info.nodes) == 3 and info.cpus_per_node >= 4
+    if info is not None and not (shape and gpus == CLUSTER_GPUS and info.slurm == slurm):
         # e.g. the 2-node cluster examples/quickstart.sh leaves running: replace it with the
         # shape these tests are written for.
         devcluster.down(state_dir)
         info = None
     if info is None:
-        info = devcluster.up(nodes=3, cpus_per_node=4, netns=True, state_dir=state_dir, gpus=CLUSTER_GPUS)
+        info = devcluster.up(nodes=3, cpus_per_node=4, netns=True, state_dir=state_dir, gpus=CLUSTER_GPUS, slurm=slurm)
         started = True
+    if info.slurm_prefix:  # the clients of its own release: another's cannot reach its controller
+        os.environ["PATH"] = os.pathsep.join([f"{info.slurm_prefix}/bin", os.environ["PATH"]])
     # This process and everything it starts (jobgen, sbatch, the jobs) talk to this cluster.
     os.environ["SLURM_CONF"] = info.slurm_conf
     os.environ[devcluster.STATE_DIR_ENV] = info.state_dir

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from . import instances, nodelocal
+from . import instances, nodelocal, slurm_builds
 from .config import DEBUG_MAX_TIME, DEFAULT_PARTITION, SHORT_MAX_TIME
 from .lifecycle import DEFAULT_TIMEOUT, status, up
 from .state import STATE_DIR_ENV, ClusterError, ClusterInfo
@@ -60,6 +60,14 @@ def cluster() -> None:
     help="Give every node its own network namespace and eth0 address.",
 )
 @click.option(
+    "--slurm",
+    type=click.Choice(slurm_builds.SERIES),
+    default=slurm_builds.SYSTEM_SERIES,
+    show_default=True,
+    help="Which Slurm: 22.05 is this machine's packages (Debian bookworm's); a newer series is built once "
+    f"from Debian's source into ${slurm_builds.CACHE_ENV} (default {slurm_builds.DEFAULT_CACHE}) and reused.",
+)
+@click.option(
     "--timeout",
     type=float,
     default=DEFAULT_TIMEOUT,
@@ -73,13 +81,14 @@ def up_cmd(
     mem_per_node_mb: int,
     gpus: list[int] | None,
     netns: bool,
+    slurm: str,
     timeout: float,
     state_dir: str | None,
 ) -> None:
     """Start the cluster (installing slurm-wlm, munge, slurmdbd and mariadb-server if missing); idempotent."""
     shape = {"nodes": nodes, "cpus_per_node": cpus_per_node, "mem_per_node_mb": mem_per_node_mb, "netns": netns}
     try:
-        info = up(**shape, state_dir=state_dir, timeout=timeout, gpus=gpus)
+        info = up(**shape, state_dir=state_dir, timeout=timeout, gpus=gpus, slurm=slurm)
     except ClusterError as exc:
         raise click.ClickException(str(exc)) from None
     _print_status(info)
@@ -134,8 +143,11 @@ def _print_status(info: ClusterInfo) -> None:
     click.echo(f"dev cluster: up, {len(info.nodes)} nodes, {mode}, nic {info.nic}")
     click.echo(f"state dir:   {info.state_dir}")
     click.echo(f"slurm.conf:  {info.slurm_conf}")
+    click.echo(f"slurm:       {info.slurm} ({info.slurm_prefix or 'the packages of this machine'})")
     if not _is_system_conf(info.slurm_conf):  # another dev cluster owns /etc/slurm/slurm.conf
         click.echo(f"reach it:    export SLURM_CONF={info.slurm_conf}  (dev cluster {info.instance} of this machine)")
+    if info.slurm_prefix:  # its clients only: another release's cannot talk to its controller
+        click.echo(f"clients:     export PATH={info.slurm_prefix}/bin:$PATH")
     click.echo(
         f"partitions:  {DEFAULT_PARTITION} (default, MaxTime {DEBUG_MAX_TIME}), short (MaxTime {SHORT_MAX_TIME})"
     )

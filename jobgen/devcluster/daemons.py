@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import nodelocal, procs
+from . import nodelocal, procs, slurm_builds
 from .config import Layout
 from .state import ClusterError, State
 
@@ -106,11 +106,12 @@ def _apt_get(env: dict[str, str], packages: list[str]) -> None:
             raise ClusterError(f"`{' '.join(args)}` failed (exit {proc.returncode}):\n{tail}")
 
 
-def daemon_env(state_dir: Path, slurm_conf: Path) -> dict[str, str]:
+def daemon_env(state_dir: Path, slurm_conf: Path, slurm_prefix: str = "") -> dict[str, str]:
     """A clean environment for the daemons: the caller's venv or PYTHONPATH must
-    not leak into every job, and the marker lets ``down`` find leftover steps."""
+    not leak into every job, and the marker lets ``down`` find leftover steps. A built Slurm's
+    (``slurm_prefix``) programs come first on PATH."""
     return {
-        "PATH": DAEMON_PATH,
+        "PATH": slurm_builds.search_path(slurm_prefix, DAEMON_PATH),
         "LANG": "C.UTF-8",
         "HOME": "/root",
         "SLURM_CONF": str(slurm_conf),
@@ -308,13 +309,15 @@ def _is_our_daemon(name: str, pid: int | None, layout: Layout) -> bool:
     return slurmd_matches(pid, layout, name.removeprefix("slurmd:"))
 
 
-def node_states(slurm_conf: Path | str, timeout: float = 10.0) -> dict[str, str]:
-    """``sinfo -N``: node name to its state (e.g. "idle", "idle*", "down*", "mix")."""
+def node_states(slurm_conf: Path | str, timeout: float = 10.0, slurm_prefix: str = "") -> dict[str, str]:
+    """``sinfo -N``: node name to its state (e.g. "idle", "idle*", "down*", "mix"); the sinfo of
+    the cluster's own Slurm (``slurm_prefix``, where it is a built one)."""
+    path = slurm_builds.search_path(slurm_prefix, os.environ.get("PATH", DAEMON_PATH))
     proc = subprocess.run(
         ["sinfo", "-h", "-N", "-o", "%N %t"],
         capture_output=True,
         text=True,
-        env=dict(os.environ, SLURM_CONF=str(slurm_conf)),
+        env=dict(os.environ, SLURM_CONF=str(slurm_conf), PATH=path),
         timeout=timeout,
     )
     if proc.returncode != 0:
@@ -337,6 +340,7 @@ def wait_for_nodes(
     watched: dict[str, int],
     timeout: float,
     want: set[str] | None = None,
+    slurm_prefix: str = "",
 ) -> dict[str, str]:
     """Wait until every node's sinfo state is in ``want`` (default: only "idle").
 
@@ -351,7 +355,7 @@ def wait_for_nodes(
             if not procs.is_alive(pid):
                 raise ClusterError(f"{name} (pid {pid}) exited during startup:\n" + logs_report(layout, nodes))
         try:
-            states = node_states(layout.slurm_conf)
+            states = node_states(layout.slurm_conf, slurm_prefix=slurm_prefix)
             last_error = ""
         except (ClusterError, subprocess.TimeoutExpired) as exc:
             last_error = str(exc)

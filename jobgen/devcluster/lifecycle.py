@@ -25,7 +25,7 @@ import socket
 import time
 from pathlib import Path
 
-from . import accounting, daemons, instances, nodelocal, procs
+from . import accounting, daemons, instances, nodelocal, procs, slurm_builds
 from . import netns as netns_mod
 from .config import (
     DEFAULT_PARTITION,
@@ -83,7 +83,7 @@ def status(state_dir: str | os.PathLike[str] | None = None) -> ClusterInfo | Non
     info = state.info
     info.daemons = live
     try:
-        info.node_states = daemons.node_states(info.slurm_conf)
+        info.node_states = daemons.node_states(info.slurm_conf, slurm_prefix=info.slurm_prefix)
     except Exception:  # noqa: BLE001 - best effort: a hung slurmctld must not break status()
         info.node_states = {}
     return info
@@ -101,15 +101,16 @@ def up(
     mem_per_node_mb: int = 4096,
     timeout: float = DEFAULT_TIMEOUT,
     gpus: list[int] | None = None,
+    slurm: str = slurm_builds.SYSTEM_SERIES,
 ) -> ClusterInfo:
     """Start (or repair) the dev cluster and return its status once every node answers.
 
-    ``jobgen cluster up --nodes N --cpus-per-node C [--netns] [--gpus 3,1] [--state-dir DIR]``.
-    ``gpus``: fake GPUs (GRES) node by node, one count for every node or one per node.
-    Same shape as a running cluster: restart dead daemons, else do nothing.
-    Other shape: ClusterError (run ``down`` first).  A record whose daemons
-    are all dead is torn down first.  Installs slurm-wlm, munge, slurmdbd and
-    mariadb-server if missing.
+    ``jobgen cluster up --nodes N --cpus-per-node C [--netns] [--gpus 3,1] [--slurm 24.11] [--state-dir DIR]``.
+    ``gpus``: fake GPUs (GRES) node by node, one count for every node or one per node. ``slurm``:
+    this machine's packages, or a release built once into a cache (jobgen.devcluster.slurm_builds).
+    Same shape as a running cluster: restart dead daemons, else do nothing. Other shape:
+    ClusterError (run ``down`` first). A record whose daemons are all dead is torn down first.
+    Installs slurm-wlm, munge, slurmdbd and mariadb-server if missing.
     """
     require_root("up")
     if nodes < 1 or cpus_per_node < 1 or mem_per_node_mb < 64:
@@ -122,7 +123,9 @@ def up(
         "mem_per_node_mb": mem_per_node_mb,
         "netns": netns,
         "gpus": per_node,
+        "slurm": slurm,
     }
+    slurm_builds.prefix_of(slurm)  # an unknown series is refused before anything starts
     with global_lock():
         existing = load_state(root)
         if existing is not None:
@@ -144,7 +147,7 @@ def up(
         _check_system_conf(root)
         instance = instances.claim(root, alive=_alive)
         _check_port_free(instance.port(SLURMCTLD_PORT))
-        _fresh_up(root, instance, nodes, cpus_per_node, netns, mem_per_node_mb, timeout, per_node)
+        _fresh_up(root, instance, nodes, cpus_per_node, netns, mem_per_node_mb, timeout, per_node, slurm)
     info = status(root)
     if info is None:
         raise ClusterError(f"the dev cluster in {root} went away right after starting")
@@ -174,7 +177,11 @@ def _describe(shape: dict[str, object]) -> str:
     mode = "netns" if shape["netns"] else "loopback"
     gpus = shape.get("gpus") or []
     gpu_text = f", GPUs {','.join(map(str, gpus))}" if any(gpus) else ""
-    return f"{shape['nodes']} nodes x {shape['cpus_per_node']} CPUs, {shape['mem_per_node_mb']} MB{gpu_text}, {mode}"
+    slurm = shape.get("slurm", slurm_builds.SYSTEM_SERIES)
+    return (
+        f"{shape['nodes']} nodes x {shape['cpus_per_node']} CPUs, {shape['mem_per_node_mb']} MB{gpu_text}, "
+        f"{mode}, Slurm {slurm}"
+    )
 
 
 def _check_system_conf(root: Path) -> None:
@@ -222,6 +229,7 @@ def _fresh_up(
     mem_mb: int,
     timeout: float,
     gpus: list[int],
+    slurm: str,
 ) -> None:
     """A new cluster from nothing: packages, state dir, record, network, slurm.conf, daemons
     (MariaDB and slurmdbd before slurmctld, which reports every job to slurmdbd).
@@ -230,6 +238,7 @@ def _fresh_up(
     if nodes > instances.MAX_NODES:
         raise ClusterError(f"a dev cluster has at most {instances.MAX_NODES} nodes")
     names = instance.node_names(nodes)
+    prefix = slurm_builds.ensure(slurm, log, daemons.apt_install)
     apt_installed = _install_missing_packages(use_netns)
     net_plan = netns_mod.plan(names, instance.bridge) if use_netns else None
     _clear_state_dir(root)
@@ -237,6 +246,7 @@ def _fresh_up(
     layout.mkdirs(names)
     state = State(info=_new_cluster_info(layout, instance, names, net_plan, cpus, mem_mb))
     state.info.gpus = {name: count for name, count in zip(names, gpus) if count}
+    state.info.slurm, state.info.slurm_prefix = slurm, str(prefix or "")
     if not nodelocal.set_up(state.info, layout, daemons.DAEMON_PATH):
         log(f"node-local directories: {nodelocal.UNAVAILABLE}")
     state.info.slurmdbd_port = accounting.pick_port(instance.port(SLURMDBD_PORT), "slurmdbd")
@@ -252,7 +262,7 @@ def _fresh_up(
             _write_slurm_conf(state, layout)
             _ensure_munge(state, layout)
             datadir.result()
-        env = daemons.daemon_env(root, layout.slurm_conf)
+        env = daemons.daemon_env(root, layout.slurm_conf, state.info.slurm_prefix)
         accounting.start(state, layout, env, set(accounting.DAEMONS), timeout)
         _start_slurm(state, layout, only=None, timeout=timeout, want={"idle"})
         state.phase = "up"
@@ -405,7 +415,7 @@ def _start_slurm(state: State, layout: Layout, only: set[str] | None, timeout: f
     register at startup waits for the controller's next ping, which is slow.
     """
     info, res = state.info, state.resources
-    env = daemons.daemon_env(Path(info.state_dir), layout.slurm_conf)
+    env = daemons.daemon_env(Path(info.state_dir), layout.slurm_conf, info.slurm_prefix)
     names = info.nodes if only is None else [n for n in info.nodes if n in only]
     # Watch the daemons left running too: one that dies meanwhile should fail
     # the wait at once, not after the timeout.
@@ -415,23 +425,23 @@ def _start_slurm(state: State, layout: Layout, only: set[str] | None, timeout: f
         res.daemons["slurmctld"] = pid
         save_state(state)
         watched["slurmctld"] = pid
-        _wait_for_controller(layout, pid, info.nodes, timeout)
+        _wait_for_controller(layout, pid, info.slurm_prefix, timeout)
     for node in names:
         netns_path = netns_mod.ns_path(node) if info.netns else None
         pid = daemons.start_slurmd(layout, env, node, netns_path, node_local=bool(info.node_local))
         res.daemons[f"slurmd:{node}"] = pid
         save_state(state)
         watched[f"slurmd:{node}"] = pid
-    daemons.wait_for_nodes(layout, info.nodes, watched, timeout, want=want)
+    daemons.wait_for_nodes(layout, info.nodes, watched, timeout, want=want, slurm_prefix=info.slurm_prefix)
 
 
-def _wait_for_controller(layout: Layout, pid: int, nodes: list[str], timeout: float) -> None:
+def _wait_for_controller(layout: Layout, pid: int, slurm_prefix: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if not procs.is_alive(pid):
             raise ClusterError(f"slurmctld (pid {pid}) exited at startup:\n" + daemons.logs_report(layout, []))
         try:
-            daemons.node_states(layout.slurm_conf, timeout=5)
+            daemons.node_states(layout.slurm_conf, timeout=5, slurm_prefix=slurm_prefix)
             return
         except Exception:  # noqa: BLE001 - not up yet, whatever the error: retry until the deadline
             if time.monotonic() > deadline:
@@ -461,7 +471,7 @@ def _repair(state: State, timeout: float) -> None:
             )
     if state.info.node_local:
         nodelocal.make_dirs(layout, state.info.nodes)  # a slurmd whose directory is gone would not start
-    env = daemons.daemon_env(Path(state.info.state_dir), layout.slurm_conf)
+    env = daemons.daemon_env(Path(state.info.state_dir), layout.slurm_conf, state.info.slurm_prefix)
     accounting.start(state, layout, env, dead & set(accounting.DAEMONS), timeout)
     slurm = {name.removeprefix("slurmd:") for name in dead - set(accounting.DAEMONS)}
     if slurm:

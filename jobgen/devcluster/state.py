@@ -92,6 +92,11 @@ class ClusterInfo:
     # "" and {} where the nodes cannot have one (not root, no unshare), or in a record from before.
     node_local: str = ""
     node_local_dirs: dict[str, str] = field(default_factory=dict)
+    # Which Slurm runs it: "22.05", this machine's packages, or a release built into
+    # slurm_prefix (jobgen.devcluster.slurm_builds), whose bin/ whoever reaches the cluster puts
+    # first on PATH. A record from before there was a choice is "22.05".
+    slurm: str = "22.05"
+    slurm_prefix: str = ""
     node_states: dict[str, str] = field(default_factory=dict)
     daemons: dict[str, int] = field(default_factory=dict)
 
@@ -104,6 +109,7 @@ class ClusterInfo:
             "mem_per_node_mb": self.mem_per_node_mb,
             "netns": self.netns,
             "gpus": [self.gpus.get(node, 0) for node in self.nodes],
+            "slurm": self.slurm,
         }
 
     def to_dict(self) -> dict[str, Any]:
