@@ -724,6 +724,7 @@ def revive_node(cluster: Any, node: str) -> None:
         netns=True,
         state_dir=cluster.state_dir,
         gpus=gpus,
+        slurm=cluster.slurm,
     )
     subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
 

@@ -213,11 +213,15 @@ def render_slurm_conf(
     slurmctld_port: int = SLURMCTLD_PORT,
     slurmd_ports: dict[str, int] | None = None,
     gpus: dict[str, int] | None = None,
+    own_hosts: bool = False,
 ) -> str:
     """The slurm.conf text for the nodes of ``node_addrs`` (node1..nodeN for instance 0).
 
     One NodeName line per node, because in netns mode every node has its own
-    address; the ports follow node order (17001, 17002, ... for instance 0).  slurmdbd
+    address; the ports follow node order (17001, 17002, ... for instance 0). With
+    ``own_hosts`` (netns mode) each node is its own host, NodeHostname its name: Slurm 24.11
+    keeps one node per NodeHostname in its map of hosts and could not forward to the others
+    ("Duplicated NodeHostName", then "can't find address for host node2"; measured).  slurmdbd
     runs beside slurmctld and is reached at the controller's address, which the
     host's client commands (sacct, sacctmgr) and, in netns mode, the nodes reach.
     """
@@ -225,7 +229,7 @@ def render_slurm_conf(
     hostlist = ",".join(nodes)
     ports = slurmd_ports or {name: SLURMD_BASE_PORT + i for i, name in enumerate(nodes)}
     node_lines = [
-        f"NodeName={name} NodeHostname={hostname} NodeAddr={addr} "
+        f"NodeName={name} NodeHostname={name if own_hosts else hostname} NodeAddr={addr} "
         f"Port={ports[name]} CPUs={cpus_per_node} "
         f"RealMemory={mem_per_node_mb}{_gres(name, gpus or {})} State=UNKNOWN"
         for name, addr in node_addrs.items()

@@ -311,8 +311,9 @@ def _is_our_daemon(name: str, pid: int | None, layout: Layout) -> bool:
 
 def node_states(slurm_conf: Path | str, timeout: float = 10.0, slurm_prefix: str = "") -> dict[str, str]:
     """``sinfo -N``: node name to its state (e.g. "idle", "idle*", "down*", "mix"); the sinfo of
-    the cluster's own Slurm (``slurm_prefix``, where it is a built one)."""
-    path = slurm_builds.search_path(slurm_prefix, os.environ.get("PATH", DAEMON_PATH))
+    the cluster's own Slurm (``slurm_prefix``, where it is a built one), whatever the caller's
+    PATH holds first."""
+    path = slurm_builds.search_path(slurm_prefix, DAEMON_PATH)
     proc = subprocess.run(
         ["sinfo", "-h", "-N", "-o", "%N %t"],
         capture_output=True,

@@ -113,8 +113,7 @@ def up(
     Installs slurm-wlm, munge, slurmdbd and mariadb-server if missing.
     """
     require_root("up")
-    if nodes < 1 or cpus_per_node < 1 or mem_per_node_mb < 64:
-        raise ClusterError("need nodes >= 1, cpus_per_node >= 1 and mem_per_node_mb >= 64")
+    _check_asked(nodes, cpus_per_node, mem_per_node_mb, netns, slurm)
     root = resolve_state_dir(state_dir)
     per_node = gpu_counts(gpus, nodes)
     wanted = {
@@ -125,7 +124,6 @@ def up(
         "gpus": per_node,
         "slurm": slurm,
     }
-    slurm_builds.prefix_of(slurm)  # an unknown series is refused before anything starts
     with global_lock():
         existing = load_state(root)
         if existing is not None:
@@ -152,6 +150,16 @@ def up(
     if info is None:
         raise ClusterError(f"the dev cluster in {root} went away right after starting")
     return info
+
+
+def _check_asked(nodes: int, cpus_per_node: int, mem_per_node_mb: int, netns: bool, slurm: str) -> None:
+    """Refuse a cluster that cannot be, before anything starts."""
+    if nodes < 1 or cpus_per_node < 1 or mem_per_node_mb < 64:
+        raise ClusterError("need nodes >= 1, cpus_per_node >= 1 and mem_per_node_mb >= 64")
+    slurm_builds.prefix_of(slurm)  # an unknown series
+    if slurm != slurm_builds.SYSTEM_SERIES and not netns:
+        # Checked on 24.11 only with netns, where each node is a host of its own (config.render_slurm_conf).
+        raise ClusterError(f"--slurm {slurm} needs --netns: its nodes must each be a host of their own")
 
 
 def gpu_counts(gpus: list[int] | None, nodes: int) -> list[int]:
@@ -380,6 +388,7 @@ def _write_slurm_conf(state: State, layout: Layout) -> None:
             slurmctld_port=info.slurmctld_port,
             slurmd_ports=info.slurmd_ports,
             gpus=info.gpus,
+            own_hosts=info.netns,
         )
     )
     layout.slurm_conf.chmod(0o644)

@@ -6,7 +6,7 @@ later ``up`` reuses.
 
 A built release is Debian trixie's slurm-wlm source (the upstream tarball Debian ships, checked
 against the sha256 in trixie's Sources index), configured for a prefix of its own under
-``$JOBGEN_SLURM_CACHE`` (default /var/cache/jobgen/slurm): ``<cache>/<version>/{bin,sbin,lib}``.
+``$JOBGEN_SLURM_CACHE`` (default /var/cache/jobgen/slurm): ``<cache>/<version>-<build>/{bin,sbin,lib}``.
 The build (about 10 minutes on 2 cores, measured in BENCHMARKS.md's dev-cluster section) happens
 under a lock, in a directory beside the prefix, and is renamed into place only when complete, so a
 killed build leaves nothing that looks usable and two ``up``s at once build once. Its daemons and
@@ -55,6 +55,10 @@ BUILD_PACKAGES = (
     "liblz4-dev",
 )
 CONFIGURE_OPTIONS = (
+    # The dev cluster's slurmds share one host's munged: each decodes the same launch credential,
+    # which munged reports as replayed, and only a multiple-slurmd build takes that as expected
+    # (24.11 without it: "_verify_signature: failed decode" on the second node; measured).
+    "--enable-multiple-slurmd",
     "--disable-debug",
     "--disable-slurmrestd",
     "--with-munge=/usr",
@@ -94,13 +98,20 @@ def cache_root(environ: dict[str, str] | None = None) -> Path:
     return Path((environ if environ is not None else os.environ).get(CACHE_ENV) or DEFAULT_CACHE)
 
 
+def build_name(release: Release) -> str:
+    """The prefix's folder name: the version and what the build is made of, so that a build with
+    other options is a build of its own, never an older one reused."""
+    made_of = hashlib.sha256(" ".join([release.sha256, *CONFIGURE_OPTIONS]).encode()).hexdigest()
+    return f"{release.version}-{made_of[:8]}"
+
+
 def prefix_of(series: str, root: Path | None = None) -> Path | None:
     """Where ``series`` is installed: None for the machine's own packages."""
     if series == SYSTEM_SERIES:
         return None
     if series not in RELEASES:
         raise ClusterError(f"--slurm {series}: the dev cluster runs Slurm {', '.join(SERIES)}")
-    return (root or cache_root()) / RELEASES[series].version
+    return (root or cache_root()) / build_name(RELEASES[series])
 
 
 def search_path(prefix: str | os.PathLike[str] | None, path: str) -> str:

@@ -407,6 +407,12 @@ def show_job(job_id: int | None) -> list[dict[str, str]]:
     return parse_records(proc.stdout)
 
 
+def allocated_tres(record: dict[str, str]) -> str:
+    """The trackable resources a job holds, from its :func:`show_job` record: Slurm 22.05 names
+    them ``TRES``, 23.02 and later ``AllocTRES`` (beside ``ReqTRES``, what it asked for)."""
+    return record.get("AllocTRES") or record.get("TRES", "")
+
+
 def end_time(job_id: str) -> float | None:
     """A job's scheduled end (epoch seconds) from squeue, or None when Slurm does not say (no
     client on the node, no answer, a job without a limit). Asked on a job's own node."""

@@ -27,7 +27,7 @@ def test_a_gpu_sites_run_gets_its_gpus_and_each_rank_its_own(cluster, cluster_ru
     assert slurm.hostnames(task["nodes"]) == [node(1), node(3)], task
     # The array's first task has the array's id: scontrol shows every task of it.
     (record,) = [r for r in slurm.show_job(int(task["job_id"])) if r.get("JobId") == str(task["job_id"])]
-    assert "gres/gpu=4" in record.get("TRES", ""), record
+    assert "gres/gpu=4" in slurm.allocated_tres(record), record
 
     rank_map = json.loads((run.path / "logs" / "ranks" / str(task["job_id"]) / "ranks.0.json").read_text())
     places = sorted((v["node"], v["local_rank"], v["gpu"]) for v in rank_map.values())

@@ -80,7 +80,7 @@ def test_three_and_one_processes_train_resume_exactly_and_complete(cluster, clus
         # Slurm gave the job the 4 GPUs, 3 on the first node and 1 on the second.
         # The array's first task has the array's id: scontrol shows every task of it.
         (record,) = [r for r in slurm.show_job(int(entry["job_id"])) if r.get("JobId") == str(entry["job_id"])]
-        assert "gres/gpu=4" in record.get("TRES", ""), record
+        assert "gres/gpu=4" in slurm.allocated_tres(record), record
 
     # Resumed exactly: the second task starts where the first saved, nothing redone, and every
     # step's loss is the uninterrupted run's.

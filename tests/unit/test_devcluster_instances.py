@@ -85,6 +85,24 @@ def test_slurm_conf_names_the_instances_ports_and_nodes(tmp_path: Path):
     assert "PartitionName=debug Nodes=node101,node102 " in text
 
 
+def test_in_netns_mode_each_node_is_its_own_host(tmp_path: Path):
+    """Slurm 24.11 forwards to one node per NodeHostname: nodes on their own network are named
+    as their own hosts."""
+    text = render_slurm_conf(
+        layout=Layout(tmp_path),
+        hostname="host",
+        controller_addr="10.0.0.1",
+        node_addrs={"node1": "10.0.0.11", "node2": "10.0.0.12"},
+        cpus_per_node=2,
+        mem_per_node_mb=1024,
+        slurmdbd_port=16839,
+        own_hosts=True,
+    )
+    assert "NodeName=node1 NodeHostname=node1 NodeAddr=10.0.0.11 " in text
+    assert "NodeName=node2 NodeHostname=node2 NodeAddr=10.0.0.12 " in text
+    assert "SlurmctldHost=host(10.0.0.1)" in text
+
+
 def test_fake_gpus_are_gres_with_a_device_file_each(tmp_path: Path):
     """`cluster up --gpus 3,0,1`: GRES gpu on the nodes that have GPUs, gres.conf naming one
     character device per GPU (slurmd reads its numbers); a cluster without GPUs has none of it."""

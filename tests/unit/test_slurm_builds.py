@@ -74,7 +74,7 @@ def test_a_tarball_that_is_not_debians_is_not_built(tmp_path):
 
 
 def test_a_complete_prefix_is_reused_and_the_packages_series_needs_none(tmp_path, monkeypatch):
-    prefix = tmp_path / "24.11.5"
+    prefix = tmp_path / slurm_builds.build_name(slurm_builds.RELEASES["24.11"])
     (prefix / "bin").mkdir(parents=True)
     (prefix / slurm_builds.COMPLETE).write_text("24.11.5\n")
 

@@ -190,3 +190,30 @@ def test_accounting_is_on_where_slurmdbd_stores_it():
     assert accounting_enabled({"AccountingStorageType": "accounting_storage/slurmdbd"})
     assert not accounting_enabled({"AccountingStorageType": "accounting_storage/none"})
     assert not accounting_enabled({})
+
+
+# `scontrol show job --oneliner` of a running job with GPUs (trimmed): 22.05 (Debian bookworm's)
+# names what the job holds TRES; 24.11 (the dev cluster's --slurm 24.11) ReqTRES and AllocTRES.
+SHOW_JOB_22_05 = (
+    "JobId=5 JobName=gpus JobState=RUNNING NodeList=node[1,3] BatchHost=node1 NumNodes=2 NumCPUs=4 "
+    "NumTasks=2 CPUs/Task=2 ReqB:S:C:T=0:0:*:* TRES=cpu=4,node=2,billing=4,gres/gpu=4 Socks/Node=* "
+    "TresPerNode=gres:gpu:2\n"
+)
+SHOW_JOB_24_11 = (
+    "JobId=35 JobName=wrap JobState=RUNNING NodeList=node1 BatchHost=node1 NumNodes=1 NumCPUs=1 "
+    "NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* ReqTRES=cpu=1,mem=4G,node=1,billing=1,gres/gpu=2 "
+    "AllocTRES=cpu=1,node=1,billing=1,gres/gpu=2 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* "
+    "TresPerNode=gres/gpu:2 \n"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "held"),
+    [(SHOW_JOB_22_05, "cpu=4,node=2,billing=4,gres/gpu=4"), (SHOW_JOB_24_11, "cpu=1,node=1,billing=1,gres/gpu=2")],
+    ids=["22.05", "24.11"],
+)
+def test_what_a_job_holds_is_read_under_either_releases_name(text, held):
+    from jobgen.slurm.client import allocated_tres
+
+    (record,) = parse_records(text)
+    assert allocated_tres(record) == held
