@@ -10,6 +10,9 @@ writes into the lock file once it has the lock.
 
 ``jobgen submit`` asks :func:`holder` before it queues anything, so a run that a
 process is already writing is refused at submission, not at the job's start.
+
+:func:`exclusive` is the same kernel lock for a short critical section: waited for, held for
+the block, released after it (a sweep's claims, a Slurm build in the dev cluster's cache).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import fcntl
 import getpass
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -107,3 +112,14 @@ def holder(path: Path) -> str | None:
     finally:
         os.close(fd)
     return None
+
+
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created if missing) for the block, waiting for it."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

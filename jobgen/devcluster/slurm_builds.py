@@ -21,8 +21,6 @@ machine's munged and MariaDB server.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
@@ -30,9 +28,10 @@ import subprocess
 import tarfile
 import tempfile
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from jobgen.base.lease import exclusive
 
 from .state import ClusterError
 
@@ -132,7 +131,7 @@ def ensure(series: str, log, apt_install, root: Path | None = None) -> Path | No
     if prefix is None or built(prefix):
         return prefix
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(prefix.parent / f".build-{prefix.name}.lock"):
+    with exclusive(prefix.parent / f".build-{prefix.name}.lock"):
         if built(prefix):  # another `up` built it while this one waited
             return prefix
         release = RELEASES[series]
@@ -191,13 +190,3 @@ def _run(argv: list[str], cwd: Path, log_file: Path) -> None:
 def _installed(package: str) -> bool:
     proc = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True, check=False)
     return proc.stdout == "install ok installed"  # not "... not-installed", not "deinstall ok config-files"
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

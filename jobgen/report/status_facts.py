@@ -224,10 +224,7 @@ def ask_slurm(
             elif ask:
                 known = slurm.ended_jobs(ask, accounting=slurm.accounting_enabled(conf))
     except slurm.SlurmUnavailable as exc:
-        unreachable = (
-            f"Slurm not reachable ({exc.stderr.splitlines()[-1] if exc.stderr else exc}): "
-            "showing what the run directory records"
-        )
+        unreachable = f"Slurm not reachable ({exc.reason or exc}): showing what the run directory records"
         return SlurmFacts([], known, None, unreachable)
     return SlurmFacts(queue, known, conf if isinstance(conf, dict) else None, None)
 

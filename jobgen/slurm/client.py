@@ -46,10 +46,12 @@ DEFAULT_TIMEOUT = 60.0
 class SlurmError(RuntimeError):
     """A Slurm command failed; the message carries its stderr."""
 
-    def __init__(self, command: list[str], returncode: int, stderr: str):
+    def __init__(self, command: list[str], returncode: int, stderr: str, reason: str = ""):
         self.command = command
         self.returncode = returncode
         self.stderr = stderr.strip()
+        # The line of stderr that says why (its last line unless the caller found a better one).
+        self.reason = reason or (self.stderr.splitlines()[-1] if self.stderr else "")
         super().__init__(f"{' '.join(command)} failed (exit {returncode}): {self.stderr}")
 
 
@@ -175,9 +177,13 @@ def failure(args: list[str], proc: subprocess.CompletedProcess[str]) -> SlurmErr
         "Insane message length",
         "Protocol authentication error",
         "Zero Bytes were transmitted or received",
+        # A client of another release than the controller's (a 22.05 squeue against 24.11).
+        "Incompatible versions of client and server code",
     )
-    cls = SlurmUnavailable if any(u in err for u in unreachable) else SlurmError
-    return cls(args, proc.returncode, err)
+    why = next((line.strip() for line in err.splitlines() if any(u in line for u in unreachable)), None)
+    if why is None:
+        return SlurmError(args, proc.returncode, err)
+    return SlurmUnavailable(args, proc.returncode, err, reason=why)
 
 
 # ---------------------------------------------------------------- parsers

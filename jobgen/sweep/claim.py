@@ -28,17 +28,17 @@ cannot trust.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobgen.base.atomic import write_json_atomic
+from jobgen.base.lease import exclusive
 from jobgen.runs.rundir import RunDir, startup_switch_set
 from jobgen.runs.sweep_files import (
     CLAIMS_DIR,
@@ -60,15 +60,9 @@ HOLDING_STATES = slurm.JOB_ACTIVE - slurm.JOB_PENDING
 Alive = Callable[[str], bool]
 
 
-@contextmanager
-def locked(sweep: Path) -> Iterator[None]:
+def locked(sweep: Path) -> AbstractContextManager[None]:
     """flock on the sweep's lock file: one task at a time reads and writes the claims."""
-    with open(sweep / LOCK_FILE, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return exclusive(sweep / LOCK_FILE)
 
 
 def closed_reason(run: RunDir, attempts: int, used: int) -> str | None:

@@ -53,6 +53,9 @@ def test_submit_dry_run_names_the_missing_slurm_conf(recording_slurm, tmp_path):
         "slurm_load_jobs error: Insane message length",
         "slurm_load_ctl_conf error: Protocol authentication error",
         "squeue: error: slurm_receive_msg: Zero Bytes were transmitted or received",
+        # Slurm 22.05's squeue against a 24.11 controller (captured on the dev cluster).
+        "squeue: error: slurm_unpack_received_msg: [[10.213.47.1]:16817] Invalid Protocol Version 10752 from "
+        "uid=4294967295: Incompatible versions of client and server code\nslurm_load_jobs error: Unspecified error",
     ],
 )
 def test_an_answer_that_cannot_be_read_is_slurm_unavailable(stderr):
@@ -64,3 +67,5 @@ def test_an_answer_that_cannot_be_read_is_slurm_unavailable(stderr):
     proc = subprocess.CompletedProcess(["squeue"], 1, stdout="", stderr=stderr)
     error = slurm.failure(["squeue"], proc)
     assert isinstance(error, slurm.SlurmUnavailable) and stderr in str(error)
+    # What status shows: the line that says why, not slurm_load_jobs' "Unspecified error" after it.
+    assert error.reason in stderr.splitlines() and "Unspecified" not in error.reason
