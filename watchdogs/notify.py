@@ -17,7 +17,6 @@ reminder interval. :func:`run_alerts` reads the state files back for ``jobgen st
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from jobgen.base.atomic import write_json_atomic
 from jobgen.base.durations import format_human
+from jobgen.base.lease import exclusive
 from jobgen.spec.resolved import ResolvedSpec
 from jobgen.spec.tables.watchdogs import EmailSettings, WebhookSettings
 from watchdogs.target import CheckResult, Target, watchdog_home
@@ -75,12 +75,8 @@ def state_key(result: CheckResult) -> str:
 def locked(path: Path) -> Iterator[None]:
     """One writer of a state file at a time: a check run by hand while the scheduler runs it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with exclusive(path):
+        yield
 
 
 def message(kind: str, result: CheckResult, prev: AlertState | None, now: float) -> tuple[str, str]:
