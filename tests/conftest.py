@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PACED, SHARED_DATA_CACHE_ENV, ClusterRun, cancel_submitted, train_spec
+from helpers import PACED, SHARED_DATA_CACHE_ENV, ClusterRun, cancel_submitted, slurm_series_under_test, train_spec
 from unwind import pytest_configure  # noqa: F401 - SIGTERM unwinds the session (tests/unwind.py)
 
 # The dev cluster's nodes and every torchrun share this machine's few cores, so their OpenMP
@@ -166,9 +166,6 @@ def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # The dev cluster's fake GPUs, node by node (`jobgen cluster up --gpus 3,1,2`): unequal machines
 # for the GPU-site tests (tests/cluster/test_slurm_gpus.py); CPU sites ask for none.
 CLUSTER_GPUS = [3, 1, 2]
-# Which Slurm the dev cluster runs (`jobgen cluster up --slurm`): this machine's packages (22.05)
-# unless JOBGEN_TEST_SLURM names another series (README: the 24.11 run).
-TEST_SLURM_ENV = "JOBGEN_TEST_SLURM"
 
 
 @pytest.fixture(scope="session")
@@ -181,11 +178,10 @@ def cluster():
     if shutil.which("slurmctld") is None and os.geteuid() != 0:
         pytest.skip("the dev cluster needs root to install and start Slurm")
     from jobgen import devcluster
-    from jobgen.devcluster.slurm_builds import SYSTEM_SERIES
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    slurm = os.environ.get(TEST_SLURM_ENV) or SYSTEM_SERIES
-    own = "" if slurm == SYSTEM_SERIES else f"-slurm{slurm}"  # never the other series' cluster
+    slurm = slurm_series_under_test()
+    own = "" if slurm == devcluster.SYSTEM_SERIES else f"-slurm{slurm}"  # never the other series' cluster
     state_dir = None if worker == "gw0" and not own else f"{devcluster.DEFAULT_STATE_DIR}-{worker}{own}"
     info = devcluster.status(state_dir)
     started = False

@@ -48,6 +48,18 @@ DATA = EXAMPLES_DIR / "data" / "instructions.jsonl"
 # (its .data-cache-<uid>): only a session's first start builds an entry (tests/conftest.py sets it for
 # distributed/, cluster/ and soak/; the data cache's own tests keep theirs under each runs root).
 SHARED_DATA_CACHE_ENV = "JOBGEN_TESTS_DATA_CACHE"
+# Which Slurm the dev cluster runs (`jobgen cluster up --slurm`): this machine's packages unless
+# JOBGEN_TEST_SLURM names another series (docs/testing.md: the 24.11 run).
+TEST_SLURM_ENV = "JOBGEN_TEST_SLURM"
+
+
+def slurm_series_under_test() -> str:
+    """The Slurm series the tests' dev cluster runs."""
+    from jobgen.devcluster.state import SYSTEM_SERIES
+
+    return os.environ.get(TEST_SLURM_ENV) or SYSTEM_SERIES
+
+
 # The dev cluster's runs that train until something stops them (max_steps UNTIL_STOPPED or more)
 # take one optimizer step at most every PACED_STEP_SECONDS (tests/paced/, on the jobs' PYTHONPATH;
 # the period in their run.toml's [env]): their steps past what a scenario looks at took the CPU

@@ -24,7 +24,7 @@ without extra environment.  See lifecycle.py for the rules ``up``/``down`` follo
 
 from .config import DEFAULT_PARTITION, PARTITIONS, SHORT_MAX_TIME, SLURMCTLD_PORT
 from .lifecycle import status, up
-from .state import DEFAULT_STATE_DIR, STATE_DIR_ENV, ClusterError, ClusterInfo, resolve_state_dir
+from .state import DEFAULT_STATE_DIR, STATE_DIR_ENV, SYSTEM_SERIES, ClusterError, ClusterInfo, resolve_state_dir
 from .teardown import down
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "SHORT_MAX_TIME",
     "SLURMCTLD_PORT",
     "STATE_DIR_ENV",
+    "SYSTEM_SERIES",
     "ClusterError",
     "ClusterInfo",
     "down",

@@ -7,8 +7,8 @@ later ``up`` reuses.
 A built release is Debian trixie's slurm-wlm source (the upstream tarball Debian ships, checked
 against the sha256 in trixie's Sources index), configured for a prefix of its own under
 ``$JOBGEN_SLURM_CACHE`` (default /var/cache/jobgen/slurm): ``<cache>/<version>-<build>/{bin,sbin,lib}``.
-The build (about 10 minutes on 2 cores, measured in BENCHMARKS.md's dev-cluster section) happens
-under a lock, in a directory beside the prefix, and is renamed into place only when complete, so a
+The build (configure and ``make -j2``: 4 minutes on this project's 2-core machine, docs/testing.md)
+happens under a lock, in a directory beside the prefix, and is renamed into place only when complete, so a
 killed build leaves nothing that looks usable and two ``up``s at once build once. Its daemons and
 clients talk to each other only: a 22.05 client cannot reach a 24.11 controller (Slurm speaks to
 the two previous releases only), so the cluster's record names the prefix and whoever reaches the
@@ -33,13 +33,11 @@ from pathlib import Path
 
 from jobgen.base.lease import exclusive
 
-from .state import ClusterError
+from .state import SYSTEM_SERIES, ClusterError
 
 CACHE_ENV = "JOBGEN_SLURM_CACHE"
 DEFAULT_CACHE = "/var/cache/jobgen/slurm"
 DEBIAN_POOL = "http://deb.debian.org/debian/pool/main/s/slurm-wlm/"
-# The series `up` runs from this machine's packages: no build, nothing on PATH to add.
-SYSTEM_SERIES = "22.05"
 # What a complete build leaves in its prefix; a prefix without it is not used.
 COMPLETE = ".jobgen-complete"
 # Debian packages the build needs (bookworm's names), besides a C compiler.

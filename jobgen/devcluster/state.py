@@ -27,6 +27,9 @@ from jobgen.base.atomic import write_text_atomic
 DEFAULT_STATE_DIR = "/var/tmp/jobgen-cluster"
 STATE_DIR_ENV = "JOBGEN_CLUSTER_DIR"
 STATE_FILE = "state.json"
+# The Slurm series of this machine's packages (Debian bookworm's slurm-wlm): what `up` runs
+# unless asked for a built one (jobgen.devcluster.slurm_builds).
+SYSTEM_SERIES = "22.05"
 
 # One lock for every dev cluster on the machine, whatever its state dir: they
 # all compete for the same ports, /etc/slurm/slurm.conf and /etc/hosts.  A
@@ -92,10 +95,10 @@ class ClusterInfo:
     # "" and {} where the nodes cannot have one (not root, no unshare), or in a record from before.
     node_local: str = ""
     node_local_dirs: dict[str, str] = field(default_factory=dict)
-    # Which Slurm runs it: "22.05", this machine's packages, or a release built into
+    # Which Slurm runs it: SYSTEM_SERIES, this machine's packages, or a release built into
     # slurm_prefix (jobgen.devcluster.slurm_builds), whose bin/ whoever reaches the cluster puts
-    # first on PATH. A record from before there was a choice is "22.05".
-    slurm: str = "22.05"
+    # first on PATH. A record from before there was a choice is SYSTEM_SERIES.
+    slurm: str = SYSTEM_SERIES
     slurm_prefix: str = ""
     node_states: dict[str, str] = field(default_factory=dict)
     daemons: dict[str, int] = field(default_factory=dict)

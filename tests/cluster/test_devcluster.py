@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import jobgen.devcluster as devcluster
-from helpers import wait_for
+from helpers import slurm_series_under_test, wait_for
 from jobgen.devcluster import procs
 from jobgen.devcluster.instances import Instance
 
@@ -35,8 +35,8 @@ pytestmark = [
     # clients first on PATH, which cannot reach a 22.05 controller. The built series' own `up`
     # is what that run's `cluster` fixture does.
     pytest.mark.skipif(
-        os.environ.get("JOBGEN_TEST_SLURM", "22.05") not in ("", "22.05"),
-        reason="tests the dev cluster on this machine's Slurm (22.05)",
+        slurm_series_under_test() != devcluster.SYSTEM_SERIES,
+        reason=f"tests the dev cluster on this machine's Slurm ({devcluster.SYSTEM_SERIES})",
     ),
 ]
 
