@@ -37,6 +37,7 @@ NEEDS_SLURM = ("cluster", "soak")
 CLUSTER_PART_2 = frozenset(
     {
         "test_slurm_lifecycle.py",
+        "test_slurm_container.py",
         "test_slurm_own_script.py",
         "test_slurm_pipeline.py",
         "test_slurm_sweep.py",

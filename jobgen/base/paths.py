@@ -33,6 +33,7 @@ BUNDLED_DIR = _bundled()
 TEMPLATES_DIR = BUNDLED_DIR / "sbatch_templates"
 SITE_CONFIGS_DIR = BUNDLED_DIR / "site_configs"
 EXAMPLES_DIR = BUNDLED_DIR / "examples"
+CONTAINERFILE = BUNDLED_DIR / "container" / "Containerfile"
 
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # <root>/jobgen/base/paths.py
 

@@ -474,7 +474,13 @@ def _example() -> click.Command:
     return example
 
 
-main.lazy.update(site=_site, example=_example)
+def _image() -> click.Command:
+    from jobgen.cli.image import image
+
+    return image
+
+
+main.lazy.update(site=_site, example=_example, image=_image)
 
 if __name__ == "__main__":
     main()

@@ -125,6 +125,23 @@ END_CASES: tuple[EndCase, ...] = (
     ),
     EndCase("the watch ended a hang", LaunchFacts(137, hang=Hang(7, HUNG_WORDS)), int(ExitCode.HUNG), HUNG_WORDS, ""),
     EndCase(
+        "no record, no rank started, the container runtime's own failure (podman's 125: a mount it refused)",
+        LaunchFacts(125, ranks_started=False),
+        125,
+        "the launch never started the program (exit 125): the container runtime could not start the step "
+        "(an image, a mount or an option it refused)",
+        "failed marker",
+    ),
+    EndCase(
+        "no record, no rank started, a command not found (127)",
+        LaunchFacts(127, command_plan=True, ranks_started=False),
+        127,
+        "the launch never started the program (exit 127): a command of the launch was not found",
+        "failed marker",
+    ),
+    EndCase("a record of its own with 125", LaunchFacts(125, ExitRecord(125, "my own code")), 125, "my own code", ""),
+    EndCase("127 after the ranks started (podman lost its container)", LaunchFacts(127), 127, "", ""),
+    EndCase(
         "a hang at the previous launch's step",
         LaunchFacts(137, hang=Hang(7, HUNG_WORDS), last_hang_step=7),
         int(ExitCode.HUNG),

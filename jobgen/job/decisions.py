@@ -85,6 +85,7 @@ class LaunchFacts:
     seconds_left: int | None = None  # to the job's end as Slurm has it now (None: it cannot say)
     hang: Hang | None = None  # the hang watch's verdict, when it ended the launch
     last_hang_step: int | None = None  # the step of the previous launch's hang in this task
+    ranks_started: bool = True  # a rank of this launch wrote its log (torchrun started the program)
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,30 @@ def launch_end(facts: LaunchFacts) -> LaunchEnd:
         end = _own_program_end(end, facts)
     if facts.hang is not None:
         end = _hung(facts)
+    elif facts.record is None and facts.launcher_status in UNRUNNABLE and not facts.ranks_started:
+        end = _unrunnable(facts.launcher_status)
     return end
+
+
+# The statuses of a command that never ran, whatever runs it: the container runtime's own failure
+# (podman's and docker's 125: an image, a mount or an option it refused), a program that cannot be
+# executed (126) or is not there (127). Read so only where no rank started: podman also exits 127
+# when the container it waits for was removed under it (a node's step ended by another's failure).
+# Then no relaunch and no later task gets further.
+UNRUNNABLE = {
+    125: "the container runtime could not start the step (an image, a mount or an option it refused)",
+    126: "a command of the launch could not be executed",
+    127: "a command of the launch was not found",
+}
+UNRUNNABLE_FIX = (
+    "read the launch's error above 'program exited' in the batch log (jobgen logs RUN), correct the site's "
+    "[python] or [env] (or the image), then `jobgen submit` the run again"
+)
+
+
+def _unrunnable(status: int) -> LaunchEnd:
+    words = f"the launch never started the program (exit {status}): {UNRUNNABLE[status]}"
+    return LaunchEnd(status, words, failed=Failure(words, UNRUNNABLE_FIX))
 
 
 def _own_program_end(end: LaunchEnd, facts: LaunchFacts) -> LaunchEnd:

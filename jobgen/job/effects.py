@@ -133,11 +133,8 @@ class SlurmEffects(LocalEffects):
         """Kill the launch's step by its name: every rank on every node at once, where killing srun
         would leave a node that no longer answers holding its ranks. ``node_lost``: scancel is left
         to wait for the dead node on its own, while the supervisor's wait for the launch goes on."""
-        listing = slurm.run(
-            ["squeue", "--steps", f"--jobs={self.task.job_id}", "--noheader", "--format=%i %j"], check=False
-        )
         name = f"jobgen-launch-{launch}"
-        step = next((w[0] for w in (line.split() for line in listing.stdout.splitlines()) if w[1:] == [name]), None)
+        step = next((step for step, named in slurm.steps(self.task.job_id).items() if named == name), None)
         if step is None:
             _kill_tree(proc)
             return "could not find this launch's step (squeue --steps): killed srun"
@@ -169,8 +166,7 @@ class SlurmEffects(LocalEffects):
 
     def clear_snapshots(self, directory: str) -> str | None:
         """On every node the job holds now (one it lost is no longer in it)."""
-        listing = slurm.run(["squeue", "--noheader", f"--jobs={self.task.job_id}", "--format=%N"], check=False)
-        held = (listing.stdout.splitlines() or [""])[0].strip() or self.task.nodelist
+        held = slurm.held_nodes(self.task.job_id) or self.task.nodelist
         try:
             nodes = slurm.hostnames(held)
         except slurm.SlurmError:
@@ -187,11 +183,7 @@ class SlurmEffects(LocalEffects):
         is finished or failed has nothing for them to do but take the nodes from the queue."""
         if not self.task.array_job_id:
             return []
-        listing = slurm.run(
-            ["squeue", "--noheader", "--array", f"--jobs={self.task.array_job_id}", "--states=PENDING", "--format=%i"],
-            check=False,
-        )
-        pending = [line.strip() for line in listing.stdout.splitlines() if line.strip()]
+        pending = slurm.pending_tasks(self.task.array_job_id)
         if pending:
             try:
                 # One update names every task of the array (a task updated alone would be split off

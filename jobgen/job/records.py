@@ -105,6 +105,18 @@ def error_tail(run: RunDir, task: Task, nodes: list[str], since: float) -> list[
     return []
 
 
+def ranks_started(run: RunDir, task: Task, nodes: list[str], since: float) -> bool:
+    """Whether a rank of this launch started: torchrun wrote one of its rank logs since ``since``."""
+    for node in nodes:
+        for path in run.rank_logs(task.job_id, node).glob("*/attempt_*/*/std*.log"):
+            try:
+                if path.stat().st_mtime >= since:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
 def _tail(path: Path, size: int = 8192) -> bytes:
     fd = open_regular(path)  # no link followed, no FIFO waited on
     try:

@@ -205,6 +205,7 @@ class Supervisor:
             seconds_left=self._seconds_left() if self.settings.command_plan and not record else None,
             hang=hang,
             last_hang_step=self.history.last_hang_step,
+            ranks_started=status not in rules.UNRUNNABLE or self._ranks_started(started),
         )
         end = rules.launch_end(facts)
         if end.finished:
@@ -230,6 +231,15 @@ class Supervisor:
         if end.failed is not None:
             self._mark_failed(end.status, end.failed)
         return end
+
+    def _ranks_started(self, started: float) -> bool:
+        """Whether a rank of the launch that began at ``started`` wrote its log (unreadable: yes,
+        so that a launch is never stopped for good on a guess)."""
+        nodes = self.nodes if self.effects.on_slurm else ["local"]
+        found = self._effect(
+            lambda: records.ranks_started(self.run, self.task, nodes, started), "could not read the rank logs"
+        )
+        return found is not False
 
     def _own_crash(self, end: rules.LaunchEnd, launch: int, started: float) -> rules.LaunchEnd:
         """Your own program crashed with no reason of its own: the same crash as the launch or the

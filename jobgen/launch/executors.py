@@ -143,7 +143,7 @@ class LocalExecutor(Executor):
                 )
             )
         if self.job.container:
-            refusal = f"--local cannot start pyxis containers; {self.job.without_container}"
+            refusal = f"--local runs no container (its steps are started by srun); {self.job.without_container}"
             findings.append(Finding("error", "site.python.kind", refusal))
         return findings + submission.local_checks(self)
 

@@ -29,7 +29,8 @@ from jobgen import __version__
 from jobgen.base.durations import format_slurm
 from jobgen.base.exit_codes import ExitCode
 from jobgen.base.paths import CHECKOUT, TEMPLATES_DIR
-from jobgen.launch.supervision import container_args, hang_timeout, supervision_context
+from jobgen.launch.container_step import container_words, job_directories
+from jobgen.launch.supervision import hang_timeout, supervision_context
 from jobgen.program import placeholders
 from jobgen.runs.rundir import STARTUP_SWITCHES, RunDir
 from jobgen.spec.resolved import ResolvedSpec
@@ -220,9 +221,7 @@ def _shell_path(base_expr: str, base: Path, path: Path) -> Trusted:
 def build_context(spec: ResolvedSpec) -> dict[str, Any]:
     """Every value the template needs, derived from the spec in one place."""
     context = {**_job_context(spec), **_run_dir_context(spec), **_site_context(spec)}
-    py = spec.site.python
-    container = container_args(py, context["container_mounts"], context["container_workdir"])
-    supervision = supervision_context(spec, context["forward_signal"], container)
+    supervision = supervision_context(spec, context["forward_signal"], context["container_words"])
     # JSON in a quoted here-document, which no shell expands: no line of it is a bare word (its
     # strings hold no newline), so none can end the document.
     return {**context, **{key: Trusted(value) for key, value in supervision.items()}}
@@ -357,16 +356,18 @@ def _run_dir_context(spec: ResolvedSpec) -> dict[str, Any]:
     }
 
 
-def python_context(spec: ResolvedSpec) -> dict[str, Any]:
-    """What ``_python_env.j2`` needs for a run: the run's script and a sweep's
-    (jobgen.sweep.render) take it from here."""
-    return environment_context(spec.site.python, [str(spec.runs_root)])
+def python_context(spec: ResolvedSpec, env_names: list[str]) -> dict[str, Any]:
+    """What ``_python_env.j2`` needs for a run, whose script exports ``env_names`` itself: the
+    run's script and a sweep's (jobgen.sweep.render) take it from here."""
+    return environment_context(spec.site.python, job_directories(spec), env_names, gpus=bool(spec.gpus_per_node))
 
 
-def environment_context(py: PythonSettings, shared: list[str]) -> dict[str, Any]:
+def environment_context(
+    py: PythonSettings, shared: list[str], env_names: list[str] = (), *, gpus: bool = False
+) -> dict[str, Any]:
     """What ``_python_env.j2`` needs (the job's Python: venv, conda environment, prefix, modules
-    or container image), with ``shared`` the directories a container must see at their paths."""
-    shared = [*shared, *([str(CHECKOUT)] if CHECKOUT else [])]
+    or container image), with ``shared`` the directories a container must see at their paths
+    (the first is where its steps start) and ``env_names`` the variables the script exports."""
     return {
         # jobgen's own checkout, when it runs from one (pip install -e): on PYTHONPATH and in the
         # container. An installed jobgen is the environment's own.
@@ -375,8 +376,7 @@ def environment_context(py: PythonSettings, shared: list[str]) -> dict[str, Any]
         "python_modules": list(py.modules) if py.kind != "container" else [],
         "venv": py.venv if py.kind == "venv" else py.module_venv if py.kind == "modules" else None,
         "activation_file": py.activation_file,
-        "container_mounts": ",".join([*(f"{path}:{path}" for path in shared), *py.container_mounts]),
-        "container_workdir": shared[-1],
+        "container_words": container_words(py, shared, list(env_names), gpus),
     }
 
 
@@ -395,7 +395,7 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
         env.pop(name, None)
 
     return {
-        **python_context(spec),
+        **python_context(spec, sorted({*env, *net.env})),
         "output_per_node": slurm.output_per_node,
         "ifname": net.ifname,
         "transport": net.transport,

@@ -20,6 +20,7 @@ from pathlib import Path
 from jobgen.base import lease
 from jobgen.base.safe_read import DamagedFile
 from jobgen.launch import submission as core
+from jobgen.launch.container_step import mounted_directories_made
 from jobgen.launch.environment import environment_findings
 from jobgen.launch.executors import Executor, LocalExecutor, LocalJob, SlurmExecutor
 from jobgen.launch.executors import local_environment as job_environment
@@ -150,6 +151,9 @@ class RunSubmission(core.Submission):
         if self.created:
             undo.created(run)
         core.clear_failure(run, undo)
+        problem = mounted_directories_made(self.spec)
+        if problem:
+            raise SubmitError([Finding("error", problem[0], problem[1])])
         return run.script(self.spec.run.job.program)
 
     def record(self, job: Job) -> None:

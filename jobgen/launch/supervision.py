@@ -14,7 +14,6 @@ from jobgen.base.exit_codes import ExitCode
 from jobgen.job.settings import RendezvousSettings, SupervisorSettings
 from jobgen.runs.heartbeat import interval_for
 from jobgen.spec.resolved import ResolvedSpec
-from jobgen.spec.tables.site import PythonSettings
 
 
 def relaunch_codes(spec: ResolvedSpec) -> list[ExitCode]:
@@ -29,13 +28,6 @@ def hang_timeout(spec: ResolvedSpec) -> int | None:
     if not (spec.in_job_restarts and spec.run.job.kind.trains):
         return None
     return spec.run.train.effective_hang_timeout
-
-
-def container_args(py: PythonSettings, mounts: str, workdir: str) -> list[str]:
-    """srun's options that run a step inside the site's image (pyxis), or none."""
-    if py.kind != "container":
-        return []
-    return [f"--container-image={py.container_image}", f"--container-mounts={mounts}", f"--container-workdir={workdir}"]
 
 
 def supervisor_settings(spec: ResolvedSpec, forward_signal: str | None, container: list[str]) -> SupervisorSettings:
@@ -66,7 +58,7 @@ def supervisor_settings(spec: ResolvedSpec, forward_signal: str | None, containe
 
 def supervision_context(spec: ResolvedSpec, forward_signal: str | None, container: list[str]) -> dict[str, Any]:
     """What ``_launch.j2`` needs to hand the task over: the settings as JSON, and the container
-    options of the launch line (shell words, quoted)."""
+    words of the launch line (shell words, quoted)."""
     settings = supervisor_settings(spec, forward_signal, container)
     return {
         "supervisor_settings": json.dumps(settings.model_dump(mode="json"), indent=2),

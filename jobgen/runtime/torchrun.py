@@ -23,6 +23,12 @@ batch script's job.exit_grace share) to save and exit before their process group
 as close would have done; a further signal cuts that wait short. After a close that completed
 there is no worker left and the process ends at once. Nothing of torch's runs after that point
 but the tailers' threads, which hold nothing to save.
+
+Inside a podman container the launch is tethered to the ``podman run`` that srun started
+(:mod:`jobgen.runtime.tether`): when that process is gone, Slurm has SIGKILLed the step (its
+SIGTERM, and the grace after it, came through podman's signal proxy before), and the workers and
+this process are SIGKILLed at once, as Slurm's SIGKILL would have done without the container: the
+step ends now, and the supervisor's next launch does not wait for it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+from jobgen.runtime.tether import tether_here
 
 # What torch's close gives the workers after their SIGTERM when the variable is unset.
 DEFAULT_SHUTDOWN_SECONDS = 30.0
@@ -141,9 +149,24 @@ def leave(code: int) -> None:
         os._exit(code)
 
 
+def on_untethered() -> None:
+    """The step's ``podman run`` was SIGKILLed: end the launch as that SIGKILL would have."""
+    workers = children(os.getpid())
+    print(f"jobgen: the step's podman run was killed: SIGKILLing the workers {workers} and the agent", file=sys.stderr)
+    for pid in workers:
+        for kill in (os.killpg, os.kill):  # each worker leads its own process group
+            try:
+                kill(pid, signal.SIGKILL)
+                break
+            except OSError:
+                continue
+    leave(128 + signal.SIGKILL)
+
+
 def main() -> None:
     code = 1
     try:
+        tether_here(on_untethered)
         code = run(sys.argv[1:])
         killed = finish_workers(shutdown_seconds(dict(os.environ)))
         if killed:

@@ -188,7 +188,7 @@ def build_serve_context(job: ServeJob) -> dict[str, Any]:
         "engine_args": list(serve.args),
         "engine_args_literal": any("$" in arg or "`" in arg for arg in serve.args),
         # template_environment.j2: the site's Python and network, the job's variables.
-        **environment_context(py, [str(path) for path in served]),
+        **environment_context(py, [str(path) for path in served], gpus=bool(job.gpus)),
         "launch_error_exit": int(ExitCode.LAUNCH_ERROR),
         "ifname": net.ifname,
         "transport": net.transport,

@@ -18,7 +18,6 @@ import os
 import shutil
 import socket
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 from jobgen.slurm.text import (
@@ -26,14 +25,17 @@ from jobgen.slurm.text import (
     SACCT_FIELDS,
     JobRecord,
     NamedJob,
+    QueueEntry,
     job_record,
     parse_config,
     parse_job_id,
     parse_named_jobs,
     parse_records,
     parse_sacct,
+    parse_steps,
     parse_time,
     parse_version,
+    parse_words,
 )
 
 # Not used here; kept importable from jobgen.slurm.client, where the rest of the code looks for them.
@@ -191,31 +193,6 @@ def failure(args: list[str], proc: subprocess.CompletedProcess[str]) -> SlurmErr
 # one by the table above, so it stays here.
 
 
-@dataclass(frozen=True)
-class QueueEntry:
-    """One line of ``squeue --array`` (one array task per line)."""
-
-    job_id: int  # this task's own job id (%A)
-    array_job_id: int  # the array's id (%F); equal to job_id for non-array jobs
-    array_task: str  # task index, or a pending range like "[2-4%1]", or "N/A"
-    state: str
-    reason: str
-    elapsed: str
-    time_limit: str
-    nodes: str
-    name: str
-    start: float | None = None  # when it started (epoch seconds); None while pending
-    expected_start: float | None = None  # while pending: the scheduler's estimate, when it has one
-
-    @property
-    def slurm_id(self) -> str:
-        """How scontrol and scancel name it: ``ARRAYID_TASK`` for an array task (a task's own
-        job id does not work for them, see :func:`cancel`), else the job id."""
-        if self.array_task.isdigit():
-            return f"{self.array_job_id}_{self.array_task}"
-        return str(self.job_id)
-
-
 # The name (%j) last: it may hold the separator.
 SQUEUE_FORMAT = "%A|%F|%K|%T|%r|%M|%l|%N|%S|%j"
 
@@ -331,6 +308,26 @@ def queue(job_ids: list[int] | None = None) -> list[QueueEntry]:
             return []
         raise failure(args, proc)
     return parse_squeue(proc.stdout)
+
+
+def steps(job_id: int | str) -> dict[str, str]:
+    """The job's running steps: step id ("123.4") -> step name; none once the job has gone."""
+    proc = run(["squeue", "--steps", f"--jobs={job_id}", "--noheader", "--format=%i|%j"], check=False)
+    return parse_steps(proc.stdout) if proc.returncode == 0 else {}
+
+
+def held_nodes(job_id: int | str) -> str | None:
+    """The nodes the job holds now (a hostlist expression), or None when squeue does not say."""
+    proc = run(["squeue", "--noheader", f"--jobs={job_id}", "--format=%N"], check=False)
+    lines = parse_words(proc.stdout) if proc.returncode == 0 else []
+    return lines[0] if lines else None
+
+
+def pending_tasks(array_job_id: int | str) -> list[str]:
+    """The array's tasks still pending, as squeue names them ("123_4", "123_[5-7%1]")."""
+    args = ["squeue", "--noheader", "--array", f"--jobs={array_job_id}", "--states=PENDING", "--format=%i"]
+    proc = run(args, check=False)
+    return parse_words(proc.stdout) if proc.returncode == 0 else []
 
 
 def jobs_named(name: str) -> list[NamedJob]:

@@ -196,3 +196,39 @@ def parse_named_jobs(text: str) -> list[NamedJob]:
         job, state, start, user, comment = parts
         jobs.append(NamedJob(int(job), state, start, user, "" if comment == "(null)" else comment))
     return jobs
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """One line of ``squeue --array`` (one array task per line)."""
+
+    job_id: int  # this task's own job id (%A)
+    array_job_id: int  # the array's id (%F); equal to job_id for non-array jobs
+    array_task: str  # task index, or a pending range like "[2-4%1]", or "N/A"
+    state: str
+    reason: str
+    elapsed: str
+    time_limit: str
+    nodes: str
+    name: str
+    start: float | None = None  # when it started (epoch seconds); None while pending
+    expected_start: float | None = None  # while pending: the scheduler's estimate, when it has one
+
+    @property
+    def slurm_id(self) -> str:
+        """How scontrol and scancel name it: ``ARRAYID_TASK`` for an array task (a task's own
+        job id does not work for them, see :func:`cancel`), else the job id."""
+        if self.array_task.isdigit():
+            return f"{self.array_job_id}_{self.array_task}"
+        return str(self.job_id)
+
+
+def parse_steps(text: str) -> dict[str, str]:
+    """``squeue --steps --format=%i|%j`` lines: step id ("123.4", "123.batch") -> name. The name is
+    last: it may hold the separator."""
+    return dict(line.strip().split("|", 1) for line in text.splitlines() if "|" in line)
+
+
+def parse_words(text: str) -> list[str]:
+    """One value per line (``squeue --format=%N`` or ``%i``), blank lines left out."""
+    return [line.strip() for line in text.splitlines() if line.strip()]

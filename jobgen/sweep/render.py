@@ -57,7 +57,7 @@ def sweep_context(sweep: Sweep) -> dict[str, Any]:
         "holding_states": ",".join(sorted(HOLDING_STATES)),
         "claim_wait_seconds": CLAIM_WAIT_SECONDS,
         # The job's Python (_python_env.j2), as the base run's script has it: the claim runs there.
-        **python_context(sweep.base),
+        **python_context(sweep.base, sorted({*sweep.base.site.env, *sweep.base.site.network.env})),
     }
 
 

@@ -170,3 +170,51 @@ def test_the_trainers_one_line_for_a_refusal_is_the_refusal(saved, tmp_path):
         _load(checkpoint, saved[1])
     assert describe_load_error(info.value) == f"refusing to load {checkpoint}/.metadata: it asks for os.system"
     assert not os.path.exists(tmp_path / "pwned")
+
+
+class _EnumsByName(pickle.Pickler):
+    """pickle as Python 3.11.0-3.11.4 and 3.12.0 write an enum member (Debian bookworm's python3
+    is 3.11.2): a call of builtins.getattr with its class and its name."""
+
+    def reducer_override(self, obj):
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def test_a_metadata_written_by_python_3_11_2_loads(saved, tmp_path):
+    """Found by the first run in Debian's image (docs/containers.md): every checkpoint it wrote
+    was refused as asking for builtins.getattr, and no task could resume."""
+    import io
+
+    from trainer.checkpoints.reader import read_metadata_file
+
+    original = read_metadata_file(saved[0] / ".metadata")
+    out = io.BytesIO()
+    _EnumsByName(out, protocol=4).dump(original)
+    assert b"getattr" in out.getvalue()
+    (tmp_path / ".metadata").write_bytes(out.getvalue())
+    found = read_metadata_file(tmp_path / ".metadata")
+    assert found.state_dict_metadata == original.state_dict_metadata
+
+
+@pytest.mark.parametrize("target", ["class-attribute", "not-a-member"])
+def test_getattr_is_only_an_enum_members_lookup(tmp_path, target):
+    from torch.distributed.checkpoint import metadata
+
+    from trainer.checkpoints.reader import CheckpointRefused, read_metadata_file
+
+    cls, name = {
+        "class-attribute": (metadata.Metadata, "__init__"),
+        "not-a-member": (metadata._MEM_FORMAT_ENCODING, "mro"),
+    }[target]
+
+    class _Lookup:
+        def __reduce__(self):
+            return getattr, (cls, name)
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Lookup(), protocol=4))
+    with pytest.raises(CheckpointRefused, match=r"it asks for getattr\("):
+        read_metadata_file(tmp_path / ".metadata")

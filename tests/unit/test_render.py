@@ -102,9 +102,11 @@ def test_venv_modules_container():
     assert modules.index("module load gcc/12.2.0") < modules.index("module load nccl/2.21.5")
     assert "source /lustre/shared/envs/llm/bin/activate" in modules
     assert "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3'" in container
-    assert f"'--container-mounts=/shared/runs:/shared/runs,{CHECKOUT}:{CHECKOUT},/fsx:/fsx'" in container
+    # The runs root, the snapshots' memory and the checkout at their paths; the site's /fsx covers HF_HOME.
+    mounts = f"/dev/shm:/dev/shm,/shared/runs:/shared/runs,{CHECKOUT}:{CHECKOUT},/fsx:/fsx"
+    assert f"'--container-mounts={mounts}'" in container
     # The launch line runs the node script in the image; so do the supervisor's helper steps.
-    assert f'--container-workdir={CHECKOUT} bash -c "$NODE_LAUNCH"' in container
+    assert '--container-workdir=/shared/runs bash -c "$NODE_LAUNCH"' in container
     assert '"container": [\n    "--container-image=nvcr.io#nvidia/pytorch:24.05-py3",' in container
     assert 'py_on_head() { run_on_head "${SRUN_CONTAINER[@]}" "$@"; }' in container
 

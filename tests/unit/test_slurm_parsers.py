@@ -10,8 +10,10 @@ from jobgen.slurm.client import (
     parse_records,
     parse_sacct,
     parse_squeue,
+    parse_steps,
     parse_time,
     parse_version,
+    parse_words,
 )
 
 PARTITIONS = """\
@@ -217,3 +219,25 @@ def test_what_a_job_holds_is_read_under_either_releases_name(text, held):
 
     (record,) = parse_records(text)
     assert allocated_tres(record) == held
+
+
+# `squeue --steps --noheader --format=%i|%j` of a running array task (the supervisor's launch
+# step and the batch step), and `--array --states=PENDING --format=%i`, on the dev cluster: 22.05
+# (Debian bookworm's) and 24.11 (--slurm 24.11) both name a task's steps by the array's id and the
+# task's index.
+STEPS = {
+    "22.05": ("2_1.5|jobgen-launch-1\n2_1.batch|batch\n", "2_2\n", "2_1.5"),
+    "24.11": ("1_1.0|jobgen-launch-1\n1_1.batch|batch\n", "1_2\n", "1_1.0"),
+}
+
+
+@pytest.mark.parametrize("series", sorted(STEPS))
+def test_steps_and_pending_tasks_as_squeue_names_them(series):
+    steps, pending, launch = STEPS[series]
+    assert parse_steps(steps) == {launch: "jobgen-launch-1", launch.split(".")[0] + ".batch": "batch"}
+    assert parse_words(pending) == [pending.strip()]
+
+
+def test_a_step_name_may_hold_the_separator():
+    assert parse_steps("7.0|a|name with|bars\n\n") == {"7.0": "a|name with|bars"}
+    assert parse_words("\n  \n") == []

@@ -75,8 +75,26 @@ _METADATA_CLASSES = (
     metadata.MetadataIndex,
     filesystem._StorageInfo,
 )
+# The enums a .metadata holds. Python 3.11.0 to 3.11.4 (Debian bookworm's python3 is 3.11.2) and
+# 3.12.0 pickle an enum member as a call of builtins.getattr with its class and its name; later
+# releases as a call of the class with its value. Both are read; getattr only as this lookup.
+_METADATA_ENUMS = (metadata._MEM_FORMAT_ENCODING,)
+
+
+class _GetattrRefused(pickle.UnpicklingError):
+    """A getattr the pickle asks for that is no enum member's lookup (the message says which)."""
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr(cls, name)`` as an enum's pickle asks it: only a member of a metadata enum."""
+    if cls not in _METADATA_ENUMS or not isinstance(name, str) or name not in cls.__members__:
+        raise _GetattrRefused(f"getattr({getattr(cls, '__qualname__', type(cls).__qualname__)}, {name!r})")
+    return cls[name]
+
+
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **{(cls.__module__, cls.__qualname__): cls for cls in _METADATA_CLASSES},
+    ("builtins", "getattr"): _enum_member,
     (metadata.__name__, "_MEM_FORMAT_ENCODING"): metadata._MEM_FORMAT_ENCODING,
     ("torch", "Size"): torch.Size,
     # torch.layout pickles as a call of this with the layout's name: a lookup in torch's layouts.
@@ -254,6 +272,8 @@ def read_metadata_file(path: Path) -> metadata.Metadata:
             found = _MetadataUnpickler(fh, path).load()
     except UnreadableCheckpoint:
         raise
+    except _GetattrRefused as exc:
+        raise CheckpointRefused(f"refusing to load {path}: it asks for {exc}") from None
     except OSError as exc:
         raise UnreadableCheckpoint(f"cannot read {path}: {exc.strerror or exc}") from None
     except Exception as exc:  # noqa: BLE001 - cut short, garbage, a bad state for an allowed class

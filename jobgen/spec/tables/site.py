@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
+from jobgen.spec import containers
 from jobgen.spec.fields import (
     Constraint,
     EnvValue,
@@ -65,6 +66,15 @@ ContainerImage = matching(
     "a container image",
     "letters, digits and _ . / : @ + # -, e.g. 'nvcr.io#nvidia/pytorch:24.05-py3', at most 512 characters",
     chars=r"[A-Za-z0-9_./:@+#-]",
+)
+ContainerRuntimeName = Literal["pyxis", "apptainer", "podman"]
+# One word of the runtime's command line: an option, with its value after '=' (words go to srun or
+# the runtime quoted, but a site's option is no place for spaces or shell syntax either).
+ContainerOption = matching(
+    r"^--?[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_./:+@,=-]{1,256})?$",
+    "a container runtime option",
+    "one option with its value after '=', e.g. '--device=/dev/infiniband' or '--writable-tmpfs'",
+    chars=r"[A-Za-z0-9_./:+@,=-]",
 )
 SiteName = matching(
     r"^[A-Za-z0-9_.-]{1,64}$",
@@ -285,8 +295,8 @@ class PythonSettings(SpecModel):
             "'auto': the environment that runs `jobgen submit` (its interpreter's prefix: a venv, a conda "
             "environment or a plain installation), recorded in the run's spec.json as the kind it is; "
             "'venv' (source <venv>/bin/activate), 'conda' (conda activate <conda_env>), 'prefix' (<prefix>/bin "
-            "first on PATH), 'modules' (module load ..., then module_venv if set), 'container' (pyxis), or "
-            "'none' (the nodes' own PATH)."
+            "first on PATH), 'modules' (module load ..., then module_venv if set), 'container' (every step in "
+            "container_image, started by container_runtime), or 'none' (the nodes' own PATH)."
         ),
     )
     venv: SafePath | None = Field(None, description="Virtualenv directory, when kind = 'venv'.")
@@ -311,15 +321,36 @@ class PythonSettings(SpecModel):
         ),
     )
     module_venv: SafePath | None = Field(None, description="Optional virtualenv to activate after loading the modules.")
+    container_runtime: ContainerRuntimeName = Field(
+        "pyxis",
+        description=(
+            "What starts the container on each node, when kind = 'container': 'pyxis' (srun --container-image, "
+            "NVIDIA's SPANK plugin for enroot), 'apptainer' (apptainer exec) or 'podman' (podman run --network=host "
+            "--ipc=host --pid=host). The batch script and the supervisor run on the batch host, outside the image; "
+            "every step on the nodes runs inside it (docs/containers.md)."
+        ),
+    )
     container_image: ContainerImage | None = Field(
         None,
-        description="Container image for pyxis (srun --container-image), e.g. 'nvcr.io#nvidia/pytorch:24.05-py3'.",
+        description=(
+            "The image every step runs in, when kind = 'container', as the runtime names it: pyxis "
+            "'nvcr.io#nvidia/pytorch:24.05-py3' or a squashfs file, apptainer a .sif file or 'docker://...', "
+            "podman 'registry/image:tag'. It holds jobgen and the trainer's packages (`jobgen image build`)."
+        ),
     )
     container_mounts: list[str] = Field(
         default_factory=list,
         description=(
-            "Extra 'src:dst[:flags]' mounts; the runs root (and the jobgen checkout, when jobgen runs from one) "
-            "are always mounted."
+            "Extra 'src:dst[:flags]' mounts. The runs root, the data cache, HF_HOME, the snapshot directory, "
+            "the model's, data's and evaluation's directories and jobgen's checkout (when jobgen runs from one) "
+            "are always mounted at their own paths."
+        ),
+    )
+    container_options: list[ContainerOption] = Field(
+        default_factory=list,
+        description=(
+            "The site's own options for the runtime, after jobgen's, e.g. podman's '--device=/dev/infiniband' or "
+            "'--userns=keep-id', apptainer's '--writable-tmpfs', pyxis's '--container-writable'."
         ),
     )
 
@@ -350,9 +381,27 @@ class PythonSettings(SpecModel):
         if self.kind == "container" and not self.container_image:
             raise ValueError("kind = 'container' needs 'container_image'")
         for mount in self.container_mounts:
-            if not all(c.isalnum() or c in "_./:+@-" for c in mount):
-                raise ValueError(f"container mount {mount!r} has characters outside [A-Za-z0-9_./:+@-]")
+            if not all(c.isalnum() or c in "_./:+@=-" for c in mount):
+                raise ValueError(f"container mount {mount!r} has characters outside [A-Za-z0-9_./:+@=-]")
+        if self.kind == "container":
+            self._check_container()
         return self
+
+    def _check_container(self) -> None:
+        """What the runtime cannot honour, named by key: another runtime's image syntax, a mount
+        flag it does not know, an option of another runtime."""
+        runtime = self.container_runtime
+        problem = containers.image_problem(runtime, self.container_image or "")
+        if problem:
+            raise ValueError(f"container_image {problem} (container_runtime = '{runtime}')")
+        for mount in self.container_mounts:
+            problem = containers.mount_problem(runtime, mount)
+            if problem:
+                raise ValueError(f"container_mounts: {problem}")
+        for option in self.container_options:
+            problem = containers.option_problem(runtime, option)
+            if problem:
+                raise ValueError(f"container_options: {problem}")
 
     @property
     def interpreter(self) -> str | None:

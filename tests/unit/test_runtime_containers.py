@@ -1,0 +1,263 @@
+"""The container runtimes (jobgen.spec.containers, jobgen.launch.container_step): the options the
+rendered scripts give each runtime are options its documentation lists (the lists below, with the
+documentation's version: kept here, not taken from the code under test), and podman's are options
+of the podman on this machine; validate refuses what a runtime cannot honour, naming the key; every
+step sees the job's directories at their paths, once, and podman's the variables the job sets."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import GOLDEN, doctor_spec, run_spec
+from jobgen.launch.container_step import container_step, job_directories
+from jobgen.spec.containers import step_words
+from jobgen.spec.loader import SpecError, load_run
+from jobgen.spec.tables.site import PythonSettings
+
+# pyxis v0.20.0 README, "Usage" (the [pyxis] section of `srun --help`).
+PYXIS_0_20 = {
+    "--container-image",
+    "--container-mounts",
+    "--container-workdir",
+    "--container-name",
+    "--container-save",
+    "--container-mount-home",
+    "--no-container-mount-home",
+    "--container-remap-root",
+    "--no-container-remap-root",
+    "--container-entrypoint",
+    "--no-container-entrypoint",
+    "--container-entrypoint-log",
+    "--container-writable",
+    "--container-readonly",
+    "--container-env",
+}
+# Apptainer 1.3 user guide, `apptainer exec --help` (the options jobgen or a site's profile may use).
+APPTAINER_1_3_EXEC = {
+    "--bind",
+    "--pwd",
+    "--nv",
+    "--nvccli",
+    "--rocm",
+    "--writable-tmpfs",
+    "--contain",
+    "--containall",
+    "--cleanenv",
+    "--env",
+    "--home",
+    "--no-home",
+    "--fakeroot",
+    "--ipc",
+    "--pid",
+    "--userns",
+}
+# podman-run(1) of podman 4.3 (Debian bookworm's).
+PODMAN_4_3_RUN = {
+    "--rm",
+    "--network",
+    "--ipc",
+    "--pid",
+    "--uts",
+    "--cap-add",
+    "--security-opt",
+    "--log-driver",
+    "--env",
+    "--volume",
+    "--workdir",
+    "--device",
+    "--userns",
+    "--ulimit",
+    "--init",
+    "--name",
+    "--hooks-dir",
+    "--group-add",
+}
+DOCUMENTED = {"pyxis": PYXIS_0_20, "apptainer": APPTAINER_1_3_EXEC, "podman": PODMAN_4_3_RUN}
+GOLDEN_BY_RUNTIME = {
+    "pyxis": "cloud-ethernet-train.sbatch",
+    "apptainer": "apptainer-train.sbatch",
+    "podman": "podman-train.sbatch",
+}
+
+
+def runtime_options(script: str, runtime: str) -> list[str]:
+    """The options the script's SRUN_CONTAINER gives the runtime itself (its words up to the image)."""
+    (block,) = re.findall(r"^SRUN_CONTAINER=\(\n(.*?)^\)", script, flags=re.S | re.M)
+    words = [w.strip().strip("'") for w in block.splitlines()]
+    if runtime == "apptainer":
+        words = words[words.index("exec") + 1 : -1]
+    elif runtime == "podman":
+        words = words[words.index("podman-step") + 1 : -1]
+    return words
+
+
+@pytest.mark.parametrize("runtime", sorted(GOLDEN_BY_RUNTIME))
+def test_every_option_of_the_golden_scripts_is_one_the_runtime_documents(runtime):
+    options = runtime_options((GOLDEN / GOLDEN_BY_RUNTIME[runtime]).read_text(), runtime)
+    assert options and all(o.startswith("--") for o in options), options
+    unknown = sorted({o.split("=", 1)[0] for o in options} - DOCUMENTED[runtime])
+    assert not unknown, f"{runtime} documents no {unknown}"
+
+
+def test_every_podman_option_is_one_this_machines_podman_has():
+    if shutil.which("podman") is None:
+        pytest.skip("no podman here (the dev cluster's image fixture installs it)")
+    help_text = subprocess.run(["podman", "run", "--help"], capture_output=True, text=True, check=True).stdout
+    for option in {o.split("=", 1)[0] for o in runtime_options((GOLDEN / "podman-train.sbatch").read_text(), "podman")}:
+        assert re.search(rf"(^|\s){re.escape(option)}[ =,]", help_text), option
+
+
+@pytest.mark.parametrize(
+    ("python", "words"),
+    [
+        ({"container_runtime": "podman", "container_image": "nvcr.io#nvidia/pytorch:24.05-py3"}, "pyxis's syntax"),
+        ({"container_runtime": "podman", "container_image": "/images/jobgen.sif"}, "apptainer's"),
+        ({"container_runtime": "apptainer", "container_image": "nvcr.io#nvidia/pytorch:24.05-py3"}, "pyxis's syntax"),
+        ({"container_runtime": "pyxis", "container_image": "docker://nvcr.io/nvidia/pytorch:24.05-py3"}, "apptainer's"),
+        (
+            {"container_runtime": "apptainer", "container_image": "/i.sif", "container_mounts": ["/a:/b:z"]},
+            "no mount flag",
+        ),
+        (
+            {"container_runtime": "pyxis", "container_image": "a#b", "container_mounts": ["/a:/b:ro+q"]},
+            "no mount flag 'q'",
+        ),
+        ({"container_runtime": "podman", "container_image": "x/y:1", "container_mounts": ["data:/data"]}, "absolute"),
+        (
+            {"container_runtime": "podman", "container_image": "x/y:1", "container_options": ["--container-writable"]},
+            "pyxis's",
+        ),
+        (
+            {"container_runtime": "pyxis", "container_image": "a#b", "container_options": ["--device=/dev/fuse"]},
+            "not a pyxis",
+        ),
+        (
+            {"container_runtime": "podman", "container_image": "x/y:1", "container_options": ["--env=A=$(id)"]},
+            "cannot be used",
+        ),
+    ],
+)
+def test_validate_refuses_what_the_runtime_cannot_honour_naming_the_key(tmp_path, python, words):
+    spec = doctor_spec(tmp_path, "c", site={"profile": "local", "python": {"kind": "container", **python}})
+    with pytest.raises(SpecError) as caught:
+        load_run(spec)
+    (issue,) = caught.value.issues
+    assert "python" in issue.key and words in issue.message, str(issue)
+    key = (
+        "container_options"
+        if "container_options" in python
+        else "container_mounts"
+        if "container_mounts" in python
+        else "container_image"
+    )
+    assert key in f"{issue.key} {issue.message}", str(issue)
+
+
+def test_each_runtimes_own_image_and_mounts_are_accepted():
+    for runtime, image, mount in [
+        ("pyxis", "nvcr.io#nvidia/pytorch:24.05-py3", "/fsx:/fsx:ro+rprivate"),
+        ("apptainer", "/shared/images/jobgen.sif", "/fsx:/fsx:ro"),
+        ("apptainer", "docker://registry.example.org/jobgen:1", "/fsx:/data"),
+        ("podman", "registry.example.org/team/jobgen:0.1.0", "/fsx:/fsx:ro"),
+    ]:
+        py = PythonSettings(
+            kind="container", container_runtime=runtime, container_image=image, container_mounts=[mount]
+        )
+        assert py.container_runtime == runtime
+
+
+def test_the_jobs_directories_are_mounted_once_each_at_their_paths(tmp_path):
+    model, data = tmp_path / "models" / "tiny", tmp_path / "data"
+    model.mkdir(parents=True)
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    spec = load_run(
+        run_spec(
+            tmp_path,
+            "m",
+            site={"profile": "local", "paths": {"hf_home": str(tmp_path / "hf"), "snapshot_dir": "/dev/shm"}},
+            job={"runs_root": str(tmp_path / "runs"), "time": "10m"},
+            model={"path": str(model)},
+            data={"path": str(data / "train.jsonl")},
+        )
+    )
+    dirs = job_directories(spec)
+    assert {str(tmp_path / "runs"), str(tmp_path / "hf"), "/dev/shm", str(model), str(data)} <= set(dirs)
+    py = PythonSettings(
+        kind="container",
+        container_runtime="podman",
+        container_image="x/y:1",
+        container_mounts=[f"{tmp_path}:{tmp_path}"],
+    )
+    step = container_step(py, dirs, ["MY_FLAG", "NCCL_IB_HCA"], gpus=False)
+    # The site's mount of tmp_path covers the runs root, the model, the data and HF_HOME.
+    assert [m for m in step.mounts if m.startswith(str(tmp_path))] == [f"{tmp_path}:{tmp_path}"]
+    assert "/dev/shm:/dev/shm" in step.mounts and step.workdir == str(tmp_path / "runs")
+    assert "MY_FLAG" in step.env and "NCCL_IB_HCA" not in step.env and "NCCL_*" in step.env
+
+
+def test_only_podman_is_given_the_variables_by_name():
+    podman = PythonSettings(kind="container", container_runtime="podman", container_image="x/y:1")
+    step = container_step(podman, ["/runs"], ["MY_FLAG"], gpus=True)
+    words = step_words("podman", step)
+    assert "--env=MY_FLAG" in words and "--env=SLURM*" in words and "--device=nvidia.com/gpu=all" in words
+    assert words[:3] == ["bash", "-c", 'exec podman run --env=JOBGEN_TETHER_PID="$$" "$@"'] and words[-1] == "x/y:1"
+    for runtime, image in (("apptainer", "/i.sif"), ("pyxis", "a#b")):
+        py = PythonSettings(kind="container", container_runtime=runtime, container_image=image)
+        words = step_words(runtime, container_step(py, ["/runs"], ["MY_FLAG"], gpus=True))
+        assert not any("MY_FLAG" in w or "SLURM" in w for w in words), words
+    assert "--nv" in step_words(
+        "apptainer",
+        container_step(
+            PythonSettings(kind="container", container_runtime="apptainer", container_image="/i.sif"),
+            ["/runs"],
+            [],
+            gpus=True,
+        ),
+    )
+
+
+def test_the_golden_podman_script_starts_every_step_in_the_image():
+    text = (GOLDEN / "podman-train.sbatch").read_text()
+    launch = text[text.index("JOBGEN_SRUN_LAUNCH <<'LAUNCH'") :]
+    assert "podman-step --rm --network=host --ipc=host --pid=host" in launch.splitlines()[3]
+    assert '"container": [\n    "bash",' in text  # the supervisor's helper steps (stacks, address) too
+    assert Path(GOLDEN / "specs" / "podman-train.toml").is_file()
+
+
+def test_a_container_sites_shared_directories_are_made_at_submit(tmp_path):
+    """podman refuses to mount a directory that is not there (exit 125, before the program): the
+    data cache and HF_HOME the job would create are made when the run is submitted."""
+    from jobgen.launch.container_step import mounted_directories_made
+
+    site = {
+        "profile": "local",
+        "python": {"kind": "container", "container_runtime": "podman", "container_image": "x/y:1"},
+        "paths": {"data_cache": str(tmp_path / "cache"), "hf_home": str(tmp_path / "hf")},
+    }
+    spec = load_run(doctor_spec(tmp_path, "d", site=site))
+    assert mounted_directories_made(spec) is None
+    assert (tmp_path / "hf").is_dir() and (tmp_path / "cache").stat().st_mode & 0o777 == 0o700
+    (tmp_path / "blocked").write_text("a file where a directory should be\n")
+    blocked = {**site, "paths": {"data_cache": str(tmp_path / "blocked" / "cache")}}
+    key, problem = mounted_directories_made(load_run(doctor_spec(tmp_path, "e", site=blocked)))
+    assert key == "site.paths.data_cache" and "could not be made" in problem
+    venv = load_run(doctor_spec(tmp_path, "v", site={"profile": "local", "paths": {"hf_home": str(tmp_path / "h2")}}))
+    assert mounted_directories_made(venv) is None and not (tmp_path / "h2").exists()  # no container: left to the job
+
+
+def test_image_build_refuses_what_it_cannot_build_from(tmp_path):
+    from jobgen.sites.image import ImageBuildError, build_image, jobgen_wheel
+
+    (tmp_path / "other-1.0-py3-none-any.whl").write_text("")
+    with pytest.raises(ImageBuildError, match="not a jobgen wheel"):
+        jobgen_wheel(tmp_path, tmp_path / "other-1.0-py3-none-any.whl")
+    with pytest.raises(ImageBuildError, match="no jobgen wheel"):
+        build_image(base="x", tag="y", wheels=[tmp_path / "other-1.0-py3-none-any.whl"], tool="podman")
+    with pytest.raises(ImageBuildError, match="'nerdctl' not found"):
+        build_image(base="x", tag="y", wheels=[], tool="nerdctl")
