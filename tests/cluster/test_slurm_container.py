@@ -7,8 +7,8 @@ taken by py-spy through the host's pid namespace, relaunched), the time limit (S
 signal reaches the batch host's supervisor; the stop request it leaves reaches the trainer in the
 container through the mounted run directory), the kill switch, and a resubmission. Every loss it
 logged is the loss of the same run without a container; ``jobgen logs``, ``status`` and ``export``
-read it as any other run. And a step Slurm SIGKILLs leaves nothing running in its container
-(the tether: jobgen.runtime.tether).
+read it as any other run. (The tether that ends a container whose step Slurm SIGKILLed is tested in
+tests/distributed/test_container_tether.py.)
 """
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from helpers import (
-    REPO,
     exit_record,
     first_step_record,
     jobgen,
@@ -38,9 +36,7 @@ from helpers import (
     worker_pids,
 )
 from jobgen.base.exit_codes import ExitCode
-from jobgen.launch.container_step import container_step
 from jobgen.slurm import client as slurm
-from jobgen.spec.containers import step_words
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.lifecycle, pytest.mark.timeout(1200)]
 
@@ -161,53 +157,3 @@ def test_a_podman_run_survives_kill_hang_time_limit_kill_switch_and_resubmission
     export = jobgen("export", str(run.path), "--to", str(tmp_path / "export"))
     assert export.returncode == 0, export.stderr
     assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"]
-
-
-def test_a_step_slurm_sigkills_leaves_nothing_running_in_its_container(cluster, podman_site, tmp_path):
-    """Slurm SIGKILLs the step's ``podman run``, which does not pass a SIGKILL on: the launch in the
-    container, a worker that ignores SIGTERM included, ends with the step, well before KillWait.
-    (A bare ``podman run`` of a command that ignores SIGTERM outlives its step: docs/containers.md.
-    tests/distributed/test_container_tether.py is the tether's own test, which fails without it.)"""
-    python, env = podman_site["python"], podman_site["env"]
-    name = f"jobgen-tether-{os.getpid()}"
-    # A worker that ignores SIGTERM and says where it is: only a SIGKILL ends it.
-    (tmp_path / "worker.py").write_text(
-        "import os, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        "open(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(900)\n"
-    )
-    words = step_words("podman", container_step(python_settings(python), [str(tmp_path)], [], gpus=False))
-    launch = [*words, "python", "-m", "jobgen.runtime.torchrun", "--standalone", "--nproc-per-node=1"]
-    launch += [f"--log-dir={tmp_path / 'logs'}", str(tmp_path / "worker.py"), str(tmp_path / "worker.pid")]
-    step_env = {**os.environ, **env, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3", "PYTHONPATH": str(REPO)}
-    srun = subprocess.Popen(["srun", "--nodes=1", "--ntasks=1", f"--job-name={name}", *launch], env=step_env)
-    worker = None
-    try:
-        wait_for(
-            lambda: (tmp_path / "worker.pid").is_file() and (tmp_path / "worker.pid").read_text(), 180, "the worker"
-        )
-        worker = int((tmp_path / "worker.pid").read_text())
-        assert in_image(worker)
-        (job,) = {e.job_id for e in slurm.queue_named(name)}
-        slurm.cancel(str(job), signal="KILL")
-        # Ended with its step, well before Slurm's KillWait (the step holds the node until then).
-        kill_wait = int(slurm.config()["KillWait"].split()[0])
-        wait_for(lambda: not slurm.steps(job), kill_wait / 2, "the step to end")
-        assert not alive(worker)
-        srun.wait(120)
-    finally:
-        srun.kill()
-        if worker and alive(worker):
-            os.kill(worker, signal.SIGKILL)
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def python_settings(table: dict[str, object]):
-    from jobgen.spec.tables.site import PythonSettings
-
-    return PythonSettings(**table)
