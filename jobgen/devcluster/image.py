@@ -37,6 +37,7 @@ from jobgen.base.atomic import write_text_atomic
 from jobgen.base.lease import exclusive
 from jobgen.base.paths import CHECKOUT, CONTAINERFILE
 
+from .slurm_builds import run_logged
 from .state import ClusterError
 
 CACHE_ENV = "JOBGEN_IMAGE_CACHE"
@@ -84,7 +85,7 @@ def ensure_base(log) -> str:
         root = Path(work) / "root"
         log(f"image: debootstrap {SUITE} with {' '.join(BASE_PACKAGES)}")
         argv = ["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", SUITE, str(root), MIRROR]
-        _run(argv, Path(work) / "debootstrap.log")
+        run_logged(argv, Path(work) / "debootstrap.log", what="building the dev image's base")
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
         proc = subprocess.run(
             ["podman", "import", "--change", f"ENV PATH={DEFAULT_PATH}", "--change", 'CMD ["/bin/bash"]', "-", tag],
@@ -114,7 +115,7 @@ def wheelhouse(log) -> Path:
     shutil.rmtree(house, ignore_errors=True)
     stage = Path(tempfile.mkdtemp(prefix=".wheels-", dir=cache_root()))
     argv = [sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(stage), f"torch=={torch_version}"]
-    _run([*argv, f"{CHECKOUT}[{EXTRAS}]"], stage / "pip.log")
+    run_logged([*argv, f"{CHECKOUT}[{EXTRAS}]"], stage / "pip.log", what="making the dev image's wheelhouse")
     for built in stage.glob("jobgen-*.whl"):  # jobgen's own is built fresh for each image
         built.unlink()
     (stage / ".complete").write_text(f"{key}\n")
@@ -172,11 +173,3 @@ def dev_image(build, log=print) -> tuple[str, Path]:
         if not image_exists(tag):
             build(base=base, tag=tag, wheels=deps, env={**os.environ, "CONTAINERS_CONF": str(conf)})
     return tag, conf
-
-
-def _run(argv: list[str], log_file: Path) -> None:
-    with log_file.open("a") as out:
-        proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False)
-    if proc.returncode != 0:
-        tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-25:])
-        raise ClusterError(f"`{' '.join(argv[:3])} ...` failed (exit {proc.returncode}):\n{tail}")

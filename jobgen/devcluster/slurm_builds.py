@@ -158,7 +158,7 @@ def build(release: Release, prefix: Path, log) -> None:
         ]
         for step in steps:
             log(f"Slurm {release.version}: {' '.join(step[:2])}")
-            _run(step, source, work_dir / "build.log")
+            run_logged(step, work_dir / "build.log", what="building Slurm", cwd=source)
         staged = stage / prefix.relative_to(prefix.anchor)
         (staged / COMPLETE).write_text(f"{release.version} {release.sha256}\n")
         os.replace(staged, prefix)
@@ -177,12 +177,14 @@ def _unpacked(release: Release, work: Path) -> Path:
     return top
 
 
-def _run(argv: list[str], cwd: Path, log_file: Path) -> None:
+def run_logged(argv: list[str], log_file: Path, *, what: str, cwd: Path | None = None) -> None:
+    """One step of a dev-cluster build (Slurm's here, the image's in jobgen.devcluster.image), its
+    output appended to ``log_file``; a failure is a ClusterError with the log's last lines."""
     with log_file.open("a") as out:
-        proc = subprocess.run(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.run(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, check=False)
     if proc.returncode != 0:
         tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-25:])
-        raise ClusterError(f"building Slurm: `{' '.join(argv)}` failed (exit {proc.returncode}):\n{tail}")
+        raise ClusterError(f"{what}: `{' '.join(argv)}` failed (exit {proc.returncode}):\n{tail}")
 
 
 def _installed(package: str) -> bool:

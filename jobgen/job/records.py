@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,31 +91,32 @@ def write_crash(run: RunDir, task: Task, launch: int, signature: CrashSignature)
 def error_tail(run: RunDir, task: Task, nodes: list[str], since: float) -> list[str]:
     """The ends of this launch's rank stderr files (torchrun --log-dir: one directory per launch
     under each node's rank logs), lowest rank directory first: where your own program said why."""
-    for node in nodes:
-        base = run.rank_logs(task.job_id, node)
-        for path in sorted(base.glob("*/attempt_*/*/stderr.log")):
-            try:
-                if path.stat().st_mtime < since:
-                    continue
-                data = _tail(path)
-            except (OSError, DamagedFile):
-                continue
-            lines = data.decode(errors="replace").splitlines()
-            if any(line.strip() for line in lines):
-                return lines
+    for path in _launch_rank_logs(run, task, nodes, since, "stderr.log"):
+        try:
+            data = _tail(path)
+        except (OSError, DamagedFile):
+            continue
+        lines = data.decode(errors="replace").splitlines()
+        if any(line.strip() for line in lines):
+            return lines
     return []
 
 
 def ranks_started(run: RunDir, task: Task, nodes: list[str], since: float) -> bool:
     """Whether a rank of this launch started: torchrun wrote one of its rank logs since ``since``."""
+    return next(_launch_rank_logs(run, task, nodes, since, "std*.log"), None) is not None
+
+
+def _launch_rank_logs(run: RunDir, task: Task, nodes: list[str], since: float, name: str) -> Iterator[Path]:
+    """The rank log files ``name`` (a glob) of the launch begun at ``since`` (torchrun --log-dir:
+    one directory per launch under each node's rank logs), node by node, lowest rank directory first."""
     for node in nodes:
-        for path in run.rank_logs(task.job_id, node).glob("*/attempt_*/*/std*.log"):
+        for path in sorted(run.rank_logs(task.job_id, node).glob(f"*/attempt_*/*/{name}")):
             try:
                 if path.stat().st_mtime >= since:
-                    return True
-            except OSError:
+                    yield path
+            except OSError:  # it went while the directory was read
                 continue
-    return False
 
 
 def _tail(path: Path, size: int = 8192) -> bytes:

@@ -48,14 +48,16 @@ def mounted_directories_made(spec: ResolvedSpec) -> tuple[str, str] | None:
     paths = spec.site.paths
     if spec.site.python.kind != "container":
         return None
-    try:
-        if paths.hf_home:
-            os.makedirs(paths.hf_home, exist_ok=True)
-        if paths.data_cache:
-            OwnedDir.ensure(paths.data_cache, sharing=Sharing.GROUP).close()
-    except (OSError, UntrustedDirectory) as exc:
-        key = "paths.hf_home" if paths.hf_home and not os.path.isdir(paths.hf_home) else "paths.data_cache"
-        return f"site.{key}", f"the container mounts it, and it could not be made: {exc}"
+    makers = [
+        ("paths.hf_home", paths.hf_home, lambda path: os.makedirs(path, exist_ok=True)),
+        ("paths.data_cache", paths.data_cache, lambda path: OwnedDir.ensure(path, sharing=Sharing.GROUP).close()),
+    ]
+    for key, path, make in makers:
+        try:
+            if path:
+                make(path)
+        except (OSError, UntrustedDirectory) as exc:
+            return f"site.{key}", f"the container mounts it, and it could not be made: {exc}"
     return None
 
 
