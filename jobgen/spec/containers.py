@@ -224,13 +224,15 @@ def option_problem(runtime: str, option: str) -> str | None:
 
 
 def outermost(paths: list[str]) -> list[str]:
-    """The directories of ``paths`` that lie under none of the others, each once, in order: one
-    mount covers what lies beneath it."""
-    kept: list[str] = []
-    for path in sorted({p.rstrip("/") or "/" for p in paths}):
-        if not any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
-            kept.append(path)
-    return kept
+    """The directories of ``paths`` that lie under none of the others, each once, in the order
+    given (never sorted: the checkout's own path must not move the others, or a render would
+    depend on where jobgen was cloned): one mount covers what lies beneath it."""
+    normal = list(dict.fromkeys(p.rstrip("/") or "/" for p in paths))
+
+    def covered(path: str) -> bool:
+        return any(path != other and path.startswith(other.rstrip("/") + "/") for other in normal)
+
+    return [path for path in normal if not covered(path)]
 
 
 def step_words(runtime: str, step: ContainerStep) -> list[str]:

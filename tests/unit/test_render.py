@@ -103,7 +103,7 @@ def test_venv_modules_container():
     assert "source /lustre/shared/envs/llm/bin/activate" in modules
     assert "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3'" in container
     # The runs root, the snapshots' memory and the checkout at their paths; the site's /fsx covers HF_HOME.
-    mounts = f"/dev/shm:/dev/shm,/shared/runs:/shared/runs,{CHECKOUT}:{CHECKOUT},/fsx:/fsx"
+    mounts = f"/shared/runs:/shared/runs,/dev/shm:/dev/shm,{CHECKOUT}:{CHECKOUT},/fsx:/fsx"
     assert f"'--container-mounts={mounts}'" in container
     # The launch line runs the node script in the image; so do the supervisor's helper steps.
     assert '--container-workdir=/shared/runs bash -c "$NODE_LAUNCH"' in container

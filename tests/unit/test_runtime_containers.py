@@ -201,6 +201,22 @@ def test_the_jobs_directories_are_mounted_once_each_at_their_paths(tmp_path):
     assert "MY_FLAG" in step.env and "NCCL_IB_HCA" not in step.env and "NCCL_*" in step.env
 
 
+def test_the_mounts_order_does_not_depend_on_where_jobgen_was_cloned(monkeypatch):
+    """CI clones into /check/work/main, this machine into /work/main: a render that sorted the
+    mounts by path put the checkout before /dev/shm in one and after it in the other."""
+    import jobgen.launch.container_step as container_step_module
+
+    py = PythonSettings(kind="container", container_runtime="podman", container_image="x/y:1")
+    shared = ["/shared/runs", "/shared/runs/cache", "/dev/shm"]
+    orders = []
+    for checkout in ("/a/jobgen", "/work/main", "/zz/jobgen"):
+        monkeypatch.setattr(container_step_module, "CHECKOUT", Path(checkout))
+        mounts = container_step(py, shared, [], gpus=False).mounts
+        orders.append([m.replace(checkout, "@PROJECT@") for m in mounts])
+    assert orders[0] == orders[1] == orders[2]
+    assert orders[0] == ["/shared/runs:/shared/runs", "/dev/shm:/dev/shm", "@PROJECT@:@PROJECT@"]
+
+
 def test_only_podman_is_given_the_variables_by_name():
     podman = PythonSettings(kind="container", container_runtime="podman", container_image="x/y:1")
     step = container_step(podman, ["/runs"], ["MY_FLAG"], gpus=True)
