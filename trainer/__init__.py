@@ -39,6 +39,7 @@ ROOMS: dict[str, tuple[str, ...]] = {
         "job_record",
     ),
     "__main__": ("distributed", "metrics", "model", "data", "memory", "checkpoints", "loop"),
+    "prepare_data": ("model", "data"),
     "site_checks": (),
     "site_facts": ("site_checks",),
     "doctor": ("distributed", "site_checks", "site_facts"),

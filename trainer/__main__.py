@@ -54,6 +54,10 @@ def setup_logging() -> None:
         datefmt="%Y-%m-%dT%H:%M:%S",
         stream=sys.stdout,
     )
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        # The first rank of every node tokenizes a share of the data: its node's log says which and how fast.
+        for name in ("trainer.data.collective", "trainer.data.build", "trainer.data.prepare"):
+            logging.getLogger(name).setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -480,7 +480,13 @@ def _image() -> click.Command:
     return image
 
 
-main.lazy.update(site=_site, example=_example, image=_image)
+def _data() -> click.Command:
+    from trainer.prepare_data import data
+
+    return data
+
+
+main.lazy.update(site=_site, example=_example, image=_image, data=_data)
 
 if __name__ == "__main__":
     main()

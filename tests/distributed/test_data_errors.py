@@ -135,7 +135,8 @@ def tokenizer(tiny_model):
 @pytest.mark.parametrize("content", ["", "\n\n  \n"], ids=["zero-bytes", "blank-lines"])
 def test_empty_jsonl_is_named_as_empty(tmp_path, content):
     pytest.importorskip("datasets")
-    from trainer.data.build import DataError, load_raw
+    from trainer.data.build import DataError
+    from trainer.data.source import load_raw
 
     path = tmp_path / "train.jsonl"
     path.write_text(content)
@@ -146,7 +147,7 @@ def test_empty_jsonl_is_named_as_empty(tmp_path, content):
 @pytest.mark.torch
 def test_empty_shards_in_a_data_directory_are_skipped(tmp_path):
     pytest.importorskip("datasets")
-    from trainer.data.build import load_raw
+    from trainer.data.source import load_raw
 
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.csv").write_text("instruction,output\nx,y\n")
@@ -159,7 +160,8 @@ def test_empty_shards_in_a_data_directory_are_skipped(tmp_path):
 @pytest.mark.torch
 def test_data_directory_of_empty_files_is_named_as_empty(tmp_path):
     pytest.importorskip("datasets")
-    from trainer.data.build import DataError, load_raw
+    from trainer.data.build import DataError
+    from trainer.data.source import load_raw
 
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.jsonl").write_text("")
@@ -192,7 +194,8 @@ def test_zero_row_dataset_is_named_as_empty_before_its_columns(tokenizer, tmp_pa
 def test_chat_set_without_any_assistant_turn_says_so(tokenizer, tmp_path):
     pytest.importorskip("datasets")
     from jobgen.spec.tables.data import DataSpec
-    from trainer.data.build import DataError, load_raw, tokenize_dataset
+    from trainer.data.build import DataError, tokenize_dataset
+    from trainer.data.source import load_raw
 
     path = tmp_path / "chat.jsonl"
     rows = [

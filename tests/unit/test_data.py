@@ -14,14 +14,10 @@ pytest.importorskip("transformers")
 
 from jobgen.base.paths import EXAMPLES_DIR  # noqa: E402
 from jobgen.spec.tables.data import DataSpec  # noqa: E402
-from trainer.data.build import (  # noqa: E402
-    IGNORE_INDEX,
-    DataError,
-    DataStats,
-    load_raw,
-    tokenize_dataset,
-)
+from trainer.data.build import DataError, DataStats, tokenize_dataset  # noqa: E402
+from trainer.data.encoder import IGNORE_INDEX  # noqa: E402
 from trainer.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT  # noqa: E402
+from trainer.data.source import load_raw  # noqa: E402
 
 ALPACA_ROWS = [
     {"instruction": "Reverse the word.", "input": "queue", "output": "eueuq"},
@@ -348,8 +344,11 @@ def _rows(n: int) -> list[dict]:
     ]
 
 
-def test_several_tokenizing_processes_give_the_same_dataset_row_for_row(tokenizer, tmp_path):
-    rows = _rows(2500)  # 3 batches of 1000: the workers' shards split inside and between batches
+def test_several_tokenizing_processes_give_the_same_files_byte_for_byte(tokenizer, tmp_path, monkeypatch):
+    import trainer.data.build as build_module
+
+    monkeypatch.setattr(build_module, "SHARD_ROWS", 1000)  # 3 shards, the last a short one
+    rows = _rows(2500)
     spec = DataSpec(path=str(write_jsonl(tmp_path / "data.jsonl", rows)), max_length=512)
     one, one_stats = tokenize_dataset(load_raw(spec.path), spec, tokenizer, source=spec.path, work_dir=tmp_path / "a")
     two, two_stats = tokenize_dataset(
@@ -357,11 +356,18 @@ def test_several_tokenizing_processes_give_the_same_dataset_row_for_row(tokenize
     )
     assert len(one) == len(rows) and one_stats == two_stats
     assert one.to_dict() == two.to_dict()
+    files = sorted(p.name for p in (tmp_path / "a" / "dataset").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "b" / "dataset").iterdir())
+    assert [f for f in files if f.endswith(".arrow")] == [f"data-0000{k}-of-00003.arrow" for k in range(3)]
+    for name in files:
+        assert (tmp_path / "a" / "dataset" / name).read_bytes() == (tmp_path / "b" / "dataset" / name).read_bytes()
 
 
-def test_a_bad_row_in_a_worker_is_the_same_data_error(tokenizer, tmp_path):
+def test_a_bad_row_in_a_worker_is_the_same_data_error(tokenizer, tmp_path, monkeypatch):
+    import trainer.data.build as build_module
     from trainer.data.build import DataError
 
+    monkeypatch.setattr(build_module, "SHARD_ROWS", 1000)
     rows = _rows(2500)
     rows[2100]["output"] = 7  # in the second worker's shard
     spec = DataSpec(path=str(write_jsonl(tmp_path / "data.jsonl", rows)), max_length=512)
@@ -373,32 +379,42 @@ def test_a_bad_row_in_a_worker_is_the_same_data_error(tokenizer, tmp_path):
 
 
 def test_the_number_of_tokenizing_processes():
-    from trainer.data.build import AUTO_ROWS_PER_PROCESS, tokenizer_processes
+    from trainer.data.build import (
+        AUTO_ROWS_PER_PROCESS,
+        MIN_SHARD_ROWS,
+        SHARD_ROWS,
+        TARGET_SHARDS,
+        shard_rows,
+        tokenizer_processes,
+    )
 
     # Unset: the job's CPUs, one per AUTO_ROWS_PER_PROCESS rows at most, at least one.
     assert tokenizer_processes(1_000_000, None, cpus=16) == 16
     assert tokenizer_processes(3 * AUTO_ROWS_PER_PROCESS, None, cpus=16) == 3
     assert tokenizer_processes(500, None, cpus=16) == 1
-    # Asked for: as many, but never more than one per batch of rows.
+    # Asked for: as many, but never more than one per shard of rows.
     assert tokenizer_processes(1_000_000, 4, cpus=16) == 4
-    assert tokenizer_processes(2500, 8, cpus=16) == 2
+    assert tokenizer_processes(2500, 8, cpus=16) == 3  # shards of MIN_SHARD_ROWS
     assert tokenizer_processes(10, 8, cpus=16) == 1
+    assert shard_rows(10) == MIN_SHARD_ROWS and shard_rows(10**9) == SHARD_ROWS
+    assert shard_rows(TARGET_SHARDS * 5000) == 5000
     import os
 
     assert tokenizer_processes(10**9, None) == len(os.sched_getaffinity(0))
 
 
 def test_a_long_tokenization_says_how_far_it_got(tokenizer, tmp_path, monkeypatch, caplog):
-    """Every PROGRESS_LOG_SECONDS the process with the first shard logs rows, rate and ETA."""
+    """Every PROGRESS_LOG_SECONDS the preparation logs rows, rate and ETA."""
     import logging
 
-    import trainer.data.build as data_module
+    import trainer.data.prepare as prepare_module
 
-    monkeypatch.setattr(data_module, "PROGRESS_LOG_SECONDS", 0.0)
-    monkeypatch.setattr(data_module, "MAP_BATCH_SIZE", 2)
-    with caplog.at_level(logging.INFO, logger="trainer.data.build"):
+    monkeypatch.setattr(prepare_module, "PROGRESS_LOG_SECONDS", 0.0)
+    monkeypatch.setattr(prepare_module, "BATCH_ROWS", 2)
+    with caplog.at_level(logging.INFO, logger="trainer.data.prepare"):
         encode(tokenizer, ALPACA_ROWS * 4, tmp_path, format="alpaca", max_length=512)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizing: ")]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizing ")]
+    lines = [line for line in lines if " rows/s, " in line]
     rows = len(ALPACA_ROWS) * 4
-    assert lines and lines[-1].startswith(f"tokenizing: {rows:,}/{rows:,} rows (100%), ") and "ETA 0s" in lines[-1]
+    assert lines and f": {rows:,}/{rows:,} rows (100%), " in lines[-1] and "ETA 0s" in lines[-1]
     assert all(" rows/s, ETA " in line for line in lines), lines

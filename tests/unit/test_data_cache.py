@@ -23,17 +23,18 @@ pytest.importorskip("transformers")
 from jobgen.base.owned_dir import OwnedDir  # noqa: E402
 from jobgen.spec.tables.data import DataSpec  # noqa: E402
 from trainer.data import build as data_mod  # noqa: E402
-from trainer.data import cache as cache_mod  # noqa: E402
+from trainer.data import collective as collective_mod  # noqa: E402
 from trainer.data.build import DataError  # noqa: E402
 from trainer.data.cache import (  # noqa: E402
+    SHARDS_PREFIX,
     STAGING_PREFIX,
     DataCacheError,
     cache_key,
     hash_path,
-    prepare_dataset,
     remove_stale_staging,
     tokenizer_fingerprint,
 )
+from trainer.data.collective import prepare_dataset  # noqa: E402
 
 # rank 0 of a job, in its own process; the encoder is slowed (and optionally gated on
 # other builders being mid-way too) through trainer.data.build's module attributes.
@@ -46,10 +47,13 @@ datasets.disable_progress_bars()
 from transformers import AutoTokenizer
 from jobgen.spec.tables.data import DataSpec
 from trainer.data import build as data
-from trainer.data.cache import prepare_dataset
+from trainer.data import prepare
+from trainer.data.collective import prepare_dataset
 
-data.MAP_BATCH_SIZE = args["batch_size"]
-original = data.Encoder.__call__
+prepare.BATCH_ROWS = args["batch_size"]
+data.SHARD_ROWS = args["shard_rows"]
+from trainer.data import encoder
+original = encoder.Encoder.__call__
 
 def slow(self, batch, indices):
     Path(args["marker"]).touch()
@@ -60,7 +64,7 @@ def slow(self, batch, indices):
     time.sleep(args["delay"])
     return original(self, batch, indices)
 
-data.Encoder.__call__ = slow
+encoder.Encoder.__call__ = slow
 tokenizer = AutoTokenizer.from_pretrained(args["model"])
 ds, stats, entry = prepare_dataset(DataSpec(**args["spec"]), tokenizer, args["model"], args["cache"],
                                    rank=0, share=lambda value: value)
@@ -89,7 +93,9 @@ def alone(value: object) -> object:
 
 
 def entries(cache: Path) -> list[Path]:
-    return sorted(p for p in cache.iterdir() if not p.name.startswith(STAGING_PREFIX) and p.name != "hub")
+    return sorted(
+        p for p in cache.iterdir() if not p.name.startswith((STAGING_PREFIX, SHARDS_PREFIX)) and p.name != "hub"
+    )
 
 
 def complete(entry: Path) -> bool:
@@ -100,8 +106,9 @@ def staging_dirs(cache: Path) -> list[Path]:
     return sorted(cache.glob(STAGING_PREFIX + "*"))
 
 
-def start_worker(tiny_model, spec, cache, marker, *, delay, batch_size=20, wait_for=()):
+def start_worker(tiny_model, spec, cache, marker, *, delay, batch_size=20, wait_for=(), shard_rows=20_000):
     args = {
+        "shard_rows": shard_rows,
         "model": str(tiny_model),
         "cache": str(cache),
         "spec": spec.model_dump(),
@@ -134,8 +141,8 @@ def test_second_call_reuses_the_cache_without_tokenizing(tokenizer, tiny_model, 
     def forbidden(*args, **kwargs):
         raise AssertionError("re-tokenized although the cache was complete")
 
-    monkeypatch.setattr(data_mod, "tokenize_dataset", forbidden)
-    monkeypatch.setattr(data_mod, "load_raw", forbidden)
+    monkeypatch.setattr(data_mod, "build_dataset", forbidden)
+    monkeypatch.setattr(data_mod, "open_rows", forbidden)
     again, stats2, entry2 = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, share=alone)
     assert entry2 == entry and stats2 == stats
     assert again.column("input_ids") == ds.column("input_ids") and again.column("labels") == ds.column("labels")
@@ -227,21 +234,21 @@ def run_ranks(spec, tokenizer, tiny_model, cache, world=2):
 
 def test_only_rank_0_tokenizes_and_every_rank_loads_the_same_entry(tokenizer, tiny_model, spec, tmp_path, monkeypatch):
     calls = []
-    real = data_mod.tokenize_dataset
+    real = data_mod.build_dataset
 
     def counting(*args, **kwargs):
         calls.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
     hashed = []
-    real_hash = cache_mod.hash_path
+    real_hash = collective_mod.hash_path
 
     def counting_hash(*args, **kwargs):
         hashed.append(threading.current_thread().name)
         return real_hash(*args, **kwargs)
 
-    monkeypatch.setattr(data_mod, "tokenize_dataset", counting)
-    monkeypatch.setattr(cache_mod, "hash_path", counting_hash)
+    monkeypatch.setattr(data_mod, "build_dataset", counting)
+    monkeypatch.setattr(collective_mod, "hash_path", counting_hash)
     results = run_ranks(spec, tokenizer, tiny_model, tmp_path / "cache", world=3)
     assert calls == ["rank-0"] and hashed == ["rank-0"]
     assert all(not isinstance(r, Exception) for r in results.values()), results
@@ -291,33 +298,64 @@ def test_two_concurrent_builders_end_with_one_valid_entry(tiny_model, spec, tmp_
     assert len(datasets.load_from_disk(str(entry / "dataset"))) == 400
 
 
-def test_rank_0_killed_mid_preprocessing_leaves_no_broken_cache(tokenizer, tiny_model, spec, tmp_path):
-    cache = tmp_path / "cache"
-    marker = tmp_path / "tokenizing"
-    proc = start_worker(tiny_model, spec, cache, marker, delay=0.5, batch_size=10)
+def test_a_killed_build_publishes_nothing_and_the_next_does_only_the_shards_left(
+    tokenizer, tiny_model, spec, tmp_path, monkeypatch
+):
+    import trainer.data.prepare as prepare_mod
+
+    cache, marker = tmp_path / "cache", tmp_path / "tokenizing"
+    proc = start_worker(tiny_model, spec, cache, marker, delay=0.3, batch_size=10, shard_rows=100)
     try:
-        wait_for(marker.exists, 120, "the worker to start tokenizing", interval=0.05, process=proc)
-        time.sleep(1.2)  # a few batches into datasets.map, Arrow file half written
+        wait_for(lambda: any(cache.glob(f"{SHARDS_PREFIX}*/done/shard-00000.json")), 120, "shard 0", process=proc)
+        wait_for(lambda: any(cache.glob(f"{SHARDS_PREFIX}*/dataset/.part-00001-*")), 60, "shard 1 begun", process=proc)
     finally:
         proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     assert proc.returncode == -signal.SIGKILL
     assert entries(cache) == [], "a killed build must not publish an entry"
-    leftovers = staging_dirs(cache)
-    assert len(leftovers) == 1 and any(leftovers[0].rglob("*.arrow"))
+    [shards] = cache.glob(f"{SHARDS_PREFIX}*")
+    assert (shards / "dataset" / "data-00000-of-00004.arrow").is_file()
 
+    done = []
+    real = prepare_mod.tokenize_shard
+    monkeypatch.setattr(prepare_mod, "tokenize_shard", lambda work, k, *a: done.append(k) or real(work, k, *a))
+    monkeypatch.setattr(data_mod, "SHARD_ROWS", 100)
+    monkeypatch.setattr(prepare_mod, "BATCH_ROWS", 10)  # as the killed build had them: the same bytes
     ds, stats, entry = prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, share=alone)
-    assert complete(entry) and len(ds) == stats.kept == 400
+    assert done == [1, 2, 3], "shard 0 was done before the kill"
+    assert complete(entry) and len(ds) == stats.kept == 400 and not shards.exists()
+    assert not list(entry.rglob(".part-*")) and not (entry / "done").exists()
     assert len(datasets.load_from_disk(str(entry / "dataset"))) == 400
-    assert staging_dirs(cache) == leftovers, "a young staging dir may be a live build: left alone"
 
-    old = time.time() - 2 * 3600
-    for path in [leftovers[0], *leftovers[0].rglob("*")]:
-        os.utime(path, (old, old), follow_symlinks=False)
-    prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, share=alone)  # rank 0 sweeps stale builds
-    assert staging_dirs(cache) == [] and entries(cache) == [entry]
+    # The same bytes as a build that was never interrupted.
+    _, _, clean = prepare_dataset(spec, tokenizer, tiny_model, tmp_path / "clean", rank=0, share=alone)
+    for file in sorted((clean / "dataset").glob("*.arrow")):
+        assert (entry / "dataset" / file.name).read_bytes() == file.read_bytes()
+
+
+def test_stale_builds_are_swept_young_ones_left(tokenizer, tiny_model, spec, tmp_path):
+    cache = tmp_path / "cache"
+    prepare_dataset(spec, tokenizer, tiny_model, cache, rank=0, share=alone)
+    staging, shards = cache / f"{STAGING_PREFIX}x-host-1-ab", cache / f"{SHARDS_PREFIX}y-{os.geteuid()}"
+    for directory in (staging, shards):
+        (directory / "dataset").mkdir(parents=True)
+        (directory / "dataset" / "data-00000-of-00001.arrow").write_bytes(b"x")
     with OwnedDir.open(cache) as root:
-        assert remove_stale_staging(root) == []
+        assert remove_stale_staging(root) == [], "a young build may be a live one"
+
+    def age(directory: Path, seconds: float) -> None:
+        old = time.time() - seconds
+        for path in [directory, *directory.rglob("*")]:
+            os.utime(path, (old, old), follow_symlinks=False)
+
+    age(staging, 2 * 3600)
+    age(shards, 2 * 3600)  # a build killed two hours ago: its shards wait for the resubmission
+    with OwnedDir.open(cache) as root:
+        assert remove_stale_staging(root) == [staging.name]
+    age(shards, 8 * 86400)
+    with OwnedDir.open(cache) as root:
+        assert remove_stale_staging(root) == [shards.name]
+    assert [p.name for p in cache.iterdir()] == [entries(cache)[0].name]
 
 
 # --------------------------------------------------------------------------- real ranks under torchrun
@@ -331,7 +369,7 @@ import datasets
 datasets.disable_progress_bars()
 import torch.distributed as dist
 from jobgen.runs.rundir import RunDir
-from trainer.data import cache as data_cache
+from trainer.data import collective as data_cache
 from trainer.data.batches import DataPipeline
 from trainer.distributed import exit_now, init_distributed
 from trainer.model.build import load_tokenizer

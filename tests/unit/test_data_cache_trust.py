@@ -31,8 +31,9 @@ pytest.importorskip("transformers")
 
 from jobgen.base.owned_dir import OwnedDir, Sharing, UntrustedDirectory, check_trust  # noqa: E402
 from jobgen.spec.tables.data import DataSpec  # noqa: E402
-from trainer.data import build as data_mod  # noqa: E402
-from trainer.data.cache import STAGING_PREFIX, DataCacheError, prepare_dataset, remove_stale_staging  # noqa: E402
+from trainer.data import encoder as encoder_mod  # noqa: E402
+from trainer.data.cache import SHARDS_PREFIX, STAGING_PREFIX, DataCacheError, remove_stale_staging  # noqa: E402
+from trainer.data.collective import prepare_dataset  # noqa: E402
 
 # A uid no account has: the other user. Any uid works for setuid as root.
 OTHER_UID = 54321
@@ -150,14 +151,14 @@ def test_the_staging_swapped_for_a_link_mid_build_touches_nothing_of_yours(
     cache = shared_root / f".data-cache-{os.geteuid()}"
     staging_seen = threading.Event()
     go_on = threading.Event()
-    original = data_mod.Encoder.__call__
+    original = encoder_mod.Encoder.__call__
 
     def paused(self, batch, indices):
         staging_seen.set()
         go_on.wait(60)
         return original(self, batch, indices)
 
-    monkeypatch.setattr(data_mod.Encoder, "__call__", paused)
+    monkeypatch.setattr(encoder_mod.Encoder, "__call__", paused)
     outcome: dict[str, BaseException | None] = {}
 
     def build() -> None:
@@ -171,7 +172,7 @@ def test_the_staging_swapped_for_a_link_mid_build_touches_nothing_of_yours(
     builder.start()
     try:
         assert staging_seen.wait(120), "the build never started tokenizing"
-        [staging] = [name for name in os.listdir(cache) if name.startswith(STAGING_PREFIX)]
+        [staging] = [name for name in os.listdir(cache) if name.startswith(SHARDS_PREFIX)]  # the build's
         moved = shared_root / "moved-aside"
 
         def swap() -> None:
@@ -196,7 +197,9 @@ def test_the_staging_swapped_for_a_link_mid_build_touches_nothing_of_yours(
     assert isinstance(error, DataCacheError), error
     assert f"{cache}: is a symbolic link" in one_line(error)
     assert victim.untouched(), victim.state()
-    entries = [p for p in (shared_root / "moved-aside").iterdir() if not p.name.startswith(STAGING_PREFIX)]
+    entries = [
+        p for p in (shared_root / "moved-aside").iterdir() if not p.name.startswith((STAGING_PREFIX, SHARDS_PREFIX))
+    ]
     assert len(entries) == 1 and (entries[0] / "dataset" / "state.json").is_file()
     assert stat.S_IMODE(entries[0].stat().st_mode) == 0o700
 

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 import pyarrow as pa  # noqa: E402 - datasets' own dependency
 
 from jobgen.spec.tables.data import DataSpec  # noqa: E402
-from trainer.data.cache import prepare_dataset  # noqa: E402
+from trainer.data.collective import prepare_dataset  # noqa: E402
 from trainer.data.examples import DataCacheError, Examples  # noqa: E402
 from trainer.data.stats import DataStats, read_stats  # noqa: E402
 
@@ -70,7 +70,7 @@ def test_a_warm_start_reads_the_entry_without_importing_datasets_or_pandas(entry
         "import json, sys\n"
         "from transformers import AutoTokenizer\n"
         "from jobgen.spec.tables.data import DataSpec\n"
-        "from trainer.data.cache import prepare_dataset\n"
+        "from trainer.data.collective import prepare_dataset\n"
         "args = json.loads(sys.argv[1])\n"
         "tokenizer = AutoTokenizer.from_pretrained(args['model'])\n"
         "examples, stats, entry = prepare_dataset(DataSpec(**args['spec']), tokenizer, args['model'],\n"

@@ -49,7 +49,7 @@ import pyarrow as pa  # noqa: E402 - datasets' own dependency
 import pyarrow.compute as pc  # noqa: E402
 
 from jobgen.spec.tables.data import DataSpec  # noqa: E402
-from trainer.data.cache import prepare_dataset  # noqa: E402
+from trainer.data.collective import prepare_dataset  # noqa: E402
 from trainer.data.examples import Examples  # noqa: E402
 from trainer.data.stats import read_stats  # noqa: E402
 

@@ -13,7 +13,7 @@ pytest.importorskip("datasets")
 
 from jobgen.base.paths import EXAMPLES_DIR  # noqa: E402
 from jobgen.spec.tables.data import DataSpec  # noqa: E402
-from trainer.data.build import load_raw, tokenize_dataset  # noqa: E402
+from trainer.data.build import tokenize_dataset  # noqa: E402
 from trainer.data.examples import Examples  # noqa: E402
 from trainer.data.packing import (  # noqa: E402
     build_rows,
@@ -25,6 +25,7 @@ from trainer.data.packing import (  # noqa: E402
     pack,
     token_loss_sum,
 )
+from trainer.data.source import load_raw  # noqa: E402
 
 PAD = 3
 

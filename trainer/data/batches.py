@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from jobgen.spec.global_batch import grad_accum_for
 from jobgen.spec.resolved import ResolvedSpec
-from trainer.data.cache import cache_root, cache_sharing, prepare_dataset
+from trainer.data.cache import cache_root, cache_sharing
+from trainer.data.collective import Nodes, prepare_dataset
 from trainer.data.eval_set import eval_set_for, load_eval_path, split_off_eval
 from trainer.data.packing import build_rows, collate, fetch_rows, fill_ratio, model_inputs
 from trainer.data.sampler import ResumableSampler, ResumeMismatch
@@ -80,6 +81,14 @@ def _tokenized(
         dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
 
+    def gather(value: object) -> list:
+        every: list = [None] * env.world_size
+        dist.all_gather_object(every, value, group=group)
+        return every
+
+    # The first rank of every node tokenizes a share of the shards with its node's CPUs.
+    nodes = Nodes(gather, first_on_node=env.local_rank == 0, name=Nodes.node_name())
+
     try:
         dataset, stats, entry = prepare_dataset(
             data_spec,
@@ -89,9 +98,10 @@ def _tokenized(
             rank=env.rank,
             share=share,
             sharing=cache_sharing(spec),
+            nodes=nodes,
         )
         # [eval] path: read like the training data (format, template, masks, max_length), cached alike.
-        eval_source = load_eval_path(spec, tokenizer, env.rank, share)
+        eval_source = load_eval_path(spec, tokenizer, env.rank, share, nodes)
     finally:
         dist.destroy_process_group(group)
     return dataset, stats, entry, eval_source

@@ -2,42 +2,39 @@
 
 Layout under ``cache_root``::
 
-    <fingerprint>/dataset/     the tokenized datasets.Dataset (save_to_disk), read as Examples
-    <fingerprint>/stats.json   DataStats + what the fingerprint was made of
-    .tmp-<fp>-<host>-<pid>-*/  a build in progress (or one a kill left behind)
+    <fingerprint>/dataset/           the tokenized examples (as save_to_disk writes them), read as Examples
+    <fingerprint>/stats.json         DataStats + what the fingerprint was made of
+    .shards-<fp>-<uid>/              a build in progress, or one stopped part-way: its shards done,
+        dataset/data-*.arrow         ... each written whole (temp, fsync, rename) ...
+        done/shard-*.json            ... and counted once written: what the next attempt skips
+        nodes/node-*.json            which node took which share (trainer.data.collective)
+    .tmp-<fp>-<host>-<pid>-*/        a complete build being published (or one a kill left behind)
 
 The fingerprint covers the data's content (bytes of the file, or of every file of
 a directory), the tokenizer (its full serialisation and chat template), the
 format, template, response and text columns, ``max_length`` and
 :data:`CODE_VERSION`. Packing is not in it: rows are packed at load time.
 
-Only rank 0 ever tokenizes, into a private staging directory holding every
-intermediate Arrow file (``datasets.map`` run by every rank against one shared
-cache is the known way to crash on a missing Arrow file). The staging directory
-is renamed to ``<fingerprint>`` only when complete, so the entry either exists
-whole or not at all: a rank 0 killed mid-way leaves only a ``.tmp-*`` directory,
-which later runs ignore and remove once it is an hour old. If two jobs build the
-same entry at once, the first rename wins and the other job discards its copy
-and uses the winner's. Only rank 0 reads the data to fingerprint it; it broadcasts
-the entry's name (or its error) once, every rank receives it, then loads the entry
-read-only (memory-mapped, :class:`trainer.data.examples.Examples`). Only a build imports
-``datasets`` (and :mod:`trainer.data.build`, :mod:`trainer.data.source`): a start on a warm
-cache does without it, a CPU-second less on every rank.
+A build (:func:`build_entry`) tokenizes into the user's shard directory for the fingerprint
+(:mod:`trainer.data.prepare`: shards that depend on the row count alone, so any number of
+processes and nodes writes the same files). It outlives a build that was stopped: the next
+attempt does only the shards not done, and it is removed after SHARDS_STALE_AFTER_S untouched.
+When every shard is done it is renamed to a ``.tmp-*`` name of its publisher's (no other job
+finishes it too), its bookkeeping dropped, fsynced and renamed to ``<fingerprint>``: the entry
+either exists whole or not at all. If two jobs build the same entry at once, the first rename
+wins and the other uses the winner's. The collective around it (who fingerprints, who
+tokenizes which share, who publishes) is :mod:`trainer.data.collective`; a start on a warm
+cache imports neither ``datasets`` nor the tokenizing code.
 
 Whose cache it is: by default the user's own (``<runs_root>/.data-cache-<uid>``, mode 0700,
 owned by the user: a runs root shared with teammates does not share it), or a group's when the
 site names one (``paths.data_cache``, group-writable only with the setgid and sticky bits).
 Either way the root is opened once and checked (:mod:`jobgen.base.owned_dir`), and everything
-rank 0 makes, renames, chmods or removes in it goes through that descriptor and the staging
-directory's own, never a path looked up again: a teammate who moves a staging directory aside
-and puts a link in its place gets nothing written, removed or chmodded through the link. Every
-rank opens the entry the same way and validates it in full before use (Examples.open: schema,
+a build makes, renames, chmods or removes in it goes through that descriptor and the shard
+directory's own, never a path looked up again: a teammate who moves a directory aside and puts
+a link in its place gets nothing written, removed or chmodded through the link. Every rank
+opens the entry the same way and validates it in full before use (Examples.open: schema,
 offsets, ids within the vocabulary), so an entry someone else published is only data.
-
-The tokenizing itself is :func:`trainer.data.build.build_dataset`, this module's one call
-into :mod:`trainer.data.build`; a hub dataset is loaded here (:mod:`trainer.data.source`)
-only because its fingerprint comes from ``datasets``, and the counts are read and
-written with :mod:`trainer.data.stats`.
 """
 
 from __future__ import annotations
@@ -46,33 +43,40 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import secrets
 import socket
 import stat
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jobgen.base.atomic import fsync_tree
 from jobgen.base.owned_dir import OwnedDir, Sharing, UntrustedDirectory
 from jobgen.base.safe_read import DamagedFile
-from jobgen.spec.data_files import is_hub_id
 from jobgen.spec.resolved import ResolvedSpec
 from jobgen.spec.tables.data import DataSpec
 from trainer.data.examples import DataCacheError, Examples
 from trainer.data.formats import DataError
+from trainer.data.prepare import DONE_DIR
 from trainer.data.stats import DataStats, read_stats, write_stats
 
 if TYPE_CHECKING:
     import datasets
 
+log = logging.getLogger("trainer.data.cache")
+
 # Bump when the tokenized output for the same inputs changes (formatting, masking, columns).
-CODE_VERSION = 1
+CODE_VERSION = 2  # 2: shards of trainer.data.prepare
 
 STAGING_PREFIX = ".tmp-"
 STALE_AFTER_S = 3600.0
+# A build's shards, kept for the next attempt: a resubmission within days finds them.
+SHARDS_PREFIX = ".shards-"
+SHARDS_STALE_AFTER_S = 7 * 86400.0
+# In a shard directory: each node's record of the shards it took on (trainer.data.collective).
+NODES_DIR = "nodes"
 # The most files a staging directory's age is read from: a build writes a few dozen.
 _MOST_STAGING_FILES = 100_000
 _HASH_CHUNK = 1 << 20
@@ -198,15 +202,22 @@ def _stale(root: OwnedDir, name: str, now: float, older_than_s: float) -> bool:
     return now - newest > older_than_s
 
 
-def remove_stale_staging(root: OwnedDir, *, older_than_s: float = STALE_AFTER_S) -> list[str]:
+def remove_stale_staging(
+    root: OwnedDir, *, older_than_s: float = STALE_AFTER_S, shards_older_than_s: float = SHARDS_STALE_AFTER_S
+) -> list[str]:
     """Delete the user's staging directories nothing has written to for ``older_than_s``
-    (killed builds), and anything else at a staging name that is no directory (a link: removed
-    as itself, never walked). A teammate's staging in a group's cache is theirs to remove."""
+    (killed builds) and shard directories untouched for ``shards_older_than_s`` (builds nobody
+    resubmitted), and anything else at such a name that is no directory (a link: removed as
+    itself, never walked). A teammate's staging in a group's cache is theirs to remove."""
     removed = []
     now = time.time()
     me = os.geteuid()
     for name in root.names():
-        if not name.startswith(STAGING_PREFIX):
+        if name.startswith(SHARDS_PREFIX):
+            older_than_s_here = shards_older_than_s
+        elif name.startswith(STAGING_PREFIX):
+            older_than_s_here = older_than_s
+        else:
             continue
         try:
             st = root.lstat(name)
@@ -214,7 +225,7 @@ def remove_stale_staging(root: OwnedDir, *, older_than_s: float = STALE_AFTER_S)
                 continue
             if not stat.S_ISDIR(st.st_mode):
                 root.unlink(name)
-            elif _stale(root, name, now, older_than_s):
+            elif _stale(root, name, now, older_than_s_here):
                 root.remove_tree(name)
             else:
                 continue
@@ -240,6 +251,31 @@ def _set_aside(root: OwnedDir, name: str) -> None:
     root.remove_tree(aside)
 
 
+def shards_name(fingerprint: str) -> str:
+    """Where the user's build of ``fingerprint`` keeps its shards until the entry is published."""
+    return f"{SHARDS_PREFIX}{fingerprint}-{os.geteuid()}"
+
+
+def _work_dir(root: OwnedDir, name: str) -> OwnedDir:
+    """The user's shard directory ``name`` (made, or opened as it was left: its done shards are
+    kept); a link, a file or someone else's directory at the name is refused, naming it."""
+    try:
+        return root.make_subdir(name, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        return root.subdir(name, Sharing.PRIVATE)
+    except UntrustedDirectory as exc:
+        raise DataCacheError(f"{exc} (a data build's shard directory; jobgen writes nothing through it)") from None
+
+
+def _ensure(directory: OwnedDir, name: str) -> OwnedDir:
+    try:
+        return directory.make_subdir(name, 0o755)
+    except FileExistsError:
+        return directory.subdir(name, Sharing.PRIVATE)
+
+
 def build_entry(
     spec: DataSpec,
     tokenizer,
@@ -247,38 +283,87 @@ def build_entry(
     fingerprint: str,
     inputs: dict,
     raw: datasets.Dataset | None = None,
+    *,
+    share: tuple[int, int] | None = None,
+    publish: bool = True,
 ) -> None:
-    """Tokenize into a staging directory of the user's own and rename it to ``<fingerprint>``.
+    """Tokenize the shards not done yet (with ``share`` = (index, count), a node's share of
+    them: every count-th from index) into the user's shard directory for
+    ``fingerprint`` and, with ``publish``, publish it as ``<fingerprint>`` (:func:`_publish`):
+    DataCacheError if some shard is then still not done (another node's that never finished).
 
-    If another builder's rename got there first, ours is discarded and theirs used. Everything is
-    written inside the staging directory through its descriptor (``OwnedDir.pinned``): a rename
-    or a link put at its name meanwhile cannot send a write, a delete or a chmod elsewhere.
+    The shard directory outlives a failed or killed build (shards done are not done again by the
+    next one; it is removed after SHARDS_STALE_AFTER_S untouched), except after bad data, which
+    changes the fingerprint anyway. Everything is written through the directory's descriptor
+    (``OwnedDir.pinned``): a rename or a link put at its name meanwhile cannot send a write, a
+    delete or a chmod elsewhere.
     """
-    try:
-        root.lstat(fingerprint)
-        _set_aside(root, fingerprint)  # there but not complete: the caller looked
-    except FileNotFoundError:
-        pass
-    name = f"{STAGING_PREFIX}{fingerprint[:16]}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-    staging = root.make_subdir(name, 0o700)
-    from trainer.data.build import build_dataset  # imports datasets: only a build needs it
+    if publish:
+        _set_aside(root, fingerprint)  # anything there is not complete: the caller looked
+    name = shards_name(fingerprint)
+    from trainer.data.build import build_dataset  # imports the tokenizing code: only a build needs it
 
+    with _work_dir(root, name) as work:
+        try:
+            with _ensure(work, "dataset") as dataset, _ensure(work, DONE_DIR) as done:
+                stats = build_dataset(
+                    spec,
+                    tokenizer,
+                    dataset_dir=dataset.pinned(),
+                    done_dir=done.pinned(),
+                    raw_dir=work.pinned() / f"raw-{socket.gethostname()}-{os.getpid()}",
+                    raw=raw,
+                    share=share,
+                    finish=publish,
+                )
+        except DataError:
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(root.lstat(name), os.fstat(work.fd)):
+                    root.remove_tree(name)  # the data must change, and with it the fingerprint
+            raise
+        except Exception:
+            # Another job building the same entry published it under this one's feet (its
+            # finish removed the shard bookkeeping this one was writing): use theirs.
+            if (complete := _open_entry(root, fingerprint)) is None:
+                raise
+            complete.close()
+            return
+        del raw  # drop the memory maps of a converted source before deleting what they map
+        if not publish:
+            return
+        if stats is None:
+            raise DataCacheError(f"{root.path / name}: shards of the data are not done (another node's)")
+        extra = {"fingerprint": fingerprint, "source": spec.path, "inputs": inputs}
+        _publish(root, work, name, fingerprint, stats, extra)
+
+
+def _publish(root: OwnedDir, work: OwnedDir, name: str, fingerprint: str, stats: DataStats, extra: dict) -> None:
+    """Rename the complete shard directory to a staging name of this process's (so no other job
+    finishes it too), drop the bookkeeping, write stats.json, fsync, and rename it to
+    ``<fingerprint>``; if another job published the same entry first, use theirs."""
+    claim = f"{STAGING_PREFIX}{fingerprint[:16]}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        here = staging.pinned()
-        # The one call into trainer.data.build: everything it writes stays in the staging directory.
-        tokenized, stats = build_dataset(spec, tokenizer, raw=raw, raw_dir=here / "raw", work_dir=here / "work")
-        tokenized.save_to_disk(str(here / "dataset"))
-        del tokenized, raw  # drop the memory maps before deleting what they map
-        for scratch in ("work", "raw"):
-            staging.remove_tree(scratch)
-        write_stats(here / "stats.json", stats, {"fingerprint": fingerprint, "source": spec.path, "inputs": inputs})
+        root.rename(name, claim)
+    except FileNotFoundError:
+        if (complete := _open_entry(root, fingerprint)) is None:
+            raise DataCacheError(
+                f"{root.path / name}: another job took the shard directory while it was being finished"
+            ) from None
+        complete.close()
+        return
+    try:
+        if not os.path.samestat(root.lstat(claim), os.fstat(work.fd)):
+            raise DataCacheError(f"{root.path / name}: the shard directory was replaced while tokenizing")
+        for scratch in [DONE_DIR, NODES_DIR, *(n for n in work.names() if n.startswith("raw-"))]:
+            with contextlib.suppress(FileNotFoundError):
+                work.remove_tree(scratch)
+        here = work.pinned()
+        write_stats(here / "stats.json", stats, extra)
         fsync_tree(here)  # the rename must not publish files a node crash could still lose
         # A group's cache: its members read the entry; the user's own: the root already hides it.
-        os.fchmod(staging.fd, 0o755 if root.sharing is Sharing.GROUP else 0o700)
-        if not os.path.samestat(root.lstat(name), os.fstat(staging.fd)):
-            raise DataCacheError(f"{root.path / name}: the staging directory was moved while tokenizing")
+        os.fchmod(work.fd, 0o755 if root.sharing is Sharing.GROUP else 0o700)
         try:
-            root.rename(name, fingerprint)
+            root.rename(claim, fingerprint)
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
@@ -286,14 +371,13 @@ def build_entry(
             if complete is None:
                 raise
             complete.close()
-            # Another job's rank 0 finished the same entry first: identical content, use theirs.
+            # Another job finished the same entry first: identical content, use theirs.
         else:
             root.fsync()
     finally:
         with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(root.lstat(name), os.fstat(staging.fd)):
-                root.remove_tree(name)
-        staging.close()
+            if os.path.samestat(root.lstat(claim), os.fstat(work.fd)):
+                root.remove_tree(claim)
 
 
 def load_entry(entry: OwnedDir, vocab_size: int | None = None) -> tuple[Examples, DataStats]:
@@ -324,111 +408,3 @@ def _open_root(cache_root: Path, sharing: Sharing, *, create: bool) -> OwnedDir:
     except UntrustedDirectory as exc:
         where = "the site's paths.data_cache" if sharing is Sharing.GROUP else "the data cache"
         raise DataCacheError(f"{exc} ({where}; jobgen refuses to tokenize into it or read from it)") from None
-
-
-# --------------------------------------------------------------------------- the collective entry point
-
-
-def _rank0_prepare(
-    spec: DataSpec, tokenizer, tokenizer_dir: str | Path | None, cache_root: Path, sharing: Sharing = Sharing.PRIVATE
-) -> str:
-    """Find or build the entry; return its fingerprint (the entry's name under ``cache_root``)."""
-    with _open_root(cache_root, sharing, create=True) as root:
-        remove_stale_staging(root)
-        raw = None
-        if is_hub_id(spec.path):
-            from trainer.data.source import load_raw  # imports datasets: only a hub dataset needs it here
-
-            # No bytes to hash before loading; datasets' own fingerprint pins the revision and files.
-            raw = load_raw(spec.path)
-            data_hash = f"hub:{spec.path}:{raw._fingerprint}"
-        else:
-            data_hash = hash_path(spec.path)
-        fingerprint, inputs = cache_key(spec, data_hash, tokenizer_fingerprint(tokenizer, tokenizer_dir))
-        try:
-            entry = _open_entry(root, fingerprint)
-        except UntrustedDirectory:
-            entry = None  # a link, a file or another's directory at the name: build_entry sets it aside
-        if entry is None:
-            build_entry(spec, tokenizer, root, fingerprint, inputs, raw)
-        else:
-            entry.close()
-    return fingerprint
-
-
-def prepare_dataset(
-    data_spec: DataSpec,
-    tokenizer,
-    tokenizer_dir: str | Path | None,
-    cache_root: str | Path,
-    *,
-    rank: int,
-    share: Callable[[object], object],
-    sharing: Sharing = Sharing.PRIVATE,
-) -> tuple[Examples, DataStats, Path]:
-    """The tokenized examples, their stats and their cache entry; collective: every rank calls it once.
-
-    Rank 0 alone decides: it fingerprints the data (reading all of it) and the
-    tokenizer, and builds the entry if it is missing. ``share`` broadcasts rank 0's
-    outcome (rank 0 passes it and gets it back; the others pass None and receive
-    it): the entry's name, or rank 0's error. Every rank calls ``share`` exactly
-    once, whatever rank 0 found (hit, miss, error), so the collectives always
-    match; a failed rank 0 makes every other rank fail at once with its message
-    instead of waiting. The other ranks never read the data themselves: with a
-    warm cache a start costs one read of the dataset, not one per rank.
-
-    ``sharing`` says how the cache root is trusted (:func:`cache_sharing`); every rank opens it
-    and the entry checked, never through a link, and reads the entry in full before using it.
-
-    ``share`` must tolerate the whole preprocessing time (e.g. a broadcast on a
-    gloo group created with a long timeout): a default 10-minute collective
-    timeout is shorter than tokenizing a large dataset.
-    """
-    cache_root = Path(cache_root)
-    if rank == 0:
-        error: BaseException | None = None
-        try:
-            fingerprint = _rank0_prepare(data_spec, tokenizer, tokenizer_dir, cache_root, sharing)
-            outcome: tuple[str, str] = ("entry", fingerprint)
-        except BaseException as exc:  # noqa: BLE001 - even an interrupt: the others must not wait hours in share()
-            error = exc
-            # The class travels as a name and the message as text: any exception pickles that way.
-            kind = "data" if isinstance(exc, DataError) else "cache"
-            outcome = (kind, f"{type(exc).__name__}: {exc}")
-        share(outcome)
-        if error is not None:
-            raise error
-    else:
-        outcome = share(None)  # type: ignore[assignment]
-        kind, value = outcome
-        if kind != "entry":
-            # The same class as rank 0's for bad data, so every rank ends with the same exit code.
-            cls = DataError if kind == "data" else DataCacheError
-            raise cls(f"rank {rank}: rank 0 could not prepare the data (see its log): {value}")
-    dataset, stats = _load_published(cache_root, sharing, outcome[1], rank, vocab_size=len(tokenizer))
-    return dataset, stats, cache_root / outcome[1]
-
-
-def _load_published(
-    cache_root: Path, sharing: Sharing, name: str, rank: int, *, vocab_size: int
-) -> tuple[Examples, DataStats]:
-    """The entry rank 0 named, opened as every rank opens it (the root and the entry checked,
-    no link followed) and read in full; each refusal one DataCacheError line."""
-    try:
-        root = _open_root(cache_root, sharing, create=False)
-    except FileNotFoundError:
-        root = None
-    try:
-        entry = None if root is None else _open_entry(root, name)
-        if entry is None:
-            raise DataCacheError(
-                f"rank {rank}: no complete preprocessed data at {cache_root / name} after rank 0 prepared it "
-                "there; cache_root is not on a filesystem that every node shares (site paths.data_cache)"
-            )
-        with entry:
-            return load_entry(entry, vocab_size=vocab_size)
-    except UntrustedDirectory as exc:
-        raise DataCacheError(f"rank {rank}: {exc} (the data cache's entry; jobgen reads no entry through it)") from None
-    finally:
-        if root is not None:
-            root.close()

@@ -36,6 +36,7 @@ from trainer.data.packing import IGNORE_INDEX, build_rows, collate, fetch_rows
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from trainer.data.collective import Nodes
     from trainer.data.examples import Examples
 
 
@@ -55,11 +56,16 @@ def split_digest(indices: np.ndarray) -> str:
 
 
 def load_eval_path(
-    spec: ResolvedSpec, tokenizer: PreTrainedTokenizerBase, rank: int, share: Callable[[object], object]
+    spec: ResolvedSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    rank: int,
+    share: Callable[[object], object],
+    nodes: Nodes | None = None,
 ) -> Examples | None:
-    """The tokenized ``[eval] path`` (collective, like the training data: rank 0 prepares it in
-    the data cache, every rank loads it), or None without one. Its errors name ``eval.path``."""
-    from trainer.data.cache import cache_root, cache_sharing, prepare_dataset
+    """The tokenized ``[eval] path`` (collective, like the training data: prepared by the nodes
+    in the data cache, every rank loads it), or None without one. Its errors name ``eval.path``."""
+    from trainer.data.cache import cache_root, cache_sharing
+    from trainer.data.collective import prepare_dataset
 
     eval_spec, data_spec = spec.run.eval, spec.run.data
     if eval_spec is None or eval_spec.path is None or data_spec is None or spec.run.model is None:
@@ -73,6 +79,7 @@ def load_eval_path(
             rank=rank,
             share=share,
             sharing=cache_sharing(spec),
+            nodes=nodes,
         )
     except DataError as exc:
         # The data module words its errors for data.path; here the file is the validation set.

@@ -107,7 +107,24 @@ def _data_file_names(state_file: Path) -> list[str]:
 # --------------------------------------------------------------------------- one data file
 
 
-def _map(path: Path) -> pa.Buffer:
+class _Mapped:
+    """A data file mapped read-only, and the way to let go of the pages a check has read."""
+
+    def __init__(self, region: mmap.mmap):
+        self.region, self.buffer = region, pa.py_buffer(region)
+
+    def release(self) -> None:
+        """Drop the pages read so far from this process (they stay in the page cache and come
+        back on the next read): checking a file reads all of it, and without this the
+        process's resident memory would grow with the data it merely validated."""
+        self.region.madvise(mmap.MADV_DONTNEED)
+
+
+# Bytes of a data file checked between two releases of its pages.
+_RELEASE_EVERY = 64 << 20
+
+
+def _map(path: Path) -> _Mapped:
     """The data file at ``path``, memory-mapped from a descriptor that followed no link."""
     fd = open_regular(path)
     try:
@@ -116,7 +133,7 @@ def _map(path: Path) -> pa.Buffer:
             raise _Refused(f"is larger than {DATA_FILE_LIMIT >> 30} GiB, more than any data file datasets writes")
         if size == 0:
             raise _Refused("is empty")
-        return pa.py_buffer(mmap.mmap(fd, size, access=mmap.ACCESS_READ))
+        return _Mapped(mmap.mmap(fd, size, access=mmap.ACCESS_READ))
     finally:
         os.close(fd)
 
@@ -242,10 +259,11 @@ def _check_batch(batch: pa.RecordBatch, vocab_size: int | None) -> None:
         _check_ids(name, batch.column(name), offsets[name], vocab_size)
 
 
-def _batches(whole: pa.Buffer, vocab_size: int | None) -> tuple[pa.Schema, list[pa.RecordBatch]]:
-    """The trainer's columns (their schema) and the record batches of the mapped stream ``whole``,
+def _batches(mapped: _Mapped, vocab_size: int | None) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """The trainer's columns (their schema) and the record batches of the mapped stream,
     each checked."""
-    schema, batches = None, []
+    whole = mapped.buffer
+    schema, batches, unreleased = None, [], 0
     for message in pa.ipc.MessageReader.open_stream(whole):
         if schema is None:
             if message.type != "schema":
@@ -260,6 +278,11 @@ def _batches(whole: pa.Buffer, vocab_size: int | None) -> tuple[pa.Schema, list[
         _no_copies(batch, whole)
         _check_batch(batch, vocab_size)
         batches.append(batch.select(list(COLUMNS)))
+        unreleased += batch.nbytes
+        if unreleased > _RELEASE_EVERY:
+            mapped.release()
+            unreleased = 0
+    mapped.release()
     if schema is None:
         raise _Refused("holds no schema")
     return pa.schema([schema.field(name) for name in COLUMNS]), batches
