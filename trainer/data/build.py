@@ -71,6 +71,8 @@ def required_columns(spec: DataSpec) -> list[str]:
         return ["messages"]
     if spec.format == "text":
         return [spec.text_column]
+    if spec.format == "tokenized":
+        return ["input_ids"]
     return [spec.response_column, *sorted(template_variables(spec.template or "") - {spec.response_column})]
 
 

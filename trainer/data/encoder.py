@@ -18,6 +18,7 @@ from jobgen.spec.tables.data import DataSpec
 from trainer.data.formats import (
     PROMPT,
     TARGET,
+    DataError,
     alpaca_segments,
     chat_renderer,
     chat_segments,
@@ -38,8 +39,10 @@ class Encoder:
         self.spec = spec
         self.tokenizer = tokenizer
         self.source = source
-        self.prefix = special_prefix(tokenizer) if spec.format != "chat" else []  # chat templates add their own
-        self.eos = tokenizer.eos_token_id
+        # Chat templates add their own; pre-tokenized rows are taken as they are.
+        self.prefix = special_prefix(tokenizer) if spec.format not in ("chat", "tokenized") else []
+        self.vocab = len(tokenizer)
+        self.eos = tokenizer.eos_token_id if spec.format != "tokenized" else None
         self.special_ids = set(tokenizer.all_special_ids) | {
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special
         }
@@ -59,25 +62,13 @@ class Encoder:
 
     def __call__(self, batch: dict[str, list[Any]], indices: Sequence[int]) -> dict[str, list[Any]]:
         columns = list(batch)
-        per_row = [self.segments({c: batch[c][k] for c in columns}, index) for k, index in enumerate(indices)]
-        # One tokenizer call for the whole batch: the Rust tokenizer parallelises it.
-        texts = [text for segs in per_row for text, _ in segs if text]
-        ids_iter = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+        rows = [{c: batch[c][k] for c in columns} for k in range(len(indices))]
+        encoded = self._given(rows, indices) if self.spec.format == "tokenized" else self._tokenized(rows, indices)
         out: dict[str, list[Any]] = {
             k: [] for k in ("input_ids", "labels", "length", "targets", "full_length", "full_targets")
         }
         max_length = self.spec.max_length
-        for segs in per_row:
-            ids, labels = list(self.prefix), [IGNORE_INDEX] * len(self.prefix)
-            for text, role in segs:
-                if not text:
-                    continue
-                piece = list(next(ids_iter))
-                ids += piece
-                labels += self._labels(piece, role)
-            if self.eos is not None and self.spec.format != "chat":
-                ids.append(self.eos)
-                labels.append(self.eos)
+        for ids, labels in encoded:
             if labels:
                 labels[0] = IGNORE_INDEX
             full_length = len(ids)
@@ -92,6 +83,43 @@ class Encoder:
             out["full_targets"].append(full_targets)
         return out
 
+    def _tokenized(self, rows: list[dict[str, Any]], indices: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+        """Text rows: formatted into segments, tokenized, the labels from the segments' roles."""
+        per_row = [self.segments(row, index) for row, index in zip(rows, indices)]
+        # One tokenizer call for the whole batch: the Rust tokenizer parallelises it.
+        texts = [text for segs in per_row for text, _ in segs if text]
+        ids_iter = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+        encoded = []
+        for segs in per_row:
+            ids, labels = list(self.prefix), [IGNORE_INDEX] * len(self.prefix)
+            for text, role in segs:
+                if not text:
+                    continue
+                piece = list(next(ids_iter))
+                ids += piece
+                labels += self._labels(piece, role)
+            if self.eos is not None and self.spec.format != "chat":
+                ids.append(self.eos)
+                labels.append(self.eos)
+            encoded.append((ids, labels))
+        return encoded
+
+    def _given(self, rows: list[dict[str, Any]], indices: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+        """Pre-tokenized rows (format "tokenized"): ``input_ids`` as they are, ``labels`` as
+        given (-100 where no loss is taken), else every token a target."""
+        encoded = []
+        for row, index in zip(rows, indices):
+            where = f"data.path: {self.source}: row {index}"
+            ids = token_ids(row.get("input_ids"), f"{where}: input_ids", self.vocab)
+            if row.get("labels") is None:
+                labels = list(ids)
+            else:
+                labels = token_ids(row["labels"], f"{where}: labels", self.vocab, ignored=IGNORE_INDEX)
+                if len(labels) != len(ids):
+                    raise DataError(f"{where}: labels has {len(labels)} tokens, input_ids {len(ids)}")
+            encoded.append((ids, labels))
+        return encoded
+
     def _labels(self, piece: list[int], role: int) -> list[int]:
         if role == PROMPT:
             return [IGNORE_INDEX] * len(piece)
@@ -101,3 +129,15 @@ class Encoder:
             if token in self.special_ids:
                 return piece[: k + 1] + [IGNORE_INDEX] * (len(piece) - k - 1)
         return list(piece)  # no special token: the template ends turns with plain text, learn all of it
+
+
+def token_ids(value: Any, where: str, vocab: int, *, ignored: int | None = None) -> list[int]:
+    """A pre-tokenized row's list of token ids, each within the vocabulary (or ``ignored``);
+    DataError naming the row and the column otherwise."""
+    if not isinstance(value, (list, tuple)) or not value:
+        kind = "missing (null)" if value is None else f"a {type(value).__name__}" if value != [] else "empty"
+        raise DataError(f"{where} is {kind}, not a non-empty list of token ids")
+    for token in value:
+        if not isinstance(token, int) or isinstance(token, bool) or not (0 <= token < vocab or token == ignored):
+            raise DataError(f"{where}: {token!r} is not a token id of the tokenizer (0 to {vocab - 1})")
+    return list(value)

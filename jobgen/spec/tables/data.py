@@ -17,8 +17,12 @@ class DataSpec(SpecModel):
     path: str = Field(
         description="JSONL/JSON/CSV/Parquet file, a save_to_disk directory (relative to run.toml), or a hub dataset id."
     )
-    format: Literal["alpaca", "chat", "text", "template"] = Field(
-        "alpaca", description="How rows become prompt + response."
+    format: Literal["alpaca", "chat", "text", "template", "tokenized"] = Field(
+        "alpaca",
+        description=(
+            "How rows become prompt + response. 'tokenized': the rows are token ids already (column input_ids, "
+            "and labels, -100 where no loss is taken, else every token is a target), of the model's tokenizer."
+        ),
     )
     template: str | None = Field(
         None,
@@ -40,9 +44,10 @@ class DataSpec(SpecModel):
         ge=1,
         le=1024,
         description=(
-            "Processes rank 0 tokenizes with when the data is not cached yet. Default: every CPU the job has on "
-            "that node, one per 20000 rows at most (forking costs more than it saves on small sets). The "
-            "tokenized data, and its cache entry, are the same whatever the number."
+            "Processes each node's first rank tokenizes its share of the data with when the data is not cached "
+            "yet (every node of the job takes a share). Default: every CPU the job has on that node, one per "
+            "20000 rows at most (starting a worker costs more than it saves on small sets). The tokenized data, "
+            "and its cache entry, are the same bytes whatever the number of processes and nodes."
         ),
     )
 
