@@ -144,9 +144,12 @@ def test_two_nodes_prepare_a_share_each_and_a_killed_node_is_named(tmp_path, tin
             120,
             lambda: (logs / "node-a.log").read_text()[-3000:],
         )
+        # A crash (1), which the next attempt may not meet: never the data error (18) that stops the run.
+        exited = wait_for(lambda: re.search(r"INFO exit (\d+): ", (logs / "node-a.log").read_text()), 120, "the exit")
     finally:
         stop(procs)
     assert "node(s) node-b stopped while tokenizing; nothing was published" in failed[0], failed
+    assert exited.group(1) == "1", exited.group(0)
     assert not [p for p in cache.iterdir() if not p.name.startswith(".")], "nothing that looks like an entry"
     [shards] = cache.glob(".shards-*")
     done_before = sorted(p.name for p in (shards / "done").glob("shard-*.json"))

@@ -140,7 +140,7 @@ def build_dataset(
             f"{spec.path}: no example has a target token within max_length={spec.max_length} "
             f"(are the prompts longer than that?): {stats.summary()}"
         )
-    finish_dataset(Path(dataset_dir), count, counts)
+    finish_dataset(Path(dataset_dir), count)
     return stats
 
 

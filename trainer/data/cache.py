@@ -75,6 +75,8 @@ STALE_AFTER_S = 3600.0
 # A build's shards, kept for the next attempt: a resubmission within days finds them.
 SHARDS_PREFIX = ".shards-"
 SHARDS_STALE_AFTER_S = 7 * 86400.0
+# How long a build whose shard directory another job took waits for that job's entry.
+PUBLISH_WAIT_S = 120.0
 # In a shard directory: each node's record of the shards it took on (trainer.data.collective).
 NODES_DIR = "nodes"
 # The most files a staging directory's age is read from: a build writes a few dozen.
@@ -322,11 +324,10 @@ def build_entry(
                     root.remove_tree(name)  # the data must change, and with it the fingerprint
             raise
         except Exception:
-            # Another job building the same entry published it under this one's feet (its
+            # Another job building the same entry is publishing it under this one's feet (its
             # finish removed the shard bookkeeping this one was writing): use theirs.
-            if (complete := _open_entry(root, fingerprint)) is None:
+            if not _published_by_another(root, fingerprint, name, work):
                 raise
-            complete.close()
             return
         del raw  # drop the memory maps of a converted source before deleting what they map
         if not publish:
@@ -337,6 +338,23 @@ def build_entry(
         _publish(root, work, name, fingerprint, stats, extra)
 
 
+def _published_by_another(root: OwnedDir, fingerprint: str, name: str, work: OwnedDir) -> bool:
+    """Whether the entry is complete, or becomes so within PUBLISH_WAIT_S while another job that
+    took this shard directory away (it is no longer at its name) finishes publishing it."""
+    deadline = time.monotonic() + PUBLISH_WAIT_S
+    while True:
+        if (complete := _open_entry(root, fingerprint)) is not None:
+            complete.close()
+            return True
+        try:
+            ours = os.path.samestat(root.lstat(name), os.fstat(work.fd))
+        except FileNotFoundError:
+            ours = False
+        if ours or time.monotonic() > deadline:
+            return False  # nobody took it: this build's own failure
+        time.sleep(0.2)
+
+
 def _publish(root: OwnedDir, work: OwnedDir, name: str, fingerprint: str, stats: DataStats, extra: dict) -> None:
     """Rename the complete shard directory to a staging name of this process's (so no other job
     finishes it too), drop the bookkeeping, write stats.json, fsync, and rename it to
@@ -345,11 +363,10 @@ def _publish(root: OwnedDir, work: OwnedDir, name: str, fingerprint: str, stats:
     try:
         root.rename(name, claim)
     except FileNotFoundError:
-        if (complete := _open_entry(root, fingerprint)) is None:
+        if not _published_by_another(root, fingerprint, name, work):
             raise DataCacheError(
-                f"{root.path / name}: another job took the shard directory while it was being finished"
+                f"{root.path / name}: another job took the shard directory and did not publish it"
             ) from None
-        complete.close()
         return
     try:
         if not os.path.samestat(root.lstat(claim), os.fstat(work.fd)):

@@ -54,6 +54,12 @@ from trainer.data.stats import DataStats
 log = logging.getLogger("trainer.data.collective")
 
 
+class PreparationStopped(RuntimeError):
+    """A node stopped (killed, lost) while the nodes prepared the data. Nothing was published
+    and the shards done are kept: unlike a DataCacheError (which stops the run: every attempt
+    would repeat it), the next attempt continues, on the nodes it gets."""
+
+
 @dataclass(frozen=True)
 class Nodes:
     """How the ranks of a job share a preparation between their nodes."""
@@ -221,7 +227,7 @@ def _gather(nodes: Nodes, value: object, rank: int, cache_root: Path | None = No
     except RuntimeError as exc:  # gloo's and torch.distributed's errors for a peer that went away
         stopped = _unfinished(cache_root, fingerprint) if cache_root is not None else []
         who = f"node(s) {', '.join(stopped)} stopped while tokenizing" if stopped else "a node stopped"
-        raise DataCacheError(
+        raise PreparationStopped(
             f"rank {rank}: the data preparation failed: {who}; nothing was published, and the shards done "
             f"are kept for the next attempt ({str(exc).splitlines()[0][:200]})"
         ) from None

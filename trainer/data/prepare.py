@@ -322,7 +322,7 @@ def shard_totals(done_dir: Path, shards: int) -> ShardCounts:
     return total
 
 
-def finish_dataset(dataset_dir: Path, shards: int, counts: ShardCounts) -> None:
+def finish_dataset(dataset_dir: Path, shards: int) -> None:
     """``state.json`` and ``dataset_info.json`` of the complete set of data files, as
     ``save_to_disk`` writes them (datasets.load_from_disk reads the entry too)."""
     for name in os.listdir(dataset_dir):
@@ -338,6 +338,6 @@ def finish_dataset(dataset_dir: Path, shards: int, counts: ShardCounts) -> None:
         "_output_all_columns": False,
         "_split": None,
     }
-    info = {"features": _FEATURES, "splits": {"train": {"name": "train", "num_examples": counts.kept}}}
+    info = {"features": _FEATURES}
     write_json_atomic(dataset_dir / "dataset_info.json", info)
     write_json_atomic(dataset_dir / "state.json", state)
