@@ -45,6 +45,9 @@ from jobgen.runtime.tether import tether_here
 
 # What torch's close gives the workers after their SIGTERM when the variable is unset.
 DEFAULT_SHUTDOWN_SECONDS = 30.0
+# After workers an interrupted close left have ended: the time torch's --tee threads (which poll
+# each rank's file every 0.1 s) get to copy the workers' last lines before the process ends.
+TAIL_DRAIN_SECONDS = 1.0
 
 
 def exit_code(exc: SystemExit) -> int:
@@ -168,9 +171,14 @@ def main() -> None:
     try:
         tether_here(on_untethered)
         code = run(sys.argv[1:])
+        left = children(os.getpid())
         killed = finish_workers(shutdown_seconds(dict(os.environ)))
         if killed:
             print(f"jobgen: workers {killed} outlived the agent's close and its grace: SIGKILLed", file=sys.stderr)
+        if left:
+            # Without this the workers' last lines ("saved", a traceback) reach their rank's log
+            # file but not the node's output, which the batch log and `jobgen logs` read.
+            time.sleep(TAIL_DRAIN_SECONDS)
     finally:
         leave(code)
 
