@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -119,8 +118,7 @@ def build_dataset(
     if share is not None:
         log.info("data: this node's share of %d shards: %s", count, _listed(todo))
     procs = tokenizer_processes(source.rows, spec.num_proc)
-    with _tokenizer_threads(off=procs > 1):
-        tokenize_shards(work, todo, procs, f"{spec.path} ({spec.format})")
+    tokenize_shards(work, todo, procs, f"{spec.path} ({spec.format})")
     if not finish or pending_shards(work, range(count)):
         return None
     counts = shard_totals(Path(done_dir), count)
@@ -174,25 +172,6 @@ def tokenize_dataset(
 
 def _listed(shards: list[int]) -> str:
     return ", ".join(map(str, shards[:8])) + (f" and {len(shards) - 8} more" if len(shards) > 8 else "")
-
-
-@contextlib.contextmanager
-def _tokenizer_threads(*, off: bool) -> Iterator[None]:
-    """With worker processes, each worker's fast tokenizer runs single-threaded: the processes
-    already use the CPUs, and a Rust thread pool that existed before the fork would make the
-    tokenizers library warn and turn itself off in every worker anyway."""
-    if not off:
-        yield
-        return
-    previous = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
 def _nothing_to_learn(source: RowSource, spec: DataSpec, stats: DataStats) -> str:
