@@ -23,6 +23,15 @@ ceiling of any preparation.
 
 Prints a table and writes ``DIR/data_prep.json``. About 25 minutes on 2 cores for the default
 rows (1M rows is 0.5 GB of JSONL); DIR needs ~5 GB.
+
+A source bigger than the memory the preparation may use (as root, cgroup v1's memory
+controller, no swap on the machine: going over the limit is an out-of-memory kill):
+
+    .venv/bin/python bench/data_prep.py --work DIR --rows 3000000 --memory-limit-mib 1024
+
+runs jobgen's preparation alone, its whole process tree in a memory cgroup of that limit (page
+cache included), and records the cgroup's own peak (``memory.max_usage_in_bytes``) and
+failures (``memory.failcnt``: allocations the limit made the kernel reclaim for).
 """
 
 from __future__ import annotations
@@ -103,10 +112,11 @@ def tree_memory(process: psutil.Process) -> int:
     return total
 
 
-def run_measured(code: str, args: list[str], env: dict[str, str]) -> dict:
-    """Run ``code`` in a child; its JSON answer, its wall time and its tree's peak RSS (MiB)."""
+def run_measured(code: str, args: list[str], env: dict[str, str], prefix: list[str] | None = None) -> dict:
+    """Run ``code`` in a child (after ``prefix``, a command that execs it); its JSON answer, its
+    wall time and its tree's peak PSS (MiB)."""
     child = subprocess.Popen(
-        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        [*(prefix or []), sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
     )
     peak, process = 0, psutil.Process(child.pid)
 
@@ -130,11 +140,56 @@ def run_measured(code: str, args: list[str], env: dict[str, str]) -> dict:
     return {**json.loads(out.decode().strip().splitlines()[-1]), "wall_s": round(wall, 1), "peak_mib": peak >> 20}
 
 
+CGROUP = Path("/sys/fs/cgroup/memory/jobgen-data-prep")
+
+
+def limited(limit_mib: int) -> list[str]:
+    """A command prefix that runs its command in a fresh memory cgroup of ``limit_mib`` MiB (swap
+    included: the limit is the memory, not memory plus swap)."""
+    if CGROUP.exists():
+        CGROUP.rmdir()
+    CGROUP.mkdir()
+    (CGROUP / "memory.limit_in_bytes").write_text(str(limit_mib << 20))
+    memsw = CGROUP / "memory.memsw.limit_in_bytes"
+    if memsw.exists():
+        memsw.write_text(str(limit_mib << 20))
+    return ["sh", "-c", f'echo $$ > {CGROUP}/cgroup.procs && exec "$@"', "sh"]
+
+
+def bigger_than_memory(args: argparse.Namespace, model: Path, pool: list[str], env: dict[str, str]) -> None:
+    """jobgen alone, on a source bigger than the memory its cgroup allows."""
+    rows = args.rows[-1]
+    data = args.work / f"alpaca-{rows}.jsonl"
+    if not data.exists():
+        make_data(data, pool, rows, seed=1)
+    out = args.work / f"out-jobgen-{rows}"
+    shutil.rmtree(out, ignore_errors=True)
+    prefix = limited(args.memory_limit_mib)
+    try:
+        run = run_measured(CHILD, ["jobgen", str(model), str(data), str(out), str(args.procs)], env, prefix)
+        peak = int((CGROUP / "memory.max_usage_in_bytes").read_text()) >> 20
+        failcnt = int((CGROUP / "memory.failcnt").read_text())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        CGROUP.rmdir()
+    result = {
+        "rows": rows,
+        "file_mib": data.stat().st_size >> 20,
+        "limit_mib": args.memory_limit_mib,
+        "cgroup_peak_mib": peak,
+        "limit_reclaims": failcnt,
+        "jobgen": run,
+    }
+    print(json.dumps(result), flush=True)
+    (args.work / "data_prep_limited.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 50_000, 200_000, 1_000_000])
     parser.add_argument("--procs", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--memory-limit-mib", type=int, help="jobgen alone, on the last --rows, in a memory cgroup")
     args = parser.parse_args()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -145,6 +200,9 @@ def main() -> None:
     if not (model / "config.json").exists():
         make_tiny_model(model, **SHAPE)
     pool = single_token_words(model)
+    if args.memory_limit_mib:
+        bigger_than_memory(args, model, pool, env)
+        return
     cpus = len(os.sched_getaffinity(0))
     results = {"machine": f"{platform.node()}: {cpus} CPUs", "procs": args.procs, "runs": []}
     for rows in args.rows:

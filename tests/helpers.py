@@ -211,13 +211,17 @@ def write_spec(directory: Path, body: str, name: str = "run.toml") -> Path:
 def _toml(value: object) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{key} = {_toml(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):  # of inline tables too (data.sources)
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
     if isinstance(value, Path):
         value = str(value)
     return json.dumps(value)  # JSON strings, numbers, booleans and arrays are TOML as well
 
 
 def _table(name: str, keys: dict[str, object]) -> list[str]:
-    lines = [f"[{name}]", *(f"{key} = {_toml(value)}" for key, value in keys.items() if not isinstance(value, dict))]
+    # None leaves a key out (a test's data={"path": None} drops make_run's default path).
+    given = {key: value for key, value in keys.items() if value is not None}
+    lines = [f"[{name}]", *(f"{key} = {_toml(value)}" for key, value in given.items() if not isinstance(value, dict))]
     for key, value in keys.items():
         if isinstance(value, dict):
             lines += _table(f"{name}.{key}", value)

@@ -409,7 +409,7 @@ class Trainer:
             step_metrics, boundary = self._timed_step()
             window.add(step_metrics["step_tokens"])
             if self.step % self.cfg.log_every_steps == 0 or self.step == max_steps:
-                totals = {"tokens": self.tokens_seen, "target_tokens": self.target_tokens_seen}
+                totals = {"tokens": self.tokens_seen, "target_tokens": self.target_tokens_seen, **self.data.drawn()}
                 self.record.log_step(self.step, step_metrics, window, totals)
             if self.step >= max_steps:
                 break
@@ -466,7 +466,7 @@ class Trainer:
         run_facts = {
             "torch": torch.__version__,
             "model": model_spec.path if model_spec else None,
-            "dataset": data_spec.path if data_spec else None,
+            "dataset": (data_spec.path or [path for _key, path in data_spec.paths()]) if data_spec else None,
             "data_stats": self.data.stats_dict(),
             "seed": self.cfg.seed,
             "parallelism": self.cfg.parallelism,

@@ -6,7 +6,7 @@ reach the trainer).
 
 ``prepare`` fills the data cache entry the run's trainer would build at its start
 (trainer.data.cache: the same fingerprint, the same shards, published the same way) for
-``[data] path`` and ``[eval] path``, on this machine (a login node, or a CPU job), with
+``[data] path`` (each of ``[[data.sources]]``) and ``[eval] path``, on this machine (a login node, or a CPU job), with
 ``--procs`` tokenizing processes. The job then finds the entry and reads it: its GPUs never
 wait on tokenizing. Shards a stopped preparation finished are not tokenized again.
 """
@@ -52,22 +52,26 @@ def prepare(spec_file: str, procs: int | None) -> None:
     from trainer.model.prep import ModelError, load_tokenizer
 
     data_spec = spec.run.data if procs is None else spec.run.data.model_copy(update={"num_proc": procs})
-    sources = [("data.path", data_spec)]
+    # (the key that names it, its one-source [data]): each source of a mixture is its own entry.
+    sources = [(prefix, one) for prefix, _name, one in data_spec.source_specs()]
     if spec.run.eval is not None and spec.run.eval.path is not None:
-        sources.append(("eval.path", data_spec.model_copy(update={"path": spec.run.eval.path})))
+        sources.append(("eval", data_spec.model_copy(update={"path": spec.run.eval.path})))
     try:
         tokenizer = load_tokenizer(spec.run.model.path)
-        for key, source in sources:
+        for prefix, source in sources:
             started = time.monotonic()
-            _examples, stats, entry = prepare_dataset(
-                source,
-                tokenizer,
-                spec.run.model.path,
-                cache_root(spec),
-                rank=0,
-                share=lambda value: value,
-                sharing=cache_sharing(spec),
-            )
-            click.echo(f"{key}: {entry} ({time.monotonic() - started:.0f} s): {stats.summary()}")
+            try:
+                _examples, stats, entry = prepare_dataset(
+                    source,
+                    tokenizer,
+                    spec.run.model.path,
+                    cache_root(spec),
+                    rank=0,
+                    share=lambda value: value,
+                    sharing=cache_sharing(spec),
+                )
+            except DataError as exc:
+                raise exc.for_source(prefix) from None
+            click.echo(f"{prefix}.path: {entry} ({time.monotonic() - started:.0f} s): {stats.summary()}")
     except (DataError, DataCacheError, ModelError) as exc:
         fail(f"jobgen data prepare: {exc}", 2 if isinstance(exc, DataError) else 1)

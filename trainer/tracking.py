@@ -175,7 +175,13 @@ class Trackers:
         self.trackers = trackers
 
     def log(self, step: int, values: dict[str, Any], section: str = "train") -> None:
-        numbers = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        # A table of numbers (a mixture's tokens per source) is one series per entry: key/name.
+        flat = {f"{k}/{name}": n for k, v in values.items() if isinstance(v, dict) for name, n in v.items()}
+        numbers = {
+            k: float(v)
+            for k, v in {**values, **flat}.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         for tracker in self.trackers:
             tracker.log(step, numbers, section)
 

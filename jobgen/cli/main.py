@@ -60,6 +60,9 @@ def validate(spec_file: str) -> None:
     from jobgen.launch.preflight import command_findings
     from jobgen.spec.named_files import lora_adapted
 
+    mixture = spec.run.data.describe_sources() if spec.run.data else None
+    if mixture:
+        click.echo(mixture)
     adapted = lora_adapted(spec.run)
     if adapted is not None:
         click.echo(f"model.lora adapts {adapted}")

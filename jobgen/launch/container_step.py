@@ -32,7 +32,8 @@ def job_directories(spec: ResolvedSpec) -> list[str]:
     """The host directories a run's steps read or write (see the module's docstring)."""
     run, paths = spec.run, spec.site.paths
     given = [str(spec.runs_root), paths.data_cache, paths.hf_home, paths.snapshot_dir]
-    given += [_directory(run.model.path if run.model else None), _directory(run.data.path if run.data else None)]
+    given += [_directory(run.model.path if run.model else None)]
+    given += [_directory(path) for _key, path in (run.data.paths() if run.data else [])]
     if run.eval is not None:
         given += [_directory(run.eval.path), _directory(run.eval.prompts_file)]
     if run.command is not None:

@@ -76,6 +76,8 @@ class RunStatus:
     # [eval]: the newest evaluation and the best (step, eval_loss; the best from best.json).
     eval_last: dict[str, Any] | None = None
     eval_best: dict[str, Any] | None = None
+    # A mixture's tokens drawn so far per source ([[data.sources]]), from the last metrics line.
+    source_tokens: dict[str, int] | None = None
     # Nodes the run keeps its tasks off (jobgen.runs.quarantine): node, since, job, reason.
     quarantined: list[dict[str, Any]] = field(default_factory=list)
     # Stop requests whose attempt has ended (jobgen.report.stop_requests): not shown as switches; the
@@ -193,6 +195,18 @@ def point_queue(run: RunDir, queue: list[slurm.QueueEntry], claimed: set[int]) -
     ]
 
 
+def _source_tokens(value: object) -> dict[str, int] | None:
+    """A metrics line's ``source_tokens``, if it is a table of names to counts (a line is input:
+    anything else is left out)."""
+    if not isinstance(value, dict) or not value:
+        return None
+    if not all(
+        isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0 for k, n in value.items()
+    ):
+        return None
+    return dict(value)
+
+
 def decide_status(
     run_dir: str,
     found: RunRecords,
@@ -219,6 +233,7 @@ def decide_status(
         slurm_unreachable=asked.unreachable,
         loss=last.get("loss"),
         tokens_per_s=last.get("tokens_per_s"),
+        source_tokens=_source_tokens(last.get("source_tokens")),
     )
     _progress(status, found)
     _switches(status, found, tasks if asked.unreachable is None else [])

@@ -106,6 +106,10 @@ def format_status(status: RunStatus) -> str:
         lines.append(progress)
     elif status.step is not None:  # your own program: the steps it reported, no total known
         lines.append(f"step     {status.step}" + (f"   loss {status.loss:.4f}" if status.loss is not None else ""))
+    if status.source_tokens:
+        total = max(sum(status.source_tokens.values()), 1)
+        shares = ", ".join(f"{visible(name)} {n / total:.1%}" for name, n in status.source_tokens.items())
+        lines.append(f"data     {shares} of {total:,} tokens drawn")
     if status.eval_last is not None:
         line = f"eval     loss {status.eval_last['eval_loss']:.4f} at step {status.eval_last['step']}"
         if status.eval_best is not None:

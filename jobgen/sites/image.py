@@ -79,10 +79,11 @@ def build_image(
 ) -> str:
     """Build ``tag`` from ``base`` with ``wheels`` (jobgen's among them); ``offline``: pip looks
     nowhere but the wheels. Returns the tag."""
-    if tool not in BUILD_TOOLS or shutil.which(tool) is None:
-        raise ImageBuildError(f"{tool!r} not found: the image is built with one of {', '.join(BUILD_TOOLS)}")
+    # The arguments first, the machine after: the same call is refused the same way anywhere.
     if not any(w.name.startswith("jobgen-") for w in wheels):
         raise ImageBuildError("no jobgen wheel among the wheels to install")
+    if tool not in BUILD_TOOLS or shutil.which(tool) is None:
+        raise ImageBuildError(f"{tool!r} not found: the image is built with one of {', '.join(BUILD_TOOLS)}")
     with tempfile.TemporaryDirectory(prefix="jobgen-image-") as tmp:
         context = Path(tmp)
         shutil.copyfile(CONTAINERFILE, context / "Containerfile")

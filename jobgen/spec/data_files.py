@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 # suffix -> the ``datasets`` builder that reads it
-DATA_FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+DATA_FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 _TEXT_SUFFIXES = (".jsonl", ".json", ".csv")
 # Only files up to this size are read to see whether they hold nothing but blank lines:
 # a larger file made of whitespace is not a mistake anyone makes.

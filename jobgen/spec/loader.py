@@ -25,11 +25,11 @@ from pydantic import ValidationError
 
 from jobgen.base.paths import SITE_CONFIGS_DIR, user_config_dir
 from jobgen.program import placeholders
-from jobgen.spec.data_files import hub_caches, looks_like_hub_id, offline_hub_problem
 from jobgen.spec.named_files import data_problems, model_problems
 from jobgen.spec.node_shapes import place
 from jobgen.spec.python_env import resolve_python
 from jobgen.spec.resolved import ResolvedSpec
+from jobgen.spec.run_paths import absolute_path, absolute_paths, missing_paths, offline_hub_ids
 from jobgen.spec.site_fit import site_problems
 from jobgen.spec.tables.run import RunSpec
 from jobgen.spec.tables.site import SiteProfile
@@ -182,17 +182,17 @@ def resolve(raw: dict[str, Any], *, spec_file: Path | None, base_dir: Path) -> R
 
     run: RunSpec | None = None
     try:
-        run = _absolute_paths(RunSpec.model_validate(raw), base_dir)
+        run = absolute_paths(RunSpec.model_validate(raw), base_dir)
     except ValidationError as exc:
         issues.extend(SpecIssue(run_label, key_path(e["loc"]), _message(e)) for e in exc.errors())
-    issues.extend(_check_paths(raw, base_dir, run_label))
+    issues.extend(SpecIssue(run_label, key, message) for key, message in missing_paths(raw, base_dir))
     if run is not None:
         issues.extend(SpecIssue(run_label, key, message) for key, message in data_problems(run))
         issues.extend(_check_env_placeholders(run, run_label))
     if run is not None and site is not None:
         run = _placed(run, site)
         issues.extend(_cross_check(run, site, run_label))
-        issues.extend(_offline_hub_ids(raw, base_dir, site, run_label))
+        issues.extend(SpecIssue(run_label, key, message) for key, message in offline_hub_ids(raw, base_dir, site))
         worlds = [run.job.world_size(site.slurm.default_procs_per_node, n) for n in run.job.node_counts]
         issues.extend(SpecIssue(run_label, key, message) for key, message in model_problems(run, worlds))
         issues.extend(_check_run_dir(run, site, run_label, site_path, overrides))
@@ -260,13 +260,6 @@ _SITE_PATH_KEYS = [
 ]
 
 
-def absolute_path(value: str, base: Path) -> str:
-    """``~`` expanded, relative paths joined to ``base``, no symlinks resolved (a shared
-    filesystem may be mounted through one on purpose)."""
-    path = Path(os.path.expanduser(value))
-    return os.path.normpath(path if path.is_absolute() else base / path)
-
-
 def _validate_site(
     doc: dict[str, Any], overrides: dict[str, Any], site_path: Path, run_label: str, run_dir: Path
 ) -> tuple[SiteProfile | None, list[SpecIssue]]:
@@ -304,70 +297,6 @@ def _validate_site(
         message = f"kind = 'auto': the environment running jobgen ({sys.prefix}) cannot be used: {words}"
         return None, [SpecIssue(str(site_path), "python", message + "; set [python] kind and its path")]
     return site, []
-
-
-def _local_path(value: str, base_dir: Path) -> Path:
-    path = Path(os.path.expanduser(value))
-    return path if path.is_absolute() else base_dir / path
-
-
-def _check_paths(raw: dict[str, Any], base_dir: Path, run_label: str) -> list[SpecIssue]:
-    """model.path and data.path must exist, unless they are hub ids ('org/name').
-    Checked on the raw document so these errors are reported even when other keys
-    of the same tables are invalid."""
-    issues = []
-    for table in ("model", "data"):
-        section = raw.get(table)
-        value = section.get("path") if isinstance(section, dict) else None
-        if not isinstance(value, str):
-            continue
-        local = _local_path(value, base_dir)
-        if not local.exists() and not looks_like_hub_id(value, data=table == "data", bare_name=False):
-            issues.append(SpecIssue(run_label, f"{table}.path", f"'{value}' does not exist (resolved to {local})"))
-    section = raw.get("eval")
-    for key in ("path", "prompts_file"):
-        value = section.get(key) if isinstance(section, dict) else None
-        local = _local_path(value, base_dir) if isinstance(value, str) else None
-        hub = key == "path" and local is not None and looks_like_hub_id(value, data=True, bare_name=False)
-        if local is not None and not local.exists() and not hub:
-            issues.append(SpecIssue(run_label, f"eval.{key}", f"'{value}' does not exist (resolved to {local})"))
-    command = raw.get("command")
-    for key, kind in (("script", "file"), ("workdir", "directory")):
-        value = command.get(key) if isinstance(command, dict) else None
-        if not isinstance(value, str):
-            continue
-        local = _local_path(value, base_dir)
-        if not (local.is_file() if kind == "file" else local.is_dir()):
-            issues.append(SpecIssue(run_label, f"command.{key}", f"'{value}' is no {kind} (resolved to {local})"))
-    return issues
-
-
-def _absolute_paths(run: RunSpec, base_dir: Path) -> RunSpec:
-    """Local paths made absolute: compute nodes do not share the submitter's cwd."""
-    updates: dict[str, Any] = {}
-    for table in ("model", "data"):
-        section = getattr(run, table)
-        local = _local_path(section.path, base_dir) if section is not None else None
-        if local is not None and local.exists():
-            updates[table] = section.model_copy(update={"path": str(local.resolve())})
-    if run.eval is not None:
-        files = {}
-        for key in ("path", "prompts_file"):
-            value = getattr(run.eval, key)
-            local = _local_path(value, base_dir) if value else None
-            if local is not None and local.exists():
-                files[key] = str(local.resolve())
-        updates["eval"] = run.eval.model_copy(update=files)
-    if run.job.runs_root:
-        updates["job"] = run.job.model_copy(update={"runs_root": absolute_path(run.job.runs_root, base_dir)})
-    if run.command is not None:
-        # The program starts in run.toml's directory unless told otherwise: a module of the
-        # project that holds run.toml is found from there (torchrun -m puts the cwd on sys.path).
-        command = {"workdir": absolute_path(run.command.workdir or ".", base_dir)}
-        if run.command.script:
-            command["script"] = absolute_path(run.command.script, base_dir)
-        updates["command"] = run.command.model_copy(update=command)
-    return run.model_copy(update=updates) if updates else run
 
 
 def _watchdog_overrides(settings: WatchdogSettings, base: Path) -> dict[str, Any]:
@@ -474,22 +403,6 @@ def _placed(run: RunSpec, site: SiteProfile) -> RunSpec:
     if chosen is None:
         return run
     return run.model_copy(update={"job": job.model_copy(update={"nodelist": [",".join(chosen)]})})
-
-
-def _offline_hub_ids(raw: dict[str, Any], base_dir: Path, site: SiteProfile, run_label: str) -> list[SpecIssue]:
-    """Where the site's jobs may not download (HF_HUB_OFFLINE), a data path that is not on disk
-    is a hub id only if the cache holds it (jobgen.spec.data_files.offline_hub_problem)."""
-    if site.env.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"):
-        return []
-    caches = hub_caches(site.paths.hf_home, dict(os.environ))
-    issues = []
-    for table in ("data", "eval"):
-        section = raw.get(table)
-        value = section.get("path") if isinstance(section, dict) else None
-        problem = offline_hub_problem(value, base_dir, caches) if isinstance(value, str) else None
-        if problem:
-            issues.append(SpecIssue(run_label, f"{table}.path", problem))
-    return issues
 
 
 def _cross_check(run: RunSpec, site: SiteProfile, run_label: str) -> list[SpecIssue]:

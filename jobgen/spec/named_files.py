@@ -33,12 +33,12 @@ def _kind(path: Path) -> str | None:
 
 
 def data_problems(run: RunSpec) -> list[Problem]:
-    """A local data.path or eval.path that cannot give a single row (an empty file, a directory of
-    empty files or of no data files, an unsupported type, something that is no file), and a
+    """A local data.path (or data.sources[i].path) or eval.path that cannot give a single row (an
+    empty file, a directory of empty files or of no data files, an unsupported type, something that is no file), and a
     prompts file that gives no prompt. The job would fail the same way, only after its wait in
     the queue; what needs the rows or the tokenizer is checked in the trainer's first seconds."""
     problems: list[Problem] = []
-    sources = [("data.path", run.data.path if run.data else None), ("eval.path", run.eval.path if run.eval else None)]
+    sources = [*(run.data.paths() if run.data else []), ("eval.path", run.eval.path if run.eval else None)]
     prompts = run.eval.prompts_file if run.eval else None
     for key, value in [*sources, ("eval.prompts_file", prompts)]:
         path = Path(value) if value else None

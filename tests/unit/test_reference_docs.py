@@ -93,7 +93,9 @@ def _wrap(doc: dict[str, Any]) -> dict[str, Any]:
     job.setdefault("time", "1h")
     if job.get("program", "train") == "train":
         doc.setdefault("model", {}).setdefault("path", "models/stub")
-        doc.setdefault("data", {}).setdefault("path", "data/stub.jsonl")
+        data = doc.setdefault("data", {})
+        if "sources" not in data:  # a mixture names its files in [[data.sources]]
+            data.setdefault("path", "data/stub.jsonl")
     return doc
 
 
@@ -107,6 +109,7 @@ def _stub_files(doc: dict[str, Any], root: Path) -> None:
     wanted = [
         (doc.get("model", {}).get("path"), "dir"),
         (doc.get("data", {}).get("path"), "rows"),
+        *((source.get("path"), "rows") for source in doc.get("data", {}).get("sources", [])),
         (doc.get("eval", {}).get("path"), "rows"),
         (doc.get("eval", {}).get("prompts_file"), "file"),
         (doc.get("command", {}).get("script"), "file"),

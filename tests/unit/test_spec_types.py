@@ -60,7 +60,17 @@ def number_fields() -> list[tuple[type[BaseModel], str, Any]]:
 
 def test_the_walk_reaches_every_table():
     names = {m.__name__ for m in [*spec_models(RunSpec), *spec_models(SiteProfile)]}
-    expected = {"RunSpec", "JobSpec", "ModelSpec", "LoraSpec", "DataSpec", "TrainSpec", "PipelineSpec", "EvalSpec"}
+    expected = {
+        "RunSpec",
+        "JobSpec",
+        "ModelSpec",
+        "LoraSpec",
+        "DataSpec",
+        "DataSourceSpec",
+        "TrainSpec",
+        "PipelineSpec",
+        "EvalSpec",
+    }
     expected |= {
         "CommandSpec",
         "SiteProfile",

@@ -236,14 +236,43 @@ def _scheduler_problem(state: Any) -> str | None:
     return None
 
 
+def _counts(value: Any) -> bool:
+    return isinstance(value, list) and all(_count(v) for v in value)
+
+
+def _mixture_problem(state: dict[str, Any]) -> str | None:
+    """A mixture's position (trainer.data.sampler.MixtureSampler, with the pipeline's counts)."""
+    sources = state.get("sources")
+    if not (isinstance(sources, list) and sources) or not all(
+        isinstance(s, list) and len(s) == 3 and isinstance(s[0], str) and _count(s[1]) and isinstance(s[2], str)
+        for s in sources
+    ):
+        return "sampler.sources: not the mixture's sources (name, rows, share)"
+    for key in ("drawn", "tokens_drawn"):
+        if key in state and not (_counts(state[key]) and len(state[key]) == len(sources)):
+            return f"sampler.{key}: not a count per source"
+    if not _count(state.get("offset")) or "drawn" not in state:
+        return "sampler.offset: not a count"
+    splits = state.get("eval_split")
+    if splits is not None and not (
+        isinstance(splits, list)
+        and len(splits) == len(sources)
+        and all(s is None or isinstance(s, dict) for s in splits)
+    ):
+        return "sampler.eval_split: not the record of each source's held-out split"
+    return None
+
+
 def _sampler_problem(state: Any) -> str | None:
     if not isinstance(state, dict):
         return "sampler: not the sampler's position"
+    if not is_int(state.get("seed")):
+        return "sampler.seed: not an integer"
+    if "sources" in state:
+        return _mixture_problem(state)
     for key in ("epoch", "offset", "num_rows"):
         if not _count(state.get(key)):
             return f"sampler.{key}: not a count"
-    if not is_int(state.get("seed")):
-        return "sampler.seed: not an integer"
     if state.get("eval_split") is not None and not isinstance(state["eval_split"], dict):
         return "sampler.eval_split: not the record of a held-out split"
     return None

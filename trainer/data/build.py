@@ -115,8 +115,11 @@ def build_dataset(
     work = ShardWork(source, spec, tokenizer, str(dataset_dir), str(done_dir), shard_rows(source.rows))
     count = work.shards
     todo = list(range(count)) if share is None else list(range(share[0], count, share[1]))
+    kept = len(todo) - len(pending_shards(work, todo))
     if share is not None:
-        log.info("data: this node's share of %d shards: %s", count, _listed(todo))
+        log.info("data: this node's share of %d shards: %s%s", count, _listed(todo), _kept(kept, len(todo)))
+    elif 0 < kept < len(todo):  # a stopped build continued (a publish after the nodes finds every shard done)
+        log.info("data: %d shards%s", count, _kept(kept, count))
     procs = tokenizer_processes(source.rows, spec.num_proc)
     tokenize_shards(work, todo, procs, f"{spec.path} ({spec.format})")
     if not finish or pending_shards(work, range(count)):
@@ -168,6 +171,11 @@ def tokenize_dataset(
         )
         assert stats is not None  # every shard was asked for
         return datasets.load_from_disk(str(work / "dataset"), keep_in_memory=work_dir is None), stats
+
+
+def _kept(kept: int, of: int) -> str:
+    """What the log says of the shards an earlier, stopped preparation left done."""
+    return f"; {kept} of {of} done before (an earlier attempt's): kept, not tokenized again" if kept else ""
 
 
 def _listed(shards: list[int]) -> str:

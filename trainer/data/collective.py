@@ -17,6 +17,12 @@ rank 0 tokenizes every shard.
 
 Every rank then opens the root and the entry checked, never through a link, and reads the entry
 in full before using it (:func:`trainer.data.cache.load_entry`).
+
+Pre-tokenized Arrow (``format = "tokenized"``, a ``save_to_disk`` directory or an ``.arrow``
+file) whose every row fits ``max_length`` and has a target is trained on where it lies:
+rank 0 checks it (:func:`trainer.data.examples.open_in_place`) and says so, then every rank
+maps it; no entry is written. Otherwise (rows to cut or drop, ids the check refuses) it is
+prepared into the cache like any source, which counts or names them, and rank 0 logs why.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from trainer.data.cache import (
     shards_name,
     tokenizer_fingerprint,
 )
-from trainer.data.examples import DataCacheError, Examples
+from trainer.data.examples import DataCacheError, Examples, NotInPlace, arrow_files, open_in_place
 from trainer.data.formats import DataError
 from trainer.data.stats import DataStats
 
@@ -144,12 +150,64 @@ def prepare_dataset(
     gets it back; the others pass None) and must tolerate the whole preparation time (a gloo
     group with a long timeout); ``nodes`` shares the tokenizing between the job's nodes."""
     cache_root = Path(cache_root)
+    found = _in_place(data_spec, len(tokenizer), rank, share)
+    if found is not None:
+        return found
     outcome = _decide(data_spec, tokenizer, tokenizer_dir, cache_root, sharing, rank, share, build=nodes is None)
     if outcome[0] == "build":
         assert nodes is not None
         outcome = _build_on_every_node(data_spec, tokenizer, cache_root, sharing, rank, share, nodes, outcome)
     dataset, stats = _load_published(cache_root, sharing, outcome[1], rank, vocab_size=len(tokenizer))
     return dataset, stats, cache_root / outcome[1]
+
+
+def _in_place_check(spec: DataSpec, vocab_size: int) -> tuple:
+    """Rank 0's look at a pre-tokenized source: ("in place", its counts), ("prepare", why not),
+    or ("skip",) for a source of another kind."""
+    try:
+        if is_hub_id(spec.path) or arrow_files(Path(spec.path)) is None:
+            return ("skip",)
+        examples, targets = open_in_place(Path(spec.path), vocab_size=vocab_size, max_length=spec.max_length)
+    except (NotInPlace, DataCacheError) as exc:
+        # Rows to cut or drop, or ids the check refuses: the preparation cuts and counts them,
+        # or names the file and row of a bad one, as for any other source.
+        log.info("data: %s: pre-tokenized Arrow not used in place (%s): prepared into the cache", spec.path, exc)
+        return ("prepare", str(exc))
+    lengths = examples.column("length")
+    counts = (len(examples), sum(lengths), targets, max(lengths))
+    log.info(
+        "data: %s: pre-tokenized Arrow used in place (memory-mapped, nothing copied): %d rows, %d tokens",
+        spec.path,
+        counts[0],
+        counts[1],
+    )
+    return ("in place", counts)
+
+
+def _in_place(spec: DataSpec, vocab_size: int, rank: int, share) -> tuple[Examples, DataStats, Path] | None:
+    """Pre-tokenized Arrow trained on where it lies (the module's docstring), or None."""
+    if spec.format != "tokenized":  # the spec alone, the same on every rank: no collective
+        return None
+    if rank == 0:
+        try:
+            outcome = _in_place_check(spec, vocab_size)
+        except BaseException as exc:
+            share(_failure(exc))
+            raise
+        share(outcome)
+    else:
+        outcome = share(None)
+    if outcome[0] in ("skip", "prepare"):
+        return None
+    if outcome[0] != "in place":
+        _raise(outcome, rank, "rank 0")
+    try:
+        examples, _targets = open_in_place(Path(spec.path), vocab_size=vocab_size, max_length=spec.max_length)
+    except (NotInPlace, DataCacheError) as exc:  # changed since rank 0 read it
+        raise DataError(f"data.path: {spec.path} changed while the job read it: {exc}") from None
+    rows, tokens, targets, longest = outcome[1]
+    stats = DataStats(rows, rows, 0, 0, tokens, targets, longest)
+    return examples, stats, Path(spec.path)
 
 
 def _decide(spec, tokenizer, tokenizer_dir, cache_root, sharing, rank, share, *, build: bool) -> tuple:

@@ -106,18 +106,21 @@ def split_off_eval(
 
 @dataclass(frozen=True)
 class EvalBatch:
-    """One forward's worth of evaluation rows on this rank; ``real`` is False for a masked filler."""
+    """One forward's worth of evaluation rows on this rank; ``real`` is False for a masked filler.
+    ``source``: the index of the source its rows come from (a batch holds one source's rows)."""
 
     batch: dict[str, torch.Tensor]
     real: bool
+    source: int = 0
 
 
 class EvalSet:
-    """The evaluation rows and this rank's share of their micro-batches."""
+    """The evaluation rows and this rank's share of their micro-batches. ``parts``: (name,
+    examples) of each source; a batch never mixes two, so each source's loss is summed apart."""
 
     def __init__(
         self,
-        dataset: Examples,
+        parts: list[tuple[str, Examples]],
         *,
         max_length: int,
         packing: bool,
@@ -127,61 +130,73 @@ class EvalSet:
         world_size: int,
         rank: int,
     ):
-        self.dataset = dataset
+        self.names = [name for name, _examples in parts]
         self.packing = packing
         self.pad_token_id = pad_token_id
         self.world_size, self.rank = world_size, rank
-        lengths = [int(n) for n in dataset.column("length")]
-        rows = build_rows(lengths, max_length, packing)
-        # Longest first: consecutive rows have similar lengths, so a padded batch wastes little.
-        rows.sort(key=lambda row: (-sum(lengths[i] for i in row), row[0]))
-        self.rows = rows
-        self.examples = len(lengths)
-        self.tokens = sum(lengths)
         self.micro_batch_size = micro_batch_size
-        batches = math.ceil(len(rows) / micro_batch_size)
-        self.num_batches = min(batches, max_batches) if max_batches else batches
+        self.examples = self.tokens = 0
+        # (source, the rows of one micro-batch) in order; ``max_batches`` cuts each source alike.
+        self.plan: list[tuple[int, list[list[int]]]] = []
+        self.datasets = [examples for _name, examples in parts]
+        for index, (_name, dataset) in enumerate(parts):
+            lengths = [int(n) for n in dataset.column("length")]
+            rows = build_rows(lengths, max_length, packing)
+            # Longest first: consecutive rows have similar lengths, so a padded batch wastes little.
+            rows.sort(key=lambda row: (-sum(lengths[i] for i in row), row[0]))
+            batches = [rows[k : k + micro_batch_size] for k in range(0, len(rows), micro_batch_size)]
+            self.plan += [(index, batch) for batch in batches[: max_batches or None]]
+            self.examples += len(lengths)
+            self.tokens += sum(lengths)
+        self.num_batches = len(self.plan)
         # Every rank runs the same number of forwards: one per round of world_size batches.
         self.rounds = math.ceil(self.num_batches / world_size)
-
-    def _rows_of(self, k: int) -> list[int]:
-        return list(range(k * self.micro_batch_size, min((k + 1) * self.micro_batch_size, len(self.rows))))
 
     def batches(self) -> Iterator[EvalBatch]:
         """This rank's micro-batches, one per round, a masked filler where it has none."""
         for round_ in range(self.rounds):
             k = round_ * self.world_size + self.rank
             if k < self.num_batches:
-                yield EvalBatch(self._collate(self._rows_of(k)), True)
+                source, rows = self.plan[k]
+                yield EvalBatch(self._collate(source, rows), True, source)
             else:
-                filler = self._collate([0])
+                filler = self._collate(*self.plan[0])
                 filler["labels"] = torch.full_like(filler["labels"], IGNORE_INDEX)
                 yield EvalBatch(filler, False)
 
-    def _collate(self, row_ids: list[int]) -> dict[str, Any]:
-        rows = fetch_rows(self.dataset, self.rows, row_ids)
-        batch = collate(rows, pad_token_id=self.pad_token_id, packing=self.packing)
-        batch["num_tokens"] = torch.tensor(sum(len(ex["input_ids"]) for row in rows for ex in row))
+    def _collate(self, source: int, rows: list[list[int]]) -> dict[str, Any]:
+        picked = fetch_rows(self.datasets[source], rows, range(len(rows)))
+        batch = collate(picked, pad_token_id=self.pad_token_id, packing=self.packing)
+        batch["num_tokens"] = torch.tensor(sum(len(ex["input_ids"]) for row in picked for ex in row))
         return batch
 
     def describe(self) -> str:
+        rows = sum(len(rows) for _source, rows in self.plan)
+        per = f" of {len(self.names)} sources" if len(self.names) > 1 else ""
         return (
-            f"{self.examples} examples in {len(self.rows)} rows, {self.num_batches} batches of "
+            f"{self.examples} examples{per} in {rows} rows, {self.num_batches} batches of "
             f"{self.micro_batch_size} rows over {self.world_size} rank(s)"
         )
 
 
 def eval_set_for(
-    spec: ResolvedSpec, eval_dataset: Examples | None, pad_token_id: int, *, world_size: int, rank: int
+    spec: ResolvedSpec,
+    parts: list[tuple[str, Examples | None]],
+    pad_token_id: int,
+    *,
+    world_size: int,
+    rank: int,
 ) -> EvalSet | None:
-    """The run's evaluation set on this rank (None without ``[eval]`` or its examples): cut like
-    training's rows (data.max_length, data.packing), in ``[eval] micro_batch_size`` rows (default
-    train.micro_batch_size) up to ``[eval] max_batches``."""
+    """The run's evaluation set on this rank (None without ``[eval]`` or examples): each
+    source's held-out examples (``parts``: name, examples or None), cut like training's rows
+    (data.max_length, data.packing), in ``[eval] micro_batch_size`` rows (default
+    train.micro_batch_size), up to ``[eval] max_batches`` of each source."""
     eval_spec, data_spec = spec.run.eval, spec.run.data
-    if eval_spec is None or eval_dataset is None or data_spec is None:
+    given = [(name, examples) for name, examples in parts if examples is not None]
+    if eval_spec is None or not given or data_spec is None:
         return None
     return EvalSet(
-        eval_dataset,
+        given,
         max_length=data_spec.max_length,
         packing=data_spec.packing,
         pad_token_id=pad_token_id,

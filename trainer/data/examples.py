@@ -33,7 +33,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -259,25 +259,24 @@ def _check_batch(batch: pa.RecordBatch, vocab_size: int | None) -> None:
         _check_ids(name, batch.column(name), offsets[name], vocab_size)
 
 
-def _batches(mapped: _Mapped, vocab_size: int | None) -> tuple[pa.Schema, list[pa.RecordBatch]]:
-    """The trainer's columns (their schema) and the record batches of the mapped stream,
-    each checked."""
+def _messages(mapped: _Mapped, checked_schema: Callable[[pa.Schema], pa.Schema]) -> Iterator[pa.RecordBatch]:
+    """The record batches of the mapped stream, read over the mapping (nothing decompressed:
+    a compressed batch is refused before it is read), its schema passed to ``checked_schema``
+    first; the pages read are let go every _RELEASE_EVERY bytes."""
     whole = mapped.buffer
-    schema, batches, unreleased = None, [], 0
+    schema, unreleased = None, 0
     for message in pa.ipc.MessageReader.open_stream(whole):
         if schema is None:
             if message.type != "schema":
                 raise _Refused(f"starts with a message of type {visible(message.type)}, not its schema")
-            schema = _checked_schema(pa.ipc.read_schema(message))
+            schema = checked_schema(pa.ipc.read_schema(message))
             continue
         if message.type != "record batch":
             raise _Refused(f"holds a message of type {visible(message.type)}; datasets writes record batches only")
         if _compressed(message.metadata):
             raise _Refused("has a compressed record batch; datasets writes none")
         batch = pa.ipc.read_record_batch(message, schema)
-        _no_copies(batch, whole)
-        _check_batch(batch, vocab_size)
-        batches.append(batch.select(list(COLUMNS)))
+        yield batch
         unreleased += batch.nbytes
         if unreleased > _RELEASE_EVERY:
             mapped.release()
@@ -285,6 +284,19 @@ def _batches(mapped: _Mapped, vocab_size: int | None) -> tuple[pa.Schema, list[p
     mapped.release()
     if schema is None:
         raise _Refused("holds no schema")
+
+
+def _batches(mapped: _Mapped, vocab_size: int | None) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """The trainer's columns (their schema) and the record batches of the mapped stream,
+    each checked."""
+    batches = []
+    for batch in _messages(mapped, _checked_schema):
+        _no_copies(batch, mapped.buffer)
+        _check_batch(batch, vocab_size)
+        batches.append(batch.select(list(COLUMNS)))
+    schema = batches[0].schema if batches else None
+    if schema is None:  # a stream of a schema alone: its types, as the batches would have them
+        schema = _checked_schema(pa.ipc.open_stream(mapped.buffer).schema)
     return pa.schema([schema.field(name) for name in COLUMNS]), batches
 
 
@@ -357,3 +369,112 @@ class Examples:
         if self._indices is not None:
             rows = self._indices[rows]
         return self._table.select(list(columns)).take(_row_numbers(rows)).to_pydict()
+
+
+# --------------------------------------------------------------------------- pre-tokenized, in place
+
+
+class NotInPlace(Exception):
+    """Why pre-tokenized Arrow cannot be trained on as it is (it is prepared into the cache instead)."""
+
+
+def arrow_files(path: Path) -> list[Path] | None:
+    """The Arrow stream files of a ``save_to_disk`` directory (those its ``state.json`` names),
+    of a directory whose data files are all ``.arrow``, or one ``.arrow`` file; None for any
+    other source (JSON Lines, Parquet... must be decoded: they are prepared, a copy)."""
+    from jobgen.spec.data_files import data_files
+
+    path = Path(path)
+    if path.is_dir() and (path / "state.json").is_file():
+        return [path / name for name in _data_file_names(path / "state.json")]
+    if path.is_dir():
+        files = data_files(path)
+        return files if files and all(f.suffix == ".arrow" for f in files) else None
+    return [path] if path.suffix == ".arrow" and path.is_file() else None
+
+
+def _targets_per_row(labels: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Each row's target tokens (labels not -100, the first token never one, as in collate),
+    counted in windows of about _SCAN tokens: no array of the whole column's size."""
+    counts = np.empty(len(offsets) - 1, dtype=np.int64)
+    row = 0
+    while row < len(counts):
+        end = max(int(np.searchsorted(offsets, offsets[row] + _SCAN, side="right")) - 1, row + 1)
+        low = offsets[row]
+        mask = labels[low : offsets[end]] != IGNORED_LABEL
+        starts = offsets[row:end] - low
+        mask[starts] = False
+        counts[row:end] = np.add.reduceat(mask, starts, dtype=np.int64)
+        row = end
+    return counts
+
+
+def _in_place_batch(
+    batch: pa.RecordBatch, whole: pa.Buffer, vocab_size: int, max_length: int
+) -> tuple[pa.RecordBatch, int]:
+    """The trainer's columns of one batch of the user's pre-tokenized rows, over the mapped
+    file: ``labels`` (else ``input_ids``: every token a target) and a ``length`` column made
+    here (4 bytes a row), and its target tokens. NotInPlace for rows that need preparing (cut
+    or dropped)."""
+    names = [n for n in ("input_ids", "labels") if n in batch.schema.names]
+    batch = batch.select(names)
+    _no_copies(batch, whole)
+    batch.validate()
+    offsets = {name: _offsets(name, batch.column(name)) for name in names}
+    lengths = np.diff(offsets["input_ids"])
+    if "labels" in offsets and not np.array_equal(lengths, np.diff(offsets["labels"])):
+        raise _Refused("a row's input_ids and labels hold different numbers of tokens")
+    for name in names:
+        _check_ids(name, batch.column(name), offsets[name], vocab_size)
+    if len(lengths) and int(lengths.max()) > max_length:
+        raise NotInPlace(f"a row has {int(lengths.max())} tokens, more than max_length = {max_length}: rows are cut")
+    if len(lengths) and int(lengths.min()) < 2:
+        raise NotInPlace("a row of fewer than 2 tokens has nothing to learn: such rows are dropped")
+    labels = batch.column("labels") if "labels" in names else batch.column("input_ids")
+    targets = int(lengths.sum()) - len(lengths)  # every token but the first
+    if "labels" in names and len(lengths):
+        per_row = _targets_per_row(_numbers(labels.values), offsets["labels"])
+        if int(per_row.min()) == 0:
+            raise NotInPlace("a row has no target token (every label -100): such rows are dropped")
+        targets = int(per_row.sum())
+    length = pa.Array.from_buffers(pa.int32(), len(lengths), [None, pa.py_buffer(lengths.astype(np.int32))])
+    return pa.RecordBatch.from_arrays([batch.column("input_ids"), labels, length], names=list(COLUMNS)), targets
+
+
+def _token_schema(schema: pa.Schema) -> pa.Schema:
+    """A pre-tokenized stream's schema: ``input_ids`` and (if there) ``labels``, each one column
+    of lists of int32 or int64; other columns are left unread."""
+    for name in ("input_ids", "labels"):
+        if name == "labels" and name not in schema.names:
+            continue
+        kind = schema.field(name).type if schema.names.count(name) == 1 else None
+        if kind is None or not (pa.types.is_list(kind) and kind.value_type in _INTEGERS):
+            raise _Refused(f"has no one column {name} of lists of int32 or int64 ({visible(schema.names)[:200]})")
+    return schema
+
+
+def _in_place_file(path: Path, vocab_size: int, max_length: int) -> list[tuple[pa.RecordBatch, int]]:
+    mapped = _map(path)
+    return [_in_place_batch(batch, mapped.buffer, vocab_size, max_length) for batch in _messages(mapped, _token_schema)]
+
+
+def open_in_place(path: Path, *, vocab_size: int, max_length: int) -> tuple[Examples, int]:
+    """(the pre-tokenized rows of ``path`` as the trainer's examples, their target tokens):
+    ``path`` a ``save_to_disk`` directory or an ``.arrow`` file (:func:`arrow_files`),
+    memory-mapped from the user's own files, nothing copied, each checked as a cache entry is.
+    NotInPlace when some row would have to be cut or dropped; DataCacheError naming the file
+    when it is no Arrow stream of token ids."""
+    batches = []
+    for file in arrow_files(path) or []:
+        try:
+            batches += _in_place_file(file, vocab_size, max_length)
+        except DamagedFile as exc:
+            raise DataCacheError(str(exc)) from None
+        except (_Refused, OSError, ValueError, pa.ArrowException) as exc:
+            raise DataCacheError(f"{visible(file)}: {visible(exc)[:300]}") from None
+    if not sum(batch.num_rows for batch, _targets in batches):
+        raise DataCacheError(f"{visible(path)}: holds no rows")
+    if len({batch.schema for batch, _targets in batches}) > 1:
+        raise DataCacheError(f"{visible(path)}: its data files disagree on the types of input_ids and labels")
+    table = pa.Table.from_batches([batch for batch, _targets in batches])
+    return Examples(table), sum(targets for _batch, targets in batches)

@@ -48,6 +48,13 @@ _SENTINEL = "\u2063JOBGEN-RESPONSE\u2063"
 class DataError(ValueError):
     """Bad data: a missing file or column, a malformed row. The message names the path and row."""
 
+    def for_source(self, prefix: str) -> DataError:
+        """This error worded for the source ``prefix`` (``data.sources[1]``): the data modules
+        word theirs for ``data.path``, the one-source case (``prefix`` "data")."""
+        if prefix == "data":
+            return self
+        return DataError(f"{prefix}.path: {str(self).removeprefix('data.path: ')}")
+
 
 def jinja_env():
     from jinja2 import StrictUndefined

@@ -48,6 +48,7 @@ class EvalResult:
     tokens: int
     seconds: float
     batches: int
+    source_losses: dict[str, float] | None = None  # a mixture's held-out loss of each source
 
     @property
     def perplexity(self) -> float:
@@ -65,6 +66,7 @@ class EvalResult:
             "eval_batches": self.batches,
             "eval_seconds": round(self.seconds, 4),
             "eval_target_tokens_per_s": round(self.target_tokens / max(self.seconds, 1e-9), 2),
+            **({"eval_source_losses": self.source_losses} if self.source_losses else {}),
         }
 
 
@@ -163,7 +165,8 @@ class Evaluator:
         started = time.time()
         device = self.env.device
         # Summed on the device in float64: one host synchronisation per evaluation, not per batch.
-        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, target tokens, tokens
+        # Per source (a batch holds one source's rows): loss, target tokens, tokens.
+        sums = torch.zeros(len(self.eval_set.names), 3, dtype=torch.float64, device=device)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
         batches = 0
         self.model.eval()
@@ -176,9 +179,9 @@ class Evaluator:
                         summed = self.forward_loss_sum(inputs, item.batch["labels"])
                     if item.real:
                         batches += 1
-                        sums[0] += summed.detach().double()
-                        sums[1] += float(count_targets(item.batch["labels"]))
-                        sums[2] += float(item.batch["num_tokens"])
+                        sums[item.source, 0] += summed.detach().double()
+                        sums[item.source, 1] += float(count_targets(item.batch["labels"]))
+                        sums[item.source, 2] += float(item.batch["num_tokens"])
                     (action,) = reduce_max(self.env, [int(self.monitor.local_action())])
                     mark_progress()
                     now = time.monotonic()
@@ -196,13 +199,23 @@ class Evaluator:
             self.model.train()
             release_gathered(self.model)
             self.last_eval = time.monotonic()
-        loss_sum, targets, tokens = reduce_sum(self.env, sums.tolist())
-        (batches,) = reduce_sum(self.env, [float(batches)])
+        names = self.eval_set.names
+        every = reduce_sum(self.env, [*sums.flatten().tolist(), float(batches)])
+        per_source = [every[3 * i : 3 * i + 3] for i in range(len(names))]
+        loss_sum, targets, tokens = (sum(values) for values in zip(*per_source, strict=True))
+        by_source = {name: s[0] / max(s[1], 1.0) for name, s in zip(names, per_source, strict=True)}
         seconds = time.time() - started
         self.seconds.append(seconds)
-        return EvalResult(step, loss_sum / max(targets, 1.0), int(targets), int(tokens), seconds, int(batches)), (
-            Action.CONTINUE
+        result = EvalResult(
+            step,
+            loss_sum / max(targets, 1.0),
+            int(targets),
+            int(tokens),
+            seconds,
+            int(every[-1]),
+            by_source if len(names) > 1 else None,
         )
+        return result, Action.CONTINUE
 
 
 def release_gathered(model: torch.nn.Module) -> None:

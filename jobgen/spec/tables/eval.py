@@ -20,7 +20,7 @@ class EvalSpec(SpecModel):
     path: str | None = Field(
         None,
         description=(
-            "Validation data: a JSONL/JSON/CSV/Parquet file, a directory of them or a save_to_disk directory "
+            "Validation data: a JSONL/JSON/CSV/Parquet/Arrow file, a directory of them or a save_to_disk directory "
             "(relative to run.toml), in the [data] format, template and masks. Give path or split, not both."
         ),
     )

@@ -393,6 +393,16 @@ class RunSpec(SpecModel):
         return self
 
     @model_validator(mode="after")
+    def _a_mixture_holds_out_its_own(self) -> RunSpec:
+        if self.data is not None and self.data.sources is not None and self.eval is not None and self.eval.path:
+            # Which source's format would the file be read in? Each source holds out its share instead.
+            raise ValueError(
+                "eval.path is read in the [data] format of the one source; with [[data.sources]] give "
+                "eval.split: each source holds out that share, evaluated per source"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _fewer_nodes_keep_the_batch(self) -> RunSpec:
         train, job = self.train, self.job
         if not job.kind.trains or len(job.node_counts) == 1:
