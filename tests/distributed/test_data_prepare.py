@@ -179,3 +179,32 @@ def test_two_nodes_prepare_a_share_each_and_a_killed_node_is_named(tmp_path, tin
     assert single.name == entry.name
     for file in sorted((single / "dataset").iterdir()):
         assert (entry / "dataset" / file.name).read_bytes() == file.read_bytes(), file.name
+
+
+def test_bad_data_on_one_node_stops_the_other_and_is_the_error_named(tmp_path, tiny_model):
+    """node-b meets a bad row in its first shard and removes the shard directory (the data must
+    change); node-a, with most of its share still to tokenize, stops where it would next write
+    instead of tokenizing on, and the run ends with node-b's data error (18: no retry), not
+    node-a's failure to write (a crash another attempt would repeat, burning the array)."""
+    rows = _rows(80_000)  # 64 shards of 1250 rows; node-b's first is shard 1
+    rows[1300]["output"] = 7
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cache = tmp_path / "cache"
+    site = {"profile": "local", "paths": {"data_cache": str(cache)}}
+    run = make_run(tmp_path / "bad", tiny_model, data={"path": str(data), "num_proc": 1}, site=site, max_steps=2)
+    logs = tmp_path / "logs"
+    procs = two_nodes(run, free_port(), logs)
+    try:
+        codes = [proc.wait(600) for proc in procs]
+    finally:
+        stop(procs)
+    out = (logs / "node-a.log").read_text()
+    assert codes != [0, 0], out[-3000:]
+    exited = re.search(r"INFO exit (\d+): (.*)", out)
+    assert exited and exited.group(1) == "18", out[-3000:]
+    assert f"node node-b: data.path: {data}: row 1300: column 'output' is a int, not a string" in exited.group(2)
+    # node-a stopped early: far from its 32 shards, and nothing of the data that must change is kept.
+    assert "node node-a finished its share" not in out, out[-3000:]
+    assert "data: node node-a stopped early: the shard directory was removed" in out, out[-3000:]
+    assert not list(cache.iterdir()), list(cache.iterdir())

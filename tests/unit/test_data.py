@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -418,3 +420,30 @@ def test_a_long_tokenization_says_how_far_it_got(tokenizer, tmp_path, monkeypatc
     rows = len(ALPACA_ROWS) * 4
     assert lines and f": {rows:,}/{rows:,} rows (100%), " in lines[-1] and "ETA 0s" in lines[-1]
     assert all(" rows/s, ETA " in line for line in lines), lines
+
+
+def test_a_nodes_progress_counts_every_nodes_shards_and_stops_once_they_were_removed(tmp_path, monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    import trainer.data.prepare as prepare_module
+
+    monkeypatch.setattr(prepare_module, "PROGRESS_LOG_SECONDS", 0.0)
+    done = tmp_path / "done"
+    done.mkdir()
+    for k in (0, 1, 5):  # shards finished, by this node or another
+        (done / f"shard-{k}.json").write_text("{}")
+    (done / ".tmp-shard-7.json").write_text("")  # a write in flight is no shard done
+    progress = prepare_module.Progress(1000, "rows.jsonl (alpaca)", SimpleNamespace(done_dir=str(done), shards=64))
+    with caplog.at_level(logging.INFO, logger="trainer.data.prepare"):
+        progress.update(500)
+    assert "500/1,000 rows (50%)" in caplog.text and "; all nodes: 3 of 64 shards done" in caplog.text, caplog.text
+    # A node that met bad data removed the shard directory: this node stops at its next line.
+    pinned = os.open(done, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        shutil.rmtree(done)
+        progress.work = SimpleNamespace(done_dir=f"/proc/self/fd/{pinned}", shards=64)
+        with pytest.raises(prepare_module.PreparationAbandoned, match="shard directory was removed"):
+            progress.update(600)
+    finally:
+        os.close(pinned)

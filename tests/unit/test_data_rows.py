@@ -79,3 +79,26 @@ def test_a_line_that_is_no_object_is_named_by_file_and_row(tmp_path):
     path.write_text(path.read_text().replace("[1, 2]", '{"instruction": '))
     with pytest.raises(DataError, match=rf"^data.path: {path}: row 8 is not JSON \("):
         every(open_rows(str(path)), 3)
+
+
+def test_a_look_at_the_columns_reads_the_first_rows_alone(tmp_path, monkeypatch):
+    from trainer.data.rows import first_rows
+
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS, blank_every=3)
+    lines = []
+    real_index = rows_module.JsonLinesFile.index.__func__
+
+    def counted(cls, file, limit=None):
+        found = real_index(cls, file, limit)
+        lines.append(found.rows)
+        return found
+
+    monkeypatch.setattr(rows_module.JsonLinesFile, "index", classmethod(counted))
+    head = first_rows(str(path), 10)
+    assert lines == [10] and head.rows == 10 and every(head, 4) == ROWS[:10]
+    assert head.column_names() == ["instruction", "output"]
+    parquet = tmp_path / "p"
+    parquet.mkdir()
+    for k in range(2):
+        pq.write_table(pa.Table.from_pylist(ROWS[k * 20 : k * 20 + 20]), parquet / f"{k}.parquet", row_group_size=7)
+    assert first_rows(str(parquet)).rows == 20  # the first file's footer, not every file's

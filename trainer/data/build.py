@@ -121,7 +121,7 @@ def build_dataset(
     elif 0 < kept < len(todo):  # a stopped build continued (a publish after the nodes finds every shard done)
         log.info("data: %d shards%s", count, _kept(kept, count))
     procs = tokenizer_processes(source.rows, spec.num_proc)
-    tokenize_shards(work, todo, procs, f"{spec.path} ({spec.format})")
+    tokenize_shards(work, todo, procs, f"{spec.path} ({spec.format})", share=share is not None)
     if not finish or pending_shards(work, range(count)):
         return None
     counts = shard_totals(Path(done_dir), count)

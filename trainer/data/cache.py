@@ -346,6 +346,10 @@ def _published_by_another(root: OwnedDir, fingerprint: str, name: str, work: Own
         if (complete := _open_entry(root, fingerprint)) is not None:
             complete.close()
             return True
+        if os.fstat(work.fd).st_nlink == 0:
+            # Removed, not taken: a publisher renames the directory, a node that met bad data
+            # removes it (then this build stops at once, not after PUBLISH_WAIT_S).
+            return False
         try:
             ours = os.path.samestat(root.lstat(name), os.fstat(work.fd))
         except FileNotFoundError:

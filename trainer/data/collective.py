@@ -11,7 +11,9 @@ into the same shard directory of the shared cache; ``gather`` then brings every 
 to rank 0, which publishes the entry once every shard is done, or fails naming the node and
 its reason. A node that stops mid-way (killed, lost) breaks the gather; every rank then names
 the nodes whose shards were left unfinished, from the records the nodes keep beside their
-shards. Nothing is published then, and the shards done stay for the next attempt. Without
+shards. Nothing is published then, and the shards done stay for the next attempt. A node that
+meets bad data removes the shard directory (the data must change); the others stop at their
+next shard or progress line instead of tokenizing on, and rank 0 names the bad row. Without
 ``nodes`` (one process, ``jobgen data prepare``) or for a hub dataset (loaded by rank 0 alone),
 rank 0 tokenizes every shard.
 
@@ -55,6 +57,7 @@ from trainer.data.cache import (
 )
 from trainer.data.examples import DataCacheError, Examples, NotInPlace, arrow_files, open_in_place
 from trainer.data.formats import DataError
+from trainer.data.prepare import PreparationAbandoned
 from trainer.data.stats import DataStats
 
 log = logging.getLogger("trainer.data.collective")
@@ -106,10 +109,10 @@ def _find(spec: DataSpec, tokenizer, tokenizer_dir, cache_root: Path, sharing: S
         log.info("data: %s: no cache entry %s yet: tokenizing", spec.path, root.path / fingerprint)
         if not build:
             from trainer.data.build import check_columns
-            from trainer.data.rows import open_rows, reads_rows_itself
+            from trainer.data.rows import first_rows, reads_rows_itself
 
             if reads_rows_itself(spec.path):  # cheap: the first rows; a converted source waits for its nodes
-                check_columns(open_rows(spec.path), spec)
+                check_columns(first_rows(spec.path), spec)
             return ("build", fingerprint, inputs)
         build_entry(spec, tokenizer, root, fingerprint, inputs, raw)
     return ("entry", fingerprint)
@@ -234,6 +237,8 @@ def _build_on_every_node(spec, tokenizer, cache_root, sharing, rank, share, node
         where = (firsts.index(rank), len(firsts), nodes.name)
         mine = _tokenize_mine(spec, tokenizer, cache_root, sharing, fingerprint, inputs, where)
     failed = [result for result in _gather(nodes, mine, rank, cache_root, fingerprint) if result and result[0] != "ok"]
+    # The node whose bad data stopped the others first: they only failed to write where it removed.
+    failed.sort(key=lambda result: ("data", "cache", "stopped").index(result[0]))
     if rank != 0:
         outcome = share(None)
         if outcome[0] != "entry":
@@ -262,10 +267,20 @@ def _tokenize_mine(spec, tokenizer, cache_root, sharing, fingerprint, inputs, wh
             with _work_dir(root, shards_name(fingerprint)) as work:
                 _note(work, index, {**record, "state": "tokenizing"})
                 log.info("data: node %s (%d of %d) tokenizes its share of the shards", name, index + 1, count)
-                build_entry(spec, tokenizer, root, fingerprint, inputs, share=(index, count), publish=False)
+                try:
+                    build_entry(spec, tokenizer, root, fingerprint, inputs, share=(index, count), publish=False)
+                except (DataCacheError, OSError) as exc:
+                    if os.fstat(work.fd).st_nlink:
+                        raise
+                    raise PreparationAbandoned(  # a write into what was removed: not this node's fault
+                        "stopped early: the shard directory was removed, as a node that meets bad data removes it"
+                    ) from exc
                 _note(work, index, {**record, "state": "done"})
             log.info("data: node %s finished its share", name)
         return ("ok", name, "")
+    except PreparationAbandoned as exc:  # another node's bad data: its error is the one to name
+        log.info("data: node %s %s", name, exc)
+        return ("stopped", name, str(exc))
     except (DataError, DataCacheError, OSError, UntrustedDirectory) as exc:
         return ("data" if isinstance(exc, DataError) else "cache", name, str(exc))
 

@@ -178,11 +178,27 @@ def pending_shards(work: ShardWork, shards: Sequence[int]) -> list[int]:
     return [k for k in shards if _done_name(k) not in done]
 
 
-class Progress:
-    """Rows tokenized so far, logged every PROGRESS_LOG_SECONDS with their rate and the ETA."""
+class PreparationAbandoned(RuntimeError):
+    """The shard directory this node tokenizes into was removed under it: another node met bad
+    data (which removes it: the data must change). This node's share stops early."""
 
-    def __init__(self, total: int, label: str):
-        self.total, self.label = total, label
+
+def _removed(directory: str) -> bool:
+    """Whether ``directory`` (a pinned path) was removed: a removed directory has no links; on
+    a network filesystem, a stale handle."""
+    try:
+        return os.stat(directory).st_nlink == 0
+    except OSError:
+        return True
+
+
+class Progress:
+    """Rows tokenized so far, logged every PROGRESS_LOG_SECONDS with their rate and the ETA;
+    with ``work`` (a node's share), also the shards every node has done, and a stop
+    (PreparationAbandoned) once another node's bad data removed the shard directory."""
+
+    def __init__(self, total: int, label: str, work: ShardWork | None = None):
+        self.total, self.label, self.work = total, label, work
         self.started = self.logged = time.monotonic()
 
     def update(self, done: int) -> None:
@@ -190,16 +206,25 @@ class Progress:
         if now - self.logged < PROGRESS_LOG_SECONDS:
             return
         self.logged = now
+        across = ""
+        if self.work is not None:
+            if _removed(self.work.done_dir):
+                raise PreparationAbandoned(
+                    "stopped early: the shard directory was removed, as a node that meets bad data removes it"
+                )
+            finished = sum(1 for name in os.listdir(self.work.done_dir) if name.startswith("shard-"))
+            across = f"; all nodes: {finished} of {self.work.shards} shards done"
         rate = done / max(now - self.started, 1e-9)
         eta = max(0, self.total - done) / max(rate, 1e-9)
         log.info(
-            "tokenizing %s: %s/%s rows (%.0f%%), %.0f rows/s, ETA %ds",
+            "tokenizing %s: %s/%s rows (%.0f%%), %.0f rows/s, ETA %ds%s",
             self.label,
             f"{done:,}",
             f"{self.total:,}",
             100 * done / max(self.total, 1),
             rate,
             eta,
+            across,
         )
 
 
@@ -209,14 +234,15 @@ def _encoder(work: ShardWork):
     return Encoder(work.spec, work.tokenizer, work.source.path)
 
 
-def tokenize_shards(work: ShardWork, shards: Sequence[int], processes: int, label: str) -> None:
+def tokenize_shards(work: ShardWork, shards: Sequence[int], processes: int, label: str, *, share: bool = False) -> None:
     """Tokenize ``shards`` (those not done yet), in this process or in ``processes`` spawned
-    workers; a row's DataError or a worker's death stops them all and is raised here."""
+    workers; a row's DataError or a worker's death stops them all and is raised here. ``share``:
+    these are a node's share of the shards (:class:`Progress` watches the other nodes too)."""
     shards = pending_shards(work, shards)
     if not shards:
         return
     rows = sum(work.bounds(k)[1] - work.bounds(k)[0] for k in shards)
-    progress = Progress(rows, label)
+    progress = Progress(rows, label, work if share else None)
     processes = max(1, min(processes, len(shards)))
     log.info("tokenizing %s rows in %d shard(s) with %d process(es)", f"{rows:,}", len(shards), processes)
     if processes == 1:

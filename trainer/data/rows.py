@@ -62,11 +62,14 @@ class JsonLinesFile:
     offsets: np.ndarray
 
     @classmethod
-    def index(cls, path: Path) -> JsonLinesFile:
-        """One pass over the file: counts its rows and notes where every INDEX_EVERY-th starts."""
+    def index(cls, path: Path, limit: int | None = None) -> JsonLinesFile:
+        """One pass over the file: counts its rows and notes where every INDEX_EVERY-th starts;
+        with ``limit``, the pass stops there (the file's first rows, as a file of its own)."""
         offsets, rows, position = [], 0, 0
         with open(path, "rb", buffering=_READ_CHUNK) as fh:
             for line in fh:
+                if limit is not None and rows >= limit:
+                    break
                 if line.strip():
                     if rows % INDEX_EVERY == 0:
                         offsets.append(position)
@@ -217,6 +220,17 @@ def _files_read_row_by_row(path: str) -> list[Path] | None:
 def reads_rows_itself(path: str) -> bool:
     """Whether the rows of ``path`` are read here row by row (no ``datasets`` conversion first)."""
     return _files_read_row_by_row(path) is not None
+
+
+def first_rows(path: str, count: int = 1000) -> RowSource:
+    """The first ``count`` rows of a source this module reads itself (:func:`reads_rows_itself`),
+    without reading the rest: what a look at its columns needs (an index of the whole source is
+    a pass over all of it)."""
+    files = _files_read_row_by_row(path)
+    assert files is not None, path
+    if files[0].suffix == ".parquet":
+        return _checked(path, _source(path, [_parquet(files[0])]))  # its footer: no row read
+    return _checked(path, _source(path, [JsonLinesFile.index(files[0], limit=count)]))
 
 
 def open_rows(path: str, *, cache_dir: str | Path | None = None, loaded: datasets.Dataset | None = None) -> RowSource:
