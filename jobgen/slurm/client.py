@@ -284,6 +284,16 @@ def hostnames(expression: str) -> list[str]:
     return run(["scontrol", "show", "hostnames", expression]).stdout.split()
 
 
+def run_job_step(options: list[str], command: list[str], env: dict[str, str]) -> int:
+    """``srun`` outside any allocation: a job of its own, in the foreground, whose one step
+    runs ``command`` as ``options`` ask (nodes, tasks, time...) with this environment and
+    ``env`` (srun takes the caller's environment to the tasks); its output goes to this
+    process's, and its exit status comes back when it ends (Ctrl-C cancels it, as srun does)."""
+    args = ["srun", *options, *command]
+    _check_client(args)
+    return subprocess.run(args, env={**client_env(), **env}, check=False).returncode
+
+
 def sbatch_test_only(script: Path, options: list[str]) -> str:
     """``sbatch --test-only``: validates the script and the request without queueing.
     Returns Slurm's estimate ("Job N to start at ... on nodes ...")."""

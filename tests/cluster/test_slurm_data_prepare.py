@@ -165,3 +165,32 @@ def test_two_nodes_prepare_a_share_each_and_a_killed_node_is_named(cluster, clus
     assert files == sorted(p.name for p in (entry / "dataset").iterdir()) and len(files) == SHARDS + 2, files
     for name in files:
         assert (entry / "dataset" / name).read_bytes() == (single / "dataset" / name).read_bytes(), name
+
+
+def test_prepare_ahead_on_two_nodes_of_a_cpu_job(cluster, cluster_run, tmp_path):
+    """``jobgen data prepare --nodes 2``: a CPU job of its own (srun, in the foreground) whose two
+    nodes each tokenize a share, publishing the entry a single machine builds, byte for byte."""
+    data = write_rows(tmp_path / "rows.jsonl")
+    cache = tmp_path / "cache"
+    site = {"profile": "local", "paths": {"data_cache": str(cache)}}
+    run = cluster_run("ahead", nodes=2, procs_per_node=1, site=site, data={"path": str(data), "num_proc": 1})
+    proc = jobgen("data", "prepare", str(run.spec), "--nodes", "2", "--time", "10m", timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "a CPU job of 2 node(s): srun --job-name=ahead-data --nodes=2 --ntasks-per-node=1" in proc.stderr
+    shares = re.findall(r"data: node (\S+) \((\d) of 2\) tokenizes its share of the shards", proc.stderr)
+    assert sorted(index for _node, index in shares) == ["1", "2"] and len({n for n, _ in shares}) == 2, proc.stderr
+    assert proc.stderr.count(f"tokenizing {ROWS // 2:,} rows in {SHARDS // 2} shard(s)") == 2, proc.stderr
+    [line] = [x for x in proc.stdout.splitlines() if x.startswith("data.path: ")]
+    [entry] = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    assert line.startswith(f"data.path: {entry} ("), line
+    assert not list(cache.glob(".shards-*")), "the shard directory became the entry"
+
+    alone = tmp_path / "alone"
+    spec = tmp_path / "alone.toml"
+    spec.write_text(run.spec.read_text().replace(json.dumps(str(cache)), json.dumps(str(alone))))
+    prepared = jobgen("data", "prepare", str(spec), "--procs", "2", timeout=300)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    [single] = [p for p in alone.iterdir() if not p.name.startswith(".")]
+    assert single.name == entry.name
+    for file in sorted((single / "dataset").iterdir()):
+        assert (entry / "dataset" / file.name).read_bytes() == file.read_bytes(), file.name
