@@ -18,7 +18,22 @@ SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SOURCE_KEYS = ("path", "format", "template", "response_column", "text_column")
 
 
-class DataSourceSpec(SpecModel):
+class _ReadsRows(SpecModel):
+    """What [data] and each of its sources check of how rows are read (their ``format``,
+    ``template`` and ``response_column``, declared by each in its own place in the schema)."""
+
+    @field_validator("template", check_fields=False)
+    @classmethod
+    def _template_matches_format(cls, template: str | None, info: ValidationInfo) -> str | None:
+        return _checked_template(template, info)
+
+    @field_validator("response_column", check_fields=False)
+    @classmethod
+    def _template_uses_response(cls, column: str, info: ValidationInfo) -> str:
+        return _checked_response_column(column, info)
+
+
+class DataSourceSpec(_ReadsRows):
     """One source of a mixture (``[[data.sources]]``): where its rows are, how they are read, and
     how much of the training it is."""
 
@@ -59,16 +74,6 @@ class DataSourceSpec(SpecModel):
         ),
     )
 
-    @field_validator("template")
-    @classmethod
-    def _template_matches_format(cls, template: str | None, info: ValidationInfo) -> str | None:
-        return _checked_template(template, info)
-
-    @field_validator("response_column")
-    @classmethod
-    def _template_uses_response(cls, column: str, info: ValidationInfo) -> str:
-        return _checked_response_column(column, info)
-
     @model_validator(mode="after")
     def _one_amount(self) -> DataSourceSpec:
         if (self.weight is None) == (self.epochs is None):
@@ -85,7 +90,7 @@ class DataSourceSpec(SpecModel):
         return re.sub(r"[^A-Za-z0-9_.-]", "_", stem)[:64] or "data"
 
 
-class DataSpec(SpecModel):
+class DataSpec(_ReadsRows):
     """The training data: one source (``path``), or a mixture (``[[data.sources]]``)."""
 
     path: str | None = Field(
@@ -141,16 +146,6 @@ class DataSpec(SpecModel):
             "and its cache entry, are the same bytes whatever the number of processes and nodes."
         ),
     )
-
-    @field_validator("template")
-    @classmethod
-    def _template_matches_format(cls, template: str | None, info: ValidationInfo) -> str | None:
-        return _checked_template(template, info)
-
-    @field_validator("response_column")
-    @classmethod
-    def _template_uses_response(cls, column: str, info: ValidationInfo) -> str:
-        return _checked_response_column(column, info)
 
     @model_validator(mode="after")
     def _path_or_sources(self) -> DataSpec:
