@@ -60,6 +60,8 @@ def test_rows_columns_and_selections_equal_what_datasets_reads(entry):
     inner, outer = [5, 3, 250, 1, 9], [4, 0, 2]
     nested, expected = examples.select(inner).select(outer), written.select(inner).select(outer)
     assert len(nested) == 3 and nested.column("length") == list(expected["length"])
+    assert examples.lengths().tolist() == list(written["length"])  # as an array: no object per row
+    assert nested.lengths().tolist() == list(expected["length"])
     assert nested.take([2, 0], ("labels",)) == {"labels": expected.select([2, 0])["labels"]}
 
 

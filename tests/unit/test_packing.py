@@ -52,7 +52,7 @@ def test_pack_is_complete_bounded_and_deterministic():
     assert rows == pack(list(lengths), 64)
     lower_bound = -(-sum(lengths) // 64)
     assert len(rows) <= lower_bound * 1.05 + 1, (len(rows), lower_bound)  # best fit is near optimal here
-    assert fill_ratio(rows, lengths, 64) > 0.9
+    assert fill_ratio(build_rows(lengths, 64, packing=True), lengths, 64) > 0.9
 
 
 def test_pack_rejects_examples_longer_than_a_row():
@@ -61,8 +61,8 @@ def test_pack_rejects_examples_longer_than_a_row():
 
 
 def test_rows_without_packing_are_single_examples():
-    assert build_rows([5, 4, 3], 8, packing=False) == [[0], [1], [2]]
-    assert build_rows([5, 4, 3], 8, packing=True) == [[0, 2], [1]]
+    assert build_rows([5, 4, 3], 8, packing=False).as_lists() == [[0], [1], [2]]
+    assert build_rows([5, 4, 3], 8, packing=True).as_lists() == [[0, 2], [1]]
 
 
 # --------------------------------------------------------------------------- collate
@@ -231,3 +231,40 @@ def test_compiled_decoder_blocks_give_the_packed_loss_and_gradients_of_eager(tin
     compiled_loss, compiled_grad = loss_and_grad(compiled)
     assert compiled_loss == pytest.approx(eager_loss, abs=1e-5)
     assert torch.allclose(compiled_grad, eager_grad, atol=1e-5)
+
+
+def test_rows_are_arrays_that_pack_as_the_lists_did():
+    """The packed rows of 20,000 examples held as two arrays, row for row what the list-of-lists
+    best fit gave (a checkpoint's sampler position indexes these rows: their order may not
+    change), and their tokens per row."""
+    import bisect
+
+    import numpy as np
+
+    def lists(lengths, max_length):  # the previous implementation, kept here as the reference
+        order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+        rows, room = [], []
+        for i in order:
+            n = int(lengths[i])
+            k = bisect.bisect_left(room, (n, -1))
+            if k == len(room):
+                rows.append([i])
+                left, row = max_length - n, len(rows) - 1
+            else:
+                left, row = room.pop(k)
+                rows[row].append(i)
+                left -= n
+            if left > 0:
+                bisect.insort(room, (left, row))
+        return [sorted(r) for r in rows]
+
+    lengths = np.random.RandomState(3).randint(1, 200, size=20_000)
+    rows = build_rows(lengths, 256, packing=True)
+    assert rows.as_lists() == lists(lengths.tolist(), 256)
+    assert rows.members.dtype == np.int64 and rows.members.nbytes == 8 * 20_000
+    assert rows.tokens(lengths).tolist() == [int(lengths[r].sum()) for r in rows.as_lists()]
+    single = build_rows(lengths, 256, packing=False)
+    assert len(single) == 20_000 and single.members is None and single[7] == [7]
+    assert single.tokens(lengths).tolist() == lengths.tolist()
+    with pytest.raises(IndexError):
+        single[20_000]

@@ -27,7 +27,7 @@ from trainer.data.cache import cache_root, cache_sharing
 from trainer.data.collective import Nodes, prepare_dataset
 from trainer.data.eval_set import eval_set_for, load_eval_path, split_off_eval
 from trainer.data.formats import DataError
-from trainer.data.packing import build_rows, collate, fetch_rows, fill_ratio, model_inputs
+from trainer.data.packing import Rows, build_rows, collate, fetch_rows, fill_ratio, model_inputs
 from trainer.data.sampler import (
     MixtureError,
     MixtureSampler,
@@ -87,8 +87,8 @@ class SourceData:
     entry: Path
     split: dict[str, Any] | None = None
     eval_examples: Examples | None = None
-    rows: list[list[int]] = field(default_factory=list)
-    row_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    rows: Rows = field(default_factory=lambda: Rows(0))
+    row_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # per row
 
 
 def _tokenized(spec: ResolvedSpec, tokenizer: PreTrainedTokenizerBase, env: DistEnv) -> list[SourceData]:
@@ -161,9 +161,9 @@ class DataPipeline:
         self.pad_token_id: int = tokenizer.pad_token_id
         self.sources = _tokenized(spec, tokenizer, env)
         for source in self.sources:
-            lengths = source.examples.column("length")
+            lengths = source.examples.lengths()
             source.rows = build_rows(lengths, data_spec.max_length, self.packing)
-            source.row_tokens = np.array([sum(int(lengths[i]) for i in row) for row in source.rows], dtype=np.int64)
+            source.row_tokens = source.rows.tokens(lengths)
         self.mixture = data_spec.sources is not None
         self.tokens_drawn = [0] * len(self.sources)
         self.eval_set = eval_set_for(
@@ -196,7 +196,7 @@ class DataPipeline:
         return self.sources[0].entry
 
     @property
-    def rows(self) -> list[list[int]]:
+    def rows(self) -> Rows:
         """The first (with ``data.path``, the one) source's rows."""
         return self.sources[0].rows
 
@@ -216,7 +216,7 @@ class DataPipeline:
     def _log_summary(self, max_length: int) -> None:
         """Rank 0: what preprocessing and packing made of the data, and the evaluation set."""
         for source in self.sources:
-            stats, lengths = source.stats, source.examples.column("length")
+            stats, lengths = source.stats, source.examples.lengths()
             log.info("data: %s: %s (cache %s)", source.name, stats.summary(), source.entry)
             if stats.truncated:
                 log.warning(

@@ -176,8 +176,8 @@ def _in_place_check(spec: DataSpec, vocab_size: int) -> tuple:
         # or names the file and row of a bad one, as for any other source.
         log.info("data: %s: pre-tokenized Arrow not used in place (%s): prepared into the cache", spec.path, exc)
         return ("prepare", str(exc))
-    lengths = examples.column("length")
-    counts = (len(examples), sum(lengths), targets, max(lengths))
+    lengths = examples.lengths()
+    counts = (len(examples), int(lengths.sum()), targets, int(lengths.max()))
     log.info(
         "data: %s: pre-tokenized Arrow used in place (memory-mapped, nothing copied): %d rows, %d tokens",
         spec.path,

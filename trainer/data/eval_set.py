@@ -140,14 +140,16 @@ class EvalSet:
         self.plan: list[tuple[int, list[list[int]]]] = []
         self.datasets = [examples for _name, examples in parts]
         for index, (_name, dataset) in enumerate(parts):
-            lengths = [int(n) for n in dataset.column("length")]
+            lengths = dataset.lengths()
             rows = build_rows(lengths, max_length, packing)
             # Longest first: consecutive rows have similar lengths, so a padded batch wastes little.
-            rows.sort(key=lambda row: (-sum(lengths[i] for i in row), row[0]))
-            batches = [rows[k : k + micro_batch_size] for k in range(0, len(rows), micro_batch_size)]
+            firsts = np.array([rows[r][0] for r in range(len(rows))], dtype=np.int64)
+            order = np.lexsort((firsts, -rows.tokens(lengths))).tolist()
+            starts = range(0, len(order), micro_batch_size)
+            batches = [[rows[r] for r in order[k : k + micro_batch_size]] for k in starts]
             self.plan += [(index, batch) for batch in batches[: max_batches or None]]
             self.examples += len(lengths)
-            self.tokens += sum(lengths)
+            self.tokens += int(lengths.sum())
         self.num_batches = len(self.plan)
         # Every rank runs the same number of forwards: one per round of world_size batches.
         self.rounds = math.ceil(self.num_batches / world_size)
