@@ -104,7 +104,8 @@ def pack_rows(lengths: Sequence[int] | np.ndarray, max_length: int) -> Rows:
     rows = 0
     for start in range(0, len(order), 1 << 16):  # a block of Python ints at a time
         block = order[start : start + (1 << 16)]
-        for i, n in zip(block.tolist(), lengths[block].tolist()):
+        placed = []
+        for n in lengths[block].tolist():
             k = bisect.bisect_left(room, (n, -1))
             if k == len(room):
                 left, row = max_length - n, rows
@@ -112,9 +113,10 @@ def pack_rows(lengths: Sequence[int] | np.ndarray, max_length: int) -> Rows:
             else:
                 left, row = room.pop(k)
                 left -= n
-            row_of[i] = row
+            placed.append(row)
             if left > 0:
                 bisect.insort(room, (left, row))
+        row_of[block] = placed
     members = np.argsort(row_of, kind="stable")  # grouped by row, ascending within each
     offsets = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(np.bincount(row_of, minlength=rows), out=offsets[1:])
