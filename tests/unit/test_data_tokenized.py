@@ -198,3 +198,13 @@ assert len(examples) == 32 * 1024 and targets == 32 * 1024 * 1023, (len(examples
 assert grown < 32, f"resident memory grew by {{grown:.0f}} MiB opening 128 MiB in place"
 """
     )
+
+
+def test_a_rank_that_maps_other_rows_than_rank_0_read_stops(tokenizer, tiny_model, tmp_path):
+    """Rank 0 checked the Arrow and shared its counts; a rank that maps the files afterwards and
+    finds others (rewritten in between) stops naming the path, never trains on other rows."""
+    path = arrow_file(tmp_path / "d.arrow", FITTING)
+    spec = DataSpec(path=str(path), format="tokenized", max_length=16)
+    told = ("in place", (3, 10, 5, 4))  # what rank 0 read before the file was rewritten
+    with pytest.raises(DataError, match=r"d\.arrow changed while the job read it: 2 rows where rank 0 read 3"):
+        prepare_dataset(spec, tokenizer, tiny_model, tmp_path / "cache", rank=1, share=lambda value: told)

@@ -164,18 +164,18 @@ def prepare_dataset(
     return dataset, stats, cache_root / outcome[1]
 
 
-def _in_place_check(spec: DataSpec, vocab_size: int) -> tuple:
-    """Rank 0's look at a pre-tokenized source: ("in place", its counts), ("prepare", why not),
-    or ("skip",) for a source of another kind."""
+def _in_place_check(spec: DataSpec, vocab_size: int) -> tuple[tuple, Examples | None]:
+    """Rank 0's look at a pre-tokenized source: (("in place", its counts), the examples),
+    (("prepare", why not), None), or (("skip",), None) for a source of another kind."""
     try:
         if is_hub_id(spec.path) or arrow_files(Path(spec.path)) is None:
-            return ("skip",)
+            return ("skip",), None
         examples, targets = open_in_place(Path(spec.path), vocab_size=vocab_size, max_length=spec.max_length)
     except (NotInPlace, DataCacheError) as exc:
         # Rows to cut or drop, or ids the check refuses: the preparation cuts and counts them,
         # or names the file and row of a bad one, as for any other source.
         log.info("data: %s: pre-tokenized Arrow not used in place (%s): prepared into the cache", spec.path, exc)
-        return ("prepare", str(exc))
+        return ("prepare", str(exc)), None
     lengths = examples.lengths()
     counts = (len(examples), int(lengths.sum()), targets, int(lengths.max()))
     log.info(
@@ -184,16 +184,17 @@ def _in_place_check(spec: DataSpec, vocab_size: int) -> tuple:
         counts[0],
         counts[1],
     )
-    return ("in place", counts)
+    return ("in place", counts), examples
 
 
 def _in_place(spec: DataSpec, vocab_size: int, rank: int, share) -> tuple[Examples, DataStats, Path] | None:
     """Pre-tokenized Arrow trained on where it lies (the module's docstring), or None."""
     if spec.format != "tokenized":  # the spec alone, the same on every rank: no collective
         return None
+    examples = None
     if rank == 0:
         try:
-            outcome = _in_place_check(spec, vocab_size)
+            outcome, examples = _in_place_check(spec, vocab_size)
         except BaseException as exc:
             share(_failure(exc))
             raise
@@ -204,11 +205,14 @@ def _in_place(spec: DataSpec, vocab_size: int, rank: int, share) -> tuple[Exampl
         return None
     if outcome[0] != "in place":
         _raise(outcome, rank, "rank 0")
-    try:
-        examples, _targets = open_in_place(Path(spec.path), vocab_size=vocab_size, max_length=spec.max_length)
-    except (NotInPlace, DataCacheError) as exc:  # changed since rank 0 read it
-        raise DataError(f"data.path: {spec.path} changed while the job read it: {exc}") from None
     rows, tokens, targets, longest = outcome[1]
+    if examples is None:  # the other ranks map it for themselves, and must find what rank 0 found
+        try:
+            examples, _targets = open_in_place(Path(spec.path), vocab_size=vocab_size, max_length=spec.max_length)
+            if (len(examples), int(examples.lengths().sum())) != (rows, tokens):
+                raise NotInPlace(f"{len(examples)} rows where rank 0 read {rows}")
+        except (NotInPlace, DataCacheError) as exc:
+            raise DataError(f"data.path: {spec.path} changed while the job read it: {exc}") from None
     stats = DataStats(rows, rows, 0, 0, tokens, targets, longest)
     return examples, stats, Path(spec.path)
 
