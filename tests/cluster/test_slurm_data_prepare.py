@@ -154,9 +154,14 @@ def test_two_nodes_prepare_a_share_each_and_a_killed_node_is_named(cluster, clus
     # The entry the two nodes published is the one a single machine builds, byte for byte.
     [entry] = [p for p in cache.iterdir() if not p.name.startswith(".")]
     assert [p.name for p in cache.iterdir()] == [entry.name], "the shard directory became the entry"
-    alone = tmp_path / "alone"
-    spec = tmp_path / "alone.toml"
-    spec.write_text(run.spec.read_text().replace(json.dumps(str(cache)), json.dumps(str(alone))))
+    same_as_one_machine(run.spec, cache, entry, tmp_path / "alone")
+
+
+def same_as_one_machine(spec_file: Path, cache: Path, entry: Path, alone: Path) -> None:
+    """``entry`` (built by the nodes in ``cache``) is, file for file and byte for byte, what
+    ``jobgen data prepare`` builds on this one machine into ``alone``."""
+    spec = alone.parent / f"{alone.name}.toml"
+    spec.write_text(spec_file.read_text().replace(json.dumps(str(cache)), json.dumps(str(alone))))
     prepared = jobgen("data", "prepare", str(spec), "--procs", "2", timeout=300)
     assert prepared.returncode == 0, prepared.stderr[-3000:]
     [single] = [p for p in alone.iterdir() if not p.name.startswith(".")]
@@ -185,12 +190,4 @@ def test_prepare_ahead_on_two_nodes_of_a_cpu_job(cluster, cluster_run, tmp_path)
     assert line.startswith(f"data.path: {entry} ("), line
     assert not list(cache.glob(".shards-*")), "the shard directory became the entry"
 
-    alone = tmp_path / "alone"
-    spec = tmp_path / "alone.toml"
-    spec.write_text(run.spec.read_text().replace(json.dumps(str(cache)), json.dumps(str(alone))))
-    prepared = jobgen("data", "prepare", str(spec), "--procs", "2", timeout=300)
-    assert prepared.returncode == 0, prepared.stderr[-3000:]
-    [single] = [p for p in alone.iterdir() if not p.name.startswith(".")]
-    assert single.name == entry.name
-    for file in sorted((single / "dataset").iterdir()):
-        assert (entry / "dataset" / file.name).read_bytes() == file.read_bytes(), file.name
+    same_as_one_machine(run.spec, cache, entry, tmp_path / "alone")
