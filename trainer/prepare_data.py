@@ -28,12 +28,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from jobgen.base.durations import format_slurm, parse_duration
 from jobgen.cli.common import fail, load, need_extra
-from jobgen.spec.resolved import ResolvedSpec
+
+if TYPE_CHECKING:  # `jobgen --help` imports this module: not pydantic with it
+    from jobgen.spec.resolved import ResolvedSpec
 
 # The nodes' rendezvous for --nodes: rank 0's node, this port plus the job id modulo 10,000.
 NODE_PORT_BASE = 29600
