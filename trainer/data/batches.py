@@ -216,7 +216,7 @@ class DataPipeline:
     def _log_summary(self, max_length: int) -> None:
         """Rank 0: what preprocessing and packing made of the data, and the evaluation set."""
         for source in self.sources:
-            stats, lengths = source.stats, source.examples.lengths()
+            stats = source.stats
             log.info("data: %s: %s (cache %s)", source.name, stats.summary(), source.entry)
             if stats.truncated:
                 log.warning(
@@ -230,9 +230,9 @@ class DataPipeline:
                 log.info(
                     "data: %s: %d examples packed into %d rows (%.0f%% full)",
                     source.name,
-                    len(lengths),
+                    len(source.examples),
                     len(source.rows),
-                    100 * fill_ratio(source.rows, lengths, max_length),
+                    100 * fill_ratio(source.row_tokens, max_length),
                 )
         if isinstance(self.sampler, MixtureSampler):
             drawn = [float(m.share) * float(s.row_tokens.mean()) for s, m in zip(self.sources, self.sampler.sources)]

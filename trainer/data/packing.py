@@ -135,11 +135,12 @@ def build_rows(lengths: Sequence[int] | np.ndarray, max_length: int, packing: bo
     return Rows(len(lengths))
 
 
-def fill_ratio(rows: Rows, lengths: np.ndarray, max_length: int) -> float:
-    """Fraction of the rows' ``max_length`` slots that hold real tokens (for the log)."""
-    if not len(rows):
+def fill_ratio(row_tokens: np.ndarray, max_length: int) -> float:
+    """Fraction of the rows' ``max_length`` slots that hold real tokens (for the log), from
+    each row's tokens (:meth:`Rows.tokens`)."""
+    if not len(row_tokens):
         return 0.0
-    return float(rows.tokens(lengths).sum()) / (len(rows) * max_length)
+    return float(np.sum(row_tokens)) / (len(row_tokens) * max_length)
 
 
 def fetch_rows(
