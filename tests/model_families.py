@@ -46,6 +46,59 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "shared_expert_intermediate_size": 64,
         },
     ),
+    "qwen3-moe": (
+        "qwen3_moe",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16},
+    ),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    # MLA attention (low-rank q and kv), a dense first layer, then routed and shared experts.
+    "deepseek-v3": (
+        "deepseek_v3",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "num_key_value_heads": 4,
+        },
+    ),
+    # Attention sinks, biases, alternating sliding and full attention, experts with biases.
+    "gpt-oss": (
+        "gpt_oss",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "head_dim": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    # Granite 4.0-H: a Mamba2 layer, then an attention layer, each with routed experts and a shared MLP.
+    "granite-4-h": (
+        "granitemoehybrid",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 64,
+            "layer_types": ["mamba", "attention"],
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_d_state": 16,
+            "mamba_n_groups": 1,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 64,
+        },
+    ),
+    # SmolLM3: no rotary positions in every 4th layer (NoPE), tied embeddings.
+    "smollm3": ("smollm3", {"tie_word_embeddings": True}),
 }
 
 
@@ -70,7 +123,7 @@ def make_family_model(directory: Path, family: str, *, seed: int = 0) -> Path:
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
     }
-    config = AutoConfig.for_model(model_type, **COMMON, **ids, **extra)
+    config = AutoConfig.for_model(model_type, **{**COMMON, **ids, **extra})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

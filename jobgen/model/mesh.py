@@ -8,8 +8,10 @@ memory plan and the trainer's device meshes, instead of each of them reading
     shard      ranks each copy's states are sharded over (1: whole copies, as DDP keeps them)
     cp         consecutive data-parallel ranks that read the same rows, each a share of every
                row (train.context_parallel)
+    ep         consecutive data-parallel ranks that hold different experts of each MoE layer,
+               each reading its own rows (train.expert_parallel)
 
-``world = pp x replicate x shard``, and ``cp`` divides ``dp = replicate x shard``, the
+``world = pp x replicate x shard``, and ``cp`` and ``ep`` divide ``dp = replicate x shard``, the
 data-parallel ranks of one position. As in torchtitan's ParallelDims
 (torchtitan/distributed/parallel_dims.py: pp, dp_replicate, dp_shard, cp, tp), ranks are
 numbered row-major with the pipeline outermost: rank ``r`` is at position ``r // dp`` and is
@@ -55,6 +57,7 @@ class Mesh:
     replicate: int = 1
     shard: int = 1
     cp: int = 1
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -92,6 +95,7 @@ def mesh_of(
     *,
     shard_size: int | None = None,
     context_parallel: int = 1,
+    expert_parallel: int = 1,
     pipeline_size: int | None = None,
     data_parallel: str | None = None,
 ) -> Mesh:
@@ -106,7 +110,7 @@ def mesh_of(
     dp = max(1, world_size // pp)  # a layout the checks refuse is no reason to divide by zero
     holds_states = STRATEGIES[data_parallel] if entry.pipelined and data_parallel else entry
     shard = holds_states.shard_size(dp, procs_per_node, shard_size)
-    return Mesh(pp=pp, replicate=dp // shard, shard=shard, cp=context_parallel)
+    return Mesh(pp=pp, replicate=dp // shard, shard=shard, cp=context_parallel, ep=expert_parallel)
 
 
 def context_parallel_problem(strategy: Parallelism, degree: int, on: frozenset[str]) -> str | None:

@@ -88,6 +88,7 @@ class Parallelism:
     groups_by_node: bool  # the shard group is a part of the world (shard_size), not all of it
     pipelined: bool = False  # stages over ranks ([train.pipeline]); estimated position by position
     context_parallel: bool = True  # takes train.context_parallel above 1
+    expert_parallel: bool = False  # takes train.expert_parallel above 1 (the experts' own FSDP units)
     refuses: tuple[Refusal, ...] = ()
     # What jobgen plan suggests instead to a run that does not fit: strategies that shard the
     # states over more ranks, the least communication first (jobgen.plan.suggestions).
@@ -202,6 +203,7 @@ STRATEGIES: dict[str, Parallelism] = {
         "FSDP2: parameters, gradients and optimizer state sharded over every rank",
         True,
         False,
+        expert_parallel=True,
     ),
     "hsdp": Parallelism(
         "hsdp",

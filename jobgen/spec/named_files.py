@@ -12,9 +12,10 @@ import stat
 from pathlib import Path
 
 from jobgen.model.files import ModelInfo, PlanError, read_model
-from jobgen.model.lora_targets import describe_adapted, target_problems, weight_modules
+from jobgen.model.lora_targets import describe_adapted, expert_slot_names, moe_blocks, target_problems, weight_modules
 from jobgen.model.pipeline_split import LAYERS_KEY, STAGES_KEY, PipelineSplitError, stage_layers
 from jobgen.spec.data_files import data_path_problem, prompts_file_problem
+from jobgen.spec.tables.model import LoraSpec
 from jobgen.spec.tables.run import RunSpec
 
 Problem = tuple[str, str]
@@ -72,7 +73,14 @@ def lora_adapted(run: RunSpec) -> str | None:
     if model is None or model.lora is None or not Path(model.path).is_absolute():
         return None
     info = _model(model.path)
-    return describe_adapted(model.lora.target_modules, weight_modules(info.tensors)) if info is not None else None
+    if info is None:
+        return None
+    names = [t.name for t in info.tensors]
+    moe_layers = len(moe_blocks(names)) if info.traits.experts else 0
+    lora = model.lora
+    return describe_adapted(
+        lora.target_modules, weight_modules(info.tensors), moe_layers=moe_layers, target_experts=lora.target_experts
+    )
 
 
 def model_problems(run: RunSpec, world_sizes: list[int]) -> list[Problem]:
@@ -86,7 +94,8 @@ def model_problems(run: RunSpec, world_sizes: list[int]) -> list[Problem]:
     if model is None or not run.job.kind.trains or not Path(model.path).is_absolute():
         return []
     pipeline = run.train.pipeline if run.train.strategy.pipelined else None
-    if model.lora is None and not run.train.strategy.refuses_models:
+    experts_split = run.train.expert_parallel > 1
+    if model.lora is None and not run.train.strategy.refuses_models and not experts_split:
         return []  # nothing to check: no need to read the model
     info = _model(model.path)
     if info is None:
@@ -95,9 +104,12 @@ def model_problems(run: RunSpec, world_sizes: list[int]) -> list[Problem]:
     refusal = run.train.strategy.model_refusal(info.traits)
     if refusal is not None:
         return [("train.parallelism", f"{model.path}: {refusal}")]
+    if experts_split:
+        problems += _expert_parallel_problems(run.train.expert_parallel, info, model.path)
     if model.lora is not None:
-        for suffix, why in target_problems(model.lora.target_modules, weight_modules(info.tensors), model.path):
-            problems.append((f"model.lora.target_modules{suffix}", why))
+        problems += _lora_problems(model.lora, info, model.path)
+        if model.lora.target_experts and experts_split:
+            problems.append(("model.lora.target_experts", "cannot be combined with train.expert_parallel yet"))
     for world in world_sizes if pipeline is not None else []:
         if run.train.world_problem(world):
             continue  # the loader reports the layout itself
@@ -109,3 +121,32 @@ def model_problems(run: RunSpec, world_sizes: list[int]) -> list[Problem]:
             problems.append((key, f"in a world of {world} ranks: {exc} ({model.path})"))
             break
     return problems
+
+
+def _lora_problems(lora: LoraSpec, info: ModelInfo, path: str) -> list[Problem]:
+    """Targets that adapt nothing, or the experts without target_experts; target_experts on a
+    model without experts."""
+    if lora.target_experts and not info.traits.experts:
+        return [("model.lora.target_experts", f"the model in {path} has no routed experts to adapt")]
+    names = [t.name for t in info.tensors]
+    slots = expert_slot_names(names) if info.traits.experts else set()
+    found = target_problems(
+        lora.target_modules, weight_modules(info.tensors), path, expert_slots=slots, target_experts=lora.target_experts
+    )
+    return [(f"model.lora.target_modules{suffix}", why) for suffix, why in found]
+
+
+def _expert_parallel_problems(degree: int, info: ModelInfo, path: str) -> list[Problem]:
+    """train.expert_parallel on a model without experts, or one whose experts it does not divide."""
+    experts = info.traits.experts
+    if not experts:
+        return [("train.expert_parallel", f"the model in {path} has no routed experts to place on ranks")]
+    if experts % degree:
+        return [
+            (
+                "train.expert_parallel",
+                f"{degree} does not divide the {experts} experts of each MoE layer of the model in {path}",
+            )
+        ]
+    return []
+

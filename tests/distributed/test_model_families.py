@@ -48,7 +48,7 @@ def test_validate_and_the_trainer_name_the_same_default_lora_targets(family_mode
 
     directory = family_models(family)
     info = read_model(directory)
-    from_files = default_targets(weight_modules(info.tensors))
+    from_files = default_targets(weight_modules(info.tensors), experts=bool(info.traits.experts))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
     architecture = Architecture.of_model(model)

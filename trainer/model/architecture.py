@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jobgen.model.lora_targets import ROUTERS
+from jobgen.model.lora_targets import EXPERT_NAMES, ROUTERS
 from jobgen.model.traits import ModelTraits, expert_count, resolve_attention
 from trainer.model.errors import ModelError
 
@@ -90,14 +90,29 @@ class Architecture:
         """LoRA's default targets: the last names of every linear layer inside the decoder
         layers (attention and MLP projections, fused ones included), routers left out: peft's
         "all-linear" without its output layer, as names, which the trainer logs. validate names
-        the same from the safetensors (jobgen.model.lora_targets.default_targets)."""
+        the same from the safetensors (jobgen.model.lora_targets.default_targets). On a mixture of
+        experts, no layer of a name peft takes as the experts' (EXPERT_NAMES)."""
         names = {
             name.rsplit(".", 1)[-1]
             for layer in self.decoder_layers(model)
             for name, module in layer.named_modules()
             if name and _is_linear(module)
         }
-        return sorted(names - set(ROUTERS))
+        return sorted(names - set(ROUTERS) - (set(EXPERT_NAMES) if self.experts else set()))
+
+    def expert_parameters(self, model: torch.nn.Module) -> list[str]:
+        """The routed experts' fused weights, as peft's ``target_parameters`` names them
+        (``experts.gate_up_proj``, ``experts.down_proj``): the 3-D parameters of the ``experts``
+        module of each MoE layer (not a Mamba layer's 3-D convolution)."""
+        found = {
+            f"{name.rsplit('.', 1)[-1]}.{parameter}"
+            for layer in self.decoder_layers(model)
+            for name, module in layer.named_modules()
+            if name.rsplit(".", 1)[-1] == "experts"
+            for parameter, tensor in module.named_parameters(recurse=False)
+            if tensor.ndim == 3
+        }
+        return sorted(found)
 
 
 def model_traits(config) -> ModelTraits:

@@ -99,17 +99,28 @@ def add_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
     except ImportError:
         raise RuntimeError("model.lora needs peft: pip install 'jobgen[lora]'") from None
     assert spec.lora is not None
+    experts = Architecture.of_model(model).expert_parameters(model) if spec.lora.target_experts else []
+    if experts:
+        log.info("LoRA adapts the routed experts' %s too (model.lora.target_experts)", ", ".join(experts))
     config = LoraConfig(
         r=spec.lora.r,
         lora_alpha=spec.lora.alpha,
         lora_dropout=spec.lora.dropout,
         target_modules=lora_targets(model, spec),
+        target_parameters=experts or None,
         task_type="CAUSAL_LM",
     )
     if spec.gradient_checkpointing:
         # With frozen embeddings no checkpointed input requires grad; make them carry it.
         model.enable_input_require_grads()
-    return get_peft_model(model, config)
+    adapted = get_peft_model(model, config)
+    if not spec.lora.target_experts and any(type(m).__name__ == "ParamWrapper" for m in adapted.modules()):
+        # A target peft took as the experts' (validate refuses it for a local model; a hub id skips that).
+        raise ModelError(
+            "model.lora.target_modules names layers that peft adapts as the routed experts' fused weights: "
+            "set model.lora.target_experts = true, or leave target_modules unset"
+        )
+    return adapted
 
 
 def lora_targets(model: torch.nn.Module, spec: ModelSpec) -> list[str] | str:

@@ -92,6 +92,10 @@ class DataParallelSteps:
         train = self.parts.train
         if train.grad_clip > 0 and train.grad_clip_mode == "per_parameter":
             return float(clip_per_parameter(params, train.grad_clip))
+        if train.expert_parallel > 1:  # shards on two meshes, which torch's clipping cannot stack
+            from trainer.parallel.expert_parallel import clip_grad_norm
+
+            return float(clip_grad_norm(params, max_norm))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()

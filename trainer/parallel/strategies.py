@@ -146,6 +146,13 @@ def _fully_shard(model: torch.nn.Module, train: TrainSpec, env: DistEnv, mesh: D
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if train.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    if train.expert_parallel > 1:
+        # The experts first: their own units on the (edp, ep) mesh, which the blocks' units leave out.
+        from trainer.parallel.expert_parallel import ExpertParallel
+
+        ep = ExpertParallel.for_world(train, env)
+        assert ep is not None
+        ep.install(model, {k: v for k, v in kwargs.items() if k != "mesh"})
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()

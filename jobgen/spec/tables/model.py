@@ -19,7 +19,15 @@ class LoraSpec(SpecModel):
 
     r: int = Field(16, ge=1, le=4096, description="Adapter rank.")
     alpha: float = Field(32.0, gt=0, description="Scaling (lora_alpha).")
-    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
+    dropout: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description=(
+            "Dropout on the adapter input. With target_experts it is 0 (peft adapts fused expert weights without "
+            "dropout), and another value is refused."
+        ),
+    )
     target_modules: list[str] | str | None = Field(
         None,
         description=(
@@ -28,10 +36,33 @@ class LoraSpec(SpecModel):
             "(every linear layer but the output layer) or a regular expression the whole name must match "
             "('.*\\.(q|v)_proj'). Unset: every linear layer of the decoder blocks, whatever the architecture calls "
             "them (Llama's q/k/v/o and MLP projections, Phi-3's fused qkv_proj, GPT-2's c_attn), routers and "
-            "fused MoE experts left out. With a local model, validate says what will be adapted and refuses "
-            "targets that adapt no layer of it."
+            "fused MoE experts left out (on a mixture of experts, also every layer of a name peft takes as the "
+            "experts': gate_proj, up_proj, down_proj, w1, w2, w3, so DeepSeek-V3's dense and shared MLPs). With a "
+            "local model, validate says what will be adapted and refuses targets that adapt no layer of it, or "
+            "that peft would turn into the experts' without target_experts."
         ),
     )
+    target_experts: bool = Field(
+        False,
+        description=(
+            "On a mixture of experts, adapt the routed experts too: an adapter on each MoE layer's fused expert "
+            "weights (peft's target_parameters), beside target_modules; dropout is then 0. Off: no expert weight "
+            "is adapted. Refused on a model without experts."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _experts_without_dropout(self) -> LoraSpec:
+        if not self.target_experts:
+            return self
+        if "dropout" not in self.model_fields_set:
+            self.dropout = 0.0
+        elif self.dropout:
+            raise ValueError(
+                f"dropout = {self.dropout} with target_experts: peft adapts the experts' fused weights only without "
+                "dropout; set dropout = 0 or leave it unset"
+            )
+        return self
 
     @field_validator("target_modules", mode="before")
     @classmethod

@@ -68,6 +68,19 @@ class TrainSpec(SpecModel):
             "'pipeline', [eval] or loss_chunk_tokens; target_logits_only is not applied under it."
         ),
     )
+    expert_parallel: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "Ranks each mixture-of-experts layer's routed experts are split over (expert parallelism): the N "
+            "consecutive ranks of a group hold E / N experts each, and every token is sent to the rank of each "
+            "expert its router chose and back (all-to-all); the ranks holding the same experts (world / N) shard "
+            "them with FSDP. Every rank still reads its own rows. Checkpoints hold every expert whole, so a run "
+            "resumes with another N. With parallelism = 'fsdp' only; N must divide the world size and the experts "
+            "per layer."
+        ),
+    )
     shard_size: int | None = Field(
         None,
         ge=1,
@@ -329,6 +342,19 @@ class TrainSpec(SpecModel):
         return self
 
     @model_validator(mode="after")
+    def _expert_parallel_keys(self) -> TrainSpec:
+        if self.expert_parallel == 1:
+            return self
+        said = f"train.expert_parallel = {self.expert_parallel}"
+        if not self.strategy.expert_parallel:
+            takes = " or ".join(f"'{name}'" for name, entry in STRATEGIES.items() if entry.expert_parallel)
+            raise ValueError(f"{said} needs train.parallelism = {takes} (it is '{self.parallelism}')")
+        if self.optimizer_in_backward or self.cpu_offload:
+            key = "optimizer_in_backward" if self.optimizer_in_backward else "cpu_offload"
+            raise ValueError(f"{said} cannot be combined with train.{key} yet")
+        return self
+
+    @model_validator(mode="after")
     def _context_parallel_keys(self) -> TrainSpec:
         problem = context_parallel_problem(self.strategy, self.context_parallel, self.turned_on())
         if problem:
@@ -346,6 +372,7 @@ class TrainSpec(SpecModel):
             procs_per_node,
             shard_size=self.shard_size,
             context_parallel=self.context_parallel,
+            expert_parallel=self.expert_parallel,
             pipeline_size=pipeline.pipeline_size(world_size) if pipeline else None,
             data_parallel=pipeline.data_parallel if pipeline else None,
         )
@@ -376,6 +403,10 @@ class TrainSpec(SpecModel):
         if world_size % self.context_parallel:
             return "train.context_parallel", (
                 f"train.context_parallel = {self.context_parallel} must divide the world size {world_size}"
+            )
+        if world_size % self.expert_parallel:
+            return "train.expert_parallel", (
+                f"train.expert_parallel = {self.expert_parallel} must divide the world size {world_size}"
             )
         if self.pipeline is not None:
             return self.pipeline.world_problem(world_size, self.micro_batch_size)

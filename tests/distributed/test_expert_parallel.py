@@ -1,0 +1,114 @@
+"""Expert parallelism (issue 50, ``train.expert_parallel``): each MoE layer's experts split over
+2 ranks, FSDP over the 2 ranks holding the same experts, on 4 gloo processes; the tokens go to
+their experts' ranks and back by all-to-all (trainer/parallel/expert_parallel.py).
+
+- Mixtral, DeepSeek-V3 (shared experts, a dense first layer, MLA) and gpt-oss (expert biases,
+  its own gating) train with the losses of one process training the same global batch;
+- a run stopped under ep 2 resumes under ep 1 (the same 4 ranks) and logs the uninterrupted
+  run's losses: the checkpoint holds every expert whole;
+- validate refuses what cannot be split, naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import DATA, TRAINER_SETTINGS, losses, run_spec, stopped_by_kill_switch, summary, torchrun, torchrun_many
+from jobgen.spec.loader import SpecError
+from model_families import make_family_model
+
+pytestmark = pytest.mark.torch
+
+PROCS = 4
+STEPS = 6
+FAMILIES = ("mixtral", "deepseek-v3", "gpt-oss")
+BATCH = {"max_steps": STEPS, "micro_batch_size": 2, "global_batch_size": 8, "warmup_steps": 1, "save_every_steps": 3}
+
+
+def make_run(directory: Path, model: Path, name: str, procs: int, **train: object) -> Path:
+    """A run of ``procs`` processes on one node, float32 weights."""
+    from jobgen.launch.render import render
+    from jobgen.runs.materialize import materialize
+    from jobgen.spec.loader import load_run
+
+    settings = {k: v for k, v in TRAINER_SETTINGS.items() if k != "grad_accum"}  # global_batch_size decides
+    spec_file = run_spec(
+        directory,
+        name,
+        site={"profile": "local", "slurm": {"cpus_per_node": PROCS}},
+        filename=f"{name}.toml",
+        job={"time": "1h", "runs_root": "runs", "procs_per_node": procs},
+        model={"path": model, "dtype": "float32"},
+        data={"path": DATA, "max_length": 256},
+        train={**settings, **BATCH, **train},
+    )
+    spec = load_run(spec_file)
+    run, _ = materialize(spec, render(spec), spec_file.read_text())
+    return run.path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """family -> (its ep 2 x fsdp 2 run, its 1-process reference), trained."""
+    root = tmp_path_factory.mktemp("ep")
+    runs = {}
+    for family in FAMILIES:
+        model = make_family_model(root / "models" / family, family)
+        split = make_run(root / family / "ep", model, f"{family}-ep", PROCS, parallelism="fsdp", expert_parallel=2)
+        one = make_run(root / family / "one", model, f"{family}-one", 1, parallelism="ddp")
+        runs[family] = (split, one)
+    for nproc, index in ((PROCS, 0), (1, 1)):
+        proc = torchrun_many([pair[index] for pair in runs.values()], nproc=nproc)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return runs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_parallel_2_by_fsdp_2_trains_as_one_process_does(trained, family: str):
+    split, one = trained[family]
+    assert summary(split)["end_step"] == STEPS
+    expected, got = losses(one), losses(split)
+    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-4), (step, got, expected)
+
+
+def test_a_run_stopped_under_ep_2_resumes_under_ep_1_with_the_same_losses(trained, tmp_path: Path):
+    _, one = trained["mixtral"]
+    model = Path(json.loads((one / "spec.json").read_text())["run"]["model"]["path"])
+    run = make_run(tmp_path, model, "resume", PROCS, parallelism="fsdp", expert_parallel=2)
+    stopped, out = stopped_by_kill_switch(run, 4, nproc=PROCS)
+    assert stopped["end_step"] < STEPS, out[-3000:]
+    spec = json.loads((run / "spec.json").read_text())
+    spec["run"]["train"]["expert_parallel"] = 1
+    (run / "spec.json").write_text(json.dumps(spec))
+    proc = torchrun(run, nproc=PROCS, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    resumed = summary(run)
+    # From the checkpoint the kill switch saved under ep 2.
+    assert resumed["end_step"] == STEPS and resumed["start_step"] == stopped["end_step"], (stopped, resumed)
+    expected, got = losses(one), losses(run)
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-4), (step, got, expected)
+
+
+def test_validate_refuses_an_expert_split_the_model_or_the_world_cannot_take(trained, tmp_path: Path):
+    _, one = trained["mixtral"]
+    mixtral = Path(json.loads((one / "spec.json").read_text())["run"]["model"]["path"])  # 4 experts a layer
+    with pytest.raises(SpecError) as refused:
+        make_run(tmp_path / "three", mixtral, "three", 3, parallelism="fsdp", expert_parallel=3, global_batch_size=6)
+    assert refused.value.issues[0].key == "train.expert_parallel"
+    assert "3 does not divide the 4 experts of each MoE layer" in refused.value.issues[0].message
+    with pytest.raises(SpecError) as refused:
+        make_run(tmp_path / "world", mixtral, "world", 3, parallelism="fsdp", expert_parallel=2, global_batch_size=6)
+    assert "must divide the world size 3" in str(refused.value)
+    with pytest.raises(SpecError) as refused:
+        make_run(tmp_path / "ddp", mixtral, "ddp", PROCS, parallelism="ddp", expert_parallel=2)
+    assert "needs train.parallelism = 'fsdp'" in str(refused.value)
+    llama = make_family_model(tmp_path / "llama", "llama")
+    with pytest.raises(SpecError) as refused:
+        make_run(tmp_path / "dense", llama, "dense", PROCS, parallelism="fsdp", expert_parallel=2)
+    assert "has no routed experts to place on ranks" in str(refused.value)
