@@ -32,7 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jobgen.model.parallelism import EVAL, LOSS_CHUNKS, STRATEGIES, Parallelism, Refusal
+from jobgen.model.parallelism import EVAL, LOSS_CHUNKS, STRATEGIES, ModelRefusal, Parallelism, Refusal
+from jobgen.model.traits import ModelTraits
 
 # Why a context-parallel rank cannot do what needs whole rows.
 _SHARES = "each rank holds a share of every row, which the pipeline's schedule and the chunked loss do not split"
@@ -47,6 +48,32 @@ CONTEXT_PARALLEL_REFUSES = (
         (EVAL,), "[eval] cannot be combined with train.context_parallel yet: evaluation runs whole rows on each rank"
     ),
 )
+
+
+# The architectures context parallelism cannot split: it splits attention, and these mix the
+# sequence otherwise too. Said by validate for a local model and by the trainer as it builds one.
+CONTEXT_PARALLEL_REFUSES_MODELS = (
+    ModelRefusal(
+        lambda traits: traits.recurrent,
+        "the model's '{model_type}' layers include sequence mixers that are no attention (Mamba scans, linear "
+        "attention), which would run on each rank's share of a row as if it were the whole row: context "
+        "parallelism splits attention only. Train it with train.context_parallel = 1 (ddp, fsdp or hsdp; "
+        "expert_parallel for its experts); for long rows, train.loss_chunk_tokens and checkpointing",
+    ),
+    ModelRefusal(
+        lambda traits: traits.attention_sinks,
+        "the model's attention has learned sinks ('{model_type}'), which the context-parallel attention does not "
+        "compute: train it with train.context_parallel = 1 (ddp, fsdp or hsdp; expert_parallel for its experts)",
+    ),
+)
+
+
+def context_parallel_model_refusal(degree: int, traits: ModelTraits) -> str | None:
+    """Why ``train.context_parallel = degree`` cannot train a model of ``traits``; None when it
+    can, and always for a degree of 1."""
+    if degree == 1:
+        return None
+    return next((r.text(traits) for r in CONTEXT_PARALLEL_REFUSES_MODELS if r.applies(traits)), None)
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,36 @@ def resolve_attention(choice: str, *, gpu: bool, packing: bool, sdpa: bool, flex
     return "eager", f"{name} does not support SDPA"
 
 
+# Sequence mixers that are no attention: a Mamba scan, linear attention, a short convolution.
+# Context parallelism splits attention only; such a layer would run on a share of each row
+# as if it were the whole. By the layer types a hybrid's config lists, or by the model type.
+RECURRENT_LAYER_TYPES = frozenset(["mamba", "mamba2", "linear_attention", "conv", "recurrent"])
+RECURRENT_MODEL_TYPES = frozenset(
+    [
+        "bamba",
+        "falcon_h1",
+        "falcon_mamba",
+        "granitemoehybrid",
+        "jamba",
+        "kimi_linear",
+        "lfm2",
+        "mamba",
+        "mamba2",
+        "nemotron_h",
+        "olmo_hybrid",
+        "qwen3_next",
+        "recurrent_gemma",
+        "rwkv",
+        "xlstm",
+        "zamba",
+        "zamba2",
+    ]
+)
+# Attention with learned sinks (gpt-oss's per-head ``sinks``), which the context-parallel
+# attention does not compute.
+SINK_MODEL_TYPES = frozenset(["gpt_oss"])
+
+
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The language model's part of a config (a multimodal one nests it in ``text_config``)."""
     nested = config.get("text_config")
@@ -167,6 +197,8 @@ class ModelTraits:
     model_type: str
     tied_embeddings: bool
     experts: int  # routed experts per MoE layer; 0 for a dense model
+    recurrent: bool = False  # some layers mix the sequence by a scan (Mamba, linear attention)
+    attention_sinks: bool = False
 
     def attention(self, choice: str, *, gpu: bool, packing: bool) -> str:
         """The kernel the trainer will run for ``model.attention = choice`` (:func:`resolve_attention`)."""
@@ -186,8 +218,12 @@ class ModelTraits:
         the head is the embedding's weight, which the caller knows with the family's default
         (config.json may leave it out)."""
         text = text_config(config)
+        model_type = str(text.get("model_type") or config.get("model_type") or "")
+        layer_types = text.get("layer_types") or ()
         return cls(
-            model_type=str(text.get("model_type") or config.get("model_type") or ""),
+            model_type=model_type,
             tied_embeddings=tied,
             experts=expert_count(config),
+            recurrent=model_type in RECURRENT_MODEL_TYPES or bool(RECURRENT_LAYER_TYPES & set(layer_types)),
+            attention_sinks=model_type in SINK_MODEL_TYPES,
         )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from jobgen.model.files import ModelInfo, PlanError, read_model
 from jobgen.model.lora_targets import describe_adapted, expert_slot_names, moe_blocks, target_problems, weight_modules
+from jobgen.model.mesh import context_parallel_model_refusal
 from jobgen.model.pipeline_split import LAYERS_KEY, STAGES_KEY, PipelineSplitError, stage_layers
 from jobgen.spec.data_files import data_path_problem, prompts_file_problem
 from jobgen.spec.tables.model import LoraSpec
@@ -95,7 +96,8 @@ def model_problems(run: RunSpec, world_sizes: list[int]) -> list[Problem]:
         return []
     pipeline = run.train.pipeline if run.train.strategy.pipelined else None
     experts_split = run.train.expert_parallel > 1
-    if model.lora is None and not run.train.strategy.refuses_models and not experts_split:
+    split_rows = run.train.context_parallel > 1
+    if model.lora is None and not run.train.strategy.refuses_models and not experts_split and not split_rows:
         return []  # nothing to check: no need to read the model
     info = _model(model.path)
     if info is None:
@@ -104,6 +106,9 @@ def model_problems(run: RunSpec, world_sizes: list[int]) -> list[Problem]:
     refusal = run.train.strategy.model_refusal(info.traits)
     if refusal is not None:
         return [("train.parallelism", f"{model.path}: {refusal}")]
+    unsplit = context_parallel_model_refusal(run.train.context_parallel, info.traits)
+    if unsplit is not None:
+        return [("train.context_parallel", f"{model.path}: {unsplit}")]
     if experts_split:
         problems += _expert_parallel_problems(run.train.expert_parallel, info, model.path)
     if model.lora is not None:
@@ -149,4 +154,3 @@ def _expert_parallel_problems(degree: int, info: ModelInfo, path: str) -> list[P
             )
         ]
     return []
-

@@ -102,3 +102,33 @@ def test_a_family_the_parallelism_cannot_train_stops_the_run_with_the_reason(tmp
     marker = json.loads((run / "failed").read_text())
     assert marker["reason"].startswith("ModelError: train.parallelism = 'pipeline': "), marker
     assert "not 'gemma2'" in marker["reason"] and "train it with train.parallelism = 'ddp'" in marker["reason"]
+
+
+@pytest.mark.parametrize(
+    ("family", "reason"),
+    [("granite-4-h", "sequence mixers that are no attention (Mamba scans"), ("gpt-oss", "learned sinks")],
+)
+def test_context_parallel_refuses_a_model_it_cannot_split_in_validate_and_in_the_trainer(
+    tmp_path: Path, family_models, family: str, reason: str
+):
+    """Granite 4.0-H's Mamba layers under context parallelism ran each rank's share of a row as a
+    whole row, a loss off by 2e-5 on the tiny model: silently wrong. gpt-oss's sinks failed at
+    the first forward. Both are refused before anything queues, and by the trainer for a model
+    validate could not read (a hub id)."""
+    from jobgen.spec.loader import SpecError
+    from jobgen.spec.tables.model import ModelSpec
+    from jobgen.spec.tables.run import TrainSpec
+    from trainer.model.build import refuse_unsupported
+    from trainer.model.errors import ModelError
+
+    model = family_models(family)
+    with pytest.raises(SpecError) as refused:
+        make_run(tmp_path, model, "cp", parallelism="fsdp", context_parallel=2)
+    (issue,) = [issue for issue in refused.value.issues if reason in issue.message]  # beside the 1-process world's
+    assert issue.key == "train.context_parallel" and str(model) in issue.message
+    assert "train.context_parallel = 1 (ddp, fsdp or hsdp; expert_parallel for its experts)" in issue.message
+    train = TrainSpec(parallelism="fsdp", context_parallel=2, max_steps=1)
+    with pytest.raises(ModelError) as stopped:
+        refuse_unsupported(ModelSpec(path=str(model)), train)
+    assert str(stopped.value).startswith(f"train.context_parallel = 2: {model}: ") and reason in str(stopped.value)
+    refuse_unsupported(ModelSpec(path=str(model)), TrainSpec(parallelism="fsdp", max_steps=1))  # cp 1 trains

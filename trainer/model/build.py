@@ -46,11 +46,16 @@ def refuse_unsupported(spec: ModelSpec, train: TrainSpec) -> None:
     (jobgen.model.parallelism's model refusals, which validate says of a local model too)."""
     from transformers import AutoConfig
 
+    from jobgen.model.mesh import context_parallel_model_refusal
     from trainer.model.architecture import model_traits
 
-    if not train.strategy.refuses_models:
+    if not train.strategy.refuses_models and train.context_parallel == 1:
         return
     config = AutoConfig.from_pretrained(spec.path, trust_remote_code=False)  # no code from the model directory
-    refusal = train.strategy.model_refusal(model_traits(config))
+    traits = model_traits(config)
+    refusal = train.strategy.model_refusal(traits)
     if refusal is not None:
         raise ModelError(f"train.parallelism = '{train.parallelism}': {spec.path}: {refusal}")
+    unsplit = context_parallel_model_refusal(train.context_parallel, traits)
+    if unsplit is not None:
+        raise ModelError(f"train.context_parallel = {train.context_parallel}: {spec.path}: {unsplit}")
