@@ -303,22 +303,28 @@ def make_run(
     data: dict[str, object] | None = None,
     eval: dict[str, object] | None = None,
     site: str | dict[str, object] = "local",
+    procs: int | None = None,
     **train: object,
 ) -> Path:
     """A run directory as ``jobgen submit`` writes it (spec ``directory/NAME.toml``, runs under
     ``directory/runs``), for ``torchrun``: the tiny model, the example data, TRAINER_SETTINGS
     overridden by ``train``; ``model``/``data`` add keys to those tables, ``eval`` writes [eval],
-    ``site`` is the site profile or its overrides."""
+    ``site`` is the site profile or its overrides; ``procs``: job.procs_per_node, for a layout
+    validate checks against the world (train.expert_parallel), on a site of as many CPUs."""
     from jobgen.launch.render import render
     from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
 
+    job: dict[str, object] = {"time": "1h", "runs_root": "runs"}
+    if procs is not None:
+        job["procs_per_node"] = procs
+        site = {"profile": site, "slurm": {"cpus_per_node": procs}} if isinstance(site, str) else site
     spec_file = run_spec(
         directory,
         name,
         site=shared_cache(site),
         filename=f"{name}.toml",
-        job={"time": "1h", "runs_root": "runs"},
+        job=job,
         model={"path": tiny_model, **(model or {})},
         data={"path": DATA, "max_length": 256, **(data or {})},
         train=_batch_keys({**TRAINER_SETTINGS, **train}, train),

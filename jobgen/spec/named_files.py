@@ -145,12 +145,8 @@ def _expert_parallel_problems(degree: int, info: ModelInfo, path: str) -> list[P
     """train.expert_parallel on a model without experts, or one whose experts it does not divide."""
     experts = info.traits.experts
     if not experts:
-        return [("train.expert_parallel", f"the model in {path} has no routed experts to place on ranks")]
+        return [("train.expert_parallel", f"{path}: the model has no routed experts to place on ranks")]
     if experts % degree:
-        return [
-            (
-                "train.expert_parallel",
-                f"{degree} does not divide the {experts} experts of each MoE layer of the model in {path}",
-            )
-        ]
+        why = f"{path}: {degree} does not divide the {experts} experts of each of the model's MoE layers"
+        return [("train.expert_parallel", why)]
     return []

@@ -101,7 +101,7 @@ def test_validate_refuses_an_expert_split_the_model_or_the_world_cannot_take(tra
     with pytest.raises(SpecError) as refused:
         make_run(tmp_path / "three", mixtral, "three", 3, parallelism="fsdp", expert_parallel=3, global_batch_size=6)
     assert refused.value.issues[0].key == "train.expert_parallel"
-    assert "3 does not divide the 4 experts of each MoE layer" in refused.value.issues[0].message
+    assert "3 does not divide the 4 experts of each of the model's MoE layers" in refused.value.issues[0].message
     with pytest.raises(SpecError) as refused:
         make_run(tmp_path / "world", mixtral, "world", 3, parallelism="fsdp", expert_parallel=2, global_batch_size=6)
     assert "must divide the world size 3" in str(refused.value)

@@ -1,9 +1,10 @@
-"""The model families users fine-tune under every parallelism jobgen offers (issue 32): tiny random
-models of 13 families (tests/model_families.py) x {DDP, FSDP, LoRA with its default targets,
-a pipeline of 2 stages} on 2 gloo processes, 3 steps each, and each family's export.
+"""The model families users fine-tune under every parallelism jobgen offers (issues 32 and 50): tiny
+random models of 19 families (tests/model_families.py) x {DDP, FSDP, LoRA with its default
+targets, a pipeline of 2 stages, each MoE layer's experts over 2 ranks} on 2 gloo processes, 3
+steps each, and each family's export.
 
 Every cell either trains with the losses of one process training the same global batch (DDP
-and LoRA to float rounding, FSDP and the pipeline within float tolerance), or is refused by
+and LoRA to float rounding, FSDP, the pipeline and expert parallel within float tolerance), or is refused by
 ``jobgen validate`` (the spec's loading) with its reason. Each family's trained checkpoint
 (FSDP's where FSDP trains it, DDP's otherwise) exports to a directory that
 ``from_pretrained`` loads, equal to the checkpoint tensor for tensor, its files holding the
@@ -37,11 +38,13 @@ MODES: dict[str, tuple[dict[str, object], str]] = {
     # No dropout: its masks are drawn per rank, so 2 ranks and 1 process would drop different inputs.
     "lora": ({"parallelism": "ddp", "model": {"lora": {"dropout": 0.0}}}, "lora"),
     "pipeline": ({"parallelism": "pipeline", "pipeline": {"schedule": "1f1b", "microbatches": 2}}, "full"),
+    # Each MoE layer's experts split over the 2 ranks (trainer/parallel/expert_parallel.py).
+    "ep": ({"parallelism": "fsdp", "expert_parallel": 2, "procs": 2}, "full"),
 }
 REFERENCES: dict[str, dict[str, object]] = {"full": {"parallelism": "ddp"}, "lora": MODES["lora"][0]}
 # Losses of 2 ranks against 1: DDP sums the same gradients in another order; FSDP reduces
 # shards; a pipeline's stages send activations between ranks.
-TOLERANCE = {"ddp": 1e-5, "lora": 1e-5, "fsdp": 1e-4, "pipeline": 1e-4}
+TOLERANCE = {"ddp": 1e-5, "lora": 1e-5, "fsdp": 1e-4, "pipeline": 1e-4, "ep": 1e-4}
 TABLE = REPO / "docs" / "model-families.md"
 # family -> what its export showed, filled by the export test (run before the table's, in this file's order)
 EXPORTED: dict[str, str] = {}
@@ -88,7 +91,7 @@ CELLS = [(family, mode) for family in FAMILIES for mode in MODES]
 def test_each_cell_trains_as_one_process_does_or_is_refused_by_validate(matrix: Matrix, family: str, mode: str):
     if (family, mode) in matrix.refused:
         reason = matrix.refused[family, mode]
-        assert "train.parallelism" in reason or "pipeline" in reason, reason
+        assert "train.parallelism" in reason or "pipeline" in reason or "experts" in reason, reason
         assert str(matrix.models[family]) in reason  # names the model it cannot train
         return
     run = matrix.runs[family, mode]
@@ -107,10 +110,20 @@ def test_what_validate_refuses_is_what_the_table_of_parallelisms_says(matrix: Ma
     it); DDP, FSDP (the mixtures of experts' per-expert checkpoints merged as they load) and
     LoRA train every family."""
     pipelined = {"llama", "qwen3", "mistral-sliding"}
-    assert sorted(matrix.refused) == sorted((family, "pipeline") for family in FAMILIES if family not in pipelined)
+    dense = {family for family in FAMILIES if not _experts(matrix.models[family])}
+    refused = [(family, "pipeline") for family in FAMILIES if family not in pipelined]
+    refused += [(family, "ep") for family in dense]
+    assert sorted(matrix.refused) == sorted(refused)
+    assert "the model has no routed experts to place on ranks" in matrix.refused["llama", "ep"]
     assert "ties its input and output embeddings" in matrix.refused["qwen2-tied", "pipeline"]
     assert "not 'gpt2'" in matrix.refused["gpt2", "pipeline"]  # refused before any AttributeError
     assert "train it with train.parallelism = 'ddp' or 'fsdp' or 'hsdp'" in matrix.refused["mixtral", "pipeline"]
+
+
+def _experts(model: Path) -> int:
+    from jobgen.model.files import read_model
+
+    return read_model(model).traits.experts
 
 
 def test_attention_auto_is_eager_where_the_class_has_no_sdpa(matrix: Matrix):
@@ -149,7 +162,13 @@ def _tensor_names(directory: Path) -> set[str]:
 
 # ---------------------------------------------------------------- the table in docs/
 
-MODE_TITLES = {"ddp": "DDP", "fsdp": "FSDP", "lora": "LoRA (default targets)", "pipeline": "pipeline, 2 stages"}
+MODE_TITLES = {
+    "ddp": "DDP",
+    "fsdp": "FSDP",
+    "lora": "LoRA (default targets)",
+    "pipeline": "pipeline, 2 stages",
+    "ep": "expert parallel 2",
+}
 
 
 def render_table(matrix: Matrix) -> str:
@@ -181,7 +200,7 @@ def render_table(matrix: Matrix) -> str:
         "     the test fails when this file is not what the runs showed. -->",
         "",
         f"Tiny random models of each family (tests/model_families.py), {STEPS} steps on 2 gloo processes. "
-        '"trains": the losses equal those of one process training the same global batch (FSDP and the '
+        '"trains": the losses equal those of one process training the same global batch (FSDP, expert parallel and the '
         'pipeline within float tolerance); "refused": `jobgen validate` refuses the spec, for the reason '
         "below, before anything is queued (the trainer refuses it too, should a hub id skip the check). "
         "Export: `jobgen export` of the FSDP checkpoint, loaded with `AutoModelForCausalLM.from_pretrained`, "

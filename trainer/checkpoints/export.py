@@ -68,6 +68,7 @@ from trainer.checkpoints.hf_shards import (
 )
 from trainer.checkpoints.hub_layout import HubLayout
 from trainer.model.build import add_lora, load_tokenizer
+from trainer.model.mxfp4 import is_mxfp4
 
 
 def candidates(run_dir: Path, name: str | None) -> list[Path]:
@@ -263,12 +264,15 @@ def _adapter_config(skeleton: torch.nn.Module, model_spec: ModelSpec):
 
 
 def _save_config(config, path: str, dtype: torch.dtype, staging: Path) -> None:
-    """config.json in the export dtype with the KV cache on (training turns it off), and the
-    generation config the base model has, or the one from_pretrained would derive."""
+    """config.json in the export dtype with the KV cache on (training turns it off), without
+    the base model's MXFP4 quantization (gpt-oss's experts are exported as they trained), and
+    the generation config the base model has, or the one from_pretrained would derive."""
     from transformers import GenerationConfig
 
     config.dtype = dtype
     config.use_cache = True
+    if is_mxfp4(config):  # the weights are written dequantized, as they trained
+        del config.quantization_config
     config.save_pretrained(staging)
     try:
         generation = GenerationConfig.from_pretrained(path)

@@ -12,6 +12,7 @@ import torch
 from jobgen.spec.tables.model import ModelSpec
 from jobgen.spec.tables.run import TrainSpec
 from trainer.model.errors import ModelError
+from trainer.model.mxfp4 import is_mxfp4
 from trainer.model.prep import (  # noqa: F401 - re-exported: trainer.model.build is where callers look
     DTYPES,
     add_lora,
@@ -31,12 +32,18 @@ log = logging.getLogger("trainer.model.build")
 def load_model(spec: ModelSpec, device: torch.device, attention: str = "sdpa") -> torch.nn.Module:
     """The whole causal LM on ``device``, with LoRA and gradient checkpointing as the spec asks:
     for DDP, where every rank holds a replica anyway."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     # A model directory may be a teammate's: its custom code never runs, and a .bin file is read
     # weights-only (transformers' defaults, stated so that no upgrade changes them unseen).
+    extra = {}
+    config = AutoConfig.from_pretrained(spec.path, trust_remote_code=False)
+    if is_mxfp4(config):  # gpt-oss as published: its experts dequantized to the training dtype
+        from transformers import Mxfp4Config
+
+        extra["quantization_config"] = Mxfp4Config(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(
-        spec.path, dtype=param_dtype(spec, device), trust_remote_code=False, weights_only=True
+        spec.path, dtype=param_dtype(spec, device), trust_remote_code=False, weights_only=True, **extra
     )
     return prepare(model, spec, attention).to(device)
 

@@ -91,7 +91,7 @@ def expert_plans(merged: dict[str, dict[str, object]]) -> list[ExpertMerge]:
     return plans
 
 
-def _files(directory: Path) -> dict[str, Path]:
+def checkpoint_files(directory: Path) -> dict[str, Path]:
     """Checkpoint key -> the safetensors file holding it."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -105,7 +105,7 @@ def _files(directory: Path) -> dict[str, Path]:
     return where
 
 
-def _rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """This rank's part of ``tensor`` (a DTensor shard, or the whole tensor) and the experts it
     covers: (local tensor, first expert, experts)."""
     from torch.distributed.tensor import DTensor
@@ -129,10 +129,10 @@ def fill_merged(tensors: dict[str, torch.Tensor], plans: list[ExpertMerge], dire
     checkpoint tensors read."""
     from safetensors import safe_open
 
-    where = _files(directory)
+    where = checkpoint_files(directory)
     read = 0
     for plan in plans:
-        local, first, count = _rows(tensors[plan.name])
+        local, first, count = local_rows(tensors[plan.name])
         if local.shape[0] == 0:
             continue
         for row in range(count):

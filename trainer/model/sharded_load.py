@@ -46,6 +46,7 @@ from trainer.distributed import DistEnv
 from trainer.model.architecture import CheckpointLayout
 from trainer.model.errors import ModelError
 from trainer.model.merged_experts import expert_plans, fill_merged
+from trainer.model.mxfp4 import fill_mxfp4, mxfp4_plans
 
 log = logging.getLogger("trainer.model.sharded_load")
 
@@ -174,13 +175,16 @@ def read_weights(model: torch.nn.Module, directory: Path, threads: int, layout: 
     # Fused experts built from the checkpoint's per-expert tensors: each rank reads its experts'.
     fused = {key: tensors[key] for key in missing if key in merged}
     plans = expert_plans({key: merged[key] for key in fused})
-    missing = [key for key in missing if key not in fused]
+    # gpt-oss's MXFP4 experts, dequantized as they are read (trainer.model.mxfp4).
+    quantized = mxfp4_plans([key for key in missing if key not in fused], available)
+    missing = [key for key in missing if key not in fused and key not in quantized]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ShardedLoadError(f"model.path: {directory}: the safetensors lack {shown}")
     with torch.no_grad():
         dcp.load(state, storage_reader=reader)
-    return len(state) + fill_merged(fused, plans, directory)
+    read = fill_mxfp4({key: tensors[key] for key in quantized}, quantized, directory)
+    return len(state) + fill_merged(fused, plans, directory) + read
 
 
 def recompute_buffers(model: torch.nn.Module, device: torch.device) -> None:
