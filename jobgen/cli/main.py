@@ -138,8 +138,9 @@ def plan(spec_file: str, as_json: bool) -> None:
     one rank, from the model's safetensors headers and config.json, against the site's
     slurm.device_memory; the cheapest changes that would make it fit. With a run
     directory whose metrics.json holds measured peaks, they are shown beside the plan.
-    Without safetensors, a Llama-like model (Llama, Mistral, Qwen2/3, Gemma 1-3) is counted
-    from config.json.
+    Without safetensors, a Llama-like model (Llama, Mistral, Qwen2/3, Gemma 1-3) or a mixture
+    of experts (Mixtral, Qwen2/3-MoE, gpt-oss) is counted from config.json; a mixture of
+    experts' routed activations and the experts FSDP gathers follow train.expert_parallel.
 
     \b
     On a GPU the verdict adds headroom to the predicted peak (max_memory_allocated):

@@ -14,11 +14,12 @@ import json
 import math
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from jobgen.base.sizes import MIB
+from jobgen.model.experts import MoeShape, moe_config_tensors
 from jobgen.model.traits import ModelTraits
 
 SAFETENSORS_DTYPE_BYTES = {
@@ -42,6 +43,9 @@ class ModelFileError(PlanError):
 class UnsizedModel(PlanError):
     """A local model directory without safetensors whose config.json is not of an architecture
     whose parameter count follows from it; the message says why."""
+
+
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class ModelInfo:
     tie_word_embeddings: bool
     traits: ModelTraits  # what decides whether a parallelism can train it
     counted_from: str = "safetensors"  # or "config.json" when there are no safetensors
+    moe: MoeShape | None = None  # a mixture of experts' shape (jobgen.model.experts); None: dense
 
     @property
     def param_count(self) -> int:
@@ -77,10 +82,22 @@ class ModelInfo:
 
     @property
     def parameters(self) -> list[TensorInfo]:
-        """The tensors that are parameters of the model: a tied head stored twice counts once."""
+        """The tensors that are parameters of the model: a tied head stored twice counts once;
+        an MXFP4 weight (gpt-oss's ``<name>_blocks`` and ``_scales``) as the parameter the
+        trainer dequantizes it into."""
         names = {t.name for t in self.tensors}
         tied_head = self.tie_word_embeddings and any(n.endswith("embed_tokens.weight") for n in names)
-        return [t for t in self.tensors if not (tied_head and t.name.endswith("lm_head.weight"))]
+        out = []
+        for t in self.tensors:
+            if tied_head and t.name.endswith("lm_head.weight"):
+                continue
+            if t.name.endswith(MXFP4_SCALES) and t.name.removesuffix(MXFP4_SCALES) + MXFP4_BLOCKS in names:
+                continue
+            if t.name.endswith(MXFP4_BLOCKS) and t.dtype == "U8" and len(t.shape) == 4:
+                experts, rows, groups, half = t.shape  # two FP4 values a byte
+                t = TensorInfo(t.name.removesuffix(MXFP4_BLOCKS), "BF16", (experts, groups * half * 2, rows))
+            out.append(t)
+        return out
 
     @property
     def largest_numel(self) -> int:
@@ -213,12 +230,13 @@ def _model_info(
     if heads % kv_heads:
         raise ModelFileError(f"{path}: num_key_value_heads = {kv_heads} does not divide {heads} attention heads")
     tied_embeddings = bool(dims.get("tie_word_embeddings", tied))
-    return ModelInfo(
+    num_layers = _dim(path, dims, "num_hidden_layers", "n_layer", "num_layers")
+    info = ModelInfo(
         directory=str(root),
         tensors=tuple(tensors),
         hidden_size=hidden,
         intermediate_size=_dim(path, dims, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
-        num_layers=_dim(path, dims, "num_hidden_layers", "n_layer", "num_layers"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         vocab_size=_dim(path, dims, "vocab_size"),
@@ -226,6 +244,7 @@ def _model_info(
         traits=ModelTraits.of_config(config, tied=tied_embeddings),
         counted_from=counted_from,
     )
+    return replace(info, moe=MoeShape.of(config, info.parameters, num_layers))
 
 
 def read_model(directory: str | Path) -> ModelInfo:
@@ -259,6 +278,9 @@ class _Family:
     qkv_bias: bool = False  # q/k/v projections always have biases (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3, Gemma 3)
     sandwich_norms: bool = False  # norms before and after the MLP too (Gemma 2 and 3)
+    experts: bool = False  # routed experts instead of the dense MLP (jobgen.model.experts)
+    attention_bias: bool = False  # every attention projection has a bias (gpt-oss)
+    sinks: bool = False  # a learned attention sink per head (gpt-oss)
 
 
 # The decoder-only families whose every tensor follows from config.json; the defaults are those
@@ -271,6 +293,10 @@ FAMILIES = {
     "gemma": _Family(tied=True),
     "gemma2": _Family(tied=True, sandwich_norms=True),
     "gemma3_text": _Family(tied=True, sandwich_norms=True, qk_norm=True),
+    "mixtral": _Family(experts=True),
+    "qwen2_moe": _Family(qkv_bias=True, experts=True),
+    "qwen3_moe": _Family(qk_norm=True, experts=True),
+    "gpt_oss": _Family(experts=True, attention_bias=True, sinks=True),
 }
 _DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -294,7 +320,7 @@ def config_tensors(path: Path, config: dict[str, Any]) -> list[TensorInfo]:
         raise ModelFileError(f"{path}: hidden_size = {hidden} is not a multiple of num_attention_heads = {heads}")
     head_dim = _dim(path, config, "head_dim", default=hidden // heads)
     inter, vocab = _dim(path, config, "intermediate_size"), _dim(path, config, "vocab_size")
-    attn_bias, mlp_bias = bool(config.get("attention_bias")), bool(config.get("mlp_bias"))
+    attn_bias, mlp_bias = bool(config.get("attention_bias")) or family.attention_bias, bool(config.get("mlp_bias"))
     shapes: dict[str, list[int]] = {"model.embed_tokens.weight": [vocab, hidden], "model.norm.weight": [hidden]}
     if not config.get("tie_word_embeddings", family.tied):
         shapes["lm_head.weight"] = [vocab, hidden]
@@ -303,10 +329,13 @@ def config_tensors(path: Path, config: dict[str, Any]) -> list[TensorInfo]:
         "self_attn.k_proj": ([kv * head_dim, hidden], attn_bias or family.qkv_bias),
         "self_attn.v_proj": ([kv * head_dim, hidden], attn_bias or family.qkv_bias),
         "self_attn.o_proj": ([hidden, heads * head_dim], attn_bias),
-        "mlp.gate_proj": ([inter, hidden], mlp_bias),
-        "mlp.up_proj": ([inter, hidden], mlp_bias),
-        "mlp.down_proj": ([hidden, inter], mlp_bias),
     }
+    if not family.experts:
+        projections |= {
+            "mlp.gate_proj": ([inter, hidden], mlp_bias),
+            "mlp.up_proj": ([inter, hidden], mlp_bias),
+            "mlp.down_proj": ([hidden, inter], mlp_bias),
+        }
     norms = ["input_layernorm", "post_attention_layernorm"]
     norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if family.sandwich_norms else []
     for i in range(_dim(path, config, "num_hidden_layers")):
@@ -318,5 +347,9 @@ def config_tensors(path: Path, config: dict[str, Any]) -> list[TensorInfo]:
         shapes |= {prefix + n + ".weight": [hidden] for n in norms}
         if family.qk_norm:
             shapes |= {prefix + "self_attn.q_norm.weight": [head_dim], prefix + "self_attn.k_norm.weight": [head_dim]}
+        if family.sinks:
+            shapes[prefix + "self_attn.sinks"] = [heads]
+    layers = _dim(path, config, "num_hidden_layers")
+    shapes |= moe_config_tensors(config, hidden, layers) if family.experts else {}
     dtype = _DTYPE_NAMES.get(str(config.get("torch_dtype") or config.get("dtype")), "F32")
     return [TensorInfo(name, dtype, tuple(shape)) for name, shape in shapes.items()]

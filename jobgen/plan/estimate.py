@@ -36,6 +36,12 @@ What the estimate models (``trainer/model/build.py``, ``trainer/loop.py``, ``tra
       ``sdpa``, whose memory is linear in T). Gradient checkpointing keeps one block input
       per layer plus one block's activations during its recompute; activation offloading
       moves those block inputs to pinned host memory.
+    - a mixture of experts (:class:`jobgen.model.experts.MoeShape`): a MoE layer's MLP
+      activations are the router's float32 logits and probabilities, each token's copies for
+      its top-k experts and the experts' intermediates at their size (balanced routing: no
+      expert takes more than its share), the shared experts' beside them; with
+      ``train.expert_parallel`` the all-to-all's sent and received rows too, and FSDP gathers
+      E / ep of each layer's experts instead of all of them.
     - logits: ``B*T*vocab`` of them, float32 for the loss and its gradient; a chunked loss
       (``loss_chunk_tokens``) keeps ``chunk*vocab``.
     - pipeline (``train.parallelism = "pipeline"``, :attr:`PlanInputs.pipeline`): not here;
@@ -135,17 +141,65 @@ def _adafactor_state(shape: tuple[int, ...]) -> int:
 
 
 def layer_activation_bytes(model: ModelInfo, inputs: PlanInputs, lora_modules: int = 0) -> int:
-    """Bytes one decoder layer saves for backward at micro-batch B and T tokens."""
+    """Bytes one decoder layer saves for backward at micro-batch B and T tokens (a mixture of
+    experts' layers averaged with its dense ones: :func:`_moe_mlp_bytes`)."""
     tokens = inputs.micro_batch_size * inputs.seq_len
     r = model.num_kv_heads / model.num_heads
     norm = 8 if inputs.act_bytes == 4 else 10  # x and x*rsqrt in fp32, plus the cast back under bf16
     a_h = 2 * norm + inputs.act_bytes * (4 + 3 * r + lora_modules)
     a_i = 4 * inputs.act_bytes
     total = tokens * (a_h * model.hidden_size + a_i * model.intermediate_size)
+    if model.moe is not None and model.moe.moe_layers:
+        moe = model.moe
+        routed = tokens * (a_h * model.hidden_size) + _moe_mlp_bytes(model, inputs, a_i)
+        total = (moe.moe_layers * routed + (model.num_layers - moe.moe_layers) * total) / model.num_layers
     if inputs.attn_implementation == "eager":
         scores = inputs.micro_batch_size * model.num_heads * inputs.seq_len**2
         total += scores * (4 + (inputs.act_bytes if inputs.act_bytes != 4 else 0))
     return int(total)
+
+
+def _moe_mlp_bytes(model: ModelInfo, inputs: PlanInputs, a_i: int) -> float:
+    """What a MoE layer's MLP saves for backward: the router's float32 logits and
+    probabilities over the experts, each token's copy for each of its top-k experts (gathered
+    in, weighted out) and the experts' intermediates at their own size, the shared experts'
+    as a dense MLP's; with expert parallelism the rows sent and received by the all-to-all
+    too (balanced routing: a rank receives as many rows as it sends)."""
+    assert model.moe is not None
+    moe, ab = model.moe, inputs.act_bytes
+    tokens = inputs.micro_batch_size * inputs.seq_len
+    pairs = tokens * moe.top_k
+    copies = 2 + (2 if inputs.expert_parallel > 1 else 0)
+    return (
+        tokens * moe.experts * 4 * 2
+        + pairs * model.hidden_size * ab * copies
+        + a_i * (pairs * moe.expert_intermediate + tokens * moe.shared_intermediate)
+    )
+
+
+def moe_note(model: ModelInfo, inputs: PlanInputs) -> str:
+    """What the plan says of a mixture of experts: its routing and, per expert-parallel degree,
+    each rank's experts and the rows its all-to-all moves."""
+    assert model.moe is not None
+    moe, ep = model.moe, inputs.expert_parallel
+    said = f"mixture of experts: {moe.experts} experts in each of {moe.moe_layers} MoE layers, top-{moe.top_k}"
+    if ep == 1:
+        return said + "; every rank's FSDP unit gathers all of a layer's experts (train.expert_parallel = 1)"
+    rows = inputs.micro_batch_size * inputs.seq_len * moe.top_k
+    return (
+        f"{said}; train.expert_parallel = {ep}: {moe.experts // ep} experts per rank, {rows} rows of "
+        f"{model.hidden_size} sent and received by each all-to-all (balanced routing assumed; a skewed "
+        "router sends more to its favourite experts' ranks)"
+    )
+
+
+def _mlp_width(model: ModelInfo) -> float:
+    """The intermediate width one token's backward works through, averaged over the layers."""
+    moe = model.moe
+    if moe is None or not moe.moe_layers:
+        return model.intermediate_size
+    routed = moe.top_k * moe.expert_intermediate + moe.shared_intermediate
+    return (moe.moe_layers * routed + (model.num_layers - moe.moe_layers) * model.intermediate_size) / model.num_layers
 
 
 @dataclass(frozen=True)
@@ -225,13 +279,17 @@ def _fsdp_gather_bytes(model: ModelInfo, inputs: PlanInputs, tr: Trainable) -> i
     # root keeps the shared embedding gathered throughout, and its unsharded gradient too.
     head = model.vocab_size * model.hidden_size
     grad_dtype = pb + (4 if inputs.device == "cuda" else 0)  # bf16 gradients reduced in fp32
+    # A MoE block gathers all its experts, or with expert parallelism its E / ep of them.
+    block = model.block_numel
+    if model.moe is not None:
+        block -= model.moe.routed_numel - model.moe.local_routed_numel(inputs.expert_parallel)
     if model.tie_word_embeddings:
         gathered = model.root_numel
-        unsharded_grads = model.root_numel + model.block_numel
+        unsharded_grads = model.root_numel + block
     else:
         gathered = head
-        unsharded_grads = max(head, model.block_numel)
-    return (gathered + 2 * model.block_numel) * pb + (0 if tr.lora else unsharded_grads * grad_dtype)
+        unsharded_grads = max(head, block)
+    return (gathered + 2 * block) * pb + (0 if tr.lora else unsharded_grads * grad_dtype)
 
 
 def runtime_buffer_bytes(model: ModelInfo, inputs: PlanInputs) -> tuple[int, int]:
@@ -256,7 +314,7 @@ def activation_parts(model: ModelInfo, inputs: PlanInputs, lora_modules: int = 0
     ab = inputs.act_bytes
     tokens = inputs.micro_batch_size * inputs.seq_len
     per_layer = layer_activation_bytes(model, inputs, lora_modules)
-    backward_work = tokens * ab * (BACKWARD_WORK_H * model.hidden_size + BACKWARD_WORK_I * model.intermediate_size)
+    backward_work = tokens * ab * (BACKWARD_WORK_H * model.hidden_size + BACKWARD_WORK_I * _mlp_width(model))
     final_norm = tokens * model.hidden_size * (8 if ab == 4 else 10)
     if not inputs.gradient_checkpointing:
         return ActivationParts(per_layer, backward_work, final_norm)
@@ -392,6 +450,8 @@ def estimate(model: ModelInfo, inputs: PlanInputs) -> Estimate:
     phases = {"load": int(load), "first_step": int(first_step), "steady": int(steady)}
     if inputs.cpu_offload and not inputs.offloaded:
         notes.append("train.cpu_offload applies to FSDP2 on GPU sites only; ignored")
+    if model.moe is not None:
+        notes.append(moe_note(model, inputs))
     return Estimate(components, phases, int(host_offload), tr.count, notes, host_states)
 
 

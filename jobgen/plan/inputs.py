@@ -72,6 +72,7 @@ class PlanInputs:
     nccl: NcclSettings = field(default_factory=NcclSettings)  # the site's network and NCCL variables
     pipeline: PipelineInputs | None = None  # [train.pipeline] when parallelism is "pipeline"
     context_parallel: int = 1  # train.context_parallel; seq_len is then one rank's share of a row
+    expert_parallel: int = 1  # train.expert_parallel: ranks each MoE layer's experts are split over
 
     @property
     def param_bytes(self) -> int:
@@ -107,6 +108,7 @@ class PlanInputs:
             self.node_procs or self.ranks_per_node,
             shard_size=self.shard_size,
             context_parallel=self.context_parallel,
+            expert_parallel=self.expert_parallel,
             pipeline_size=pipe.size if pipe else None,
             data_parallel=pipe.data_parallel if pipe else None,
         )

@@ -335,6 +335,7 @@ def inputs_for(spec: Any, model_info: ModelInfo | None = None) -> PlanInputs:
         micro_batch_size=train.micro_batch_size,
         seq_len=share_of_row(data.max_length, train.context_parallel),
         context_parallel=train.context_parallel,
+        expert_parallel=train.expert_parallel,
         attn_implementation=_attention(model.attention, spec.site.slurm.computes_on_gpu, data.packing, model_info),
         grad_accum=grad_accum,
         optimizer=train.optimizer,
@@ -361,7 +362,8 @@ def _lora_leaves(targets: list[str] | str | None, model_info: ModelInfo | None) 
     if model_info is None:
         return () if targets is None or isinstance(targets, str) else tuple(t.rsplit(".", 1)[-1] for t in targets)
     modules = weight_modules(model_info.tensors)
-    return tuple(sorted({name.rsplit(".", 1)[-1] for name in adapted(targets, modules)}))
+    names = adapted(targets, modules, experts=bool(model_info.traits.experts))
+    return tuple(sorted({name.rsplit(".", 1)[-1] for name in names}))
 
 
 def _attention(attention: str, gpu: bool, packing: bool, model_info: ModelInfo | None) -> str:

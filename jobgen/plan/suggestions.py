@@ -212,10 +212,30 @@ def _offload_change(inputs: PlanInputs) -> list[_Change]:
     return [_Change(f"train.cpu_offload = true{fsdp}", OFFLOAD_COST, cpu_offload=True, parallelism=parallelism)]
 
 
-def _candidates(inputs: PlanInputs, procs_per_node: int) -> list[_Change]:
+def _expert_parallel_changes(model: ModelInfo, inputs: PlanInputs) -> list[_Change]:
+    """For a mixture of experts under a strategy that splits experts: each MoE layer's experts
+    over K ranks of a node (K dividing the experts and the world; the all-to-all stays on the
+    node's links), the fewest first."""
+    moe = model.moe
+    if moe is None or not inputs.strategy.expert_parallel or inputs.expert_parallel > 1:
+        return []
+    out = []
+    for degree in range(2, min(moe.experts, inputs.ranks_per_node) + 1):
+        if moe.experts % degree or inputs.world_size % degree:
+            continue
+        cost = (
+            f"each MoE layer's routed tokens cross an all-to-all twice forward and twice backward; FSDP gathers "
+            f"{moe.experts // degree} of its {moe.experts} experts instead of all"
+        )
+        out.append(_Change(f"train.expert_parallel = {degree}", cost, expert_parallel=degree))
+    return out
+
+
+def _candidates(inputs: PlanInputs, procs_per_node: int, model: ModelInfo | None = None) -> list[_Change]:
     """Candidate changes, cheapest first; a pipeline among them on an Ethernet site. Some may
     be what the spec refuses (:func:`_runs` leaves them out)."""
     out = _pipeline_run_changes(inputs)
+    out += _expert_parallel_changes(model, inputs) if model is not None else []
     # The spec refuses optimizer_in_backward with accumulation, a global batch (its grad_accum
     # follows the world) and clipping by the global norm (no moment holds every gradient).
     in_backward_refused = inputs.grad_accum > 1 or inputs.global_batch_size is not None or inputs.global_clip
@@ -278,6 +298,8 @@ def _runs(model: ModelInfo, inputs: PlanInputs, held: frozenset[str], *, may_mov
     on = inputs.turned_on() | held
     if context_parallel_problem(inputs.strategy, inputs.mesh.cp, on):
         return False
+    if inputs.expert_parallel > 1 and not inputs.strategy.expert_parallel:
+        return False
     if inputs.strategy.refusal(on) and not (may_move and inputs.strategy.instead):
         return False
     return not inputs.strategy.pipelined or pipeline_problem(model, inputs, held) is None
@@ -315,7 +337,7 @@ def suggestions(
     (RunSpec.turned_on), so that nothing is suggested that the spec would refuse."""
     wanted = ("fits",) if tight else ("fits", "tight")
     found = []
-    for change in _candidates(inputs, procs_per_node):
+    for change in _candidates(inputs, procs_per_node, model):
         if not _runs(model, change(inputs), held):
             continue
         suggestion = _suggestion(model, change, inputs, budgets)
@@ -339,7 +361,7 @@ def _combined(
     good = ("fits",) if goal == "fits" else ("fits", "tight")
     steps: list[_Change] = []
     current = inputs
-    for change in _candidates(inputs, procs_per_node):
+    for change in _candidates(inputs, procs_per_node, model):
         if change.label.startswith(("job.nodes", "data.max_length", "train.micro_batch_size", PIPELINE_LABEL)):
             continue
         changed = change(current)

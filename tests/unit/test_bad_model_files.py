@@ -141,7 +141,7 @@ def test_plan_says_the_count_comes_from_config_json(tmp_path: Path):
 
 
 UNSIZED = [
-    ("mixtral", {"model_type": "mixtral", "num_local_experts": 8}, "mixtral"),
+    ("deepseek", {"model_type": "deepseek_v3", "n_routed_experts": 8}, "deepseek_v3"),
     ("no-model-type", {"model_type": None}, "model_type"),
     ("multimodal", {"model_type": "llava", "text_config": {"model_type": "llama"}}, "llava"),
     ("no-config", None, "config.json"),
