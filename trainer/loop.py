@@ -159,6 +159,7 @@ class Trainer:
             self.spec.run.eval,
             self.data,
             self.parts,
+            self.runner,
             monitor=self.monitor,
             run=RunDir(self.run_dir),
             metrics=self.record.metrics,

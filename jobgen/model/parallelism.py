@@ -152,7 +152,6 @@ PIPELINE_REFUSES = (
         "train.grad_clip_mode = 'per_parameter' cannot be combined with train.parallelism = 'pipeline' yet: a "
         "pipeline clips by the global gradient norm; set grad_clip_mode = 'global' or grad_clip = 0",
     ),
-    _full_fine_tuning_only(EVAL),
     _full_fine_tuning_only(LORA),
     _full_fine_tuning_only(ACTIVATION_OFFLOADING),
 )

@@ -69,9 +69,11 @@ def test_a_layout_that_cannot_run_is_refused_with_its_key(tmp_path, job, train, 
     assert key in issues and words in issues[key], issues
 
 
-def test_eval_is_refused_with_a_pipeline(tmp_path):
-    issues = spec_issues(spec(tmp_path, extra={"eval": {"every_steps": 10, "split": 0.1}}))
-    assert any("[eval] cannot be combined" in text for text in issues.values()), issues
+def test_eval_is_taken_with_a_pipeline(tmp_path):
+    """Once refused ("[eval] cannot be combined with train.parallelism = 'pipeline' yet"); the
+    stages now evaluate one after the other (trainer/parallel/pipeline_forward.py)."""
+    run = load_run(spec(tmp_path, extra={"eval": {"every_steps": 10, "split": 0.1}})).run
+    assert run.train.parallelism == "pipeline" and run.eval is not None
 
 
 def test_defaults_one_pipeline_over_the_world(tmp_path):

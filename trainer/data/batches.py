@@ -166,14 +166,15 @@ class DataPipeline:
             source.row_tokens = source.rows.tokens(lengths)
         self.mixture = data_spec.sources is not None
         self.tokens_drawn = [0] * len(self.sources)
+        shard_rank, shard_size = shard if shard is not None else (env.rank, env.world_size)
+        # Shared out like the training rows: a pipeline's stages run their replica's batches.
         self.eval_set = eval_set_for(
             spec,
             [(s.name, s.eval_examples) for s in self.sources],
             self.pad_token_id,
-            world_size=env.world_size,
-            rank=env.rank,
+            world_size=shard_size,
+            rank=shard_rank,
         )
-        shard_rank, shard_size = shard if shard is not None else (env.rank, env.world_size)
         batch = {
             "world_size": shard_size,
             "rank": shard_rank,

@@ -131,7 +131,11 @@ class Evaluator:
         *,
         every_steps: int,
         every_seconds: int,
+        scores: bool = True,
     ):
+        """``scores``: whether this rank's batches count (a pipeline's last stage scores its
+        replica's batches; its other stages run them without a loss of their own)."""
+        self.scores = scores
         self.model = model
         self.eval_set = eval_set
         self.env = env
@@ -177,7 +181,7 @@ class Evaluator:
                     inputs = self.model_inputs(item.batch, device)
                     with autocast:
                         summed = self.forward_loss_sum(inputs, item.batch["labels"])
-                    if item.real:
+                    if item.real and self.scores:
                         batches += 1
                         sums[item.source, 0] += summed.detach().double()
                         sums[item.source, 1] += float(count_targets(item.batch["labels"]))

@@ -17,7 +17,6 @@ broken, or a crash between a save and the write of ``best.json``, leaves it righ
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from trainer.distributed import DistEnv, broadcast_object
 from trainer.evaluation.evaluator import EvalHistory, EvalResult, Evaluator, eval_prompts
 from trainer.evaluation.samples import SampleGenerator
 from trainer.parallel.step_parts import StepParts
-from trainer.parallel.step_runner import forward_loss_sum
+from trainer.parallel.step_runner import StepRunner
 from trainer.tracking import Trackers
 
 log = logging.getLogger("trainer.eval")
@@ -178,6 +177,7 @@ def build_run_evaluation(
     spec: EvalSpec | None,
     data: DataPipeline,
     parts: StepParts,
+    runner: StepRunner,
     *,
     monitor: StopMonitor,
     run: RunDir,
@@ -185,8 +185,9 @@ def build_run_evaluation(
     checkpointer: Checkpointer,
 ) -> RunEvaluation | None:
     """The trainer's evaluations (None without ``[eval]``): over ``data``'s evaluation set, through
-    ``parts``' model by the same loss path as training, stopped by ``monitor``; the prompts
-    answered with ``data``'s tokenizer; the checkpointer told which checkpoint to keep."""
+    ``parts``' model by ``runner``'s forward (the training loss path, or a pipeline's stages one
+    after the other), stopped by ``monitor``; the prompts answered with ``data``'s tokenizer; the
+    checkpointer told which checkpoint to keep."""
     if spec is None or data.eval_set is None:
         return None
     env = parts.env
@@ -195,10 +196,11 @@ def build_run_evaluation(
         data.eval_set,
         env,
         monitor,
-        functools.partial(forward_loss_sum, parts),  # [eval] is refused under a pipeline
+        runner.eval_loss_sum,
         model_inputs_on,
         every_steps=spec.every_steps,
         every_seconds=spec.every,
+        scores=runner.scores_eval,
     )
 
     def protect(name: str | None) -> None:
@@ -213,7 +215,16 @@ def build_run_evaluation(
         raise DataError(problem)
     samples = None
     if prompts:
-        samples = SampleGenerator(parts.model, data.tokenizer, prompts, spec.max_new_tokens, env, monitor, run.samples)
+        samples = SampleGenerator(
+            parts.model,
+            data.tokenizer,
+            prompts,
+            spec.max_new_tokens,
+            env,
+            monitor,
+            run.samples,
+            greedy_token=runner.greedy_token,
+        )
     return RunEvaluation(spec, evaluator, env, run, metrics, protect, samples)
 
 

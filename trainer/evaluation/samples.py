@@ -20,6 +20,7 @@ import inspect
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,7 +63,12 @@ class SampleGenerator:
         env: DistEnv,
         monitor: StopMonitor,
         samples_file,
+        greedy_token: Callable[[torch.Tensor], int] | None = None,
     ):
+        """``greedy_token``: the next token of one row, agreed by every rank, for a model whose
+        forward is not the whole model's (a pipeline's stages, trainer.parallel.pipeline_forward):
+        then every rank takes part and the row is run whole for each token (no cache)."""
+        self.greedy_token = greedy_token
         self.model = model
         self.tokenizer = tokenizer
         self.prompts = prompts
@@ -105,6 +111,8 @@ class SampleGenerator:
 
     @torch.no_grad()
     def _answer(self, ids: list[int]) -> list[int]:
+        if self.greedy_token is not None:
+            return self._answer_through_stages(ids)
         from transformers import DynamicCache
 
         model = self.model.module if self.alone else self.model
@@ -124,6 +132,21 @@ class SampleGenerator:
                 break
             out.append(token)
             tokens = chosen.reshape(1, 1)
+        return out
+
+    def _answer_through_stages(self, ids: list[int]) -> list[int]:
+        assert self.greedy_token is not None
+        device = self.env.device
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+        tokens = torch.tensor([ids], dtype=torch.long, device=device)
+        out: list[int] = []
+        for _ in range(self.max_new_tokens):
+            with autocast:
+                token = self.greedy_token(tokens)
+            if token in self.stops:
+                break
+            out.append(token)
+            tokens = torch.cat([tokens, torch.tensor([[token]], dtype=torch.long, device=device)], dim=1)
         return out
 
     def _append(self, records: list[dict[str, Any]]) -> None:

@@ -200,6 +200,8 @@ class StageModule(nn.Module):
         self.model.norm = base.norm if self.is_last else None
         self.model.rotary_emb = base.rotary_emb
         self.lm_head = full.lm_head if self.is_last else None
+        # The end-of-turn tokens samples stop at (trainer.evaluation.samples.stop_token_ids).
+        self.generation_config = getattr(full, "generation_config", None)
         # Set by trainer.parallel.pipeline_steps: (layout, PipelineStep, mesh) for the trainer's steps.
         self.steps_state: tuple | None = None
         # A plain dict, not submodules: the views' own names must not enter state_dict().

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,10 +31,11 @@ from jobgen.spec.global_batch import grad_accum_for
 from jobgen.spec.tables.model import ModelSpec
 from jobgen.spec.tables.train import TrainSpec
 from trainer.data.batches import model_inputs_on, to_device
-from trainer.data.packing import IGNORE_INDEX
+from trainer.data.packing import IGNORE_INDEX, token_loss_sum
 from trainer.distributed import DistEnv
 from trainer.model.prep import attention_implementation, compile_decoder_blocks, compiles_blocks, param_dtype, prepare
 from trainer.parallel.pipeline import PipelineError, PipelineStep, StageModule, build_stages, grad_norm_and_clip
+from trainer.parallel.pipeline_forward import StagesForward
 from trainer.parallel.step_parts import StepParts
 from trainer.parallel.step_runner import autocast_for
 
@@ -207,6 +209,32 @@ class PipelineSteps:
         self.pad_token_id = parts.pad_token_id
         self.layout, self.step, mesh = module.steps_state
         self.pp_group = mesh.get_group("pp")
+        layout, train = self.layout, parts.train
+        assert train.pipeline is not None
+        # Evaluation and samples: forward only, stage after stage (trainer.parallel.pipeline_forward).
+        self.forward = StagesForward(
+            module, train.pipeline.schedule, layout.pp_size, layout.pp_rank, layout.dp_size, layout.dp_rank
+        )
+
+    @property
+    def scores_eval(self) -> bool:
+        return self.module.is_last
+
+    @property
+    def greedy_token(self) -> Callable[[torch.Tensor], int]:
+        return self.forward.greedy_token
+
+    def eval_loss_sum(self, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
+        """An evaluation batch through every stage; the summed loss on the last stage, 0 elsewhere."""
+        input_ids = inputs["input_ids"]
+        positions = inputs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).repeat(input_ids.shape[0], 1)
+        logits = self.forward(input_ids, positions, inputs.get("attention_mask"))
+        if logits is None:
+            return torch.zeros((), dtype=torch.float64, device=input_ids.device)
+        summed, _count = token_loss_sum(logits.float(), to_device(labels, self.device))
+        return summed
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], scale: float) -> torch.Tensor:
         batch = join_micro_batches(micro_batches, self.pad_token_id)

@@ -42,6 +42,22 @@ class StepRunner(Protocol):
         """The whole model's gradient norm, after clipping to ``max_norm`` (inf: none)."""
         ...
 
+    def eval_loss_sum(self, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
+        """Forward only: this rank's summed next-token loss of one evaluation batch."""
+        ...
+
+    @property
+    def scores_eval(self) -> bool:
+        """Whether this rank's evaluation batches are counted (a pipeline's last stage scores
+        them; every rank of a data-parallel run scores its own)."""
+        ...
+
+    @property
+    def greedy_token(self) -> Callable[[torch.Tensor], int] | None:
+        """The next token of one row, agreed by every rank, where the model cannot generate with
+        its own forward and cache (a pipeline's stages); None where it can."""
+        ...
+
 
 def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
     """bf16 autocast on GPUs (FSDP2 keeps float32 masters), nothing on CPU."""
@@ -56,6 +72,9 @@ SyncSwitch = Callable[[torch.nn.Module, bool], contextlib.AbstractContextManager
 
 class DataParallelSteps:
     """Every rank runs the whole model (or its FSDP units) on its own rows."""
+
+    scores_eval = True
+    greedy_token = None
 
     def __init__(self, parts: StepParts, sync_context: SyncSwitch):
         """``sync_context``: the parallelism's switch that skips the gradient sync before the
@@ -73,6 +92,9 @@ class DataParallelSteps:
                 (summed * scale).backward()  # with optimizer_in_backward, the parameters step here
             loss_sum += summed.detach().double().cpu()
         return loss_sum
+
+    def eval_loss_sum(self, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
+        return forward_loss_sum(self.parts, inputs, labels)
 
     @contextlib.contextmanager
     def _share_of(self, batch: dict[str, torch.Tensor]) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
@@ -104,8 +126,8 @@ class DataParallelSteps:
 
 def forward_loss_sum(parts: StepParts, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
     """A micro-batch's summed next-token loss through ``parts.model``: from the logits, or with
-    a loss head computed inside the forward by the output layer. The evaluator's loss too
-    ([eval] is refused under a pipeline, whose stages have no forward of the whole model)."""
+    a loss head computed inside the forward by the output layer. The evaluator's loss too (a
+    pipeline's is trainer.parallel.pipeline_forward's, through its stages)."""
     if parts.loss_head is None:
         logits = parts.model(**inputs).logits
         # A context-parallel share's labels are shifted already (across its chunks' edges).
