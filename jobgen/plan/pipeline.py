@@ -259,12 +259,10 @@ def position_budgets(inputs: PlanInputs) -> list[int] | None:
 def pipeline_problem(model: ModelInfo, inputs: PlanInputs, held: frozenset[str] = frozenset()) -> str | None:
     """Why ``inputs``' pipeline cannot run on ``model`` (None when it can), as far as the
     estimate's inputs and ``held`` (what else the run has on: its [eval]) tell: the settings
-    the pipeline's entry refuses (jobgen.model.parallelism), tied embeddings and the layout."""
+    the pipeline's entry refuses (jobgen.model.parallelism) and the layout."""
     refusal = inputs.strategy.refusal(inputs.turned_on() | held)
     if refusal is not None:
         return f"{' with '.join(refusal.keys)} cannot be combined with train.parallelism = '{inputs.parallelism}'"
-    if model.tie_word_embeddings:
-        return "the model ties its input and output embeddings, which a pipeline cannot split"
     try:
         layout_of(model, inputs)
     except PipelineLayoutError as exc:
@@ -320,17 +318,27 @@ def _block_pieces(layout: Layout, position: int, in_flight: int) -> int:
 
 
 def position_model(model: ModelInfo, blocks: set[int], embedding: bool, head: bool) -> ModelInfo:
-    """The part of ``model`` one position holds: its blocks' tensors, the embedding on the
-    first position, every other tensor outside the blocks (final norm, lm_head) on the last."""
+    """The part of ``model`` one position holds: its blocks' tensors, the input embedding (and
+    GPT-2's absolute positions) on the first position, every other tensor outside the blocks
+    (final norm, lm_head) on the last, which holds a copy of a tied embedding as its head."""
     kept = []
     for t in model.parameters:
         match = BLOCK_NAME.search(t.name)
         if match:
             if int(match[1]) in blocks:
                 kept.append(t)
-        elif embedding if t.name.endswith("embed_tokens.weight") else head:
+        elif t.name.endswith(EMBEDDING_NAMES):
+            kept += [t] if embedding else []
+            if head and model.tie_word_embeddings and not t.name.endswith("wpe.weight"):
+                kept.append(replace(t, name="lm_head.weight"))
+        elif head:
             kept.append(t)
     return replace(model, tensors=tuple(kept), num_layers=len(blocks), tie_word_embeddings=False)
+
+
+# The first position's tensors outside the blocks: the input embedding (Llama's, GPT-2's, GPT-NeoX's)
+# and GPT-2's position embedding.
+EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "embed_in.weight", "wpe.weight")
 
 
 def _position_inputs(inputs: PlanInputs, layout: Layout) -> PlanInputs:
@@ -440,7 +448,7 @@ def estimate_pipeline(model: ModelInfo, inputs: PlanInputs) -> PipelineEstimate:
     busiest = max(positions, key=lambda p: p.estimate.peak).estimate
     notes = []
     if model.tie_word_embeddings:
-        notes.append("the model ties its input and output embeddings: the trainer refuses to pipeline it")
+        notes.append("tied input and output embeddings: the first and the last position each hold a copy")
     return PipelineEstimate(
         dict(busiest.components),
         dict(busiest.phases),

@@ -106,18 +106,16 @@ def test_each_cell_trains_as_one_process_does_or_is_refused_by_validate(matrix: 
 
 def test_what_validate_refuses_is_what_the_table_of_parallelisms_says(matrix: Matrix):
     """The refusals are the architecture's, not accidents: a pipeline of every family but the
-    untied Llama-style ones (Mistral's sliding window masked on every stage as its model masks
-    it); DDP, FSDP (the mixtures of experts' per-expert checkpoints merged as they load) and
-    LoRA train every family."""
-    pipelined = {"llama", "qwen3", "mistral-sliding"}
+    hybrid Mamba one (tied embeddings summed across the first and last stage, Gemma's
+    soft-capping, GPT-2's absolute positions, MoE blocks); expert parallelism of every mixture
+    of experts; DDP, FSDP (the mixtures of experts' per-expert checkpoints merged as they load)
+    and LoRA train every family."""
     dense = {family for family in FAMILIES if not _experts(matrix.models[family])}
-    refused = [(family, "pipeline") for family in FAMILIES if family not in pipelined]
-    refused += [(family, "ep") for family in dense]
+    refused = [("granite-4-h", "pipeline")] + [(family, "ep") for family in dense]
     assert sorted(matrix.refused) == sorted(refused)
     assert "the model has no routed experts to place on ranks" in matrix.refused["llama", "ep"]
-    assert "ties its input and output embeddings" in matrix.refused["qwen2-tied", "pipeline"]
-    assert "not 'gpt2'" in matrix.refused["gpt2", "pipeline"]  # refused before any AttributeError
-    assert "train it with train.parallelism = 'ddp' or 'fsdp' or 'hsdp'" in matrix.refused["mixtral", "pipeline"]
+    assert "Mamba scans" in matrix.refused["granite-4-h", "pipeline"]
+    assert "train it with train.parallelism = 'ddp' or 'fsdp' or 'hsdp'" in matrix.refused["granite-4-h", "pipeline"]
 
 
 def _experts(model: Path) -> int:
@@ -152,6 +150,27 @@ def test_each_family_exports_a_model_that_loads_equal_to_the_checkpoint(matrix: 
     # tensor each, GPT-NeoX's embed_out), whatever names the checkpoint holds them under.
     assert _tensor_names(tmp_path / "exported") == _tensor_names(matrix.models[family]), family
     EXPORTED[family] = "loads, equals the checkpoint, the base model's layout"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt2"])
+def test_a_tied_model_trained_in_a_pipeline_exports_one_weight_for_both(matrix: Matrix, family: str, tmp_path: Path):
+    """The first and the last stage each held a copy of the tied embedding (summed gradients);
+    both copies are in the checkpoint, equal, and the export writes the weight once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jobgen.runs.rundir import RunDir
+    from trainer.checkpoints.export import export
+
+    run = matrix.runs[family, "pipeline"]
+    source = export(RunDir(run).load_spec(), run, tmp_path / "exported", report=lambda line: None).name
+    trained = checkpoint_tensors(run / "checkpoints" / source)
+    embedding = next(name for name in trained if name.endswith(("embed_tokens.weight", "wte.weight")))
+    assert torch.equal(trained["lm_head.weight"], trained[embedding])  # the two copies stayed one weight
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert torch.equal(model.state_dict()[embedding], trained[embedding])
+    assert _tensor_names(tmp_path / "exported") == _tensor_names(matrix.models[family])
 
 
 def _tensor_names(directory: Path) -> set[str]:

@@ -285,27 +285,40 @@ def test_pipeline_times_data_parallel_and_checkpoint(tmp_path, tiny_llama, kind,
     check_checkpoint(tmp_path, reports, tiny_llama)
 
 
-def test_tied_embeddings_and_other_architectures_are_refused(tmp_path):
+def test_tied_embeddings_split_and_other_architectures_are_refused(tmp_path):
+    """Tied embeddings were refused; the last stage now holds a copy of the embedding, read
+    from its tensor (trainer.parallel.pipeline_steps.TiedCopies keeps the copies equal). A model
+    type the stages do not reproduce is refused before any collective, and one that lacks a
+    piece is refused naming it."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import CohereConfig, CohereForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from trainer.distributed import DistEnv
+    from trainer.model.errors import ModelError
     from trainer.parallel.pipeline import PipelineError, StageModule, build_stages
 
-    tied = make_model(tmp_path / "tied", tied=True)
-    env = DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
-    with pytest.raises(PipelineError, match="tie_word_embeddings"):  # before any collective
-        build_stages(str(tied), None, env, [range(0, 4), range(4, 8)], [0], torch.float32, None, None)
     with torch.device("meta"):
         tied_model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, tie_word_embeddings=True))
-        gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, tie_word_embeddings=False))
-    with pytest.raises(PipelineError, match="tie"):
-        StageModule(tied_model, [range(0, 1), range(1, 2)], [0])
-    with pytest.raises(PipelineError, match="gpt2"):
-        StageModule(gpt2, [range(0, 1), range(1, 2)], [0])
-    # The Llama-style attributes are what is checked past the model type.
+    first = StageModule(tied_model, [range(0, 1), range(1, 2)], [0])
+    last = StageModule(tied_model, [range(0, 1), range(1, 2)], [1])
+    assert first.tied and last.tied and first.weight_aliases() == {}
+    assert last.weight_aliases() == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "model.embed_tokens.weight" in dict(first.named_parameters())
+    assert "lm_head.weight" in dict(last.named_parameters())
+    both = StageModule(tied_model, [range(0, 1), range(1, 2)], [0, 1])  # a V placement's rank 0
+    with pytest.raises(PipelineError, match="first and the last stage on one rank"):
+        both.check_replicable()
+    cohere = make_model(tmp_path / "cohere", tied=False)
+    config = json.loads((cohere / "config.json").read_text())
+    (cohere / "config.json").write_text(json.dumps({**config, "model_type": "cohere", "architectures": None}))
+    env = DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
+    with pytest.raises(PipelineError, match="not 'cohere'"):  # before any collective
+        build_stages(str(cohere), None, env, [range(0, 4), range(4, 8)], [0], torch.float32, None, None)
     with torch.device("meta"):
+        cohere_model = CohereForCausalLM(CohereConfig(num_hidden_layers=2))
         bare = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, tie_word_embeddings=False))
-    del bare.model.rotary_emb
-    with pytest.raises(PipelineError, match=r"model\.rotary_emb"):
+    with pytest.raises(PipelineError, match="cohere"):
+        StageModule(cohere_model, [range(0, 1), range(1, 2)], [0])
+    del bare.model.norm
+    with pytest.raises(ModelError, match="lacks norm"):
         StageModule(bare, [range(0, 1), range(1, 2)], [0])

@@ -76,8 +76,10 @@ def test_what_the_config_and_the_tensor_names_say():
 def test_a_refusal_names_the_parallelisms_that_can_train_the_model():
     pipeline, fsdp = STRATEGIES["pipeline"], STRATEGIES["fsdp"]
     assert pipeline.model_refusal(traits("llama")) is None
-    tied = pipeline.model_refusal(traits("llama", tied=True))
-    assert "ties its input and output embeddings" in tied and tied.endswith("= 'ddp' or 'fsdp' or 'hsdp'")
+    assert pipeline.model_refusal(traits("llama", tied=True)) is None  # a copy on the last stage
     moe = traits("mixtral", num_local_experts=4)
     assert fsdp.model_refusal(moe) is None and STRATEGIES["ddp"].model_refusal(moe) is None
-    assert "not 'mixtral'" in pipeline.model_refusal(moe)
+    assert pipeline.model_refusal(moe) is None
+    hybrid = pipeline.model_refusal(traits("granitemoehybrid", num_local_experts=4))
+    assert "Mamba scans" in hybrid and hybrid.endswith("= 'ddp' or 'fsdp' or 'hsdp'")
+    assert "not 'cohere'" in pipeline.model_refusal(traits("cohere"))

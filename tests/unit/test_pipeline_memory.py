@@ -22,6 +22,7 @@ from jobgen.plan.pipeline import (
     estimate_pipeline,
     estimate_run,
     pipeline_problem,
+    position_model,
     stage_pieces_in_flight,
 )
 from jobgen.spec.loader import load_run
@@ -215,8 +216,24 @@ def test_layouts_the_trainer_refuses_are_problems(model: ModelInfo):
     assert "optimizer_in_backward" in pipeline_problem(model, replace(pipeline(2), optimizer_in_backward=True))
     # Per-parameter clipping: the spec refuses it under a pipeline, so the plan never offers one to it.
     assert "per_parameter" in pipeline_problem(model, replace(pipeline(2), per_parameter_clip=True))
-    tied = replace(model, tie_word_embeddings=True)
-    assert "ties" in pipeline_problem(tied, pipeline(2))
+
+
+def test_a_tied_model_pipelines_with_a_copy_of_the_embedding_on_the_last_position(model: ModelInfo):
+    """Once refused ("the model ties its input and output embeddings"): the last position now
+    holds a copy of the embedding as its head (trainer.parallel.pipeline_steps.TiedCopies)."""
+    embedding = next(t for t in model.parameters if t.name.endswith("embed_tokens.weight"))
+    untied_head = next(t for t in model.parameters if t.name == "lm_head.weight")
+    tied = replace(model, tie_word_embeddings=True, tensors=tuple(t for t in model.tensors if t is not untied_head))
+    assert pipeline_problem(tied, pipeline(2)) is None
+    last = position_model(tied, {23}, embedding=False, head=True)
+    assert {t.name for t in last.parameters if not t.name.startswith("model.layers.")} == {
+        "lm_head.weight",
+        "model.norm.weight",
+    }
+    assert next(t for t in last.parameters if t.name == "lm_head.weight").shape == embedding.shape
+    first = position_model(tied, {0}, embedding=True, head=False)
+    assert {t.name for t in first.parameters if not t.name.startswith("model.layers.")} == {embedding.name}
+    assert "each hold a copy" in estimate_pipeline(tied, pipeline(2)).notes[0]
 
 
 # --------------------------------------------------------------------------- Ethernet suggestions

@@ -140,11 +140,19 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
-def read_weights(model: torch.nn.Module, directory: Path, threads: int, layout: CheckpointLayout | None = None) -> int:
+def read_weights(
+    model: torch.nn.Module,
+    directory: Path,
+    threads: int,
+    layout: CheckpointLayout | None = None,
+    *,
+    aliases: dict[str, str] | None = None,
+) -> int:
     """Fill every non-adapter parameter and persistent buffer from the safetensors in
     ``directory``, each rank its own slices. Returns how many tensors were read. ``layout``: the
     model's checkpoint layout, read before sharding (FSDP renames the classes the library's
-    conversion mapping is keyed by)."""
+    conversion mapping is keyed by). ``aliases``: a parameter read from another's tensor (a
+    pipeline's tied head, on a rank without the embedding)."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ShardedLoadError(
@@ -158,6 +166,7 @@ def read_weights(model: torch.nn.Module, directory: Path, threads: int, layout: 
     # GPT-NeoX's embed_out is lm_head in memory; Mixtral's per-expert weights are one fused tensor
     # (trainer.model.merged_experts).
     renamed, merged = (layout or CheckpointLayout(model)).resolve(available)
+    renamed = {**renamed, **{name: key for name, key in (aliases or {}).items() if name not in available}}
     tied = tied_names(model)
     state: dict[str, torch.Tensor] = {}
     tensors: dict[str, torch.Tensor] = {}  # the key's tensor of the model, for those the files lack
@@ -237,7 +246,9 @@ def _initialise_buffers(
         for name, b in module._buffers.items()
     }
     stand_in.__dict__["_modules"] = {}
-    initialise = getattr(pretrained_model(model), "_init_weights", None)
+    # A pipeline's StageModule is no transformers model; it keeps the full model's initialiser.
+    owner = model if hasattr(model, "initialise_weights") else pretrained_model(model)
+    initialise = getattr(owner, "initialise_weights", None) or getattr(owner, "_init_weights", None)
     if initialise is None:
         raise ShardedLoadError(
             f"cannot recompute the buffers {sorted(transient)} of {prefix}: the model has no _init_weights"

@@ -43,6 +43,7 @@ from jobgen.model.pipeline_split import SCHEDULES, schedule_problem
 from trainer.data.packing import token_loss_sum
 from trainer.distributed import DistEnv
 from trainer.model.errors import ModelError
+from trainer.parallel.pipeline_parts import ModelParts, StageView
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -84,87 +85,6 @@ def check_pipelinable(config) -> None:
         raise PipelineError(f"model.path: {refusal}")
 
 
-def attention_kinds(config) -> list[str]:
-    """Each decoder layer's attention, as the base model masks it: ``config.layer_types`` where
-    the config has them (Qwen2, Qwen3: "full_attention" or "sliding_attention" per layer), else
-    every layer sliding when ``sliding_window`` is set (Mistral), else every layer full (Llama)."""
-    layers = config.num_hidden_layers
-    kinds = getattr(config, "layer_types", None)
-    if kinds:
-        return list(kinds[:layers])
-    sliding = getattr(config, "sliding_window", None) is not None
-    return ["sliding_attention" if sliding else "full_attention"] * layers
-
-
-def _llama_parts(full: nn.Module) -> nn.Module:
-    """``full.model``, after checking it has what a stage uses; PipelineError naming what lacks."""
-    base = getattr(full, "model", None)
-    wanted = {"model": base, "lm_head": getattr(full, "lm_head", None)}
-    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
-        wanted[f"model.{name}"] = getattr(base, name, None)
-    missing = [name for name, value in wanted.items() if value is None]
-    if missing:
-        raise PipelineError(
-            f"model.path: {type(full).__name__} lacks {', '.join(missing)}: pipeline parallelism needs a "
-            "Llama-style causal LM (model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head; "
-            "no LoRA wrapper); train it without train.pipeline"
-        )
-    if full.lm_head.weight is base.embed_tokens.weight:
-        raise PipelineError("model.path: lm_head.weight is model.embed_tokens.weight (tied embeddings); " + _UNTIE)
-    return base
-
-
-_UNTIE = "untie them (tie_word_embeddings false, lm_head.weight a copy) or train without train.pipeline"
-
-
-class _StageView(nn.Module):
-    """One stage of a StageModule: the modules it shares with it, and the stage's forward.
-    torch's PipelineStage runs this; FSDP2 and replicate wrap it (one root per stage)."""
-
-    def __init__(self, owner: StageModule, stage_index: int):
-        super().__init__()
-        self.config = owner.config
-        self.stage_index = stage_index
-        first, last = stage_index == 0, stage_index == owner.num_stages - 1
-        self.embed_tokens = owner.model.embed_tokens if first else None
-        self.layers = nn.ModuleDict({str(i): owner.model.layers[str(i)] for i in owner.stage_ranges[stage_index]})
-        self.norm = owner.model.norm if last else None
-        self.rotary_emb = owner.model.rotary_emb
-        self.lm_head = owner.lm_head if last else None
-        self.attention_kinds = attention_kinds(owner.config)
-
-    def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``x``: token ids on the first stage, the previous stage's hidden states otherwise.
-        Returns hidden states, or the logits on the last stage."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
-        # Rebuilt on every stage from what every rank gets (kwargs are not sent between
-        # stages): packed rows give a block-diagonal mask, plain causal sdpa none at all; a
-        # sliding layer's mask also hides the tokens beyond its window, as the base model's is.
-        kinds = {self.attention_kinds[int(index)] for index in self.layers}
-        make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        masks = {
-            kind: make[kind](
-                config=self.config,
-                inputs_embeds=hidden,
-                attention_mask=attention_mask,
-                cache=None,
-                position_ids=position_ids,
-            )
-            for kind in kinds
-        }
-        rotary = self.rotary_emb(hidden, position_ids=position_ids)
-        for index, layer in self.layers.items():
-            mask = masks[self.attention_kinds[int(index)]]
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary)
-        if self.lm_head is not None:
-            hidden = self.lm_head(self.norm(hidden))
-        return hidden
-
-
 class StageModule(nn.Module):
     """The stages one pipeline rank holds, under the full model's parameter names.
 
@@ -180,7 +100,10 @@ class StageModule(nn.Module):
     def __init__(self, full: nn.Module, stage_ranges: Sequence[range], stage_indices: Sequence[int]):
         super().__init__()
         check_pipelinable(full.config)
-        base = _llama_parts(full)
+        self.parts = ModelParts.of(full)
+        parts = self.parts
+        base = getattr(full, parts.base)
+        blocks_of_model = getattr(base, parts.layers)
         self.config = full.config
         self.num_stages = len(stage_ranges)
         self.stage_ranges = [range(r.start, r.stop) for r in stage_ranges]
@@ -188,24 +111,59 @@ class StageModule(nn.Module):
         if not self.stage_indices or any(not 0 <= s < self.num_stages for s in self.stage_indices):
             raise PipelineError(f"stage indices {self.stage_indices} outside 0..{self.num_stages - 1}")
         starts = [0, *(r.stop for r in self.stage_ranges)]
-        if [r.start for r in self.stage_ranges] != starts[:-1] or starts[-1] != len(base.layers):
+        if [r.start for r in self.stage_ranges] != starts[:-1] or starts[-1] != len(blocks_of_model):
             raise PipelineError(
-                f"the stages' blocks {self.stage_ranges} do not cover the model's {len(base.layers)} blocks in order "
-                "(train.pipeline.layers_per_stage)"
+                f"the stages' blocks {self.stage_ranges} do not cover the model's {len(blocks_of_model)} blocks in "
+                "order (train.pipeline.layers_per_stage)"
             )
         blocks = sorted(i for s in self.stage_indices for i in self.stage_ranges[s])
-        self.model = nn.Module()
-        self.model.embed_tokens = base.embed_tokens if self.is_first else None
-        self.model.layers = nn.ModuleDict({str(i): base.layers[i] for i in blocks})
-        self.model.norm = base.norm if self.is_last else None
-        self.model.rotary_emb = base.rotary_emb
-        self.lm_head = full.lm_head if self.is_last else None
+        # The full model's names (model.layers.3, transformer.h.3, lm_head, embed_out), this rank's pieces only.
+        mine = nn.Module()
+        setattr(self, parts.base, mine)
+        setattr(mine, parts.embed, getattr(base, parts.embed) if self.is_first else None)
+        for extra in (parts.positions, parts.dropout):
+            if extra:
+                setattr(mine, extra, getattr(base, extra) if self.is_first else None)
+        setattr(mine, parts.layers, nn.ModuleDict({str(i): blocks_of_model[i] for i in blocks}))
+        setattr(mine, parts.norm, getattr(base, parts.norm) if self.is_last else None)
+        if parts.rotary:
+            setattr(mine, parts.rotary, getattr(base, parts.rotary))
+        setattr(self, parts.head, getattr(full, parts.head) if self.is_last else None)
+        # Tied input and output embeddings on two ranks: each holds a copy, whose gradients
+        # trainer.parallel.pipeline_steps sums after every step (tied_pair).
+        head_weight = getattr(full, parts.head).weight
+        self.tied = head_weight is getattr(base, parts.embed).weight
         # The end-of-turn tokens samples stop at (trainer.evaluation.samples.stop_token_ids).
         self.generation_config = getattr(full, "generation_config", None)
+        # What recomputes a buffer beside parameters (Gemma's embed_scale) after the sharded
+        # load: the model's own initialisation (the full model is on meta: it holds no storage).
+        self.initialise_weights = full._init_weights
         # Set by trainer.parallel.pipeline_steps: (layout, PipelineStep, mesh) for the trainer's steps.
         self.steps_state: tuple | None = None
         # A plain dict, not submodules: the views' own names must not enter state_dict().
-        self._views: dict[int, _StageView] = {}
+        self._views: dict[int, StageView] = {}
+
+    def check_replicable(self) -> None:
+        """PipelineError when replicas cannot shard this rank's stages: a tied embedding whose
+        first and last stage are both here is one parameter in two FSDP units."""
+        if self.tied and self.is_first and self.is_last:
+            raise PipelineError(
+                "the model ties its input and output embeddings, and this layout puts the first and the last stage "
+                "on one rank (train.pipeline.schedule's V placement, or a pipeline of one position) with replicas "
+                "sharding them: use a 'loop' schedule over several positions (1f1b, interleaved-1f1b), or no replicas"
+            )
+
+    def weight_aliases(self) -> dict[str, str]:
+        """A tied head on a rank without the embedding reads the embedding's tensor (the files
+        hold it once)."""
+        if not self.tied or self.is_first:
+            return {}
+        return {f"{self.parts.head}.weight": f"{self.parts.base}.{self.parts.embed}.weight"}
+
+    @property
+    def blocks(self) -> nn.ModuleDict:
+        """This rank's decoder blocks, keyed by their index in the whole model."""
+        return getattr(getattr(self, self.parts.base), self.parts.layers)
 
     @property
     def is_first(self) -> bool:
@@ -223,7 +181,7 @@ class StageModule(nn.Module):
         if stage_index not in self.stage_indices:
             raise PipelineError(f"stage {stage_index} is not on this rank (it holds {self.stage_indices})")
         if stage_index not in self._views:
-            self._views[stage_index] = _StageView(self, stage_index)
+            self._views[stage_index] = StageView(self, self.parts, stage_index)
         return self._views[stage_index]
 
     def forward(self, *args, **kwargs):
@@ -246,10 +204,10 @@ def _wrap_data_parallel(module: StageModule, views: list[nn.Module], kind: str, 
     if not STRATEGIES[kind].shards_parameters:  # whole copies: FSDP2's replicate
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        for unit in [*module.model.layers.values(), *views]:
+        for unit in [*module.blocks.values(), *views]:
             replicate(unit, **kwargs)
         return
-    for unit in [*module.model.layers.values(), *views]:
+    for unit in [*module.blocks.values(), *views]:
         fully_shard(unit, reshard_after_forward=False, **kwargs)
 
 
@@ -281,6 +239,7 @@ def build_stages(
     from torch.distributed.pipelining import PipelineStage
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from trainer.model.architecture import CheckpointLayout
     from trainer.model.sharded_load import allocate_shards, model_directory, read_weights, recompute_buffers
 
     if data_parallel not in DATA_PARALLEL:
@@ -293,16 +252,20 @@ def build_stages(
     full.config.use_cache = False  # stages never make a KV cache; keep the config honest
     if prepare is not None:
         full = prepare(full)
+    # How the files' names map to the full model's (renamed heads, per-expert MoE tensors),
+    # read before sharding: a StageModule is no transformers model, but keeps its names.
+    layout = CheckpointLayout(full)
     module = StageModule(full, stage_ranges, my_stage_indices)
     del full  # the other ranks' modules, on meta: nothing to free but the references
     views = [module.stage_view(s) for s in module.stage_indices]
     if dp_mesh is not None and dp_mesh.size() > 1:
+        module.check_replicable()
         _wrap_data_parallel(module, views, data_parallel, dp_mesh, env.device)
     allocate_shards(module, env.device)
     threads = max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
-    count = read_weights(module, directory, threads)
+    count = read_weights(module, directory, threads, layout, aliases=module.weight_aliases())
     recompute_buffers(module, env.device)
-    log.info("pipeline stages %s: blocks %s, %d tensors read", module.stage_indices, list(module.model.layers), count)
+    log.info("pipeline stages %s: blocks %s, %d tensors read", module.stage_indices, list(module.blocks), count)
     stages = [
         PipelineStage(view, s, module.num_stages, env.device, group=pp_group)
         for view, s in zip(views, module.stage_indices)
@@ -433,16 +396,20 @@ class PipelineStep:
 # ---------------------------------------------------------------- gradient norm
 
 
-def grad_norm_and_clip(stage_module: StageModule, max_norm: float, pp_group: dist.ProcessGroup | None) -> float:
+def grad_norm_and_clip(
+    stage_module: StageModule, max_norm: float, pp_group: dist.ProcessGroup | None, skip: nn.Parameter | None = None
+) -> float:
     """The gradient norm of the whole model, then clipped to ``max_norm`` (inf: no clipping).
     Each rank holds only its stages' gradients (under FSDP, its shards of them): the local
     norm is the full norm over the data-parallel mesh, and the squares are summed over the
-    pipeline group."""
+    pipeline group. ``skip``: a parameter another rank holds a copy of (a tied output layer),
+    left out of the norm and clipped all the same."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in stage_module.parameters() if p.grad is not None]
-    if params:
-        local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    counted = [p for p in params if p is not skip]
+    if counted:
+        local = torch.nn.utils.get_total_norm([p.grad for p in counted], norm_type=2.0)
         if isinstance(local, DTensor):
             local = local.full_tensor()
     else:

@@ -84,7 +84,9 @@ def _embed_and_head_weights(config) -> tuple[float, float]:
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     attention = hidden * head_dim * (2 * heads + 2 * kv)
-    block = attention + 3 * hidden * config.intermediate_size + 2 * hidden
+    # GPT-2 names its MLP's width n_inner (None: 4 x hidden); a mixture's block is weighed as dense.
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    block = attention + 3 * hidden * inter + 2 * hidden
     table = config.vocab_size * hidden
     return table / block, (table + hidden) / block
 
@@ -211,6 +213,7 @@ class PipelineSteps:
         self.pp_group = mesh.get_group("pp")
         layout, train = self.layout, parts.train
         assert train.pipeline is not None
+        self.tied = tied_pair(module, train.pipeline.schedule, layout)
         # Evaluation and samples: forward only, stage after stage (trainer.parallel.pipeline_forward).
         self.forward = StagesForward(
             module, train.pipeline.schedule, layout.pp_size, layout.pp_rank, layout.dp_size, layout.dp_rank
@@ -240,13 +243,63 @@ class PipelineSteps:
         batch = join_micro_batches(micro_batches, self.pad_token_id)
         inputs = model_inputs_on(batch, self.device)
         with autocast_for(self.device):
-            return self.step(
+            loss_sum = self.step(
                 inputs["input_ids"],
                 inputs.get("position_ids"),
                 to_device(batch["labels"], self.device),
                 scale,
                 attention_mask=inputs.get("attention_mask"),
             )
+        if self.tied is not None:
+            self.tied.sum_gradients()
+        return loss_sum
 
     def clip(self, max_norm: float) -> float:
-        return grad_norm_and_clip(self.module, max_norm, self.pp_group)
+        counted_twice = self.tied.second_copy if self.tied is not None else None
+        return grad_norm_and_clip(self.module, max_norm, self.pp_group, skip=counted_twice)
+
+
+class TiedCopies:
+    """A tied embedding and output layer on the ranks of the first and the last stage: one
+    copy each, the same at the start (both read the embedding's tensor) and kept the same by
+    summing their gradients every step, so both optimizers take the same step on them. The
+    gradient norm counts the weight once (the last stage's copy is skipped)."""
+
+    def __init__(self, weight: torch.nn.Parameter, group, is_last: bool):
+        self.weight, self.group = weight, group
+        self.second_copy = weight if is_last else None
+
+    def sum_gradients(self) -> None:
+        import torch.distributed as dist
+
+        grad = self.weight.grad
+        if grad is None:  # a stage that got no gradient still takes part (zeros)
+            grad = self.weight.grad = torch.zeros_like(self.weight)
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        dist.all_reduce(local, group=self.group)
+
+
+def tied_pair(module: StageModule, schedule: str, layout: PipelineLayout) -> TiedCopies | None:
+    """For a tied model whose first and last stages are on two ranks: this rank's copy and the
+    group of the two ranks (one per replica; every rank creates every group, as
+    torch.distributed.new_group asks). None when untied, or both stages are on one rank (one
+    parameter, used twice)."""
+    import torch.distributed as dist
+
+    if not module.tied:
+        return None
+    stages = module.num_stages
+    owner = {s: p for p in range(layout.pp_size) for s in stage_indices(schedule, p, layout.pp_size, stages)}
+    first, last = owner[0], owner[stages - 1]
+    if first == last:
+        return None
+    mine = None
+    for replica in range(layout.dp_size):
+        group = dist.new_group([first * layout.dp_size + replica, last * layout.dp_size + replica])
+        if replica == layout.dp_rank:
+            mine = group
+    if not (module.is_first or module.is_last):
+        return None
+    parts = module.parts
+    holder = getattr(getattr(module, parts.base), parts.embed) if module.is_first else getattr(module, parts.head)
+    return TiedCopies(holder.weight, mine, module.is_last)
