@@ -3,7 +3,8 @@
 their experts' ranks and back by all-to-all (trainer/parallel/expert_parallel.py).
 
 - Mixtral, DeepSeek-V3 (shared experts, a dense first layer, MLA) and gpt-oss (expert biases,
-  its own gating) train with the losses of one process training the same global batch;
+  its own gating) train with the losses of one process training the same global batch, and so
+  does Mixtral with each row split over 2 ranks too (seed 004's cp 2 x ep 2 on 4 ranks);
 - a run stopped under ep 2 resumes under ep 1 (the same 4 ranks) and logs the uninterrupted
   run's losses: the checkpoint holds every expert whole;
 - validate refuses what cannot be split, naming the key.
@@ -60,13 +61,20 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, P
         split = make_run(root / family / "ep", model, f"{family}-ep", PROCS, parallelism="fsdp", expert_parallel=2)
         one = make_run(root / family / "one", model, f"{family}-one", 1, parallelism="ddp")
         runs[family] = (split, one)
+    # seed 004's cp x ep: each row split over 2 ranks, each layer's experts over 2, 2 data replicas.
+    mixtral = runs["mixtral"][1]
+    model = Path(json.loads((mixtral / "spec.json").read_text())["run"]["model"]["path"])
+    split_rows = make_run(
+        root / "cp-ep", model, "cp-ep", PROCS, parallelism="fsdp", expert_parallel=2, context_parallel=2
+    )
+    runs["mixtral-cp2"] = (split_rows, mixtral)
     for nproc, index in ((PROCS, 0), (1, 1)):
-        proc = torchrun_many([pair[index] for pair in runs.values()], nproc=nproc)
+        proc = torchrun_many(list(dict.fromkeys(pair[index] for pair in runs.values())), nproc=nproc)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return runs
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "mixtral-cp2"])
 def test_expert_parallel_2_by_fsdp_2_trains_as_one_process_does(trained, family: str):
     split, one = trained[family]
     assert summary(split)["end_step"] == STEPS
