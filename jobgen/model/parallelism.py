@@ -182,6 +182,12 @@ PIPELINE_MODEL_TYPES = (
 )
 PIPELINE_REFUSES_MODELS = (
     ModelRefusal(
+        lambda traits: traits.router_aux_loss,
+        "the model's config asks for the router's auxiliary loss (output_router_logits with router_aux_loss_coef), "
+        "which a pipeline's stages do not collect across the blocks yet (set output_router_logits false in "
+        "config.json to train without it)",
+    ),
+    ModelRefusal(
         lambda traits: traits.recurrent,
         "the model's '{model_type}' layers include Mamba scans, whose masks and states a pipeline stage does not "
         "build yet",

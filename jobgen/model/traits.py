@@ -199,6 +199,7 @@ class ModelTraits:
     experts: int  # routed experts per MoE layer; 0 for a dense model
     recurrent: bool = False  # some layers mix the sequence by a scan (Mamba, linear attention)
     attention_sinks: bool = False
+    router_aux_loss: bool = False  # the config asks for the router's load-balancing loss
 
     def attention(self, choice: str, *, gpu: bool, packing: bool) -> str:
         """The kernel the trainer will run for ``model.attention = choice`` (:func:`resolve_attention`)."""
@@ -226,4 +227,5 @@ class ModelTraits:
             experts=expert_count(config),
             recurrent=model_type in RECURRENT_MODEL_TYPES or bool(RECURRENT_LAYER_TYPES & set(layer_types)),
             attention_sinks=model_type in SINK_MODEL_TYPES,
+            router_aux_loss=bool(text.get("output_router_logits")) and float(text.get("router_aux_loss_coef") or 0) > 0,
         )

@@ -68,10 +68,59 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, P
         root / "cp-ep", model, "cp-ep", PROCS, parallelism="fsdp", expert_parallel=2, context_parallel=2
     )
     runs["mixtral-cp2"] = (split_rows, mixtral)
+    # The router's auxiliary loss, as Mixtral's config asks for it: under ep 2 and under FSDP alone.
+    aux_model = _with_router_aux(model, root / "mixtral-aux")
+    for name, ep in (("aux-ep", 2), ("aux-fsdp", 1)):
+        runs[name] = (make_run(root / name, aux_model, name, PROCS, parallelism="fsdp", expert_parallel=ep), mixtral)
     for nproc, index in ((PROCS, 0), (1, 1)):
         proc = torchrun_many(list(dict.fromkeys(pair[index] for pair in runs.values())), nproc=nproc)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return runs
+
+
+def _with_router_aux(model: Path, target: Path) -> Path:
+    """``model`` with its config asking for the router's load-balancing loss."""
+    import shutil
+
+    shutil.copytree(model, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(
+        json.dumps({**config, "output_router_logits": True, "router_aux_loss_coef": 0.5})
+    )
+    return target
+
+
+def test_the_routers_auxiliary_loss_is_the_models_own_and_expert_parallel_keeps_it(trained):
+    """The trainer's micro-batch loss is what MixtralForCausalLM returns with labels (mean
+    cross-entropy + router_aux_loss_coef x aux_loss); expert parallelism leaves the routers on
+    every rank's own tokens, so ep 2 logs FSDP's losses; and the term is there (the losses
+    differ from the same model without it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jobgen.spec.tables.train import TrainSpec
+    from trainer.distributed import DistEnv
+    from trainer.parallel.step_parts import StepParts
+    from trainer.parallel.step_runner import forward_loss_sum
+
+    split, whole = trained["aux-ep"][0], trained["aux-fsdp"][0]
+    with_aux, without = losses(whole), losses(trained["mixtral"][0])
+    for step, loss in with_aux.items():
+        assert losses(split)[step] == pytest.approx(loss, rel=1e-5), step
+    assert all(abs(with_aux[s] - without[s]) > 1e-4 for s in with_aux), (with_aux, without)
+
+    model_dir = Path(json.loads((whole / "spec.json").read_text())["run"]["model"]["path"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :5] = -100  # a prompt, not scored
+    env = DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
+    parts = StepParts(model, env, TrainSpec(max_steps=1), 0, None, None, None)
+    with torch.no_grad():
+        ours = forward_loss_sum(parts, {"input_ids": ids}, labels) / (labels[:, 1:] != -100).sum()
+        theirs = model(input_ids=ids, labels=labels)
+    assert theirs.aux_loss is not None and float(theirs.aux_loss) > 0
+    assert float(ours) == pytest.approx(float(theirs.loss), rel=1e-6)
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "mixtral-cp2"])

@@ -83,3 +83,6 @@ def test_a_refusal_names_the_parallelisms_that_can_train_the_model():
     hybrid = pipeline.model_refusal(traits("granitemoehybrid", num_local_experts=4))
     assert "Mamba scans" in hybrid and hybrid.endswith("= 'ddp' or 'fsdp' or 'hsdp'")
     assert "not 'cohere'" in pipeline.model_refusal(traits("cohere"))
+    # The router's auxiliary loss, which the stages do not collect: refused rather than dropped.
+    aux = traits("mixtral", num_local_experts=4, output_router_logits=True, router_aux_loss_coef=0.02)
+    assert "router's auxiliary loss" in pipeline.model_refusal(aux) and fsdp.model_refusal(aux) is None

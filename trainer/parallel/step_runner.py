@@ -24,8 +24,9 @@ from typing import Any, Protocol
 import torch
 
 from trainer.data.batches import model_inputs_on, to_device
-from trainer.data.packing import token_loss_sum
+from trainer.data.packing import count_targets, token_loss_sum
 from trainer.memory.activation_offload import offload_activations
+from trainer.model.architecture import pretrained_model
 from trainer.model.prep import trainable_parameters
 from trainer.optim import clip_per_parameter
 from trainer.parallel.step_parts import StepParts
@@ -126,14 +127,30 @@ class DataParallelSteps:
 
 def forward_loss_sum(parts: StepParts, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
     """A micro-batch's summed next-token loss through ``parts.model``: from the logits, or with
-    a loss head computed inside the forward by the output layer. The evaluator's loss too (a
+    a loss head computed inside the forward by the output layer; plus the router's auxiliary
+    loss where the model computes one (:func:`router_aux_sum`). The evaluator's loss too (a
     pipeline's is trainer.parallel.pipeline_forward's, through its stages)."""
     if parts.loss_head is None:
-        logits = parts.model(**inputs).logits
+        output = parts.model(**inputs)
         # A context-parallel share's labels are shifted already (across its chunks' edges).
         loss_sum = token_loss_sum if parts.context is None else parts.context.loss_sum
-        summed, _count = loss_sum(logits.float(), to_device(labels, parts.env.device))
-        return summed
+        summed, count = loss_sum(output.logits.float(), to_device(labels, parts.env.device))
+        return summed + router_aux_sum(parts.model, output, count)
     with parts.loss_head.targets(labels):
-        output = parts.model(**inputs).logits
-    return parts.loss_head.loss_sum(output)
+        output = parts.model(**inputs)
+    summed = parts.loss_head.loss_sum(output.logits)
+    return summed + router_aux_sum(parts.model, output, count_targets(labels))
+
+
+def router_aux_sum(model: torch.nn.Module, output: Any, targets: torch.Tensor | int) -> torch.Tensor | float:
+    """The router's load-balancing loss as the model defines it: a mixture of experts whose
+    config sets ``output_router_logits`` returns ``aux_loss`` from its forward, and its causal
+    LM adds ``router_aux_loss_coef x aux_loss`` to the micro-batch's mean loss. Here the loss is
+    a sum over target tokens (divided by the global count later), so the same term is added
+    weighted by the micro-batch's targets: a whole-batch step's loss is the model's own. 0
+    where the model computes none."""
+    aux = getattr(output, "aux_loss", None)
+    if aux is None:
+        return 0.0
+    coefficient = float(getattr(pretrained_model(model).config, "router_aux_loss_coef", 0.0) or 0.0)
+    return coefficient * aux.float() * targets
