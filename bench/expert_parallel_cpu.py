@@ -18,15 +18,15 @@ On the dev cluster as the test session starts it (``jobgen cluster up --netns --
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from helpers import cancel_submitted, last_step, read_jsonl, submit, train_spec, wait_for
+from cluster_counts import bytes_and_rate
+
+from helpers import submit, train_spec
 from jobgen.devcluster.netns import veth_name
 
 NODES = ("node1", "node2")
@@ -81,23 +81,7 @@ def measure(work: Path, model: Path, ep: int, steps: tuple[int, int]) -> tuple[f
         expert_parallel=ep,
     )
     submit(spec)
-    run = work / "runs" / name
-    try:
-        marks: dict[int, int] = {}
-        deadline = time.monotonic() + 900
-        while steps[1] not in marks:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{name}: step {steps[1]} not reached in 900 s")
-            step, counted = last_step(run), sent_bytes()
-            for wanted in steps:
-                if step >= wanted and wanted not in marks:
-                    marks[wanted] = counted
-            time.sleep(0.05)
-        wait_for(lambda: (run / "done").exists(), 300, f"{name} to finish")
-    finally:
-        cancel_submitted()
-    rates = [r["tokens_per_s"] for r in read_jsonl(run / "metrics.jsonl") if steps[0] < r.get("step", 0) <= steps[1]]
-    return (marks[steps[1]] - marks[steps[0]]) / (steps[1] - steps[0]), statistics.median(rates)
+    return bytes_and_rate(work / "runs" / name, steps, sent_bytes, name)
 
 
 def main() -> None:

@@ -156,6 +156,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_models(tmp_path_factory: pytest.TempPathFactory):
+    """``family_models(name)``: the tiny random model of a family of tests/model_families.py,
+    made once per session."""
+    pytest.importorskip("transformers")
+    from model_families import make_family_model
+
+    made: dict[str, Path] = {}
+
+    def model(family: str) -> Path:
+        if family not in made:
+            made[family] = make_family_model(tmp_path_factory.mktemp(family), family)
+        return made[family]
+
+    return model
+
+
+@pytest.fixture(scope="session")
 def deep_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with 4 decoder blocks: a pipeline of 2 ranks can hold 2 stages each."""
     pytest.importorskip("transformers")

@@ -508,10 +508,20 @@ def assert_same_training(run: Path, reference: Path, steps: int) -> None:
     assert metric(run, "step_target_tokens") == metric(reference, "step_target_tokens")
 
 
-def local_run(directory: Path, model: Path, procs: int, name: str, *, data: dict[str, object], **train: object) -> Path:
+def local_run(
+    directory: Path,
+    model: Path,
+    procs: int,
+    name: str,
+    *,
+    data: dict[str, object],
+    eval: dict[str, object] | None = None,
+    **train: object,
+) -> Path:
     """A materialized run directory for ``torchrun`` on this machine (tests/distributed): the
-    trainer's settings of TRAINER_SETTINGS overridden by ``train``, float32 weights, ``data``
-    added to the data table."""
+    trainer's settings of TRAINER_SETTINGS overridden by ``train`` (grad_accum left to a
+    global_batch_size given), float32 weights, ``data`` added to the data table, ``eval`` as
+    [eval]."""
     from jobgen.launch.render import render
     from jobgen.runs.materialize import materialize
     from jobgen.spec.loader import load_run
@@ -524,7 +534,8 @@ def local_run(directory: Path, model: Path, procs: int, name: str, *, data: dict
         job={"time": "1h", "runs_root": "runs", "procs_per_node": procs},
         model={"path": model, "dtype": "float32"},
         data={"path": DATA, **data},
-        train={**TRAINER_SETTINGS, **train},
+        train=_batch_keys({**TRAINER_SETTINGS, **train}, train),
+        eval=eval,
     )
     spec = load_run(spec_file)
     run, _ = materialize(spec, render(spec), spec_file.read_text())

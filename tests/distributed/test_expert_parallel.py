@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DATA, TRAINER_SETTINGS, losses, run_spec, stopped_by_kill_switch, summary, torchrun, torchrun_many
+from helpers import local_run, losses, stopped_by_kill_switch, summary, torchrun, torchrun_many
 from jobgen.spec.loader import SpecError
 from model_families import make_family_model
 
@@ -31,24 +31,7 @@ BATCH = {"max_steps": STEPS, "micro_batch_size": 2, "global_batch_size": 8, "war
 
 def make_run(directory: Path, model: Path, name: str, procs: int, **train: object) -> Path:
     """A run of ``procs`` processes on one node, float32 weights."""
-    from jobgen.launch.render import render
-    from jobgen.runs.materialize import materialize
-    from jobgen.spec.loader import load_run
-
-    settings = {k: v for k, v in TRAINER_SETTINGS.items() if k != "grad_accum"}  # global_batch_size decides
-    spec_file = run_spec(
-        directory,
-        name,
-        site={"profile": "local", "slurm": {"cpus_per_node": PROCS}},
-        filename=f"{name}.toml",
-        job={"time": "1h", "runs_root": "runs", "procs_per_node": procs},
-        model={"path": model, "dtype": "float32"},
-        data={"path": DATA, "max_length": 256},
-        train={**settings, **BATCH, **train},
-    )
-    spec = load_run(spec_file)
-    run, _ = materialize(spec, render(spec), spec_file.read_text())
-    return run.path
+    return local_run(directory, model, procs, name, data={"max_length": 256}, **{**BATCH, **train})
 
 
 @pytest.fixture(scope="module")

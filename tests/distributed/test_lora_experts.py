@@ -13,23 +13,10 @@ import pytest
 
 from helpers import make_run
 from jobgen.spec.loader import SpecError
-from model_families import make_family_model
 
 pytestmark = pytest.mark.torch
 
 MOE = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3", "gpt-oss", "granite-4-h"]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory):
-    made: dict[str, Path] = {}
-
-    def model(family: str) -> Path:
-        if family not in made:
-            made[family] = make_family_model(tmp_path_factory.mktemp(family), family)
-        return made[family]
-
-    return model
 
 
 def _lora_model(directory: Path, **lora: object):
@@ -50,11 +37,11 @@ def _step(model) -> None:
 
 
 @pytest.mark.parametrize("family", MOE)
-def test_the_default_targets_with_the_default_dropout_train_and_leave_the_experts(models, family: str):
+def test_the_default_targets_with_the_default_dropout_train_and_leave_the_experts(family_models, family: str):
     from jobgen.model.files import read_model
     from jobgen.model.lora_targets import adapted, weight_modules
 
-    directory = models(family)
+    directory = family_models(family)
     model, spec = _lora_model(directory)
     assert spec.lora.dropout == 0.05  # the default, which peft refuses on expert parameters
     assert not [name for name, m in model.named_modules() if type(m).__name__ == "ParamWrapper"], family
@@ -64,8 +51,8 @@ def test_the_default_targets_with_the_default_dropout_train_and_leave_the_expert
 
 
 @pytest.mark.parametrize("family", MOE)
-def test_target_experts_adapts_each_moe_layers_experts_without_dropout(models, family: str):
-    directory = models(family)
+def test_target_experts_adapts_each_moe_layers_experts_without_dropout(family_models, family: str):
+    directory = family_models(family)
     model, spec = _lora_model(directory, target_experts=True)
     assert spec.lora.dropout == 0.0
     wrapped = [name for name, m in model.named_modules() if type(m).__name__ == "ParamWrapper"]
@@ -76,11 +63,13 @@ def test_target_experts_adapts_each_moe_layers_experts_without_dropout(models, f
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads), family
 
 
-def test_validate_says_what_lora_adapts_on_a_moe_and_refuses_what_peft_would_turn_into_experts(models, tmp_path: Path):
+def test_validate_says_what_lora_adapts_on_a_moe_and_refuses_what_peft_would_turn_into_experts(
+    family_models, tmp_path: Path
+):
     from jobgen.runs.rundir import RunDir
     from jobgen.spec.named_files import lora_adapted
 
-    deepseek = models("deepseek-v3")
+    deepseek = family_models("deepseek-v3")
     run = make_run(tmp_path / "default", deepseek, "ds", model={"lora": {}})
     said = lora_adapted(RunDir(run).load_spec().run)
     assert said == (
@@ -99,7 +88,7 @@ def test_validate_says_what_lora_adapts_on_a_moe_and_refuses_what_peft_would_tur
         make_run(tmp_path / "regex", deepseek, "ds", model={"lora": {"target_modules": r".*mlp\..*_proj"}})
     assert "names down_proj, gate_proj, up_proj" in refused.value.issues[0].message
     with pytest.raises(SpecError) as refused:
-        make_run(tmp_path / "dense", models("llama"), "l", model={"lora": {"target_experts": True}})
+        make_run(tmp_path / "dense", family_models("llama"), "l", model={"lora": {"target_experts": True}})
     assert refused.value.issues[0].key == "model.lora.target_experts"
     with pytest.raises(SpecError) as refused:
         make_run(tmp_path / "dropout", deepseek, "ds", model={"lora": {"target_experts": True, "dropout": 0.1}})

@@ -20,21 +20,9 @@ from pathlib import Path
 import pytest
 
 from helpers import make_run, torchrun
-from model_families import FAMILIES, make_family_model
+from model_families import FAMILIES
 
 pytestmark = pytest.mark.torch
-
-
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory: pytest.TempPathFactory):
-    made: dict[str, Path] = {}
-
-    def model(family: str) -> Path:
-        if family not in made:
-            made[family] = make_family_model(tmp_path_factory.mktemp(family), family)
-        return made[family]
-
-    return model
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -90,18 +78,18 @@ def losses(run: Path) -> list[float]:
 def test_a_family_the_parallelism_cannot_train_stops_the_run_with_the_reason(tmp_path: Path, family_models):
     """validate refuses it (tests/distributed/test_family_matrix.py); the trainer too, before it
     loads anything, for a model validate could not read: here a Llama's directory whose files a
-    teammate replaced by Gemma 2's after the pipelined run was submitted."""
+    teammate replaced by Granite 4.0-H's (Mamba layers) after the pipelined run was submitted."""
     model = tmp_path / "model"
     shutil.copytree(family_models("llama"), model)
     pipeline = {"schedule": "1f1b", "microbatches": 2}
     run = make_run(tmp_path, model, "swapped", parallelism="pipeline", pipeline=pipeline, max_steps=3)
     shutil.rmtree(model)
-    shutil.copytree(family_models("gemma2"), model)
+    shutil.copytree(family_models("granite-4-h"), model)
     proc = torchrun(run, nproc=2, timeout=400)
     assert proc.returncode != 0
     marker = json.loads((run / "failed").read_text())
     assert marker["reason"].startswith("ModelError: train.parallelism = 'pipeline': "), marker
-    assert "not 'gemma2'" in marker["reason"] and "train it with train.parallelism = 'ddp'" in marker["reason"]
+    assert "Mamba scans" in marker["reason"] and "train it with train.parallelism = 'ddp'" in marker["reason"]
 
 
 @pytest.mark.parametrize(

@@ -12,17 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (
-    DATA,
-    TRAINER_SETTINGS,
-    eval_losses,
-    losses,
-    read_jsonl,
-    run_spec,
-    shared_cache,
-    summary,
-    torchrun_many,
-)
+from helpers import eval_losses, local_run, losses, read_jsonl, summary, torchrun_many
 
 pytestmark = pytest.mark.torch
 
@@ -50,24 +40,7 @@ SCHEDULES = {
 
 
 def make_run(directory: Path, model: Path, name: str, procs: int, **train: object) -> Path:
-    from jobgen.launch.render import render
-    from jobgen.runs.materialize import materialize
-    from jobgen.spec.loader import load_run
-
-    spec_file = run_spec(
-        directory,
-        name,
-        site=shared_cache({"profile": "local", "slurm": {"cpus_per_node": 4}}),
-        filename=f"{name}.toml",
-        job={"time": "1h", "runs_root": "runs", "procs_per_node": procs},
-        model={"path": model, "dtype": "float32"},
-        data={"path": DATA, "max_length": 128},
-        train={**TRAINER_SETTINGS, **TRAIN, **train},
-        eval=EVAL,
-    )
-    spec = load_run(spec_file)
-    run, _ = materialize(spec, render(spec), spec_file.read_text())
-    return run.path
+    return local_run(directory, model, procs, name, data={"max_length": 128}, eval=EVAL, **{**TRAIN, **train})
 
 
 @pytest.fixture(scope="module")

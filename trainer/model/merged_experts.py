@@ -144,11 +144,14 @@ def fill_merged(tensors: dict[str, torch.Tensor], plans: list[ExpertMerge], dire
                     parts.append(handle.get_tensor(key))
                 read += 1
             merged = torch.cat(parts, dim=0) if plan.concat else parts[0]
-            if tuple(merged.shape) != tuple(local.shape[1:]):
-                raise MergedExpertsError(
-                    f"{plan.name}: expert {expert} of the checkpoint is {tuple(merged.shape)}, "
-                    f"the model's is {tuple(local.shape[1:])}"
-                )
-            with torch.no_grad():
-                local[row].copy_(merged)
+            copy_expert(local, row, merged, f"{plan.name}: expert {expert} of the checkpoint")
     return read
+
+
+def copy_expert(local: torch.Tensor, row: int, tensor: torch.Tensor, what: str) -> None:
+    """``tensor`` into this rank's ``local[row]`` (one expert), MergedExpertsError naming
+    ``what`` when its shape is not the model's."""
+    if tuple(tensor.shape) != tuple(local.shape[1:]):
+        raise MergedExpertsError(f"{what} is {tuple(tensor.shape)}, the model's is {tuple(local.shape[1:])}")
+    with torch.no_grad():
+        local[row].copy_(tensor)

@@ -92,7 +92,7 @@ def fill_mxfp4(tensors: dict[str, torch.Tensor], names: list[str], directory: Pa
     at a time. Returns the checkpoint tensors read."""
     from safetensors import safe_open
 
-    from trainer.model.merged_experts import checkpoint_files, local_rows
+    from trainer.model.merged_experts import checkpoint_files, copy_expert, local_rows
 
     where = checkpoint_files(directory)
     read = 0
@@ -106,12 +106,6 @@ def fill_mxfp4(tensors: dict[str, torch.Tensor], names: list[str], directory: Pa
             for row in range(count):
                 expert = first + row
                 weight = dequantize(block_slice[expert : expert + 1], scale_slice[expert : expert + 1], local.dtype)[0]
-                if tuple(weight.shape) != tuple(local.shape[1:]):
-                    raise Mxfp4Error(
-                        f"{name}: expert {expert} of the checkpoint dequantizes to {tuple(weight.shape)}, "
-                        f"the model's is {tuple(local.shape[1:])}"
-                    )
-                with torch.no_grad():
-                    local[row].copy_(weight)
+                copy_expert(local, row, weight, f"{name}: expert {expert} of the checkpoint, dequantized,")
                 read += 2
     return read
