@@ -270,6 +270,7 @@ class Trainer:
         # number turns that average into the sum, so the gradient is that of the global token mean.
         scale = self.cfg.gradient_ranks(self.env.world_size) / max(global_targets, 1.0)
         loss_sum = self.runner.forward_backward(micro_batches, scale)
+        report = self.runner.step_report()  # the parallelism's own figures (expert load)
         grad_norm = self._clip_and_step()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
@@ -285,6 +286,7 @@ class Trainer:
             "step_tokens": int(global_tokens),
             "step_padded_tokens": int(global_padded),
             "step_target_tokens": int(global_targets),
+            **report,
         }, boundary
 
     def _clip_and_step(self) -> float:

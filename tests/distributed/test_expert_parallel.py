@@ -5,8 +5,8 @@ their experts' ranks and back by all-to-all (trainer/parallel/expert_parallel.py
 - Mixtral, DeepSeek-V3 (shared experts, a dense first layer, MLA) and gpt-oss (expert biases,
   its own gating) train with the losses of one process training the same global batch, and so
   does Mixtral with each row split over 2 ranks too (seed 004's cp 2 x ep 2 on 4 ranks);
-- a run stopped under ep 2 resumes under ep 1 (the same 4 ranks) and logs the uninterrupted
-  run's losses: the checkpoint holds every expert whole;
+- a run stopped under ep 2 resumes under ep 1 (the same 4 ranks), and back under ep 2, and logs
+  the uninterrupted run's losses: the checkpoint holds every expert whole;
 - validate refuses what cannot be split, naming the key.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import local_run, losses, stopped_by_kill_switch, summary, torchrun, torchrun_many
+from helpers import REPO, local_run, losses, read_jsonl, stopped_by_kill_switch, summary, torchrun, torchrun_many
 from jobgen.spec.loader import SpecError
 from model_families import make_family_model
 
@@ -114,25 +114,60 @@ def test_expert_parallel_2_by_fsdp_2_trains_as_one_process_does(trained, family:
     assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-4), (step, got, expected)
+    # Each step's line says the routed load: the busiest rank's rows against the mean (dropless).
+    lines = [r for r in read_jsonl(split / "metrics.jsonl") if "loss" in r]
+    assert all(r["expert_rows_max"] >= r["expert_rows_mean"] > 0 for r in lines), lines
+    assert all(r["expert_load_imbalance"] >= 1.0 for r in lines), lines
+    assert not any("expert_rows_max" in r for r in read_jsonl(one / "metrics.jsonl"))
 
 
-def test_a_run_stopped_under_ep_2_resumes_under_ep_1_with_the_same_losses(trained, tmp_path: Path):
+def _set_expert_parallel(run: Path, degree: int) -> None:
+    spec = json.loads((run / "spec.json").read_text())
+    spec["run"]["train"]["expert_parallel"] = degree
+    (run / "spec.json").write_text(json.dumps(spec))
+
+
+def test_a_run_moves_from_ep_2_to_ep_1_and_back_with_the_same_losses(trained, tmp_path: Path):
+    """Stopped by the kill switch under ep 2, resumed under ep 1 and stopped again, finished
+    under ep 2: each resume from the checkpoint the other degree wrote, every loss the
+    uninterrupted 1-process run's. Steps paced (tests/paced), so that a stop lands mid-run."""
     _, one = trained["mixtral"]
     model = Path(json.loads((one / "spec.json").read_text())["run"]["model"]["path"])
     run = make_run(tmp_path, model, "resume", PROCS, parallelism="fsdp", expert_parallel=2)
-    stopped, out = stopped_by_kill_switch(run, 4, nproc=PROCS)
-    assert stopped["end_step"] < STEPS, out[-3000:]
-    spec = json.loads((run / "spec.json").read_text())
-    spec["run"]["train"]["expert_parallel"] = 1
-    (run / "spec.json").write_text(json.dumps(spec))
+    paced = {"PYTHONPATH": f"{REPO / 'tests' / 'paced'}:{REPO}", "PACED_STEP_SECONDS": "0.5"}
+    first, out = stopped_by_kill_switch(run, 1, nproc=PROCS, env=paced)
+    assert first["end_step"] < STEPS - 1, out[-3000:]
+    _set_expert_parallel(run, 1)
+    second, out = stopped_by_kill_switch(run, first["end_step"] + 1, nproc=PROCS, env=paced)
+    assert first["end_step"] < second["end_step"] < STEPS and second["start_step"] == first["end_step"], out[-3000:]
+    _set_expert_parallel(run, 2)
     proc = torchrun(run, nproc=PROCS, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    resumed = summary(run)
-    # From the checkpoint the kill switch saved under ep 2.
-    assert resumed["end_step"] == STEPS and resumed["start_step"] == stopped["end_step"], (stopped, resumed)
+    last = summary(run)
+    assert last["end_step"] == STEPS and last["start_step"] == second["end_step"], (first, second, last)
     expected, got = losses(one), losses(run)
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-4), (step, got, expected)
+    _exports_the_hub_layout(run, model, tmp_path / "exported")
+
+
+def _exports_the_hub_layout(run: Path, model: Path, target: Path) -> None:
+    """The checkpoint an expert-parallel run wrote exports as every other does: the base model's
+    files' names (per-expert tensors), loading equal to the checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from helpers import checkpoint_tensors
+    from jobgen.model.files import read_model
+    from jobgen.runs.rundir import RunDir
+    from trainer.checkpoints.export import export
+
+    source = export(RunDir(run).load_spec(), run, target, report=lambda line: None).name
+    names = {tensor.name for tensor in read_model(target).tensors}
+    assert names == {tensor.name for tensor in read_model(model).tensors}
+    loaded = AutoModelForCausalLM.from_pretrained(target).state_dict()
+    for name, tensor in checkpoint_tensors(run / "checkpoints" / source).items():
+        assert torch.equal(loaded[name], tensor), name
 
 
 def test_validate_refuses_an_expert_split_the_model_or_the_world_cannot_take(trained, tmp_path: Path):

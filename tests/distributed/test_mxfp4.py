@@ -6,11 +6,14 @@ here from a float model.
 - the dequantization is transformers' own, value for value;
 - FSDP on 2 gloo ranks trains with the losses of one process that loads the model through
   ``from_pretrained`` (which dequantizes it itself), and so does expert parallelism;
-- the export, dequantized, loads with ``from_pretrained`` equal to the checkpoint.
+- the export, dequantized, loads with ``from_pretrained`` equal to the checkpoint; with
+  ``model.export_quantization = "base"`` the experts are written as MXFP4 again, in the
+  published model's layout, and load as the checkpoint's weights rounded to their FP4 steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -103,3 +106,30 @@ def test_an_mxfp4_gpt_oss_trains_under_fsdp_and_expert_parallel_and_exports_a_mo
     assert set(exported) == set(trained)
     for name, tensor in trained.items():
         assert torch.equal(exported[name], tensor), name
+
+    # model.export_quantization = "base": the experts as MXFP4 again, as the published model has them.
+    keep = RunDir(fsdp).load_spec()
+    model_spec = keep.run.model.model_copy(update={"export_quantization": "base"})
+    keep = dataclasses.replace(keep, run=keep.run.model_copy(update={"model": model_spec}))
+    export(keep, fsdp, tmp_path / "quantized", report=lambda line: None, checkpoint=source)
+    config = json.loads((tmp_path / "quantized" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    assert _tensor_names(tmp_path / "quantized") == _tensor_names(mxfp4_model)  # the base model's layout
+    from transformers import Mxfp4Config
+
+    from trainer.model.mxfp4 import dequantize, quantize
+
+    requantized = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "quantized", quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).state_dict()
+    for name, tensor in trained.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            assert torch.equal(requantized[name], dequantize(*quantize(tensor), torch.float32)), name
+        else:
+            assert torch.equal(requantized[name], tensor), name
+
+
+def _tensor_names(directory: Path) -> set[str]:
+    from jobgen.model.files import read_model
+
+    return {tensor.name for tensor in read_model(directory).tensors}

@@ -141,7 +141,7 @@ def export(
             if adapter_only:
                 _adapter_config(skeleton, model_spec).save_pretrained(staging)
             else:
-                _save_config(config, model_spec.path, written[0], staging)
+                _save_config(config, model_spec.path, written[0], staging, model_spec.export_quantization == "base")
             load_tokenizer(model_spec.path).save_pretrained(staging)
             (staging / "jobgen_export.txt").write_text(f"run {run_dir}\ncheckpoint {source.name}\n")
     except OSError as exc:  # the target's filesystem (full, read-only), the base model's files: not the checkpoint
@@ -152,7 +152,8 @@ def export(
 def _weights(model_spec: ModelSpec, skeleton: torch.nn.Module, merge_lora: bool) -> Weights:
     """What is exported: every weight, the adapters alone, or the base model's with the adapters merged."""
     if model_spec.lora is None:
-        return full_weights(skeleton, _hub_layout(skeleton, model_spec.path))
+        keep = model_spec.export_quantization == "base"
+        return full_weights(skeleton, _hub_layout(skeleton, model_spec.path, keep_quantization=keep))
     if merge_lora:
         return merged_weights(skeleton, _base_weights(model_spec.path))
     return adapter_weights(skeleton)
@@ -230,14 +231,15 @@ def _skeleton(model_spec: ModelSpec) -> tuple[object, torch.nn.Module]:
     return config, skeleton
 
 
-def _hub_layout(skeleton: torch.nn.Module, path: str) -> HubLayout:
-    """The base model's files' layout; the in-memory names where they cannot be read (no
-    safetensors: a .bin model, whose names transformers reads as they are)."""
+def _hub_layout(skeleton: torch.nn.Module, path: str, keep_quantization: bool = False) -> HubLayout:
+    """The base model's files' layout (its MXFP4 weights quantized again with
+    ``keep_quantization``); the in-memory names where they cannot be read (no safetensors: a
+    .bin model, whose names transformers reads as they are)."""
     try:
         base = _base_weights(path)
     except ExportError:
         return HubLayout.as_in_memory()
-    return HubLayout.of(skeleton, base.tensors)
+    return HubLayout.of(skeleton, base.tensors, keep_quantization=keep_quantization)
 
 
 def _base_weights(path: str) -> SafetensorsModel:
@@ -263,15 +265,15 @@ def _adapter_config(skeleton: torch.nn.Module, model_spec: ModelSpec):
     return config
 
 
-def _save_config(config, path: str, dtype: torch.dtype, staging: Path) -> None:
+def _save_config(config, path: str, dtype: torch.dtype, staging: Path, keep_quantization: bool = False) -> None:
     """config.json in the export dtype with the KV cache on (training turns it off), without
-    the base model's MXFP4 quantization (gpt-oss's experts are exported as they trained), and
-    the generation config the base model has, or the one from_pretrained would derive."""
+    the base model's MXFP4 quantization unless the export keeps it (model.export_quantization),
+    and the generation config the base model has, or the one from_pretrained would derive."""
     from transformers import GenerationConfig
 
     config.dtype = dtype
     config.use_cache = True
-    if is_mxfp4(config):  # the weights are written dequantized, as they trained
+    if is_mxfp4(config) and not keep_quantization:  # the weights are written dequantized, as they trained
         del config.quantization_config
     config.save_pretrained(staging)
     try:

@@ -99,7 +99,7 @@ def full_weights(skeleton: torch.nn.Module, layout: HubLayout) -> Weights:
             TensorPlan(
                 output.name,
                 output.shape,
-                dtype,
+                torch.uint8 if output.quantized else dtype,
                 # a fused tensor is read whole, once per batch, for its experts' tensors
                 read_bytes=nbytes(shapes[name], source.tensors[MODEL_KEY + name][1]) // len(outputs[name]),
             )
@@ -113,7 +113,8 @@ def full_weights(skeleton: torch.nn.Module, layout: HubLayout) -> Weights:
             out = {}
             for plan in batch:
                 name, output = source_of[plan.name]
-                tensor = layout.part(got[MODEL_KEY + name], output, name).to(dtype)
+                tensor = layout.part(got[MODEL_KEY + name], output, name)
+                tensor = tensor if output.quantized else tensor.to(dtype)
                 # an expert's tensor is a view into the fused one: a file gets its own storage
                 out[plan.name] = tensor if output.expert is None else tensor.clone()
             return out

@@ -24,6 +24,9 @@ import torch
 
 from trainer.model.architecture import CheckpointLayout
 from trainer.model.merged_experts import ExpertMerge, expert_plans
+from trainer.model.mxfp4 import BLOCKS, SCALES, mxfp4_plans, quantize
+
+MXFP4_PARTS = (BLOCKS, SCALES)  # quantize()'s (blocks, scales), as the files name them
 
 
 @dataclass(frozen=True)
@@ -35,22 +38,42 @@ class Output:
     shape: tuple[int, ...]
     expert: int | None = None
     projection: int = 0
+    quantized: str | None = None  # "blocks" or "scales": an MXFP4 part of the whole tensor
 
 
 class HubLayout:
     """In-memory name -> the tensors the base model's files hold for it."""
 
-    def __init__(self, renamed: dict[str, str], experts: dict[str, ExpertMerge], shapes: Mapping[str, tuple]):
+    def __init__(
+        self,
+        renamed: dict[str, str],
+        experts: dict[str, ExpertMerge],
+        shapes: Mapping[str, tuple],
+        quantized: frozenset[str] = frozenset(),
+    ):
         self.renamed = renamed
         self.experts = experts
         self.shapes = shapes  # the base files' tensor shapes
+        self.quantized = quantized  # in-memory names written as MXFP4 blocks and scales
 
     @classmethod
-    def of(cls, skeleton: torch.nn.Module, base_tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]):
-        """From the model (its conversion mapping) and the base model's files' tensors."""
+    def of(
+        cls,
+        skeleton: torch.nn.Module,
+        base_tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        *,
+        keep_quantization: bool = False,
+    ):
+        """From the model (its conversion mapping) and the base model's files' tensors;
+        ``keep_quantization``: the weights those files hold in MXFP4 (gpt-oss's experts) are
+        written so again (model.export_quantization = "base")."""
         renamed, merged = CheckpointLayout(skeleton).resolve(base_tensors)
         experts = {plan.name: plan for plan in expert_plans(merged)}
-        return cls(renamed, experts, {name: shape for name, (shape, _) in base_tensors.items()})
+        shapes = {name: shape for name, (shape, _) in base_tensors.items()}
+        quantized = (
+            frozenset(mxfp4_plans(list(skeleton.state_dict()), set(base_tensors))) if keep_quantization else frozenset()
+        )
+        return cls(renamed, experts, shapes, quantized)
 
     @classmethod
     def as_in_memory(cls) -> HubLayout:
@@ -59,6 +82,10 @@ class HubLayout:
 
     def outputs(self, name: str, shape: tuple[int, ...]) -> list[Output]:
         """What the files hold of the in-memory tensor ``name`` (of ``shape``)."""
+        if name in self.quantized:
+            return [
+                Output(name + suffix, tuple(self.shapes[name + suffix]), quantized=suffix) for suffix in MXFP4_PARTS
+            ]
         plan = self.experts.get(name)
         if plan is None:
             return [Output(self.renamed.get(name, name), shape)]
@@ -71,7 +98,10 @@ class HubLayout:
 
     def part(self, tensor: torch.Tensor, output: Output, name: str) -> torch.Tensor:
         """``output``'s tensor cut from the in-memory ``tensor`` of ``name``: the tensor itself,
-        or one expert's row, split into its projections as they were concatenated."""
+        or one expert's row, split into its projections as they were concatenated, or its MXFP4
+        blocks or scales."""
+        if output.quantized is not None:
+            return quantize(tensor)[MXFP4_PARTS.index(output.quantized)]
         if output.expert is None:
             return tensor
         plan = self.experts[name]

@@ -19,8 +19,9 @@ forward is replaced by one that sends each (token, chosen expert) pair to the ra
 that expert, runs the library's experts forward there on the tokens received (each row with
 its one expert, weight 1: the same function of the same weights as without expert
 parallelism), sends the outputs back and sums them with the router's weights. Dropless: an
-expert takes every token sent to it (no capacity, no token dropped); the tokens each expert
-received are counted per step (:attr:`ExpertParallel.received`).
+expert takes every token sent to it (no capacity, no token dropped); the rows each rank's
+experts computed are counted, and every step's metrics line says the busiest rank's against the
+mean (:meth:`ExpertParallel.load_report`: the imbalance a capacity factor would have to cover).
 
 Gradients: an expert's gradient is the sum over its ``ep`` group's tokens (the all-to-all's
 backward), and FSDP averages it over ``edp``: scaled by 1 / K on its way to the weights, it is
@@ -31,7 +32,7 @@ do the same with a pre-multiplied sum, which gloo lacks.)
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,7 @@ class ExpertParallel:
     mesh: object  # torch.distributed.device_mesh.DeviceMesh, dims MESH_DIMS
     degree: int
     world: int
-    received: dict[str, int] = field(default_factory=dict)  # experts module -> tokens received since reset
+    received: int = 0  # rows (token, expert) this rank's experts computed since the last report
 
     @classmethod
     def for_world(cls, train: TrainSpec, env: DistEnv) -> ExpertParallel | None:
@@ -114,7 +115,24 @@ class ExpertParallel:
             self._distribute(module)
             _route(module, name, self, experts // self.degree)
             fully_shard(module, mesh=self.mesh["edp"], **fsdp_kwargs)  # type: ignore[index]
+        model.expert_parallel_state = self  # what the step runner reports the load from
         return len(found)
+
+    def load_report(self) -> dict[str, float]:
+        """The step's rows computed by the busiest rank's experts and by a rank on average (one
+        all-reduce over the world): their ratio is the routing's imbalance, which a capacity
+        factor would have to cover. Dropless: no row is ever dropped."""
+        counts = torch.tensor([float(self.received), float(self.received)], dtype=torch.float64)
+        self.received = 0
+        most = counts[:1].clone()
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        dist.all_reduce(counts[1:], op=dist.ReduceOp.SUM)
+        mean = float(counts[1]) / self.world
+        return {
+            "expert_rows_max": float(most),
+            "expert_rows_mean": round(mean, 2),
+            "expert_load_imbalance": round(float(most) / mean, 4) if mean else 1.0,
+        }
 
     def _distribute(self, module: torch.nn.Module) -> None:
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -143,7 +161,7 @@ class ExpertParallel:
         local = (expert[order] % local_experts).contiguous()
         local_in = torch.empty(sum(received_sizes), dtype=local.dtype, device=local.device)
         dist.all_to_all_single(local_in, local, received_sizes, send_sizes, group=self.group)
-        self.received[name] = self.received.get(name, 0) + int(local_in.numel())
+        self.received += int(local_in.numel())
         ones = torch.ones(local_in.numel(), 1, dtype=hidden.dtype, device=hidden.device)
         computed = _on_local_experts(module, forward, inbound, local_in[:, None], ones, local_experts, self.degree)
         outbound = _all_to_all(computed, send_sizes, received_sizes, self.group)

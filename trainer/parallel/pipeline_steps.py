@@ -254,6 +254,9 @@ class PipelineSteps:
             self.tied.sum_gradients()
         return loss_sum
 
+    def step_report(self) -> dict[str, float]:
+        return {}
+
     def clip(self, max_norm: float) -> float:
         counted_twice = self.tied.second_copy if self.tied is not None else None
         return grad_norm_and_clip(self.module, max_norm, self.pp_group, skip=counted_twice)

@@ -59,6 +59,10 @@ class StepRunner(Protocol):
         its own forward and cache (a pipeline's stages); None where it can."""
         ...
 
+    def step_report(self) -> dict[str, float]:
+        """What the step's metrics line adds of this parallelism (collective on every rank)."""
+        ...
+
 
 def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
     """bf16 autocast on GPUs (FSDP2 keeps float32 masters), nothing on CPU."""
@@ -96,6 +100,11 @@ class DataParallelSteps:
 
     def eval_loss_sum(self, inputs: dict[str, Any], labels: torch.Tensor) -> torch.Tensor:
         return forward_loss_sum(self.parts, inputs, labels)
+
+    def step_report(self) -> dict[str, float]:
+        """With train.expert_parallel, the routed rows' load (trainer.parallel.expert_parallel)."""
+        state = getattr(self.parts.model, "expert_parallel_state", None)
+        return state.load_report() if state is not None else {}
 
     @contextlib.contextmanager
     def _share_of(self, batch: dict[str, torch.Tensor]) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:

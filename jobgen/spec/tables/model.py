@@ -113,6 +113,17 @@ class ModelSpec(SpecModel):
             "the checkpoint bit for bit. A narrower dtype than training's rounds every weight once."
         ),
     )
+    export_quantization: Literal["none", "base"] = Field(
+        "none",
+        description=(
+            "Whether `jobgen export` quantizes what the base model had quantized. 'none': every weight in "
+            "export_dtype (gpt-oss's MXFP4 experts as they trained, dequantized). 'base': those weights "
+            "quantized again as the base model's files held them (gpt-oss's experts as MXFP4 blocks and scales, "
+            "with its quantization config), the layout vLLM and the hub's readers of the published model expect; "
+            "each value is rounded to its block's FP4 step, so a fine-tune's smaller changes are lost. A base "
+            "model without quantized weights exports the same either way."
+        ),
+    )
     gradient_checkpointing: bool = Field(False, description="Non-reentrant activation checkpointing.")
     activation_offloading: bool = Field(
         False,
