@@ -23,7 +23,9 @@ What is decided here and why:
   unequally.
 - The schedules fix their activation shapes at the first step; :class:`PipelineStep` makes
   every rank infer them again when any rank's batch shape changed.
-- Tied input/output embeddings would live on two ranks; they are refused.
+- Tied input/output embeddings live on the first and the last stage: each rank holds a copy,
+  read from the embedding's tensor, and trainer.parallel.pipeline_steps.TiedCopies sums their
+  gradients every step (the norm counts the weight once), so the copies stay one weight.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class PipelineError(ModelError):
 
 def check_pipelinable(config) -> None:
     """Refuse a configuration a stage cannot reproduce, as the pipeline's entry in
-    jobgen.model.parallelism says (a family other than the Llama-style ones, tied embeddings):
+    jobgen.model.parallelism says (a family whose base model a stage does not reproduce, Mamba
+    layers, the router's auxiliary loss):
     validate says the same of a local model."""
     from trainer.model.architecture import model_traits
 
@@ -88,11 +91,12 @@ def check_pipelinable(config) -> None:
 class StageModule(nn.Module):
     """The stages one pipeline rank holds, under the full model's parameter names.
 
-    Built from a Llama-style causal LM (on meta, usually): the input embedding iff the rank
-    holds stage 0, the decoder blocks of its stages in ``model.layers`` keyed by global index,
-    the final norm and ``lm_head`` iff it holds the last stage, and the (parameterless) rotary
-    embedding. ``state_dict()``/``named_parameters()`` are those of the full model restricted
-    to this rank, so checkpoints and the safetensors line up whatever the layout."""
+    Built from a causal LM (on meta, usually) whose pieces trainer.parallel.pipeline_parts finds:
+    the input embedding (and GPT-2's positions) iff the rank holds stage 0, the decoder blocks of
+    its stages keyed by global index (``model.layers.3``, ``transformer.h.3``), the final norm and
+    the head iff it holds the last stage, and the (parameterless) rotary embedding.
+    ``state_dict()``/``named_parameters()`` are those of the full model restricted to this rank,
+    so checkpoints and the safetensors line up whatever the layout."""
 
     # Read by trainer.checkpoints.checkpointer.state_dict_options: the optimizer state keyed by parameter name.
     flat_optimizer_state = True
