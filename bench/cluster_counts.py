@@ -2,7 +2,7 @@
 read of a run while it trains: the nodes' veth byte counters at two steps, and the run's
 useful tokens/s between them.
 
-    per_step, rate = bytes_and_rate(run, (3, 10), counter, "bench-fsdp")
+    per_step, rate = bytes_and_rate(run, (3, 10), lambda: sent_bytes(NODES), "bench-fsdp")
 """
 
 from __future__ import annotations
@@ -13,6 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from helpers import cancel_submitted, last_step, read_jsonl, wait_for
+from jobgen.devcluster.netns import veth_name
+
+
+def sent_bytes(nodes: tuple[str, ...]) -> int:
+    """What the ``nodes`` sent to the bridge: the host side of each veth receives it."""
+    return sum(int(Path(f"/sys/class/net/{veth_name(n)}/statistics/rx_bytes").read_text()) for n in nodes)
 
 
 def bytes_and_rate(run: Path, steps: tuple[int, int], counter: Callable[[], int], name: str) -> tuple[float, float]:

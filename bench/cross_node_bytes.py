@@ -30,16 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from cluster_counts import sent_bytes
+
 from helpers import cancel_submitted, last_step, submit, train_spec, wait_for
-from jobgen.devcluster.netns import veth_name
 
 NODES = ("node1", "node2")
 SHAPE = {"hidden_size": 256, "layers": 4, "heads": 4, "vocab_size": 2048}  # ~3.7M parameters
-
-
-def sent_bytes() -> int:
-    """What the nodes sent to the bridge: the host side of each veth receives it."""
-    return sum(int(Path(f"/sys/class/net/{veth_name(n)}/statistics/rx_bytes").read_text()) for n in NODES)
 
 
 def bytes_per_step(run: Path, first: int, last: int, timeout: float) -> float:
@@ -49,7 +45,7 @@ def bytes_per_step(run: Path, first: int, last: int, timeout: float) -> float:
     while last not in marks:
         if time.monotonic() > deadline:
             raise SystemExit(f"{run.name}: step {last} not reached in {timeout:.0f} s")
-        step, counted = last_step(run), sent_bytes()
+        step, counted = last_step(run), sent_bytes(NODES)
         for wanted in (first, last):
             if step >= wanted and wanted not in marks:
                 marks[wanted] = (step, counted)

@@ -24,10 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from cluster_counts import bytes_and_rate
+from cluster_counts import bytes_and_rate, sent_bytes
 
 from helpers import submit, train_spec
-from jobgen.devcluster.netns import veth_name
 
 NODES = ("node1", "node2")
 SHAPE = {
@@ -40,11 +39,6 @@ SHAPE = {
     "num_experts_per_tok": 2,
     "max_position_embeddings": 1024,
 }
-
-
-def sent_bytes() -> int:
-    """What the nodes sent to the bridge: the host side of each veth receives it."""
-    return sum(int(Path(f"/sys/class/net/{veth_name(n)}/statistics/rx_bytes").read_text()) for n in NODES)
 
 
 def make_model(directory: Path) -> Path:
@@ -81,7 +75,7 @@ def measure(work: Path, model: Path, ep: int, steps: tuple[int, int]) -> tuple[f
         expert_parallel=ep,
     )
     submit(spec)
-    return bytes_and_rate(work / "runs" / name, steps, sent_bytes, name)
+    return bytes_and_rate(work / "runs" / name, steps, lambda: sent_bytes(NODES), name)
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from cluster_counts import bytes_and_rate
+from cluster_counts import bytes_and_rate, sent_bytes
 
 from helpers import submit, train_spec
 from jobgen.devcluster.netns import veth_name
@@ -40,11 +40,6 @@ NODES = ("node1", "node2")
 # ~25M parameters: big enough that FSDP's traffic dominates a step at 1 Gbit/s, small enough
 # for 2 CPU processes (the bench machine has 2 cores).
 SHAPE = {"hidden_size": 512, "layers": 4, "heads": 8, "vocab_size": 8192, "intermediate_size": 1408}
-
-
-def sent_bytes() -> int:
-    """What the nodes sent to the bridge: the host side of each veth receives it."""
-    return sum(int(Path(f"/sys/class/net/{veth_name(n)}/statistics/rx_bytes").read_text()) for n in NODES)
 
 
 def throttle(rate: str | None) -> None:
@@ -74,7 +69,7 @@ def measure(work: Path, model: Path, name: str, steps: tuple[int, int], **keys: 
         **keys,
     )
     submit(spec)
-    return bytes_and_rate(work / "runs" / name, steps, sent_bytes, name)
+    return bytes_and_rate(work / "runs" / name, steps, lambda: sent_bytes(NODES), name)
 
 
 def main() -> None:

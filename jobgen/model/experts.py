@@ -15,9 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jobgen.model.traits import expert_count, text_config
+from jobgen.model.traits import BLOCK_INDEX, expert_count, text_config
 
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 # The routed experts' tensors: per-expert (``experts.3.w1``) or fused (``experts.gate_up_proj``),
 # or Granite's fused ``block_sparse_moe.input_linear`` / ``output_linear``.
 _ROUTED = re.compile(r"\.experts\.|\.block_sparse_moe\.(?:input|output)_linear\.")
@@ -51,7 +50,7 @@ class MoeShape:
             shared = int(text["n_shared_experts"]) * inter  # DeepSeek: n experts of the same size
         per_layer: dict[int, int] = {}
         for tensor in tensors:
-            match = _LAYER.search(tensor.name)
+            match = BLOCK_INDEX.search(tensor.name)
             if match and _ROUTED.search(tensor.name):
                 per_layer[int(match[1])] = per_layer.get(int(match[1]), 0) + tensor.numel
         dense = int(text.get("first_k_dense_replace") or 0)

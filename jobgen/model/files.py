@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,13 +19,12 @@ from typing import Any
 
 from jobgen.base.sizes import MIB
 from jobgen.model.experts import MoeShape, moe_config_tensors
-from jobgen.model.traits import ModelTraits
+from jobgen.model.traits import BLOCK_INDEX, ModelTraits
 
 SAFETENSORS_DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
     "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
 }  # fmt: skip
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
 
 class PlanError(ValueError):
@@ -106,7 +104,7 @@ class ModelInfo:
     def layer_numels(self) -> dict[int, int]:
         out: dict[int, int] = {}
         for t in self.parameters:
-            match = _LAYER.search(t.name)
+            match = BLOCK_INDEX.search(t.name)
             if match:
                 out[int(match[1])] = out.get(int(match[1]), 0) + t.numel
         return out

@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from jobgen.model.files import _LAYER as BLOCK_NAME
 from jobgen.model.files import TensorInfo
+from jobgen.model.traits import BLOCK_INDEX as BLOCK_NAME
 
 ALL_LINEAR = "all-linear"
 # Routers pick experts (their outputs are logits over experts): LoRA's default leaves them, as

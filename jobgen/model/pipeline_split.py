@@ -140,6 +140,12 @@ def stage_indices(schedule_name: str, pp_rank: int, pp_size: int, stages: int) -
     return list(range(pp_rank, stages, pp_size))
 
 
+def stage_positions(schedule_name: str, pp_size: int, stages: int) -> list[int]:
+    """The pipeline rank holding each stage, stage by stage (:func:`stage_indices` inverted)."""
+    owner = {s: p for p in range(pp_size) for s in stage_indices(schedule_name, p, pp_size, stages)}
+    return [owner[s] for s in range(stages)]
+
+
 @dataclass(frozen=True)
 class NodeMemory:
     """job.device_memory with each node's ranks, node by node: what :func:`stage_capacities` reads."""

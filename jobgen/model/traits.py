@@ -12,9 +12,13 @@ hub id), as the job builds its model.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+# A decoder block's index in a tensor or module name (Llama's ``layers.3.``, GPT-2's ``h.3.``).
+BLOCK_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
 # The config keys different families count their routed experts by (Mixtral, Qwen2-MoE and
 # OLMoE, DeepSeek).

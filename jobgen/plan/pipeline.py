@@ -58,7 +58,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from jobgen.base.sizes import format_bytes
-from jobgen.model.files import _LAYER as BLOCK_NAME
 from jobgen.model.files import ModelInfo
 from jobgen.model.parallelism import STRATEGIES
 from jobgen.model.pipeline_split import (
@@ -68,6 +67,7 @@ from jobgen.model.pipeline_split import (
     stage_indices,
     stage_layers,
 )
+from jobgen.model.traits import BLOCK_INDEX as BLOCK_NAME
 from jobgen.plan.context_parallel import with_context_parallel
 from jobgen.plan.estimate import (
     LOAD_TRANSIENT,

@@ -55,6 +55,9 @@ class HubLayout:
         self.experts = experts
         self.shapes = shapes  # the base files' tensor shapes
         self.quantized = quantized  # in-memory names written as MXFP4 blocks and scales
+        # The last tensor quantized: its blocks and its scales are two outputs, read one after
+        # the other, and quantizing a layer's experts once is enough.
+        self._last_quantized: tuple[str, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
     def of(
@@ -101,7 +104,10 @@ class HubLayout:
         or one expert's row, split into its projections as they were concatenated, or its MXFP4
         blocks or scales."""
         if output.quantized is not None:
-            return quantize(tensor)[MXFP4_PARTS.index(output.quantized)]
+            last = self._last_quantized
+            if last is None or last[0] != name or last[1] is not tensor:
+                last = self._last_quantized = (name, tensor, quantize(tensor))
+            return last[2][MXFP4_PARTS.index(output.quantized)]
         if output.expert is None:
             return tensor
         plan = self.experts[name]

@@ -102,17 +102,28 @@ class Architecture:
 
     def expert_parameters(self, model: torch.nn.Module) -> list[str]:
         """The routed experts' fused weights, as peft's ``target_parameters`` names them
-        (``experts.gate_up_proj``, ``experts.down_proj``): the 3-D parameters of the ``experts``
-        module of each MoE layer (not a Mamba layer's 3-D convolution)."""
+        (``experts.gate_up_proj``, ``experts.down_proj``): the 3-D parameters of each MoE
+        layer's experts (:func:`routed_experts`)."""
         found = {
-            f"{name.rsplit('.', 1)[-1]}.{parameter}"
-            for layer in self.decoder_layers(model)
-            for name, module in layer.named_modules()
-            if name.rsplit(".", 1)[-1] == "experts"
+            f"experts.{parameter}"
+            for _name, module in routed_experts(model)
             for parameter, tensor in module.named_parameters(recurse=False)
             if tensor.ndim == 3
         }
         return sorted(found)
+
+
+def routed_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of each MoE layer's routed experts: a module named ``experts`` holding the
+    layer's fused 3-D weights (``gate_up_proj``, ``down_proj``; not a Mamba layer's 3-D
+    convolution), every parameter of it one row per expert (gpt-oss's biases too)."""
+    found = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] != "experts":
+            continue
+        if any(p.ndim == 3 for p in module.parameters(recurse=False)):
+            found.append((name, module))
+    return found
 
 
 def model_traits(config) -> ModelTraits:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from jobgen.spec.tables.run import TrainSpec
 from trainer.distributed import DistEnv
+from trainer.model.architecture import routed_experts
 from trainer.model.errors import ModelError
 
 log = logging.getLogger("trainer.parallel.expert_parallel")
@@ -49,20 +50,6 @@ MESH_DIMS = ("edp", "ep")
 class ExpertParallelError(ModelError):
     """The model's experts cannot be split as train.expert_parallel asks; the message says why.
     A ModelError: every later task would fail the same way, so the run stops."""
-
-
-def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of each MoE layer's routed experts: a module named ``experts`` holding the
-    layer's fused 3-D weights (``gate_up_proj``, ``down_proj``), every parameter of it one row
-    per expert (gpt-oss's biases too)."""
-    found = []
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] != "experts":
-            continue
-        params = dict(module.named_parameters(recurse=False))
-        if any(p.ndim == 3 for p in params.values()):
-            found.append((name, module))
-    return found
 
 
 @dataclass
@@ -101,7 +88,7 @@ class ExpertParallel:
         model has none or a layer's experts do not divide by the degree."""
         from torch.distributed.fsdp import fully_shard
 
-        found = experts_modules(model)
+        found = routed_experts(model)
         if not found:
             raise ExpertParallelError(
                 f"train.expert_parallel = {self.degree}: the model has no routed experts to place on ranks"
@@ -119,9 +106,10 @@ class ExpertParallel:
         return len(found)
 
     def load_report(self) -> dict[str, float]:
-        """The step's rows computed by the busiest rank's experts and by a rank on average (one
-        all-reduce over the world): their ratio is the routing's imbalance, which a capacity
-        factor would have to cover. Dropless: no row is ever dropped."""
+        """The step's rows computed by the busiest rank's experts and by a rank on average (two
+        small all-reduces over the world, with expert parallelism only): their ratio is the
+        routing's imbalance, which a capacity factor would have to cover. Dropless: no row is
+        ever dropped."""
         counts = torch.tensor([float(self.received), float(self.received)], dtype=torch.float64)
         self.received = 0
         most = counts[:1].clone()

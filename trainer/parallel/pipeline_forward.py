@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from jobgen.model.pipeline_split import stage_indices
+from jobgen.model.pipeline_split import stage_positions
 from trainer.parallel.pipeline import StageModule
 
 # The dtypes hidden states travel in (whatever autocast or FSDP's mixed precision made them).
@@ -38,11 +38,7 @@ class StagesForward:
         self.module = module
         self.stages = module.num_stages
         # The global rank holding each stage in this rank's replica (rank r = pp_rank * dp + dp_rank).
-        owners = {}
-        for position in range(pp_size):
-            for stage in stage_indices(schedule, position, pp_size, self.stages):
-                owners[stage] = position * dp_size + dp_rank
-        self.owners = [owners[s] for s in range(self.stages)]
+        self.owners = [p * dp_size + dp_rank for p in stage_positions(schedule, pp_size, self.stages)]
         self.rank = pp_rank * dp_size + dp_rank
         self.last = self.owners[-1]
 

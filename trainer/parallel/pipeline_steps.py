@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from jobgen.model.pipeline_split import NodeMemory, stage_capacities, stage_indices, stage_layers
+from jobgen.model.pipeline_split import NodeMemory, stage_capacities, stage_indices, stage_layers, stage_positions
 from jobgen.spec.global_batch import grad_accum_for
 from jobgen.spec.tables.model import ModelSpec
 from jobgen.spec.tables.train import TrainSpec
@@ -291,9 +291,8 @@ def tied_pair(module: StageModule, schedule: str, layout: PipelineLayout) -> Tie
 
     if not module.tied:
         return None
-    stages = module.num_stages
-    owner = {s: p for p in range(layout.pp_size) for s in stage_indices(schedule, p, layout.pp_size, stages)}
-    first, last = owner[0], owner[stages - 1]
+    positions = stage_positions(schedule, layout.pp_size, module.num_stages)
+    first, last = positions[0], positions[-1]
     if first == last:
         return None
     mine = None
