@@ -23,6 +23,8 @@ from pathlib import Path
 from jobgen.slurm.text import (
     NAMED_FORMAT,
     SACCT_FIELDS,
+    SEP,
+    STEPS_FORMAT,
     JobRecord,
     NamedJob,
     QueueEntry,
@@ -37,6 +39,7 @@ from jobgen.slurm.text import (
     parse_version,
     parse_words,
 )
+from jobgen.slurm.text import fields as fields
 
 # Not used here; kept importable from jobgen.slurm.client, where the rest of the code looks for them.
 from jobgen.slurm.text import parse_key_values as parse_key_values
@@ -194,7 +197,7 @@ def failure(args: list[str], proc: subprocess.CompletedProcess[str]) -> SlurmErr
 
 
 # The name (%j) last: it may hold the separator.
-SQUEUE_FORMAT = "%A|%F|%K|%T|%r|%M|%l|%N|%S|%j"
+SQUEUE_FORMAT = fields("%A", "%F", "%K", "%T", "%r", "%M", "%l", "%N", "%S", "%j")
 
 
 def parse_squeue(text: str) -> list[QueueEntry]:
@@ -202,8 +205,8 @@ def parse_squeue(text: str) -> list[QueueEntry]:
     for line in text.splitlines():
         if not line.strip():
             continue
-        parts = line.split("|", SQUEUE_FORMAT.count("|"))
-        if len(parts) != SQUEUE_FORMAT.count("|") + 1:
+        parts = line.split(SEP, SQUEUE_FORMAT.count(SEP))
+        if len(parts) != SQUEUE_FORMAT.count(SEP) + 1:
             raise ValueError(f"unexpected squeue line {line!r}")
         job, array_job, task, state, reason, elapsed, limit, nodes, start, name = parts
         entries.append(
@@ -322,7 +325,7 @@ def queue(job_ids: list[int] | None = None) -> list[QueueEntry]:
 
 def steps(job_id: int | str) -> dict[str, str]:
     """The job's running steps: step id ("123.4") -> step name; none once the job has gone."""
-    proc = run(["squeue", "--steps", f"--jobs={job_id}", "--noheader", "--format=%i|%j"], check=False)
+    proc = run(["squeue", "--steps", f"--jobs={job_id}", "--noheader", f"--format={STEPS_FORMAT}"], check=False)
     return parse_steps(proc.stdout) if proc.returncode == 0 else {}
 
 
@@ -352,16 +355,21 @@ def queue_named(name: str) -> list[QueueEntry]:
     return parse_squeue(run(args).stdout)
 
 
-MY_JOBS_FORMAT = "%i|%T|%S|%u|%j|%k"
+MY_JOBS_FORMAT = fields("%i", "%T", "%S", "%u", "%j", "%k")
 
 
 def my_jobs() -> list[tuple[str, NamedJob]]:
-    """(name, job) of every queued or running job of this user: one squeue call. The comment
-    comes last and may hold the separator; a name that holds it garbles only its own line."""
+    """(name, job) of every queued or running job of this user that is no array task (the
+    watchdogs' chains it serves are single jobs): one squeue call. The comment comes last and may
+    hold the separator; a name that holds it garbles only its own line."""
     proc = run(["squeue", "--noheader", "--me", f"--format={MY_JOBS_FORMAT}"])
+    return parse_my_jobs(proc.stdout)
+
+
+def parse_my_jobs(text: str) -> list[tuple[str, NamedJob]]:
     out = []
-    for line in proc.stdout.splitlines():
-        parts = line.split("|", 5)
+    for line in text.splitlines():
+        parts = line.split(SEP, 5)
         if len(parts) != 6 or not parts[0].isdigit():
             continue
         job, state, start, user, name, comment = parts
@@ -401,7 +409,17 @@ def ended_jobs(job_ids: list[int], *, accounting: bool) -> list[JobRecord]:
         return []
     if accounting:
         ids = ",".join(str(j) for j in job_ids)
-        proc = run(["sacct", "--noheader", "--parsable2", "--duplicates", f"--jobs={ids}", f"--format={SACCT_FIELDS}"])
+        proc = run(
+            [
+                "sacct",
+                "--noheader",
+                "--parsable2",
+                f"--delimiter={SEP}",
+                "--duplicates",
+                f"--jobs={ids}",
+                f"--format={SACCT_FIELDS}",
+            ]
+        )
         return parse_sacct(proc.stdout)
     if len(job_ids) > 1:  # every job the controller still holds, in one call, for a listing's many
         asked = set(job_ids)

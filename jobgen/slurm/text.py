@@ -13,6 +13,19 @@ import re
 import time
 from dataclasses import dataclass
 
+# The field separator of every squeue --format and sacct --delimiter jobgen asks for: ASCII's unit
+# separator. No separator is one no field can hold: Slurm takes any byte in a job's name and
+# comment ('|', --parsable2's own, and this one were both measured in names on 22.05 and 24.11).
+# This is one nobody types, and every format puts its free text last (the name, then the
+# comment) and is split from the left, so a separator in the comment shifts no other field.
+SEP = "\x1f"
+
+
+def fields(*codes: str) -> str:
+    """A format of these squeue codes (or sacct field names), separated by :data:`SEP`."""
+    return SEP.join(codes)
+
+
 _KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/.]*)=")
 
 
@@ -118,13 +131,14 @@ def job_record(record: dict[str, str]) -> JobRecord | None:
     )
 
 
-SACCT_FIELDS = "JobIDRaw,JobID,JobName,State,ExitCode,Reason,NodeList,Start,End,TimelimitRaw,Comment"
+# Asked with --delimiter=SEP; the name and the comment, free text, last.
+SACCT_FIELDS = "JobIDRaw,JobID,State,ExitCode,Reason,NodeList,Start,End,TimelimitRaw,JobName,Comment"
 
 
 def parse_sacct(text: str) -> list[JobRecord]:
-    """``sacct --parsable2 --noheader --format=SACCT_FIELDS``: one line per job and one per
-    step (``5.batch``, ``5.0``); only the jobs' lines are kept. The comment, last, may hold
-    the separator. With ``--duplicates`` a requeued job has one line per start, oldest first
+    """``sacct --parsable2 --delimiter=SEP --noheader --format=SACCT_FIELDS``: one line per job
+    and one per step (``5.batch``, ``5.0``); only the jobs' lines are kept. The comment, last,
+    may hold the separator. With ``--duplicates`` a requeued job has one line per start, oldest first
     (``REQUEUED``, ...): each line's ``restarts`` counts the lines of that job before it. A
     job is its id and its name: ids are unique for one controller's lifetime only, and the
     accounting database keeps the jobs of earlier lifetimes, so a recycled id also returns
@@ -138,10 +152,10 @@ def parse_sacct(text: str) -> list[JobRecord]:
     starts: dict[tuple[int, str], int] = {}
     resized_from: dict[tuple[int, str], str] = {}  # the start of a job's line before its resize
     for line in text.splitlines():
-        parts = line.split("|", SACCT_FIELDS.count(","))
+        parts = line.split(SEP, SACCT_FIELDS.count(","))
         if len(parts) != SACCT_FIELDS.count(",") + 1 or not parts[0].isdigit():
             continue  # a step's line (5.batch), or nothing
-        raw, job_id, name, state, exit_code, reason, nodes, start, end, limit_minutes, comment = parts
+        raw, job_id, state, exit_code, reason, nodes, start, end, limit_minutes, name, comment = parts
         array_job, in_array, task = job_id.partition("_")
         if in_array and not task.isdigit():
             continue  # an array's pending rest (2_[3-4%1]): squeue's business
@@ -182,7 +196,7 @@ class NamedJob:
     comment: str
 
 
-NAMED_FORMAT = "%i|%T|%S|%u|%k"
+NAMED_FORMAT = fields("%i", "%T", "%S", "%u", "%k")
 
 
 def parse_named_jobs(text: str) -> list[NamedJob]:
@@ -190,9 +204,11 @@ def parse_named_jobs(text: str) -> list[NamedJob]:
     for line in text.splitlines():
         if not line.strip():
             continue
-        parts = line.split("|", NAMED_FORMAT.count("|"))
-        if len(parts) != NAMED_FORMAT.count("|") + 1 or not parts[0].isdigit():
+        parts = line.split(SEP, NAMED_FORMAT.count(SEP))
+        if len(parts) != NAMED_FORMAT.count(SEP) + 1:
             raise ValueError(f"unexpected squeue line {line!r}")
+        if not parts[0].isdigit():
+            continue  # an array task (5_1, 5_[2-3%1]): the chains looked for by name are single jobs
         job, state, start, user, comment = parts
         jobs.append(NamedJob(int(job), state, start, user, "" if comment == "(null)" else comment))
     return jobs
@@ -223,10 +239,13 @@ class QueueEntry:
         return str(self.job_id)
 
 
+STEPS_FORMAT = fields("%i", "%j")
+
+
 def parse_steps(text: str) -> dict[str, str]:
-    """``squeue --steps --format=%i|%j`` lines: step id ("123.4", "123.batch") -> name. The name is
-    last: it may hold the separator."""
-    return dict(line.strip().split("|", 1) for line in text.splitlines() if "|" in line)
+    """``squeue --steps --format=STEPS_FORMAT`` lines: step id ("123.4", "123.batch") -> name.
+    The name is last: it may hold the separator."""
+    return dict(line.strip().split(SEP, 1) for line in text.splitlines() if SEP in line)
 
 
 def parse_words(text: str) -> list[str]:

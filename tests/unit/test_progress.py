@@ -49,7 +49,8 @@ def test_nothing_at_all_off_a_terminal():
 
 
 def test_where_a_submission_stands():
-    queue = slurm.parse_squeue("9|9|1|PENDING|Priority|0:00|10:00||2026-11-22T15:10:00|demo\n")
+    line = "9\x1f9\x1f1\x1fPENDING\x1fPriority\x1f0:00\x1f10:00\x1f\x1f2026-11-22T15:10:00\x1fdemo\n"
+    queue = slurm.parse_squeue(line)
     pending = TaskStatus(9, 9, "1", "PENDING", reason="Priority")
     now = slurm.parse_time("2026-11-22T15:07:00")
     assert where_it_stands([pending], queue, 9, now) == "9_1 pending (Priority); Slurm expects it to start in 3m00s"

@@ -37,10 +37,10 @@ NODE_DRAINED = (
 # task and a job held by --dependency=afterany on it. Pending tasks have no job id of
 # their own yet: %A is the array's id for them.
 SQUEUE = """\
-1|1|2|PENDING|JobArrayTaskLimit|0:00|3:00||N/A|arr
-1|1|3|PENDING|JobArrayTaskLimit|0:00|3:00||N/A|arr
-2|2|N/A|PENDING|Dependency|0:00|3:00||N/A|dep
-3|1|1|RUNNING|None|0:07|3:00|node1|2026-11-22T14:20:20|arr
+1\x1f1\x1f2\x1fPENDING\x1fJobArrayTaskLimit\x1f0:00\x1f3:00\x1f\x1fN/A\x1farr
+1\x1f1\x1f3\x1fPENDING\x1fJobArrayTaskLimit\x1f0:00\x1f3:00\x1f\x1fN/A\x1farr
+2\x1f2\x1fN/A\x1fPENDING\x1fDependency\x1f0:00\x1f3:00\x1f\x1fN/A\x1fdep
+3\x1f1\x1f1\x1fRUNNING\x1fNone\x1f0:07\x1f3:00\x1fnode1\x1f2026-11-22T14:20:20\x1farr
 """
 
 
@@ -102,43 +102,43 @@ def test_squeue_array_lines():
 
 
 def test_squeue_names_may_contain_the_separator():
-    (row,) = parse_squeue("44|44|N/A|PENDING|Dependency|0:00|10:00||N/A|name|with|pipes\n")
+    (row,) = parse_squeue("44\x1f44\x1fN/A\x1fPENDING\x1fDependency\x1f0:00\x1f10:00\x1f\x1fN/A\x1fname|with|pipes\n")
     assert row.name == "name|with|pipes"
 
 
-# `sacct --noheader --parsable2 --duplicates --jobs=1,2,3,4,7,8 --format=SACCT_FIELDS` on the
+# `sacct --noheader --parsable2 --delimiter=SEP --duplicates --jobs=1,2,3,4,7,8 --format=SACCT_FIELDS` on the
 # dev cluster (slurmdbd 22.05.8, AccountingStoreFlags=job_comment): a job that set its comment
 # (with the separator in it) and exited 3; an array `--array=1-3%1` whose tasks set theirs (the
 # last task's `scontrol update JobId=$SLURM_JOB_ID` named the whole array, failed on the ended
 # tasks and made the task FAILED); a cancelled job; a held job without --time; a job requeued
 # while running (one line per start); a job killed by its 1-minute limit.
 SACCT_CAPTURED = """\
-1|1|probe-c|FAILED|3:0|None|node1|2026-11-25T11:03:44|2026-11-25T11:03:44|1440|hello|there x
-1.batch|1.batch|batch|FAILED|3:0||node1|2026-11-25T11:03:44|2026-11-25T11:03:44||
-3|3|cap-cancel|CANCELLED by 0|0:0|None|node1|2026-11-25T11:03:58|2026-11-25T11:04:00|3|
-3.batch|3.batch|batch|CANCELLED|0:15||node1|2026-11-25T11:03:58|2026-11-25T11:04:00||
-4|4|cap-held|PENDING|0:0|JobHeldUser|None assigned|Unknown|Unknown|Partition_Limit|
-5|2_1|cap-arr|COMPLETED|0:0|None|node1|2026-11-25T11:03:58|2026-11-25T11:03:59|2|jobgen: task 1|done
-5.batch|2_1.batch|batch|COMPLETED|0:0||node1|2026-11-25T11:03:58|2026-11-25T11:03:59||
-6|2_2|cap-arr|COMPLETED|0:0|JobArrayTaskLimit|node1|2026-11-25T11:03:59|2026-11-25T11:04:00|2|jobgen: task 2|done
-6.batch|2_2.batch|batch|COMPLETED|0:0||node1|2026-11-25T11:03:59|2026-11-25T11:04:00||
-2|2_3|cap-arr|FAILED|1:0|JobArrayTaskLimit|node1|2026-11-25T11:04:03|2026-11-25T11:04:04|2|jobgen: task 3|done
-2.batch|2_3.batch|batch|FAILED|1:0||node1|2026-11-25T11:04:03|2026-11-25T11:04:04||
-7|7|cap-requeue|REQUEUED|0:0|None|node1|2026-11-25T11:04:04|2026-11-25T11:04:05|2|
-7.batch|7.batch|batch|CANCELLED|0:15||node1|2026-11-25T11:04:04|2026-11-25T11:04:05||
-8|8|cap-timeout|TIMEOUT|0:0|None|node1|2026-11-25T11:04:06|2026-11-25T11:05:10|1|
-8.batch|8.batch|batch|CANCELLED|0:15||node1|2026-11-25T11:04:06|2026-11-25T11:05:10||
-7|7|cap-requeue|PENDING|0:0|BeginTime|None assigned|Unknown|Unknown|2|
-"""
+1\x1f1\x1fFAILED\x1f3:0\x1fNone\x1fnode1\x1f2026-11-25T11:03:44\x1f2026-11-25T11:03:44\x1f1440\x1fprobe-c\x1fhello|there x
+1.batch\x1f1.batch\x1fFAILED\x1f3:0\x1f\x1fnode1\x1f2026-11-25T11:03:44\x1f2026-11-25T11:03:44\x1f\x1fbatch\x1f
+3\x1f3\x1fCANCELLED by 0\x1f0:0\x1fNone\x1fnode1\x1f2026-11-25T11:03:58\x1f2026-11-25T11:04:00\x1f3\x1fcap-cancel\x1f
+3.batch\x1f3.batch\x1fCANCELLED\x1f0:15\x1f\x1fnode1\x1f2026-11-25T11:03:58\x1f2026-11-25T11:04:00\x1f\x1fbatch\x1f
+4\x1f4\x1fPENDING\x1f0:0\x1fJobHeldUser\x1fNone assigned\x1fUnknown\x1fUnknown\x1fPartition_Limit\x1fcap-held\x1f
+5\x1f2_1\x1fCOMPLETED\x1f0:0\x1fNone\x1fnode1\x1f2026-11-25T11:03:58\x1f2026-11-25T11:03:59\x1f2\x1fcap-arr\x1fjobgen: task 1|done
+5.batch\x1f2_1.batch\x1fCOMPLETED\x1f0:0\x1f\x1fnode1\x1f2026-11-25T11:03:58\x1f2026-11-25T11:03:59\x1f\x1fbatch\x1f
+6\x1f2_2\x1fCOMPLETED\x1f0:0\x1fJobArrayTaskLimit\x1fnode1\x1f2026-11-25T11:03:59\x1f2026-11-25T11:04:00\x1f2\x1fcap-arr\x1fjobgen: task 2|done
+6.batch\x1f2_2.batch\x1fCOMPLETED\x1f0:0\x1f\x1fnode1\x1f2026-11-25T11:03:59\x1f2026-11-25T11:04:00\x1f\x1fbatch\x1f
+2\x1f2_3\x1fFAILED\x1f1:0\x1fJobArrayTaskLimit\x1fnode1\x1f2026-11-25T11:04:03\x1f2026-11-25T11:04:04\x1f2\x1fcap-arr\x1fjobgen: task 3|done
+2.batch\x1f2_3.batch\x1fFAILED\x1f1:0\x1f\x1fnode1\x1f2026-11-25T11:04:03\x1f2026-11-25T11:04:04\x1f\x1fbatch\x1f
+7\x1f7\x1fREQUEUED\x1f0:0\x1fNone\x1fnode1\x1f2026-11-25T11:04:04\x1f2026-11-25T11:04:05\x1f2\x1fcap-requeue\x1f
+7.batch\x1f7.batch\x1fCANCELLED\x1f0:15\x1f\x1fnode1\x1f2026-11-25T11:04:04\x1f2026-11-25T11:04:05\x1f\x1fbatch\x1f
+8\x1f8\x1fTIMEOUT\x1f0:0\x1fNone\x1fnode1\x1f2026-11-25T11:04:06\x1f2026-11-25T11:05:10\x1f1\x1fcap-timeout\x1f
+8.batch\x1f8.batch\x1fCANCELLED\x1f0:15\x1f\x1fnode1\x1f2026-11-25T11:04:06\x1f2026-11-25T11:05:10\x1f\x1fbatch\x1f
+7\x1f7\x1fPENDING\x1f0:0\x1fBeginTime\x1fNone assigned\x1fUnknown\x1fUnknown\x1f2\x1fcap-requeue\x1f
+"""  # noqa: E501 - lines as Slurm prints them
 
 
 def test_a_recycled_job_id_is_no_earlier_start_of_the_job():
     """Ids are unique for one controller's lifetime: with --duplicates, sacct also returns the
     job an earlier lifetime ran under the same id (another name), which is no requeue of this one."""
     text = (
-        "51|51|allocation|COMPLETED|0:0|None|node1|2026-11-20T01:16:38|2026-11-20T01:16:39|60|\n"
-        "51|51|r0|REQUEUED|0:0|None|node1|2026-11-28T01:16:38|2026-11-28T01:16:40|1440|\n"
-        "51|51|r0|COMPLETED|0:0|None|node1|2026-11-28T01:18:38|2026-11-28T01:19:40|1440|\n"
+        "51\x1f51\x1fCOMPLETED\x1f0:0\x1fNone\x1fnode1\x1f2026-11-20T01:16:38\x1f2026-11-20T01:16:39\x1f60\x1fallocation\x1f\n"
+        "51\x1f51\x1fREQUEUED\x1f0:0\x1fNone\x1fnode1\x1f2026-11-28T01:16:38\x1f2026-11-28T01:16:40\x1f1440\x1fr0\x1f\n"
+        "51\x1f51\x1fCOMPLETED\x1f0:0\x1fNone\x1fnode1\x1f2026-11-28T01:18:38\x1f2026-11-28T01:19:40\x1f1440\x1fr0\x1f\n"
     )
     assert [(r.name, r.restarts) for r in parse_sacct(text)] == [("allocation", 0), ("r0", 0), ("r0", 1)]
 
@@ -146,13 +146,13 @@ def test_a_recycled_job_id_is_no_earlier_start_of_the_job():
 # Captured on the dev cluster (Slurm 22.05): a 3-node --no-kill array task that lost node3,
 # resized, went on and ended; task 2 started after it.
 SACCT_RESIZED = """\
-2|1_1|nk4.sh|RESIZING|0:0|None|node[1-3]|2026-12-01T20:52:53|2026-12-01T20:53:19|3|
-2.batch|1_1.batch|batch|RESIZING|0:0||node1|2026-12-01T20:52:53|2026-12-01T20:53:19||
-2.0|1_1.0|bash|RESIZING|0:0||node[1-3]|2026-12-01T20:52:53|2026-12-01T20:53:19||
-1|1_2|nk4.sh|RUNNING|0:0|JobArrayTaskLimit|node[1-3]|2026-12-01T20:53:35|Unknown|3|
-1.batch|1_2.batch|batch|RUNNING|0:0||node1|2026-12-01T20:53:35|Unknown||
-2|1_1|nk4.sh|COMPLETED|0:0|None|node[1-2]|2026-12-01T20:53:19|2026-12-01T20:53:19|3|
-2.1|1_1.1|hostname|COMPLETED|0:0||node[1-2]|2026-12-01T20:53:19|2026-12-01T20:53:19||
+2\x1f1_1\x1fRESIZING\x1f0:0\x1fNone\x1fnode[1-3]\x1f2026-12-01T20:52:53\x1f2026-12-01T20:53:19\x1f3\x1fnk4.sh\x1f
+2.batch\x1f1_1.batch\x1fRESIZING\x1f0:0\x1f\x1fnode1\x1f2026-12-01T20:52:53\x1f2026-12-01T20:53:19\x1f\x1fbatch\x1f
+2.0\x1f1_1.0\x1fRESIZING\x1f0:0\x1f\x1fnode[1-3]\x1f2026-12-01T20:52:53\x1f2026-12-01T20:53:19\x1f\x1fbash\x1f
+1\x1f1_2\x1fRUNNING\x1f0:0\x1fJobArrayTaskLimit\x1fnode[1-3]\x1f2026-12-01T20:53:35\x1fUnknown\x1f3\x1fnk4.sh\x1f
+1.batch\x1f1_2.batch\x1fRUNNING\x1f0:0\x1f\x1fnode1\x1f2026-12-01T20:53:35\x1fUnknown\x1f\x1fbatch\x1f
+2\x1f1_1\x1fCOMPLETED\x1f0:0\x1fNone\x1fnode[1-2]\x1f2026-12-01T20:53:19\x1f2026-12-01T20:53:19\x1f3\x1fnk4.sh\x1f
+2.1\x1f1_1.1\x1fCOMPLETED\x1f0:0\x1f\x1fnode[1-2]\x1f2026-12-01T20:53:19\x1f2026-12-01T20:53:19\x1f\x1fhostname\x1f
 """
 
 
@@ -221,13 +221,13 @@ def test_what_a_job_holds_is_read_under_either_releases_name(text, held):
     assert allocated_tres(record) == held
 
 
-# `squeue --steps --noheader --format=%i|%j` of a running array task (the supervisor's launch
+# `squeue --steps --noheader --format=STEPS_FORMAT` of a running array task (the supervisor's launch
 # step and the batch step), and `--array --states=PENDING --format=%i`, on the dev cluster: 22.05
 # (Debian bookworm's) and 24.11 (--slurm 24.11) both name a task's steps by the array's id and the
 # task's index.
 STEPS = {
-    "22.05": ("2_1.5|jobgen-launch-1\n2_1.batch|batch\n", "2_2\n", "2_1.5"),
-    "24.11": ("1_1.0|jobgen-launch-1\n1_1.batch|batch\n", "1_2\n", "1_1.0"),
+    "22.05": ("2_1.5\x1fjobgen-launch-1\n2_1.batch\x1fbatch\n", "2_2\n", "2_1.5"),
+    "24.11": ("1_1.0\x1fjobgen-launch-1\n1_1.batch\x1fbatch\n", "1_2\n", "1_1.0"),
 }
 
 
@@ -239,5 +239,5 @@ def test_steps_and_pending_tasks_as_squeue_names_them(series):
 
 
 def test_a_step_name_may_hold_the_separator():
-    assert parse_steps("7.0|a|name with|bars\n\n") == {"7.0": "a|name with|bars"}
+    assert parse_steps("7.0\x1fa|name with\x1fbars\n\n") == {"7.0": "a|name with\x1fbars"}
     assert parse_words("\n  \n") == []

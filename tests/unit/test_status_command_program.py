@@ -181,7 +181,7 @@ def test_stop_requests_of_ended_attempts_are_no_switches_and_are_removed(tmp_pat
     assert remove([run.switches / "stop.12.0", run.switches / "gone"]) == [run.switches / "stop.12.0"]
 
 
-QUEUE = "16|16|1|RUNNING|None|0:30|2:00|node[1-2]|2026-11-22T14:30:00|clm\n"
+QUEUE = "16\x1f16\x1f1\x1fRUNNING\x1fNone\x1f0:30\x1f2:00\x1fnode[1-2]\x1f2026-11-22T14:30:00\x1fclm\n"
 
 
 def test_jobgen_stop_and_status_clear_stale_stop_requests(tmp_path):

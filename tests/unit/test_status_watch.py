@@ -64,7 +64,9 @@ def test_the_step_is_never_behind_the_newest_checkpoint(train_run, monkeypatch):
     """Step 27 is saved, the last metrics line says 25: the step is 27, the loss still 25's."""
     _saved(train_run, 20)
     _saved(train_run, 27)
-    _slurm_says(monkeypatch, "18|17|1|RUNNING|None|0:40|5:00|node1|2026-11-22T14:04:10|stat\n")
+    _slurm_says(
+        monkeypatch, "18\x1f17\x1f1\x1fRUNNING\x1fNone\x1f0:40\x1f5:00\x1fnode1\x1f2026-11-22T14:04:10\x1fstat\n"
+    )
     status = run_status(train_run)
     assert (status.step, status.logged_step, status.saved_step) == (27, 25, 27), status
     view = status.to_json()
@@ -87,13 +89,17 @@ def test_a_task_ending_has_one_state_in_the_watch_line(train_run, monkeypatch):
     train_run.done_marker.write_text("")
     _saved(train_run, 60)
     for state in ("COMPLETING", "COMPLETED"):
-        _slurm_says(monkeypatch, f"18|17|1|{state}|None|1:00|5:00|node1|2026-11-22T14:04:10|stat\n")
+        _slurm_says(
+            monkeypatch, f"18\x1f17\x1f1\x1f{state}\x1fNone\x1f1:00\x1f5:00\x1fnode1\x1f2026-11-22T14:04:10\x1fstat\n"
+        )
         lines, final = _watch(train_run, monkeypatch)
         assert lines == ["finished step 60/60 (logged 25, saved 60)  17_1:COMPLETED"], (state, lines)
         assert [(t.slurm_id, t.restart, t.state) for t in final.tasks] == [("17_1", 0, "COMPLETED")], state
 
     # Slurm's word on how it ended wins over the script's guess, as with scontrol's memory.
-    _slurm_says(monkeypatch, "18|17|1|TIMEOUT|TimeLimit|5:00|5:00|node1|2026-11-22T14:04:10|stat\n")
+    _slurm_says(
+        monkeypatch, "18\x1f17\x1f1\x1fTIMEOUT\x1fTimeLimit\x1f5:00\x1f5:00\x1fnode1\x1f2026-11-22T14:04:10\x1fstat\n"
+    )
     assert [(t.slurm_id, t.state) for t in run_status(train_run).tasks] == [("17_1", "TIMEOUT")]
 
 
@@ -101,7 +107,7 @@ def test_a_requeued_task_shows_its_latest_attempt_in_the_watch_line(train_run, m
     """Attempt 0 ended (preempted), attempt 1 waits: the status block has both rows, the watch
     line the task once, as it is now."""
     _ended(train_run, 12, "SIGTERM")
-    _slurm_says(monkeypatch, "18|17|1|PENDING|BeginTime|0:00|5:00||N/A|stat\n")
+    _slurm_says(monkeypatch, "18\x1f17\x1f1\x1fPENDING\x1fBeginTime\x1f0:00\x1f5:00\x1f\x1fN/A\x1fstat\n")
     status = run_status(train_run)
     rows = [(t.slurm_id, t.restart, t.state) for t in status.tasks]
     assert rows == [("17_1", 0, "COMPLETED"), ("17_1", 1, "PENDING")], rows

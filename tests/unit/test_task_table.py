@@ -71,9 +71,9 @@ def test_every_task_keeps_its_name_steps_and_reason_after_slurm_forgot_it(tmp_pa
 # squeue --noheader --array --format=SQUEUE_FORMAT on the dev cluster: task 2 of array 5 running
 # as job 7, task 3 waiting behind it (pending tasks carry the array's id).
 QUEUE = """\
-5|5|3|PENDING|JobArrayTaskLimit|0:00|3:00||N/A|demo
-7|5|2|RUNNING|None|1:10|3:00|node[1-2]|2026-11-22T14:04:10|demo
-9|9|N/A|RUNNING|None|0:05|5:00|node3|2026-11-22T14:05:00|other-run
+5\x1f5\x1f3\x1fPENDING\x1fJobArrayTaskLimit\x1f0:00\x1f3:00\x1f\x1fN/A\x1fdemo
+7\x1f5\x1f2\x1fRUNNING\x1fNone\x1f1:10\x1f3:00\x1fnode[1-2]\x1f2026-11-22T14:04:10\x1fdemo
+9\x1f9\x1fN/A\x1fRUNNING\x1fNone\x1f0:05\x1f5:00\x1fnode3\x1f2026-11-22T14:05:00\x1fother-run
 """
 
 
@@ -99,7 +99,7 @@ def test_a_requeued_job_shows_each_attempt(tmp_path):
     """A requeued job keeps its id: the attempt that ended and the one queued again are two rows."""
     run = make_run(tmp_path, (5, 1))
     end_record(run, 5, 1, 12, 0, "SIGTERM (preemption, requeue or scancel): saving and exiting")
-    queue = slurm.parse_squeue("5|5|1|PENDING|BeginTime|0:00|3:00||N/A|demo\n")
+    queue = slurm.parse_squeue("5\x1f5\x1f1\x1fPENDING\x1fBeginTime\x1f0:00\x1f3:00\x1f\x1fN/A\x1fdemo\n")
     rows = build_tasks(run, "demo", queue, [], [], read_task_records(run), 180)
     assert [(t.slurm_id, t.restart, t.state) for t in rows] == [("5_1", 0, "COMPLETED"), ("5_1", 1, "PENDING")]
 
@@ -155,13 +155,13 @@ def test_a_submission_nobody_remembers_is_said_so_but_only_when_slurm_answered(t
     assert build_tasks(run, "demo", [], [], [], {}, 180, slurm_answered=False) == []
 
 
-# sacct --noheader --parsable2 --format=SLURM.SACCT_FIELDS where accounting keeps comments:
+# sacct --noheader --parsable2 --delimiter=SEP --format=SLURM.SACCT_FIELDS where accounting keeps comments:
 # one line per job and one per step.
 SACCT = """\
-6|5_1|demo|COMPLETED|0:0||node[1-2]|2026-11-22T14:00:02|2026-11-22T14:02:52|3|jobgen: time limit (USR1 90 s before the limit): saving and exiting (exit 12)
-6.batch|6.batch|batch|COMPLETED|0:0||node1|2026-11-22T14:00:02|2026-11-22T14:02:52||
-6.0|6.0|bash|COMPLETED|0:0||node[1-2]|2026-11-22T14:00:05|2026-11-22T14:02:50||
-5|5_[2-3%1]|demo|PENDING|0:0|JobArrayTaskLimit|None assigned|Unknown|Unknown|3|
+6\x1f5_1\x1fCOMPLETED\x1f0:0\x1f\x1fnode[1-2]\x1f2026-11-22T14:00:02\x1f2026-11-22T14:02:52\x1f3\x1fdemo\x1fjobgen: time limit (USR1 90 s before the limit): saving and exiting (exit 12)
+6.batch\x1f6.batch\x1fCOMPLETED\x1f0:0\x1f\x1fnode1\x1f2026-11-22T14:00:02\x1f2026-11-22T14:02:52\x1f\x1fbatch\x1f
+6.0\x1f6.0\x1fCOMPLETED\x1f0:0\x1f\x1fnode[1-2]\x1f2026-11-22T14:00:05\x1f2026-11-22T14:02:50\x1f\x1fbash\x1f
+5\x1f5_[2-3%1]\x1fPENDING\x1f0:0\x1fJobArrayTaskLimit\x1fNone assigned\x1fUnknown\x1fUnknown\x1f3\x1fdemo\x1f
 """  # noqa: E501
 
 
@@ -209,11 +209,11 @@ def test_a_task_that_recorded_its_end_and_is_still_running_in_squeue_is_one_row(
     run = make_run(tmp_path, (5, 1))
     end_record(run, 5, 1, 0, 0, "reached step 40 of 40: finished", start=T0, end=T0 + 170)
     started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(T0 + 2))
-    still = slurm.parse_squeue(f"5|5|1|RUNNING|None|2:50|3:00|node1|{started}|demo\n")
+    still = slurm.parse_squeue(f"5\x1f5\x1f1\x1fRUNNING\x1fNone\x1f2:50\x1f3:00\x1fnode1\x1f{started}\x1fdemo\n")
     rows = build_tasks(run, "demo", still, [], [], read_task_records(run), 180)
     assert [(t.slurm_id, t.restart, t.state) for t in rows] == [("5_1", 0, "COMPLETED")]
     again = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(T0 + 300))
-    requeued = slurm.parse_squeue(f"5|5|1|RUNNING|None|0:10|3:00|node2|{again}|demo\n")
+    requeued = slurm.parse_squeue(f"5\x1f5\x1f1\x1fRUNNING\x1fNone\x1f0:10\x1f3:00\x1fnode2\x1f{again}\x1fdemo\n")
     rows = build_tasks(run, "demo", requeued, [], [], read_task_records(run), 180)
     assert [(t.slurm_id, t.restart, t.state) for t in rows] == [("5_1", 0, "COMPLETED"), ("5_1", 1, "RUNNING")]
 
@@ -225,6 +225,6 @@ def test_a_task_whose_program_recorded_its_end_before_the_batch_script_is_one_ro
     batch_end_record(run, 5, 1, None, None, "", start=T0, end=None)
     reports = task_reports(trainer_records(5, 1, 0, 40, 0, "reached step 40 of 40: finished", start=T0), [])
     started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(T0 - 2))
-    still = slurm.parse_squeue(f"5|5|1|RUNNING|None|2:50|3:00|node1|{started}|demo\n")
+    still = slurm.parse_squeue(f"5\x1f5\x1f1\x1fRUNNING\x1fNone\x1f2:50\x1f3:00\x1fnode1\x1f{started}\x1fdemo\n")
     rows = build_tasks(run, "demo", still, [], reports, read_task_records(run), 180)
     assert [(t.slurm_id, t.restart, t.state) for t in rows] == [("5_1", 0, "COMPLETED")]

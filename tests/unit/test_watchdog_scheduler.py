@@ -75,7 +75,10 @@ def test_slurm_commands_inside_a_job_do_not_inherit_its_variables(monkeypatch):
 
 
 def test_named_jobs_parser_reads_squeue_lines():
-    text = "17|PENDING|2026-11-21T22:31:21|root|/runs/.watchdogs\n18|RUNNING|2026-11-21T22:30:20|ana|(null)\n"
+    text = (
+        "17\x1fPENDING\x1f2026-11-21T22:31:21\x1froot\x1f/runs/.watchdogs\n"
+        "18\x1fRUNNING\x1f2026-11-21T22:30:20\x1fana\x1f(null)\n"
+    )
     jobs = slurm.parse_named_jobs(text)
     assert jobs[0] == slurm.NamedJob(17, "PENDING", "2026-11-21T22:31:21", "root", "/runs/.watchdogs")
     assert jobs[1].comment == ""
