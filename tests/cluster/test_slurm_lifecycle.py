@@ -99,6 +99,38 @@ def test_time_limit_saves_before_slurm_and_an_array_chained_after_resumes(cluste
     )
 
 
+def test_the_run_directorys_script_sbatched_by_hand_as_an_array_goes_on_as_submit_would(cluster_run):
+    """The script in the run directory is a user's to read and ``sbatch --array`` by hand: the
+    tasks of an array queued so, without jobgen, resume from the run's checkpoint, stop on the
+    kill switch one after the other (%1), and are in ``jobgen status`` as submit's are."""
+    spec, run = cluster_run("byhand", array=1)
+    first = submit(spec)
+    wait_for(lambda: last_step(run, first) >= 3, 150, "the submitted task to train")
+    stop_run(run, [first])
+    saved = exit_record(run, first)["end_step"]
+    (run / "switches" / "kill").unlink()
+
+    script = run / "train.sbatch"
+    out = subprocess.run(
+        ["sbatch", "--parsable", "--array=1-2%1", str(script)], capture_output=True, text=True, cwd="/"
+    )
+    assert out.returncode == 0, out.stderr
+    array = int(out.stdout.strip().split(";")[0])
+    task1 = running_task(array, 1, timeout=150)
+    resumed = wait_for(lambda: first_step_record(run, task1), 150, "the hand-queued task's first step")
+    assert resumed["start_step"] == saved and resumed["resumed_from"] == f"step-{saved:08d}"
+    wait_for(lambda: last_step(run, task1) >= saved + 2, 120, "the hand-queued task to train")
+    stop_run(run, [array])
+    assert exit_record(run, task1)["exit_code"] == ExitCode.KILL_SWITCH
+    tasks = {r["ArrayTaskId"]: r for r in array_tasks(array)}
+    # Task 2 started after task 1 (%1), saw the switch and left before srun.
+    assert tasks["2"]["JobState"] == "COMPLETED" and "kill switch" in tasks["2"]["Comment"], tasks
+    view = status(run)
+    by_job = {t["job_id"]: t for t in view["tasks"]}
+    assert by_job[task1]["start_step"] == saved and by_job[task1]["recomputed_steps"] == 0, view["tasks"]
+    assert view["step"] >= saved + 2
+
+
 @pytest.mark.full
 def test_signals_and_requeue_resume_without_lost_steps(cluster_run):
     """scancel --signal=USR1 (what Slurm's --signal and many preemption set-ups send)
