@@ -313,23 +313,13 @@ def node_states(slurm_conf: Path | str, timeout: float = 10.0, slurm_prefix: str
     """``sinfo -N``: node name to its state (e.g. "idle", "idle*", "down*", "mix"); the sinfo of
     the cluster's own Slurm (``slurm_prefix``, where it is a built one), whatever the caller's
     PATH holds first."""
+    from jobgen.slurm import client
+
     path = slurm_builds.search_path(slurm_prefix, DAEMON_PATH)
-    proc = subprocess.run(
-        ["sinfo", "-h", "-N", "-o", "%N %t"],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, SLURM_CONF=str(slurm_conf), PATH=path),
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise ClusterError(f"sinfo failed: {proc.stderr.strip()}")
-    states: dict[str, str] = {}
-    for line in proc.stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 2:
-            # A node in two partitions is listed twice with the same state.
-            states[parts[0]] = parts[1]
-    return states
+    try:
+        return client.node_states(slurm_conf=str(slurm_conf), path=path, timeout=timeout)
+    except client.SlurmError as exc:
+        raise ClusterError(f"sinfo failed: {exc.stderr}") from None
 
 
 RESPONSIVE = {"idle", "mix", "alloc", "comp", "resv", "plnd"}

@@ -21,7 +21,9 @@ import subprocess
 from pathlib import Path
 
 from jobgen.slurm.text import (
+    MY_JOBS_FORMAT,
     NAMED_FORMAT,
+    NODE_STATES_FORMAT,
     SACCT_FIELDS,
     SEP,
     STEPS_FORMAT,
@@ -31,7 +33,9 @@ from jobgen.slurm.text import (
     job_record,
     parse_config,
     parse_job_id,
+    parse_my_jobs,
     parse_named_jobs,
+    parse_node_states,
     parse_records,
     parse_sacct,
     parse_steps,
@@ -146,22 +150,27 @@ def client_env() -> dict[str, str]:
     return env
 
 
-def _check_client(args: list[str]) -> None:
+def _check_client(args: list[str], env: dict[str, str] | None = None) -> None:
     """SlurmUnavailable before ``args`` is started where it cannot work: no such command, or a
     SLURM_CONF that names no file."""
-    if shutil.which(args[0]) is None:
+    env = env if env is not None else dict(os.environ)
+    if shutil.which(args[0], path=env.get("PATH")) is None:
         raise SlurmUnavailable(args, 127, f"{args[0]} not found on PATH: no Slurm client on this machine")
-    conf = os.environ.get("SLURM_CONF")
+    conf = env.get("SLURM_CONF")
     if conf and not os.path.isfile(conf):
         # Slurm's own commands retry a configuration they cannot open for 60 s before failing.
         raise SlurmUnavailable(args, 1, f"SLURM_CONF={conf}: no such file (unset it, or name your slurm.conf)")
 
 
-def run(args: list[str], *, timeout: float = DEFAULT_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess[str]:
-    _check_client(args)
+def run(
+    args: list[str], *, timeout: float = DEFAULT_TIMEOUT, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``args`` in :func:`client_env`, with ``env``'s variables over it (another cluster's)."""
+    full_env = {**client_env(), **(env or {})}
+    _check_client(args, full_env)
     try:
         proc = subprocess.run(
-            args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=client_env()
+            args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=full_env
         )
     except subprocess.TimeoutExpired:
         raise SlurmUnavailable(args, 124, f"no answer within {timeout:.0f}s (is slurmctld up?)") from None
@@ -355,9 +364,6 @@ def queue_named(name: str) -> list[QueueEntry]:
     return parse_squeue(run(args).stdout)
 
 
-MY_JOBS_FORMAT = fields("%i", "%T", "%S", "%u", "%j", "%k")
-
-
 def my_jobs() -> list[tuple[str, NamedJob]]:
     """(name, job) of every queued or running job of this user that is no array task (the
     watchdogs' chains it serves are single jobs): one squeue call. The comment comes last and may
@@ -366,15 +372,16 @@ def my_jobs() -> list[tuple[str, NamedJob]]:
     return parse_my_jobs(proc.stdout)
 
 
-def parse_my_jobs(text: str) -> list[tuple[str, NamedJob]]:
-    out = []
-    for line in text.splitlines():
-        parts = line.split(SEP, 5)
-        if len(parts) != 6 or not parts[0].isdigit():
-            continue
-        job, state, start, user, name, comment = parts
-        out.append((name, NamedJob(int(job), state, start, user, "" if comment == "(null)" else comment)))
-    return out
+def node_states(*, slurm_conf: str, path: str, timeout: float = 10.0) -> dict[str, str]:
+    """``sinfo -N``: node name -> its state ("idle", "idle*", "down*", "mix") on the cluster of
+    ``slurm_conf``, with the clients found on ``path`` (the dev cluster's own Slurm, whatever
+    this process's environment names)."""
+    proc = run(
+        ["sinfo", "-h", "-N", f"--format={NODE_STATES_FORMAT}"],
+        timeout=timeout,
+        env={"SLURM_CONF": slurm_conf, "PATH": path},
+    )
+    return parse_node_states(proc.stdout)
 
 
 def run_in_job(

@@ -251,3 +251,33 @@ def parse_steps(text: str) -> dict[str, str]:
 def parse_words(text: str) -> list[str]:
     """One value per line (``squeue --format=%N`` or ``%i``), blank lines left out."""
     return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+MY_JOBS_FORMAT = fields("%i", "%T", "%S", "%u", "%j", "%k")
+
+
+def parse_my_jobs(text: str) -> list[tuple[str, NamedJob]]:
+    """``squeue --me --format=MY_JOBS_FORMAT``: (name, job) of each line whose id is a job's (an
+    array task's, 5_1 or 5_[2-3%1], is left out)."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split(SEP, MY_JOBS_FORMAT.count(SEP))
+        if len(parts) != MY_JOBS_FORMAT.count(SEP) + 1 or not parts[0].isdigit():
+            continue
+        job, state, start, user, name, comment = parts
+        out.append((name, NamedJob(int(job), state, start, user, "" if comment == "(null)" else comment)))
+    return out
+
+
+NODE_STATES_FORMAT = fields("%N", "%t")
+
+
+def parse_node_states(text: str) -> dict[str, str]:
+    """``sinfo -N --format=NODE_STATES_FORMAT``: node name -> state. A node in two partitions is
+    listed twice, with the same state."""
+    states: dict[str, str] = {}
+    for line in text.splitlines():
+        name, sep, state = line.strip().partition(SEP)
+        if sep and name and state:
+            states[name] = state
+    return states
