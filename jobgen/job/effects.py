@@ -94,6 +94,11 @@ class SlurmEffects(LocalEffects):
         self.cancels: list[subprocess.Popen[bytes]] = []  # scancels waiting for a dead node, reaped as they end
 
     def start_launch(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        if self.settings.container and not any(env.get(v) for v in ("JOBGEN_JOB_END_TIME", "SLURM_JOB_END_TIME")):
+            # An image holds no squeue for rank 0 to ask when the job ends (Slurm 22.05 sets no
+            # variable for it): the deadline is asked here, on the batch host, and handed in.
+            end = slurm.end_time(self.task.job_id)
+            env = {**env, "JOBGEN_JOB_END_TIME": str(int(end))} if end is not None else env
         return subprocess.Popen(["bash", "-c", env["JOBGEN_SRUN_LAUNCH"]], env=env)
 
     def _helper(self, nodes: list[str], command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -161,7 +166,9 @@ class SlurmEffects(LocalEffects):
         ifname = self.settings.rendezvous.ifname
         if not ifname:
             return node
-        proc = self._helper([node], [*self.settings.container, "bash", "-c", HEAD_ADDRESS, "_", ifname], 60)
+        # On the node's host, as the batch script's first address: a container on the node's network
+        # has the same interfaces, and an image started only for `ip` could outlast the 60 s.
+        proc = self._helper([node], ["bash", "-c", HEAD_ADDRESS, "_", ifname], 60)
         return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
 
     def clear_snapshots(self, directory: str) -> str | None:

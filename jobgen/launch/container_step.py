@@ -66,19 +66,37 @@ def container_step(py: PythonSettings, shared: list[str], env_names: list[str], 
     """Every step's container: ``shared`` (and the checkout) mounted at their paths, the step
     started in the first of them, the site's variables named beside the families every runtime
     needs, the node's GPUs when the site has some."""
-    # A site's mount of a directory at its own path covers what lies under it as well.
-    own_paths = [m.split(":")[0] for m in py.container_mounts if m.split(":")[0] == m.split(":")[1]]
+    # A site's writable mount of a directory at its own path covers what lies under it as well;
+    # a read-only one does not (the runs root under it must stay writable).
+    own_paths = [m.split(":")[0] for m in py.container_mounts if _same_path(m) and not _read_only(m)]
     checkout = [str(CHECKOUT)] if CHECKOUT else []
     directories = [path for path in outermost([*shared, *checkout, *own_paths]) if path not in own_paths]
-    own = [name for name in sorted({*env_names, *(["PYTHONPATH"] if checkout else [])}) if not _in_family(name)]
+    # A site's mount over one of jobgen's directories goes first, or it would hide it.
+    over = [m for m in py.container_mounts if any(_under(path, m.split(":")[1]) for path in directories)]
+    rest = [m for m in py.container_mounts if m not in over]
+    names = sorted({*env_names, "PYTHONNOUSERSITE", *(["PYTHONPATH"] if checkout else [])})
     return ContainerStep(
         image=py.container_image or "",
-        mounts=(*(f"{path}:{path}" for path in directories), *py.container_mounts),
+        mounts=(*over, *(f"{path}:{path}" for path in directories), *rest),
         workdir=shared[0],
-        env=(*PODMAN_ENV_FAMILIES, *own),
+        env=(*PODMAN_ENV_FAMILIES, *(name for name in names if not _in_family(name))),
+        overrides=tuple(names),
         gpus=gpus,
         options=tuple(py.container_options),
     )
+
+
+def _same_path(mount: str) -> bool:
+    return mount.split(":")[0] == mount.split(":")[1]
+
+
+def _read_only(mount: str) -> bool:
+    flags = mount.split(":")[2] if mount.count(":") >= 2 else ""
+    return "ro" in flags.replace("+", ",").split(",")
+
+
+def _under(path: str, directory: str) -> bool:
+    return path.startswith(directory.rstrip("/") + "/")
 
 
 def _in_family(name: str) -> bool:

@@ -377,6 +377,8 @@ def environment_context(
         "venv": py.venv if py.kind == "venv" else py.module_venv if py.kind == "modules" else None,
         "activation_file": py.activation_file,
         "container_words": container_words(py, shared, list(env_names), gpus),
+        # The batch host's Python, outside any image: the supervisor's.
+        "host_python": py.host_python if py.kind == "container" else None,
     }
 
 
@@ -385,17 +387,10 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
     probe, and the exit codes."""
     site = spec.site
     slurm, net = site.slurm, site.network
-
-    env = dict(site.env)
-    if site.paths.hf_home:
-        env.setdefault("HF_HOME", site.paths.hf_home)
-    run_env, per_task = _run_env(spec)
-    env.update(run_env)
-    for name in per_task:  # the launcher's value replaces the site's; the shell exports neither
-        env.pop(name, None)
+    env, per_task = job_env(spec)
 
     return {
-        **python_context(spec, sorted({*env, *net.env})),
+        **python_context(spec, exported_names(spec)),
         "output_per_node": slurm.output_per_node,
         "ifname": net.ifname,
         "transport": net.transport,
@@ -422,6 +417,25 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
         "planned_exit_codes": Trusted(" ".join(str(int(code)) for code in ExitCode if code.planned)),
         "exit_words": [(int(code), code.reason) for code in ExitCode],
     }
+
+
+def job_env(spec: ResolvedSpec) -> tuple[dict[str, str], list[str]]:
+    """What the batch shell exports (the site's [env], HF_HOME, the run's [env]), and the names
+    of the run's [env] it leaves to the launcher."""
+    env = dict(spec.site.env)
+    if spec.site.paths.hf_home:
+        env.setdefault("HF_HOME", spec.site.paths.hf_home)
+    run_env, per_task = _run_env(spec)
+    env.update(run_env)
+    for name in per_task:  # the launcher's value replaces the site's; the shell exports neither
+        env.pop(name, None)
+    return env, per_task
+
+
+def exported_names(spec: ResolvedSpec) -> list[str]:
+    """The names of every variable the run's script exports from the spec: a container step
+    passes them in by name (podman), or over the image's own values (pyxis)."""
+    return sorted({*job_env(spec)[0], *spec.site.network.env})
 
 
 def _run_env(spec: ResolvedSpec) -> tuple[dict[str, str], list[str]]:

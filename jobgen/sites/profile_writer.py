@@ -226,7 +226,7 @@ def _other_tables(choices: ProfileChoices) -> list[str]:
         '# kind = "venv"       with venv = "/shared/envs/llm"',
         '# kind = "conda"      with conda_env = "llm" (a name or a prefix)',
         '# kind = "modules"    with modules = ["cuda/12.4"]',
-        '# kind = "container"  with container_image = "nvcr.io#nvidia/pytorch:24.05-py3"',
+        '# kind = "container"  with container_image = "registry.example.org#team/jobgen:0.1.0"',
         "",
         "[env]",
         "# Variables every job of this site gets, e.g. when the nodes cannot reach the Hugging Face hub:",

@@ -7,7 +7,9 @@ the run's records, the head node's address, the hang watch's stacks) is ``srun <
 <words> <command>``, where ``<words>`` is what :func:`step_words` builds:
 
 - **pyxis** (NVIDIA's SPANK plugin for enroot): srun options; the plugin starts the container
-  around the task. The job's environment reaches it as it is.
+  around the task. The job's environment reaches it, but a variable the image sets keeps the
+  image's value unless named in ``--container-env``: the step names the ones jobgen and the site
+  set (PYTHONPATH, PYTHONNOUSERSITE, the site's and the run's [env]).
 - **apptainer**: ``apptainer exec --bind ... --pwd ... IMAGE`` before the command. The host's
   environment reaches it, except PATH, HOME and LD_LIBRARY_PATH, which are the image's.
 - **podman**: ``podman run --rm --network=host --ipc=host --pid=host ... IMAGE`` before the
@@ -41,6 +43,8 @@ class ContainerStep:
     mounts: tuple[str, ...]
     workdir: str
     env: tuple[str, ...] = ()
+    # The variables jobgen and the site set by name, whose values must win over an image's own.
+    overrides: tuple[str, ...] = ()
     gpus: bool = False
     options: tuple[str, ...] = ()
 
@@ -79,6 +83,9 @@ PODMAN_ENV_FAMILIES = (
     "TRANSFORMERS_*",
     "TOKENIZERS_*",
     "WANDB_*",
+    # Set by the batch script for every container step: ~/.local's packages (the home is mounted
+    # under pyxis and apptainer) must not shadow the image's.
+    "PYTHONNOUSERSITE",
 )
 # The tether's variable: the pid of the `podman run` that srun started (the step's own shell
 # execs it, so its $$ is that pid).
@@ -86,10 +93,12 @@ TETHER_ENV = "JOBGEN_TETHER_PID"
 
 
 def _pyxis_words(step: ContainerStep) -> list[str]:
+    names = list(step.overrides)  # their values are the job's (pyxis reads names only)
     return [
         f"--container-image={step.image}",
         f"--container-mounts={','.join(step.mounts)}",
         f"--container-workdir={step.workdir}",
+        *([f"--container-env={','.join(names)}"] if names else []),
         *step.options,
     ]
 
@@ -138,6 +147,37 @@ def _pyxis_syntax(image: str) -> bool:
     return "#" in image
 
 
+def _registry_without_hash(image: str) -> bool:
+    """'registry.example.org/team/image:tag' written for pyxis: enroot reads a registry only
+    before '#', so it would pull 'registry.example.org/team/image' from Docker Hub. The first
+    part of a path is a registry when it holds a '.' or a ':' or is localhost (docker's rule)."""
+    if "#" in image or "://" in image or image.startswith(("/", ".")):
+        return False
+    first, slash, _ = image.partition("/")
+    return bool(slash) and ("." in first or ":" in first or first == "localhost")
+
+
+def _not_apptainers(image: str) -> bool:
+    """Neither an absolute path (a .sif, a sandbox directory) nor a URI apptainer pulls from: a
+    relative path would be read from each step's working directory, a bare name is no image."""
+    return not image.startswith("/") and not image.startswith(APPTAINER_TRANSPORTS) and "#" not in image
+
+
+# The sources `apptainer exec` reads an image from, besides a file (Apptainer 1.3's user guide).
+APPTAINER_TRANSPORTS = (
+    "docker://",
+    "docker-daemon://",
+    "docker-archive://",
+    "oci://",
+    "oci-archive://",
+    "oras://",
+    "library://",
+    "shub://",
+    "http://",
+    "https://",
+)
+
+
 def _uri(image: str) -> bool:
     return "://" in image
 
@@ -157,6 +197,11 @@ RUNTIMES: dict[str, Runtime] = {
         foreign_images=(
             (_uri, "a URI ('docker://...') is apptainer's; pyxis takes 'registry#image:tag' or a squashfs file"),
             (_sif, "a .sif file is apptainer's; pyxis takes 'registry#image:tag' or a squashfs file"),
+            (
+                _registry_without_hash,
+                "pyxis reads a registry only before '#' ('registry.example.org#team/image:tag'); "
+                "without it, the image is pulled from Docker Hub",
+            ),
         ),
     ),
     "apptainer": Runtime(
@@ -168,6 +213,11 @@ RUNTIMES: dict[str, Runtime] = {
             (
                 _pyxis_syntax,
                 "'registry#image' is pyxis's syntax; apptainer takes a .sif file or 'docker://registry/image'",
+            ),
+            (
+                _not_apptainers,
+                "apptainer takes an absolute path (a .sif file on the shared filesystem) or a URI "
+                "('docker://registry/image:tag', 'oras://...', 'library://...')",
             ),
         ),
     ),

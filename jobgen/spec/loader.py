@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from jobgen.base.paths import SITE_CONFIGS_DIR, user_config_dir
 from jobgen.program import placeholders
+from jobgen.spec.data_files import hub_caches
 from jobgen.spec.named_files import data_problems, model_problems
 from jobgen.spec.node_shapes import place
 from jobgen.spec.python_env import resolve_python
@@ -296,6 +297,10 @@ def _validate_site(
         words = _message(exc.errors()[0])
         message = f"kind = 'auto': the environment running jobgen ({sys.prefix}) cannot be used: {words}"
         return None, [SpecIssue(str(site_path), "python", message + "; set [python] kind and its path")]
+    if site.python.kind == "container" and site.paths.hf_home is None:
+        # The image's home is not this one (podman's is the image's /root): the Hugging Face cache
+        # validate looked in is named, exported as HF_HOME and mounted at its path.
+        site.paths.hf_home = str(hub_caches(site.env.get("HF_HOME"), dict(os.environ))[0])
     return site, []
 
 

@@ -34,10 +34,15 @@ def conda_base_of(prefix: Path, conda_exe: str | None) -> Path | None:
 
 def resolve_python(python: PythonSettings, prefix: str | None = None) -> PythonSettings:
     """``python`` itself unless its kind is "auto"; then the settings of the environment at
-    ``prefix`` (this interpreter's, ``sys.prefix``, by default), keeping its modules."""
+    ``prefix`` (this interpreter's, ``sys.prefix``, by default), keeping its modules. A container
+    site's ``host_python``, unless given, is that environment's Python."""
+    root = Path(prefix or sys.prefix)
+    if python.kind == "container" and not python.host_python:
+        # The supervisor runs on the batch host, outside the image: with this environment's Python.
+        interpreter = root / "bin" / "python3"
+        return python.model_copy(update={"host_python": str(interpreter if interpreter.exists() else sys.executable)})
     if python.kind != "auto":
         return python
-    root = Path(prefix or sys.prefix)
     keep = {"modules": list(python.modules), "container_mounts": list(python.container_mounts)}
     if (root / "pyvenv.cfg").is_file():
         return PythonSettings(kind="venv", venv=str(root), **keep)

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from jobgen import __version__
-from jobgen.launch.render import Trusted, python_context, sbatch_arg, slurm_filename_literal, template_environment
+from jobgen.launch.render import (
+    Trusted,
+    exported_names,
+    python_context,
+    sbatch_arg,
+    slurm_filename_literal,
+    template_environment,
+)
 from jobgen.runs.sweep_files import LOGS_DIR, POINTS_DIR, SWEEP_SCRIPT
 from jobgen.sweep.claim import HOLDING_STATES
 from jobgen.sweep.points import Sweep, allocation
@@ -57,7 +64,7 @@ def sweep_context(sweep: Sweep) -> dict[str, Any]:
         "holding_states": ",".join(sorted(HOLDING_STATES)),
         "claim_wait_seconds": CLAIM_WAIT_SECONDS,
         # The job's Python (_python_env.j2), as the base run's script has it: the claim runs there.
-        **python_context(sweep.base, sorted({*sweep.base.site.env, *sweep.base.site.network.env})),
+        **python_context(sweep.base, exported_names(sweep.base)),
     }
 
 

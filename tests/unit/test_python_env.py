@@ -150,7 +150,7 @@ def test_auto_defaults_to_this_interpreter(monkeypatch: pytest.MonkeyPatch, tmp_
         PythonSettings(kind="conda", conda_env="llm"),
         PythonSettings(kind="prefix", prefix="/opt/py"),
         PythonSettings(kind="modules", modules=["python/3.11"]),
-        PythonSettings(kind="container", container_image="nvcr.io#nvidia/pytorch:24.05-py3"),
+        PythonSettings(kind="container", container_image="a#b", host_python="/shared/venv/bin/python3"),
         PythonSettings(kind="none"),
     ],
     ids=lambda p: p.kind,
@@ -160,6 +160,19 @@ def test_a_kind_other_than_auto_is_returned_unchanged(tmp_path: Path, given: Pyt
     before = given.model_copy(deep=True)
     assert resolve_python(given, str(venv)) is given
     assert given == before
+
+
+def test_a_container_sites_supervisor_runs_the_python_that_submitted(tmp_path: Path):
+    """The supervisor runs on the batch host, outside the image: with this environment's Python,
+    unless the profile names one; a host_python for another kind is refused."""
+    venv = venv_at(tmp_path / "venv")
+    (venv / "bin").mkdir()
+    (venv / "bin" / "python3").write_text("")
+    given = PythonSettings(kind="container", container_image="a#b")
+    assert resolve_python(given, str(venv)).host_python == str(venv / "bin" / "python3")
+    assert given.host_python is None  # a copy, not changed in place
+    with pytest.raises(ValueError, match="host_python"):
+        PythonSettings(kind="venv", venv="/v", host_python="/v/bin/python")
 
 
 def test_auto_in_a_directory_jobgen_cannot_write_is_a_spec_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -101,13 +101,16 @@ def test_venv_modules_container():
     assert "module purge" in modules and "module load cuda/12.4.1" in modules
     assert modules.index("module load gcc/12.2.0") < modules.index("module load nccl/2.21.5")
     assert "source /lustre/shared/envs/llm/bin/activate" in modules
-    assert "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3'" in container
+    assert "'--container-image=registry.example.org#team/jobgen:0.1.0'" in container
     # The runs root, the snapshots' memory and the checkout at their paths; the site's /fsx covers HF_HOME.
     mounts = f"/shared/runs:/shared/runs,/dev/shm:/dev/shm,{CHECKOUT}:{CHECKOUT},/fsx:/fsx"
     assert f"'--container-mounts={mounts}'" in container
     # The launch line runs the node script in the image; so do the supervisor's helper steps.
-    assert '--container-workdir=/shared/runs bash -c "$NODE_LAUNCH"' in container
-    assert '"container": [\n    "--container-image=nvcr.io#nvidia/pytorch:24.05-py3",' in container
+    assert "--container-workdir=/shared/runs" in container and 'bash -c "$NODE_LAUNCH"' in container
+    # The supervisor on the batch host, with the Python that submitted; PYTHONNOUSERSITE for the steps.
+    assert f'exec {sys.prefix}/bin/python3 -m jobgen.job --settings "$JOBGEN_SUPERVISOR"' in container
+    assert "export PYTHONNOUSERSITE=1" in container
+    assert '"container": [\n    "--container-image=registry.example.org#team/jobgen:0.1.0",' in container
     assert 'py_on_head() { run_on_head "${SRUN_CONTAINER[@]}" "$@"; }' in container
 
 

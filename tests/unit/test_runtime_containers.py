@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import GOLDEN, doctor_spec, run_spec
+from jobgen.base.paths import CHECKOUT
 from jobgen.launch.container_step import container_step, job_directories
 from jobgen.spec.containers import step_words
 from jobgen.spec.loader import SpecError, load_run
@@ -140,6 +141,12 @@ def test_every_podman_option_is_one_this_machines_podman_has():
             {"container_runtime": "podman", "container_image": "x/y:1", "container_options": ["--env=A=$(id)"]},
             "cannot be used",
         ),
+        # enroot reads a registry only before '#': this would be pulled from Docker Hub.
+        ({"container_runtime": "pyxis", "container_image": "registry.example.org/team/jobgen:0.1.0"}, "before '#'"),
+        ({"container_runtime": "pyxis", "container_image": "localhost:5000/jobgen:1"}, "before '#'"),
+        # A relative .sif would be read from each step's working directory; a bare name is no image.
+        ({"container_runtime": "apptainer", "container_image": "images/jobgen.sif"}, "absolute path"),
+        ({"container_runtime": "apptainer", "container_image": "ubuntu:22.04"}, "absolute path"),
     ],
 )
 def test_validate_refuses_what_the_runtime_cannot_honour_naming_the_key(tmp_path, python, words):
@@ -164,6 +171,10 @@ def test_each_runtimes_own_image_and_mounts_are_accepted():
         ("apptainer", "/shared/images/jobgen.sif", "/fsx:/fsx:ro"),
         ("apptainer", "docker://registry.example.org/jobgen:1", "/fsx:/data"),
         ("podman", "registry.example.org/team/jobgen:0.1.0", "/fsx:/fsx:ro"),
+        ("pyxis", "registry.example.org#team/jobgen:0.1.0", "/fsx:/fsx"),
+        ("pyxis", "nvidia/pytorch:24.05-py3", "/fsx:/fsx"),  # Docker Hub's, as meant
+        ("pyxis", "/shared/images/jobgen.sqsh", "/fsx:/fsx"),
+        ("apptainer", "oras://registry.example.org/jobgen:1", "/fsx:/fsx"),
     ]:
         py = PythonSettings(
             kind="container", container_runtime=runtime, container_image=image, container_mounts=[mount]
@@ -201,6 +212,43 @@ def test_the_jobs_directories_are_mounted_once_each_at_their_paths(tmp_path):
     assert "MY_FLAG" in step.env and "NCCL_IB_HCA" not in step.env and "NCCL_*" in step.env
 
 
+def test_a_read_only_site_mount_leaves_the_runs_root_under_it_writable():
+    """The pyxis page's own example, /fsx read-only over a runs root in /fsx: the site's mount
+    covered the runs root, so checkpoints and heartbeats met a read-only filesystem. Now the
+    read-only mount goes first and the runs root (and HF_HOME) over it, writable."""
+    py = PythonSettings(
+        kind="container",
+        container_runtime="pyxis",
+        container_image="a#b",
+        container_mounts=["/fsx:/fsx:ro+rprivate", "/scratch/x:/data"],
+    )
+    step = container_step(py, ["/fsx/jobgen-runs", "/fsx/hf", "/dev/shm"], [], gpus=False)
+    mounts = [m for m in step.mounts if not m.startswith(f"{CHECKOUT}:")] if CHECKOUT else list(step.mounts)
+    assert mounts == [
+        "/fsx:/fsx:ro+rprivate",
+        "/fsx/jobgen-runs:/fsx/jobgen-runs",
+        "/fsx/hf:/fsx/hf",
+        "/dev/shm:/dev/shm",
+        "/scratch/x:/data",
+    ]
+    # A writable one still covers what lies under it: mounted once.
+    rw = py.model_copy(update={"container_mounts": ["/fsx:/fsx"]})
+    assert [m for m in container_step(rw, ["/fsx/jobgen-runs", "/dev/shm"], [], gpus=False).mounts if "fsx" in m] == [
+        "/fsx:/fsx"
+    ]
+
+
+def test_a_container_site_without_hf_home_mounts_the_cache_validate_looked_in(tmp_path, monkeypatch):
+    """podman's home is the image's: a hub model validate found in ~/.cache/huggingface would not
+    be found by the trainer. The cache is named, exported as HF_HOME and mounted."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-cache"))
+    python = {"kind": "container", "container_runtime": "podman", "container_image": "x/y:1"}
+    spec = load_run(doctor_spec(tmp_path, "c", site={"profile": "local", "python": python}))
+    assert spec.site.paths.hf_home == str(tmp_path / "hf-cache")
+    assert str(tmp_path / "hf-cache") in job_directories(spec)
+    assert spec.site.python.host_python  # the supervisor's Python, recorded at load
+
+
 def test_the_mounts_order_does_not_depend_on_where_jobgen_was_cloned(monkeypatch):
     """CI clones into /check/work/main, this machine into /work/main: a render that sorted the
     mounts by path put the checkout before /dev/shm in one and after it in the other."""
@@ -223,10 +271,16 @@ def test_only_podman_is_given_the_variables_by_name():
     words = step_words("podman", step)
     assert "--env=MY_FLAG" in words and "--env=SLURM*" in words and "--device=nvidia.com/gpu=all" in words
     assert words[:3] == ["bash", "-c", 'exec podman run --env=JOBGEN_TETHER_PID="$$" "$@"'] and words[-1] == "x/y:1"
-    for runtime, image in (("apptainer", "/i.sif"), ("pyxis", "a#b")):
-        py = PythonSettings(kind="container", container_runtime=runtime, container_image=image)
-        words = step_words(runtime, container_step(py, ["/runs"], ["MY_FLAG"], gpus=True))
-        assert not any("MY_FLAG" in w or "SLURM" in w for w in words), words
+    apptainer = PythonSettings(kind="container", container_runtime="apptainer", container_image="/i.sif")
+    words = step_words("apptainer", container_step(apptainer, ["/runs"], ["MY_FLAG"], gpus=True))
+    assert not any("MY_FLAG" in w or "SLURM" in w for w in words), words
+    # pyxis passes the job's variables, but an image's own value of one wins unless it is named:
+    # the names jobgen and the site set are, no family of podman's.
+    pyxis = PythonSettings(kind="container", container_runtime="pyxis", container_image="a#b")
+    words = step_words("pyxis", container_step(pyxis, ["/runs"], ["MY_FLAG", "NCCL_SOCKET_IFNAME"], gpus=True))
+    (named,) = [w for w in words if w.startswith("--container-env=")]
+    assert set(named.split("=", 1)[1].split(",")) >= {"MY_FLAG", "NCCL_SOCKET_IFNAME", "PYTHONNOUSERSITE"}, words
+    assert not any("SLURM" in w or "*" in w for w in words), words
     assert "--nv" in step_words(
         "apptainer",
         container_step(
@@ -279,3 +333,33 @@ def test_image_build_refuses_what_it_cannot_build_from(tmp_path):
     # (this failed on a machine without podman before).
     with pytest.raises(ImageBuildError, match="'nerdctl' not found"):
         build_image(base="x", tag="y", wheels=[tmp_path / "jobgen-1.0-py3-none-any.whl"], tool="nerdctl")
+
+
+@pytest.mark.parametrize("container", [["bash", "-c", "exec podman run ..."], []], ids=["container", "host"])
+def test_a_container_launch_is_handed_the_jobs_end_by_the_batch_host(tmp_path, monkeypatch, container):
+    """An image holds no squeue, so rank 0 could not ask when the job ends (Slurm 22.05 sets no
+    variable for it) and a container run had no deadline: the supervisor asks, on the batch host."""
+    from jobgen.job import effects
+    from jobgen.job.settings import RendezvousSettings, SupervisorSettings, Task
+    from jobgen.runs.rundir import RunDir
+
+    settings = SupervisorSettings(
+        run_dir=str(tmp_path),
+        lifecycle=True,
+        command_plan=False,
+        lead_signal="USR1",
+        exit_grace=60,
+        nodes=1,
+        container=container,
+        rendezvous=RendezvousSettings(port=29500),
+    )
+    task = Task("7", "7", "1", 0, "node1", 1, 0, True, "node1", "node1:29500")
+    started = {}
+    monkeypatch.setattr(effects.slurm, "end_time", lambda job_id: 1_900_000_000.5)
+    monkeypatch.setattr(effects.subprocess, "Popen", lambda args, env: started.setdefault("env", env))
+    effects.SlurmEffects(settings, task, RunDir(tmp_path)).start_launch({"JOBGEN_SRUN_LAUNCH": "true"})
+    assert started["env"].get("JOBGEN_JOB_END_TIME") == ("1900000000" if container else None)
+    started.clear()
+    given = {"JOBGEN_SRUN_LAUNCH": "true", "SLURM_JOB_END_TIME": "1800000000"}  # Slurm 23.02+ says it itself
+    effects.SlurmEffects(settings, task, RunDir(tmp_path)).start_launch(given)
+    assert "JOBGEN_JOB_END_TIME" not in started["env"]

@@ -50,7 +50,7 @@ def test_the_claim_runs_in_the_jobs_own_python(tmp_path: Path, profile: str, kin
     (env,) = PYTHON_ENV.findall(text)
     assert PYTHON_ENV.findall(render(sweep.base)) == [env]
     if kind == "container":
-        assert "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3'" in env
+        assert "'--container-image=registry.example.org#team/jobgen:0.1.0'" in env
         (mounts,) = re.findall(r"'--container-mounts=([^']*)'", env)
         sources = [Path(mount.split(":")[0]) for mount in mounts.split(",")]
         assert any(sweep.base.runs_root.is_relative_to(source) for source in sources)  # holds the sweep

@@ -346,6 +346,14 @@ class PythonSettings(SpecModel):
             "are always mounted at their own paths."
         ),
     )
+    host_python: SafePath | None = Field(
+        None,
+        description=(
+            "When kind = 'container': the Python on the batch host that runs the job's supervisor "
+            "(python -m jobgen.job) outside the image; it needs jobgen, on a path every node sees. "
+            "Default: the Python of the environment that runs `jobgen submit` (recorded then, as kind = 'auto' is)."
+        ),
+    )
     container_options: list[ContainerOption] = Field(
         default_factory=list,
         description=(
@@ -380,6 +388,10 @@ class PythonSettings(SpecModel):
             raise ValueError("kind = 'modules' needs a non-empty 'modules' list")
         if self.kind == "container" and not self.container_image:
             raise ValueError("kind = 'container' needs 'container_image'")
+        if self.host_python and self.kind != "container":
+            raise ValueError(
+                f"'host_python' is for kind = 'container' (the supervisor outside the image); kind is '{self.kind}'"
+            )
         for mount in self.container_mounts:
             if not all(c.isalnum() or c in "_./:+@=-" for c in mount):
                 raise ValueError(f"container mount {mount!r} has characters outside [A-Za-z0-9_./:+@=-]")
