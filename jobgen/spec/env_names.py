@@ -114,7 +114,7 @@ SCRIPT_OWNED = frozenset(
 SCRIPT_DEFAULTS = frozenset(
     {"OMP_NUM_THREADS", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_NET"}
     | {"NCCL_IB_HCA", "NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
-    | {"TORCH_DISTRIBUTED_DEBUG", "TORCH_CPP_LOG_LEVEL"}
+    | {"TORCH_DISTRIBUTED_DEBUG", "TORCH_CPP_LOG_LEVEL", "PYTHONNOUSERSITE"}
 )
 # Prefixes of names that belong to Slurm (its output and srun's input variables, the MPI
 # plumbing it sets up) and to jobgen itself (JOBGEN_LOCAL, JOBGEN_RUN_DIR...).
