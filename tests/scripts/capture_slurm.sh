@@ -37,6 +37,7 @@ squeue --steps --noheader --jobs="${array}_1" --format="$(fmt STEPS_FORMAT)" >"$
 squeue --noheader --array --jobs="$array" --states=PENDING --format=%i >"$out/squeue_pending.txt"
 squeue --noheader --me --format="$(fmt MY_JOBS_FORMAT)" >"$out/squeue_mine.txt"
 squeue --noheader --me --name=arr --format="$(fmt NAMED_FORMAT)" >"$out/squeue_named.txt"
+sinfo -h -N --format="$(fmt NODE_STATES_FORMAT)" >"$out/sinfo_nodes.txt"
 scontrol show job --oneliner "$array" >"$out/scontrol_job.txt"
 scontrol show node --oneliner >"$out/scontrol_nodes.txt"
 scontrol show partition --oneliner >"$out/scontrol_partitions.txt"

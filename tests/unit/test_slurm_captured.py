@@ -25,6 +25,7 @@ from jobgen.slurm.client import (
     parse_config,
     parse_my_jobs,
     parse_named_jobs,
+    parse_node_states,
     parse_records,
     parse_sacct,
     parse_seconds,
@@ -117,3 +118,8 @@ def test_nodes_partitions_and_config(series):
     assert parts["debug"]["Default"] == "YES" and parse_slurm_limit(parts["short"]["MaxTime"]) == 300
     conf = parse_config(captured(series, "scontrol_config.txt"))
     assert accounting_enabled(conf) and parse_seconds(conf["SlurmdTimeout"]) == 20
+
+
+def test_node_states_as_sinfo_lists_them(series):
+    # Each node once, though it is in two partitions (debug and short); node1 runs the array's task.
+    assert parse_node_states(captured(series, "sinfo_nodes.txt")) == {"node1": "mix", "node2": "idle"}
