@@ -12,6 +12,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from helpers import REPO, VENV_BIN, jobgen, losses, make_run, torchrun, wait_for
 
 
@@ -122,6 +124,10 @@ def stop(procs: list[subprocess.Popen]) -> None:
         proc.wait(60)
 
 
+# The same scenario runs on the dev cluster in CI (tests/cluster/test_slurm_data_prepare.py, where
+# Slurm's node loss is real); this one, two gloo "nodes" on this machine without Slurm, is for
+# a machine without the cluster (about 3 minutes).
+@pytest.mark.full
 def test_two_nodes_prepare_a_share_each_and_a_killed_node_is_named(tmp_path, tiny_model):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in _rows(80_000)))  # 64 shards of 1250 rows
