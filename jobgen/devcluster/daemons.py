@@ -35,6 +35,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from jobgen.slurm import client
+
 from . import nodelocal, procs, slurm_builds
 from .config import Layout
 from .state import ClusterError, State
@@ -313,8 +315,6 @@ def node_states(slurm_conf: Path | str, timeout: float = 10.0, slurm_prefix: str
     """``sinfo -N``: node name to its state (e.g. "idle", "idle*", "down*", "mix"); the sinfo of
     the cluster's own Slurm (``slurm_prefix``, where it is a built one), whatever the caller's
     PATH holds first."""
-    from jobgen.slurm import client
-
     path = slurm_builds.search_path(slurm_prefix, DAEMON_PATH)
     try:
         return client.node_states(slurm_conf=str(slurm_conf), path=path, timeout=timeout)

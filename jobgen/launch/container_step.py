@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jobgen.base.owned_dir import OwnedDir, Sharing, UntrustedDirectory
 from jobgen.base.paths import CHECKOUT
-from jobgen.spec.containers import PODMAN_ENV_FAMILIES, ContainerStep, outermost, step_words
+from jobgen.spec.containers import PODMAN_ENV_FAMILIES, ContainerStep, mount_flags, outermost, step_words
 from jobgen.spec.resolved import ResolvedSpec
 from jobgen.spec.tables.site import PythonSettings
 
@@ -68,7 +68,11 @@ def container_step(py: PythonSettings, shared: list[str], env_names: list[str], 
     needs, the node's GPUs when the site has some."""
     # A site's writable mount of a directory at its own path covers what lies under it as well;
     # a read-only one does not (the runs root under it must stay writable).
-    own_paths = [m.split(":")[0] for m in py.container_mounts if _same_path(m) and not _read_only(m)]
+    own_paths = [
+        m.split(":")[0]
+        for m in py.container_mounts
+        if _same_path(m) and "ro" not in mount_flags(py.container_runtime, m)
+    ]
     checkout = [str(CHECKOUT)] if CHECKOUT else []
     directories = [path for path in outermost([*shared, *checkout, *own_paths]) if path not in own_paths]
     # A site's mount over one of jobgen's directories goes first, or it would hide it.
@@ -88,11 +92,6 @@ def container_step(py: PythonSettings, shared: list[str], env_names: list[str], 
 
 def _same_path(mount: str) -> bool:
     return mount.split(":")[0] == mount.split(":")[1]
-
-
-def _read_only(mount: str) -> bool:
-    flags = mount.split(":")[2] if mount.count(":") >= 2 else ""
-    return "ro" in flags.replace("+", ",").split(",")
 
 
 def _under(path: str, directory: str) -> bool:

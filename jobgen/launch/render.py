@@ -388,9 +388,10 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
     site = spec.site
     slurm, net = site.slurm, site.network
     env, per_task = job_env(spec)
+    names = _names_of(env, net.env)
 
     return {
-        **python_context(spec, exported_names(spec)),
+        **python_context(spec, names),
         "output_per_node": slurm.output_per_node,
         "ifname": net.ifname,
         "transport": net.transport,
@@ -403,7 +404,7 @@ def _site_context(spec: ResolvedSpec) -> dict[str, Any]:
         "env": sorted(env.items()),
         "env_per_task": per_task,
         # The names the spec exports itself: env.txt records their values (jobgen.launch.repro).
-        "repro_own": Trusted("".join(f" --own {shlex.quote(name)}" for name in sorted({*env, *net.env}))),
+        "repro_own": Trusted("".join(f" --own {shlex.quote(name)}" for name in names)),
         "exit": {code.name.lower(): int(code) for code in ExitCode},
         # The start probe (every node, before the launch): what it checks. The doctor runs it
         # too, so that `jobgen doctor --clear` releases a node only if the site's check passes.
@@ -435,7 +436,11 @@ def job_env(spec: ResolvedSpec) -> tuple[dict[str, str], list[str]]:
 def exported_names(spec: ResolvedSpec) -> list[str]:
     """The names of every variable the run's script exports from the spec: a container step
     passes them in by name (podman), or over the image's own values (pyxis)."""
-    return sorted({*job_env(spec)[0], *spec.site.network.env})
+    return _names_of(job_env(spec)[0], spec.site.network.env)
+
+
+def _names_of(env: dict[str, str], network_env: dict[str, str]) -> list[str]:
+    return sorted({*env, *network_env})
 
 
 def _run_env(spec: ResolvedSpec) -> tuple[dict[str, str], list[str]]:

@@ -93,12 +93,12 @@ TETHER_ENV = "JOBGEN_TETHER_PID"
 
 
 def _pyxis_words(step: ContainerStep) -> list[str]:
-    names = list(step.overrides)  # their values are the job's (pyxis reads names only)
     return [
         f"--container-image={step.image}",
         f"--container-mounts={','.join(step.mounts)}",
         f"--container-workdir={step.workdir}",
-        *([f"--container-env={','.join(names)}"] if names else []),
+        # Names only: pyxis takes their values from the job, over the image's own.
+        *([f"--container-env={','.join(step.overrides)}"] if step.overrides else []),
         *step.options,
     ]
 
@@ -243,6 +243,15 @@ def image_problem(runtime: str, image: str) -> str | None:
     return None
 
 
+def mount_flags(runtime: str, mount: str) -> list[str]:
+    """The flags of ``mount`` ('src:dst[:flags]') as ``runtime`` separates them."""
+    parts = mount.split(":")
+    if len(parts) < 3:
+        return []
+    sep = RUNTIMES[runtime].flag_separator
+    return parts[2].split(sep) if sep else [parts[2]]
+
+
 def mount_problem(runtime: str, mount: str) -> str | None:
     """Why ``runtime`` cannot honour ``mount`` ('src:dst[:flags]'), or None."""
     parts = mount.split(":")
@@ -251,8 +260,7 @@ def mount_problem(runtime: str, mount: str) -> str | None:
     if not (parts[0].startswith("/") and parts[1].startswith("/")):
         return f"{mount!r}: both paths must be absolute"
     known = RUNTIMES[runtime].mount_flags
-    sep = RUNTIMES[runtime].flag_separator
-    flags = (parts[2].split(sep) if sep else [parts[2]]) if len(parts) == 3 else []
+    flags = mount_flags(runtime, mount)
     unknown = [flag for flag in flags if flag not in known]
     if unknown:
         return f"{mount!r}: {runtime} knows no mount flag {unknown[0]!r} (it knows {', '.join(sorted(known))})"
